@@ -1,0 +1,1 @@
+"""asyncckpt adapter for accelerate (see docs/)."""

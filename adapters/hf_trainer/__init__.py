@@ -1,0 +1,1 @@
+"""asyncckpt adapter for hf_trainer (see docs/)."""

@@ -1,0 +1,80 @@
+"""asyncckpt.core: asynchronous, sharded, crash-safe checkpoints on torch.distributed.checkpoint.
+
+SPMD API (every rank calls with its own state dict)::
+
+    from asyncckpt import core
+    core.save(state_dict, "ckpt/step_100")          # blocking, committed on return
+    handle = core.async_save(state_dict, "ckpt/step_200")   # returns after the snapshot
+    core.load(state_dict, core.latest_checkpoint("ckpt"))   # in place, resharding as needed
+
+The module-level functions share one default ``Checkpointer`` (buffers, writer, plan cache).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Optional
+
+from .checkpointer import Checkpointer, SaveHandle
+from .commit import is_complete, latest_checkpoint
+from .dcp_storage import AsyncCkptStorageReader, AsyncCkptStorageWriter
+from .errors import (
+    CheckpointError,
+    CheckpointTimeoutError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StateDictMismatchError,
+    UnsafeMetadataError,
+)
+from .planner import AsyncCkptLoadPlanner, AsyncCkptSavePlanner
+
+__all__ = [
+    "save", "async_save", "load", "latest_checkpoint", "is_complete", "wait", "default_checkpointer",
+    "Checkpointer", "SaveHandle", "CheckpointManager",
+    "AsyncCkptStorageWriter", "AsyncCkptStorageReader", "AsyncCkptSavePlanner", "AsyncCkptLoadPlanner",
+    "CheckpointError", "CheckpointTimeoutError", "CheckpointWriteError", "CorruptCheckpointError",
+    "IncompleteCheckpointError", "StateDictMismatchError", "UnsafeMetadataError",
+]
+
+_default: Optional[Checkpointer] = None
+_default_lock = threading.Lock()
+
+
+def default_checkpointer() -> Checkpointer:
+    """The process-wide Checkpointer behind the module-level functions."""
+    global _default
+    with _default_lock:
+        if _default is None or _default._closed:
+            _default = Checkpointer()
+        return _default
+
+
+def save(state_dict: dict, path: str | os.PathLike, *, process_group=None, use_collectives: bool = True, **options: Any) -> None:
+    """Save ``state_dict`` (SPMD) and return once the checkpoint is committed on every rank."""
+    default_checkpointer().save(state_dict, path, process_group=process_group, use_collectives=use_collectives, **options)
+
+
+def async_save(state_dict: dict, path: str | os.PathLike, *, process_group=None, use_collectives: bool = True,
+               **options: Any) -> SaveHandle:
+    """Snapshot ``state_dict`` and return a handle; the write and commit happen in the background."""
+    return default_checkpointer().async_save(state_dict, path, process_group=process_group,
+                                             use_collectives=use_collectives, **options)
+
+
+def load(state_dict: dict, path: str | os.PathLike, *, process_group=None, strict: bool = True, **options: Any) -> None:
+    """Load a committed checkpoint into ``state_dict`` in place (SPMD), resharding as needed."""
+    default_checkpointer().load(state_dict, path, process_group=process_group, strict=strict, **options)
+
+
+def wait(timeout: Optional[float] = None) -> None:
+    """Wait for every save of the default checkpointer; raise the first failure."""
+    default_checkpointer().wait(timeout)
+
+
+def __getattr__(name: str):
+    if name == "CheckpointManager":  # retention lives in its own module, imported on use
+        from .manager import CheckpointManager
+
+        return CheckpointManager
+    raise AttributeError(name)

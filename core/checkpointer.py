@@ -1,0 +1,442 @@
+"""``Checkpointer``: the one save path (sync and async) and the load path.
+
+A save, on every rank: agree on the structure (one tiny all-gather) → plan (cached) → take the
+snapshot into a reused shared buffer laid out as the data file (the only part the caller waits
+for) → hand the background writer plain data → the writers write, rank 0's writer commits. A
+synchronous ``save`` is ``async_save(...).result()``.
+"""
+from __future__ import annotations
+
+import atexit
+import io
+import itertools
+import os
+import sys
+import threading
+import weakref
+from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+from torch.distributed.checkpoint.utils import _DistWrapper, find_state_dict_object
+
+from . import commit
+from .dcp_storage import AsyncCkptStorageReader
+from .errors import CheckpointError, CheckpointTimeoutError, CheckpointWriteError
+from .plan_cache import CachedPlan, PlanCache, agree_on_structure
+from .planner import (
+    AsyncCkptLoadPlanner,
+    AsyncCkptSavePlanner,
+    byte_items,
+    layout_for_plan,
+    planner_data_paths,
+    structure_hash,
+    tensor_items,
+)
+from .staging import StagingBuffer, copy_into
+from .storage import ShareRequest, report_failure
+from .worker_client import WorkerClient
+
+STATE_DICT = dict[str, Any]
+
+
+class SaveHandle:
+    """A save in flight. ``result()`` returns once the checkpoint is committed on every rank."""
+
+    def __init__(self, path: str, rank: int, default_timeout: float) -> None:
+        self.path = path
+        self.rank = rank
+        self._future: Future = Future()
+        self._staged = threading.Event()
+        self._default_timeout = default_timeout
+        self.buffer_slot: Optional["_BufferSlot"] = None
+        self.reported = False  # the caller saw the outcome through result()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: Optional[float] = None) -> None:
+        """Wait until committed; raise what went wrong. Never unbounded: ``None`` means the
+        checkpointer's timeout (plus a margin for the commit)."""
+        limit = self._default_timeout if timeout is None else timeout
+        try:
+            self.reported = True
+            return self._future.result(limit)
+        except FutureTimeout:
+            raise CheckpointTimeoutError(f"rank {self.rank}: save of {self.path} not committed after {limit:.0f}s") from None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._future.exception() if self._future.done() else None
+
+    def staged(self) -> bool:
+        """True once the snapshot is complete and the caller may mutate the state again."""
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: Optional[float] = None) -> None:
+        if not self._staged.wait(self._default_timeout if timeout is None else timeout):
+            raise CheckpointTimeoutError(f"rank {self.rank}: snapshot for {self.path} not finished")
+
+    def _set_staged(self) -> None:
+        self._staged.set()
+
+    def _finish(self, error: Optional[BaseException]) -> None:
+        self._staged.set()
+        if not self._future.done():
+            if error is None:
+                self._future.set_result(None)
+            else:
+                self._future.set_exception(error)
+
+
+class _BufferSlot:
+    """A staging buffer and the save currently using it (one buffer per save in flight)."""
+
+    _ids = itertools.count()
+
+    def __init__(self, key, buffer: StagingBuffer) -> None:
+        self.id = next(self._ids)
+        self.key = key
+        self.buffer = buffer
+        self.user: Optional[SaveHandle] = None
+
+
+class Checkpointer:
+    """Owns the staging buffers, the background writer and the plan cache across saves.
+
+    Args:
+        process_group: group for the (tiny) structure agreement and cold planning; default: world.
+        use_collectives: False saves and loads with no cross-rank communication (ranks meet
+            only through the filesystem); replicated tensors are then written by every rank.
+        max_in_flight: saves whose write may be pending at once; each holds one staging buffer
+            (memory = max_in_flight x the rank's state). A save beyond it first waits for the
+            oldest to finish (back-pressure).
+        overlap_staging: take the snapshot in a background thread; the caller must not mutate
+            the state until ``handle.wait_staged()`` (``guard(optimizer)`` does that for you).
+        direct_io: write with O_DIRECT where the filesystem supports it.
+        io_threads: parallel writer/reader threads per rank.
+        timeout: bound on every wait (peers, commit, back-pressure), in seconds.
+        verify: check checksums on load.
+    """
+
+    def __init__(
+        self,
+        *,
+        process_group: Optional[dist.ProcessGroup] = None,
+        use_collectives: bool = True,
+        max_in_flight: int = 1,
+        overlap_staging: bool = False,
+        direct_io: bool = True,
+        io_threads: int = 2,
+        timeout: float = 600.0,
+        verify: bool = True,
+    ) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be >= 1")
+        self.process_group = process_group
+        self.use_collectives = use_collectives
+        self.max_in_flight = max_in_flight
+        self.overlap_staging = overlap_staging
+        self.direct_io = direct_io
+        self.io_threads = io_threads
+        self.timeout = timeout
+        self.verify = verify
+        self.plan_cache = PlanCache()
+        self._slots: list[_BufferSlot] = []
+        self._in_flight: deque[SaveHandle] = deque()
+        self._unreported: list[tuple[Optional[SaveHandle], BaseException]] = []
+        self._jobs: dict[int, tuple[SaveHandle, ShareRequest]] = {}
+        self._job_ids = itertools.count()
+        self._worker: Optional[WorkerClient] = None
+        self._lock = threading.RLock()
+        self._save_counter = 0
+        self._closed = False
+        self._staging_thread: Optional[threading.Thread] = None
+        _live_checkpointers.add(self)
+
+    # ------------------------------------------------------------------ public API
+    def save(self, state_dict: STATE_DICT, path: str | os.PathLike, **options: Any) -> None:
+        """Save and return once the checkpoint is committed on every rank."""
+        self.async_save(state_dict, path, **options).result()
+
+    def async_save(
+        self,
+        state_dict: STATE_DICT,
+        path: str | os.PathLike,
+        *,
+        process_group: Optional[dist.ProcessGroup] = None,
+        use_collectives: Optional[bool] = None,
+        step: Optional[int] = None,
+        extra_files: Optional[dict[str, bytes]] = None,
+        overlap_staging: Optional[bool] = None,
+    ) -> SaveHandle:
+        """Snapshot ``state_dict`` and return; the write and commit happen in the background.
+
+        ``extra_files`` (name -> bytes) are written by rank 0 into the checkpoint directory
+        before it is committed (e.g. a framework's own metadata file).
+        """
+        if self._closed:
+            raise RuntimeError("Checkpointer is closed")
+        self._raise_unreported()
+        path = os.path.abspath(os.fspath(path))
+        group = process_group if process_group is not None else self.process_group
+        collectives = self.use_collectives if use_collectives is None else use_collectives
+        rank, world = _rank_and_world(group)
+        planner = AsyncCkptSavePlanner()
+        planner.set_up_planner(_stateful_to_state_dict(state_dict), is_coordinator=rank == 0)
+        key, save_id = agree_on_structure(structure_hash(planner.state_dict), group, world,
+                                          collectives and _dist_ready(), self._save_counter)
+        self._save_counter += 1
+        cached = self.plan_cache.get(key)
+        if cached is None:
+            cached = self._plan(planner, group, rank, world, collectives)
+            self.plan_cache.put(key, cached)
+        self._apply_back_pressure()
+        slot = self._free_slot(key, cached)
+        handle = SaveHandle(path, rank, self.timeout + 60)
+        slot.user = handle
+        handle.buffer_slot = slot
+        objects = [(item.index.fqn, _serialize_object(planner.state_dict, item)) for item in cached.byte_items]
+        sources = [find_state_dict_object(planner.state_dict, item.index).detach() for item in cached.tensor_items]
+        request = ShareRequest(
+            save_id=save_id, final_path=path, staging_dir=commit.staging_dir_for(path, save_id), rank=rank,
+            world_size=world, coordinator=rank == 0, structure_hash=str(key[0]), planner_data=cached.planner_data,
+            byte_items=objects, direct_io=self.direct_io, io_threads=self.io_threads, timeout=self.timeout,
+            step=step, extra_files=dict(extra_files or {}) if rank == 0 else {},
+        )
+        with self._lock:
+            self._in_flight.append(handle)
+        overlap = self.overlap_staging if overlap_staging is None else overlap_staging
+        if overlap:
+            self.wait_staged()
+            self._staging_thread = threading.Thread(
+                target=self._stage_and_submit, args=(handle, slot, sources, request), name="asyncckpt-stager", daemon=True
+            )
+            self._staging_thread.start()
+        else:
+            self._stage_and_submit(handle, slot, sources, request)
+            self._raise_unreported()
+        return handle
+
+    def load(
+        self,
+        state_dict: STATE_DICT,
+        path: str | os.PathLike,
+        *,
+        process_group: Optional[dist.ProcessGroup] = None,
+        strict: bool = True,
+        verify: Optional[bool] = None,
+        use_collectives: Optional[bool] = None,
+    ) -> None:
+        """Load a committed checkpoint into ``state_dict`` in place, resharding as needed."""
+        path = os.path.abspath(os.fspath(path))
+        self.wait_for(path)
+        group = process_group if process_group is not None else self.process_group
+        collectives = self.use_collectives if use_collectives is None else use_collectives
+        reader = AsyncCkptStorageReader(path, verify=self.verify if verify is None else verify, io_threads=self.io_threads)
+        try:
+            dcp.load(state_dict, storage_reader=reader, planner=AsyncCkptLoadPlanner(strict=strict),
+                     process_group=group, no_dist=not (collectives and _dist_ready()))
+        except CheckpointException as e:
+            raise _unwrap(e) from None
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Wait until every accepted save is committed; raise the first failure."""
+        with self._lock:
+            pending = list(self._in_flight)
+        for handle in pending:
+            self._settle(handle, timeout)
+        self._raise_unreported()
+
+    def wait_for(self, path: str) -> None:
+        """Wait for pending saves to ``path`` (a load must never read a checkpoint being written)."""
+        with self._lock:
+            pending = [h for h in self._in_flight if h.path == path]
+        for handle in pending:
+            self._settle(handle, None)
+        self._raise_unreported()
+
+    def wait_staged(self) -> None:
+        """Block until the snapshot of the last overlapped save is taken (call before mutating)."""
+        thread = self._staging_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self.timeout)
+            if thread.is_alive():
+                raise CheckpointTimeoutError(f"snapshot not finished after {self.timeout:.0f}s")
+
+    def guard(self, *optimizers: torch.optim.Optimizer) -> list:
+        """Make each optimizer's ``step()`` wait for an overlapped snapshot; returns hook handles."""
+        return [opt.register_step_pre_hook(lambda *_: self.wait_staged()) for opt in optimizers]
+
+    def close(self) -> None:
+        """Drain every pending save, stop the writer, free the buffers; raise any failure."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self._worker is not None:
+                self._worker.stop()
+                self._worker = None
+            for slot in self._slots:
+                slot.buffer.close()
+            self._slots.clear()
+            _live_checkpointers.discard(self)
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ planning
+    def _plan(self, planner: AsyncCkptSavePlanner, group, rank: int, world: int, collectives: bool) -> CachedPlan:
+        if collectives and world > 1 and _dist_ready():
+            wrapper = _DistWrapper(group, True, 0)
+            final = wrapper.reduce_scatter(
+                "plan", planner.create_local_plan, lambda plans: planner.create_global_plan(plans)[0]
+            )
+        else:
+            final = planner.create_global_plan([planner.create_local_plan()])[0][0]
+        planner.finish_plan(final)
+        return CachedPlan(final, layout_for_plan(final, rank), planner_data_paths(planner.mappings),
+                          tensor_items(final), byte_items(final))
+
+    # ------------------------------------------------------------------ buffers & back-pressure
+    def _apply_back_pressure(self) -> None:
+        while True:
+            with self._lock:
+                if len(self._in_flight) < self.max_in_flight:
+                    return
+                oldest = self._in_flight[0]
+            self._settle(oldest, None)
+
+    def _free_slot(self, key, cached: CachedPlan) -> _BufferSlot:
+        with self._lock:
+            for slot in self._slots:
+                if slot.key == key and slot.user is None:
+                    return slot
+            for slot in [s for s in self._slots if s.key != key and s.user is None]:
+                self._slots.remove(slot)  # structure changed: free the old buffer now
+                if self._worker is not None:
+                    self._worker.drop_buffer(slot.id)
+                slot.buffer.close()
+            slot = _BufferSlot(key, StagingBuffer(cached.layout, pin_for_cuda=torch.cuda.is_available()))
+            self._slots.append(slot)
+            return slot
+
+    # ------------------------------------------------------------------ staging & the worker
+    def _stage_and_submit(self, handle: SaveHandle, slot: _BufferSlot, sources, request: ShareRequest) -> None:
+        try:
+            with torch.no_grad():
+                copy_into(slot.buffer, sources)
+            handle._set_staged()
+            job_id = next(self._job_ids)
+            with self._lock:
+                self._jobs[job_id] = (handle, request)
+                worker = self._ensure_worker()
+            worker.submit(job_id, slot.id, slot.buffer, request)
+        except BaseException as e:
+            report_failure(request, e)
+            self._complete(handle, CheckpointWriteError(f"rank {handle.rank}: snapshot of {handle.path} failed: {e}"))
+
+    def _ensure_worker(self) -> WorkerClient:
+        if self._worker is None or not self._worker.alive:
+            self._worker = WorkerClient(self._on_worker_reply, self._on_worker_exit)
+        return self._worker
+
+    def _on_worker_reply(self, kind: str, job_id: int, error: Optional[str], tb: Optional[str] = None) -> None:
+        with self._lock:
+            handle, request = self._jobs.pop(job_id)
+        failure = None
+        if kind == "failed":
+            failure = CheckpointWriteError(f"rank {request.rank}: checkpoint {request.final_path} failed: {error}")
+        self._complete(handle, failure)
+
+    def _on_worker_exit(self, returncode: Optional[int]) -> None:
+        """The writer died: fail its saves on this rank, and tell the other ranks' writers."""
+        with self._lock:
+            jobs, self._jobs = self._jobs, {}
+            self._worker = None
+        for handle, request in jobs.values():
+            cause = CheckpointWriteError(
+                f"rank {request.rank}: background writer for {request.final_path} died (exit code {returncode})"
+            )
+            report_failure(request, cause)
+            self._complete(handle, cause)
+
+    def _complete(self, handle: SaveHandle, error: Optional[BaseException]) -> None:
+        with self._lock:
+            if handle.buffer_slot is not None:
+                handle.buffer_slot.user = None
+            if error is not None:
+                self._unreported.append((handle, error))
+        handle._finish(error)
+
+    def _settle(self, handle: SaveHandle, timeout: Optional[float]) -> None:
+        """Wait for ``handle``; its failure is kept to be raised by the caller's sync point."""
+        try:
+            handle.result(timeout)
+        except CheckpointTimeoutError as e:
+            with self._lock:
+                self._unreported.append((None, e))
+        except BaseException:
+            handle.reported = False  # recorded by _complete; the sync point raises it
+        with self._lock:
+            if handle in self._in_flight and handle.done():
+                self._in_flight.remove(handle)
+        self._raise_unreported()
+
+    def _raise_unreported(self) -> None:
+        with self._lock:
+            done = [h for h in self._in_flight if h.done()]
+            for handle in done:
+                self._in_flight.remove(handle)
+            errors = [e for h, e in self._unreported if h is None or not h.reported]
+            self._unreported = []
+        if errors:
+            raise errors[0]
+
+
+def _serialize_object(flat_state_dict: dict, item) -> bytes:
+    """Non-tensor values are pickled at call time: that is their snapshot (a deep copy)."""
+    buffer = io.BytesIO()
+    torch.save(find_state_dict_object(flat_state_dict, item.index), buffer)
+    return buffer.getvalue()
+
+
+def _unwrap(error: CheckpointException) -> BaseException:
+    """DCP wraps per-rank failures; surface ours (they already name path, key and rank)."""
+    for rank, (exception, _traceback) in sorted(error.failures.items()):
+        if isinstance(exception, CheckpointError):
+            return exception
+    return error
+
+
+def _dist_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank_and_world(group) -> tuple[int, int]:
+    if not _dist_ready():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+_live_checkpointers: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    """A process that exits normally never loses a save that async_save accepted."""
+    for checkpointer in list(_live_checkpointers):
+        try:
+            checkpointer.close()
+        except BaseException as e:  # nothing to raise to at exit: report it
+            print(f"asyncckpt: a checkpoint save failed during exit: {e}", file=sys.stderr)

@@ -1,0 +1,169 @@
+"""Reading and writing checkpoint metadata: DCP's ``.metadata`` and our JSON sidecars.
+
+``.metadata`` stays the pickled ``torch.distributed.checkpoint.metadata.Metadata`` that torch's
+own reader expects (so frameworks' DCP loaders read our checkpoints), but we never unpickle it
+freely: ``load_dcp_metadata`` admits only DCP's metadata classes, dtypes and paths. Everything
+we add (checksums, where tensor bytes start, the structure hash) lives in one JSON sidecar per
+rank, ``__{rank}.asyncckpt.json``, which is also the rank's "my share is durable" signal.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+
+from .errors import CorruptCheckpointError, UnsafeMetadataError
+from .fsio import atomic_write_bytes
+
+SIDECAR_FORMAT = "asyncckpt-rank"
+SIDECAR_VERSION = 1
+DCP_METADATA_FILE = ".metadata"
+
+
+def sidecar_name(rank: int) -> str:
+    return f"__{rank}.asyncckpt.json"
+
+
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickler that resolves only DCP metadata classes, dtypes and paths (CWE-502)."""
+
+    def __init__(self, file, source: str) -> None:
+        super().__init__(file)
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeMetadataError(
+            f"{self._source}: refusing to load '{module}.{name}': checkpoint metadata may only contain "
+            "torch.distributed.checkpoint metadata classes"
+        )
+
+
+def check_relative_path(root: str, relative_path: str) -> str:
+    """Absolute path of ``relative_path`` inside ``root``; refuses anything that escapes it."""
+    if os.path.isabs(relative_path) or not relative_path:
+        raise UnsafeMetadataError(f"{root}: storage path {relative_path!r} is not relative to the checkpoint")
+    full = os.path.normpath(os.path.join(root, relative_path))
+    if os.path.commonpath([full, os.path.normpath(root)]) != os.path.normpath(root):
+        raise UnsafeMetadataError(f"{root}: storage path {relative_path!r} points outside the checkpoint directory")
+    return full
+
+
+def load_dcp_metadata(checkpoint_dir: str, file_name: str = DCP_METADATA_FILE) -> dcp_metadata.Metadata:
+    path = os.path.join(checkpoint_dir, file_name)
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, path).load()
+    except FileNotFoundError:
+        raise
+    except UnsafeMetadataError:
+        raise
+    except Exception as e:  # truncated or garbage pickle
+        raise CorruptCheckpointError(f"{path}: cannot read checkpoint metadata: {e}") from e
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise UnsafeMetadataError(f"{path}: expected DCP Metadata, found {type(metadata).__name__}")
+    for info in (metadata.storage_data or {}).values():
+        check_relative_path(checkpoint_dir, info.relative_path)
+    return metadata
+
+
+def write_rank_sidecar(directory: str, record: dict) -> None:
+    """Durably publish one rank's sidecar (tmp + fsync + rename): the rank's share is complete."""
+    data = json.dumps(record, separators=(",", ":")).encode()
+    atomic_write_bytes(os.path.join(directory, sidecar_name(record["rank"])), data)
+
+
+def read_rank_sidecar(directory: str, rank: int) -> dict:
+    path = os.path.join(directory, sidecar_name(rank))
+    with open(path, "rb") as f:
+        try:
+            record = json.load(f)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{path}: unreadable sidecar: {e}") from e
+    if record.get("format") != SIDECAR_FORMAT or record.get("version", 0) > SIDECAR_VERSION:
+        raise CorruptCheckpointError(f"{path}: unsupported sidecar format {record.get('format')} v{record.get('version')}")
+    return record
+
+
+def build_dcp_metadata(sidecars: list[dict], checkpoint_id: str, save_id: str) -> dcp_metadata.Metadata:
+    """Merge every rank's sidecar into the one global ``Metadata`` torch's loader reads.
+
+    Replicated items that several ranks wrote (only with ``use_collectives=False``, where ranks
+    cannot agree who writes what) are recorded once.
+    """
+    state_dict_metadata: dict[str, Any] = {}
+    storage_data: dict[dcp_metadata.MetadataIndex, _StorageInfo] = {}
+    planner_data: dict[str, Any] = {}
+    for record in sidecars:
+        for fqn, path in record.get("planner_data", {}).items():
+            planner_data.setdefault(fqn, tuple(path))
+        for item in record["items"]:
+            fqn = item["fqn"]
+            info = _StorageInfo(item["file"], item["start"], item["length"])
+            if item["kind"] == "bytes":
+                if fqn not in state_dict_metadata:
+                    state_dict_metadata[fqn] = dcp_metadata.BytesStorageMetadata()
+                    storage_data[dcp_metadata.MetadataIndex(fqn)] = info
+                continue
+            offsets = torch.Size(item["chunk_offsets"])
+            tensor_md = state_dict_metadata.setdefault(
+                fqn,
+                dcp_metadata.TensorStorageMetadata(
+                    properties=dcp_metadata.TensorProperties(
+                        dtype=getattr(torch, item["dtype"]), requires_grad=item.get("requires_grad", False)
+                    ),
+                    size=torch.Size(item["global_size"]),
+                    chunks=[],
+                ),
+            )
+            if any(chunk.offsets == offsets for chunk in tensor_md.chunks):
+                continue
+            index = dcp_metadata.MetadataIndex(fqn, offsets, len(tensor_md.chunks))
+            tensor_md.chunks.append(dcp_metadata.ChunkStorageMetadata(offsets, torch.Size(item["chunk_sizes"])))
+            storage_data[index] = info
+    return dcp_metadata.Metadata(
+        version=CURRENT_DCP_VERSION,
+        state_dict_metadata=state_dict_metadata,
+        planner_data=planner_data,
+        storage_data=storage_data,
+        storage_meta=dcp_metadata.StorageMeta(checkpoint_id=str(checkpoint_id), save_id=save_id),
+    )
+
+
+def write_dcp_metadata(directory: str, metadata: dcp_metadata.Metadata, file_name: str = DCP_METADATA_FILE) -> None:
+    buffer = io.BytesIO()
+    pickle.dump(metadata, buffer)
+    atomic_write_bytes(os.path.join(directory, file_name), buffer.getvalue())

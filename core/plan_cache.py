@@ -1,0 +1,78 @@
+"""Plan cache: a save whose structure did not change on any rank re-plans nothing.
+
+The cache key is every rank's structure hash, agreed in one tiny all-gather (two int64 per
+rank) that also carries rank 0's save id. A change on any one rank changes the key on all ranks
+at once, so they all re-plan together: no rank can use a stale plan while another re-plans (no
+wrong plan, no hang).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+
+from .layout import RankLayout
+
+
+@dataclass
+class CachedPlan:
+    plan: SavePlan  # this rank's final plan
+    layout: RankLayout
+    planner_data: dict
+    tensor_items: list[WriteItem]
+    byte_items: list[WriteItem]
+
+
+class PlanCache:
+    """The last few plans by structure key (a job alternating between a few structures stays warm)."""
+
+    def __init__(self, capacity: int = 4) -> None:
+        self.capacity = capacity
+        self._entries: "OrderedDict[Any, CachedPlan]" = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key) -> Optional[CachedPlan]:
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry
+
+    def put(self, key, entry: CachedPlan) -> None:
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _job_token() -> str:
+    """Something every rank of one job shares without talking: torchrun's run id, else the rendezvous."""
+    token = os.environ.get("TORCHELASTIC_RUN_ID") or f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    return hashlib.blake2b(token.encode(), digest_size=4).hexdigest() if token != ":" else "local"
+
+
+def agree_on_structure(local_hash: str, group, world_size: int, use_collectives: bool, counter: int) -> tuple[tuple, str]:
+    """(cache key, save id) agreed by all ranks; one all-gather of 16 bytes per rank, or none."""
+    if world_size == 1 or not use_collectives:
+        save_id = secrets.token_hex(8) if world_size == 1 else f"n{counter}-{_job_token()}"
+        return (local_hash, world_size), save_id
+    local = torch.tensor([int(local_hash[:15], 16), secrets.randbits(62)], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        local = local.cuda()
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local, group=group)
+    values = [t.cpu().tolist() for t in gathered]
+    return (tuple(v[0] for v in values), world_size), format(values[0][1], "016x")

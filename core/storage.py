@@ -1,0 +1,211 @@
+"""Filesystem storage: writing one rank's share, committing, and reading with checksums.
+
+The functions here are the whole storage engine; they run in the background worker (our own
+pipeline) and behind ``AsyncCkptStorageWriter`` / ``AsyncCkptStorageReader``, which implement
+torch.distributed.checkpoint's StorageWriter / StorageReader so that ``dcp.save`` / ``dcp.load``
+can use them directly.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from . import commit, diskio
+from .checksum import checksum
+from .errors import CheckpointTimeoutError, CheckpointWriteError, CorruptCheckpointError
+from .fsio import atomic_write_bytes, fsync_dir
+from .layout import RankLayout
+from .metadata_io import (
+    SIDECAR_FORMAT,
+    SIDECAR_VERSION,
+    build_dcp_metadata,
+    read_rank_sidecar,
+    sidecar_name,
+    write_dcp_metadata,
+    write_rank_sidecar,
+)
+
+
+def objects_file_name(rank: int) -> str:
+    return f"__{rank}_1.distcp"
+
+
+def error_marker_name(rank: int) -> str:
+    return f"__{rank}.error.json"
+
+
+@dataclass
+class ShareRequest:
+    """Everything the background writer needs for one rank's part of one save (plain data)."""
+
+    save_id: str
+    final_path: str
+    staging_dir: str
+    rank: int
+    world_size: int
+    coordinator: bool
+    structure_hash: str
+    planner_data: dict
+    byte_items: list  # [(fqn, bytes)]
+    direct_io: bool = True
+    io_threads: int = 2
+    timeout: float = 600.0
+    step: Optional[int] = None
+    extra_files: dict = field(default_factory=dict)  # name -> bytes, written by the coordinator before commit
+
+
+def write_share(
+    directory: str, rank: int, layout: RankLayout, image: memoryview, byte_items: list, *, direct_io: bool, io_threads: int
+) -> list[dict]:
+    """Durably write one rank's tensor image and pickled objects; return the sidecar item records."""
+    items: list[dict] = []
+    if layout.slots:
+        diskio.write_image(os.path.join(directory, layout.file_name), image, layout.size, direct=direct_io, threads=io_threads)
+        for slot in layout.slots:
+            items.append(
+                {
+                    "kind": "tensor",
+                    "fqn": slot.fqn,
+                    "chunk_offsets": slot.chunk_offsets,
+                    "chunk_sizes": slot.chunk_sizes,
+                    "global_size": slot.global_size,
+                    "dtype": slot.dtype,
+                    "requires_grad": slot.requires_grad,
+                    "file": layout.file_name,
+                    "start": slot.start,
+                    "length": slot.length,
+                    "data_start": slot.data_start,
+                    "nbytes": slot.nbytes,
+                    "xxh3": checksum(image[slot.data_start : slot.data_start + slot.nbytes]),
+                }
+            )
+    if byte_items:
+        name = objects_file_name(rank)
+        blob, cursor = bytearray(), 0
+        for fqn, data in byte_items:
+            items.append(
+                {"kind": "bytes", "fqn": fqn, "file": name, "start": cursor, "length": len(data),
+                 "data_start": cursor, "nbytes": len(data), "xxh3": checksum(data)}
+            )
+            blob += data
+            cursor += len(data)
+        diskio.write_small_file(os.path.join(directory, name), bytes(blob))
+    return items
+
+
+def sidecar_record(req: ShareRequest, items: list[dict]) -> dict:
+    return {
+        "format": SIDECAR_FORMAT,
+        "version": SIDECAR_VERSION,
+        "save_id": req.save_id,
+        "rank": req.rank,
+        "world_size": req.world_size,
+        "structure_hash": req.structure_hash,
+        "planner_data": req.planner_data,
+        "items": items,
+    }
+
+
+def _poll(condition, timeout: float, what: str):
+    """Wait (bounded) until ``condition()`` returns something truthy; sleeps grow from 2 to 50 ms."""
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise CheckpointTimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.05)
+
+
+def report_failure(req: ShareRequest, error: BaseException) -> None:
+    """Record this rank's failure where every other rank's writer looks for it."""
+    reason = {"rank": req.rank, "error": f"{type(error).__name__}: {error}"}
+    try:
+        os.makedirs(req.staging_dir, exist_ok=True)
+        atomic_write_bytes(os.path.join(req.staging_dir, error_marker_name(req.rank)), json.dumps(reason).encode())
+        if req.coordinator:
+            commit.mark_aborted(req.staging_dir, reason)
+    except OSError:
+        pass  # the disk itself may be what failed; peers then time out instead
+
+
+def _failure_message(req: ShareRequest, reason: dict) -> str:
+    return f"checkpoint {req.final_path} (save {req.save_id}) failed on rank {reason['rank']}: {reason['error']}"
+
+
+def commit_share(req: ShareRequest) -> None:
+    """Coordinator: wait for every rank's sidecar, then write metadata + commit record, publish."""
+
+    def all_ranks_done():
+        for rank in range(req.world_size):
+            marker = os.path.join(req.staging_dir, error_marker_name(rank))
+            if os.path.exists(marker):
+                with open(marker) as f:
+                    reason = json.load(f)
+                commit.mark_aborted(req.staging_dir, reason)
+                raise CheckpointWriteError(_failure_message(req, reason))
+            if not os.path.exists(os.path.join(req.staging_dir, sidecar_name(rank))):
+                return False
+        return True
+
+    _poll(all_ranks_done, req.timeout, f"all {req.world_size} ranks to finish writing {req.final_path}")
+    sidecars = [read_rank_sidecar(req.staging_dir, rank) for rank in range(req.world_size)]
+    stale = [s["rank"] for s in sidecars if s["save_id"] != req.save_id]
+    if stale:
+        raise CheckpointWriteError(f"checkpoint {req.final_path}: ranks {stale} left sidecars of another save")
+    for name, data in req.extra_files.items():
+        atomic_write_bytes(os.path.join(req.staging_dir, name), data)
+    write_dcp_metadata(req.staging_dir, build_dcp_metadata(sidecars, req.final_path, req.save_id))
+    files = {
+        name: os.path.getsize(os.path.join(req.staging_dir, name))
+        for name in sorted(os.listdir(req.staging_dir))
+        if not name.startswith(".") or name == ".metadata"
+    }
+    commit.write_commit_record(
+        req.staging_dir,
+        {"save_id": req.save_id, "world_size": req.world_size, "step": req.step,
+         "structure_hash": req.structure_hash, "files": files},
+    )
+    commit.publish(req.staging_dir, req.final_path)
+
+
+def await_commit(req: ShareRequest) -> None:
+    """Non-coordinator: wait (bounded) until the coordinator committed this save or gave up on it."""
+
+    def committed_or_aborted():
+        record = commit.read_commit_record(req.final_path)
+        if record is not None and record.get("save_id") == req.save_id:
+            return True
+        reason = commit.read_abort(req.staging_dir)
+        if reason is not None:
+            raise CheckpointWriteError(_failure_message(req, reason))
+        return False
+
+    _poll(committed_or_aborted, req.timeout, f"rank 0 to commit {req.final_path}")
+
+
+def run_share(req: ShareRequest, layout: RankLayout, image: memoryview) -> None:
+    """The whole background part of a save for one rank: write, publish sidecar, commit or await."""
+    try:
+        os.makedirs(req.staging_dir, exist_ok=True)
+        items = write_share(req.staging_dir, req.rank, layout, image, req.byte_items,
+                            direct_io=req.direct_io, io_threads=req.io_threads)
+        write_rank_sidecar(req.staging_dir, sidecar_record(req, items))
+    except BaseException as e:
+        report_failure(req, e)
+        raise
+    if req.coordinator:
+        try:
+            commit_share(req)
+        except BaseException as e:
+            report_failure(req, e)
+            raise
+    else:
+        await_commit(req)

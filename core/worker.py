@@ -1,0 +1,84 @@
+"""The persistent background writer: one process per rank, started once, fed plain data.
+
+It is launched as ``python -m asyncckpt.core.worker`` (not multiprocessing's spawn, which would
+re-import the user's ``__main__`` and re-run an unguarded training script), talks over a Unix
+socket, receives staging buffers as memfd file descriptors, and runs the storage engine
+(``storage.run_share``) outside the training process's GIL. It dies with its parent
+(PR_SET_PDEATHSIG), so a killed trainer never leaves an orphan writer behind.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:  # parent died before prctl took effect
+        os._exit(1)
+
+
+def _apply_test_limits() -> None:
+    """``ASYNCCKPT_WORKER_FSIZE_LIMIT`` (bytes): a real RLIMIT_FSIZE, so writes fail with EFBIG.
+
+    Used by the test suite to produce a genuine I/O error (as on a full disk) in one rank's writer.
+    """
+    limit = os.environ.get("ASYNCCKPT_WORKER_FSIZE_LIMIT")
+    if limit:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), int(limit)))
+
+
+def serve(conn: Connection) -> None:
+    from .storage import run_share
+
+    buffers: dict[int, tuple[object, mmap.mmap]] = {}
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        kind = message[0]
+        if kind == "buffer":
+            _, buffer_id, layout = message
+            fd = recv_handle(conn)
+            buffers[buffer_id] = (layout, mmap.mmap(fd, layout.buffer_size))
+            os.close(fd)
+        elif kind == "drop":
+            layout, mapping = buffers.pop(message[1])
+            mapping.close()
+        elif kind == "save":
+            _, job_id, buffer_id, request = message
+            layout, mapping = buffers[buffer_id]
+            try:
+                run_share(request, layout, memoryview(mapping))
+                conn.send(("done", job_id, None))
+            except BaseException as e:  # report everything; the trainer decides what to raise
+                conn.send(("failed", job_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        elif kind == "stop":
+            conn.send(("stopped", None, None))
+            return
+
+
+def main() -> None:
+    fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+    _die_with_parent(parent_pid)
+    _apply_test_limits()
+    serve(Connection(fd))
+
+
+if __name__ == "__main__":
+    main()
