@@ -13,6 +13,7 @@ import itertools
 import os
 import sys
 import threading
+import warnings
 import weakref
 from collections import deque
 from concurrent.futures import Future
@@ -240,8 +241,10 @@ class Checkpointer:
         collectives = self.use_collectives if use_collectives is None else use_collectives
         reader = AsyncCkptStorageReader(path, verify=self.verify if verify is None else verify, io_threads=self.io_threads)
         try:
-            dcp.load(state_dict, storage_reader=reader, planner=AsyncCkptLoadPlanner(strict=strict),
-                     process_group=group, no_dist=not (collectives and _dist_ready()))
+            with warnings.catch_warnings():  # DCP warns that a no-collectives load is "single process"
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(state_dict, storage_reader=reader, planner=AsyncCkptLoadPlanner(strict=strict),
+                         process_group=group, no_dist=not (collectives and _dist_ready()))
         except CheckpointException as e:
             raise _unwrap(e) from None
 
@@ -424,9 +427,11 @@ def _dist_ready() -> bool:
 
 
 def _rank_and_world(group) -> tuple[int, int]:
-    if not _dist_ready():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    """This rank and the world size: from the process group, else from the launcher's env vars
+    (so ``use_collectives=False`` works in jobs that never initialise torch.distributed)."""
+    if _dist_ready():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 _live_checkpointers: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()

@@ -1,0 +1,79 @@
+"""Run a function on N ranks with real torch.distributed (gloo, CPU), with a timeout.
+
+``run_on_ranks(fn, world_size, *args)`` spawns one process per rank, initialises a gloo process
+group (unless ``init_process_group=False``: then only RANK/WORLD_SIZE are set, to prove a code
+path needs no communication), calls ``fn(rank, world_size, *args)`` and returns every rank's
+result. Any rank's exception, or a rank that does not finish within ``timeout``, fails the call
+with each rank's traceback.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, args, results, init_process_group):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if init_process_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if init_process_group and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 180.0, init_process_group: bool = True) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, rank, world_size, port, args, results, init_process_group), daemon=False)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + timeout
+    while len(outcome) < world_size and time.monotonic() < deadline:
+        try:
+            rank, status, value = results.get(timeout=0.5)
+            outcome[rank] = (status, value)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and results.empty():
+                break
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.monotonic()) if len(outcome) == world_size else 1.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    problems = []
+    for rank in range(world_size):
+        if rank not in outcome:
+            problems.append(f"rank {rank}: no result (timed out after {timeout:.0f}s or died, exit code {procs[rank].exitcode})")
+        elif outcome[rank][0] == "error":
+            problems.append(f"rank {rank} failed:\n{outcome[rank][1]}")
+    if problems:
+        raise AssertionError("\n\n".join(problems))
+    return [outcome[rank][1] for rank in range(world_size)]
