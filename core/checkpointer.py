@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper, find_state_dict_obj
 
 from . import commit
 from .dcp_storage import AsyncCkptStorageReader
+from .metadata_io import load_dcp_metadata
 from .errors import CheckpointError, CheckpointTimeoutError, CheckpointWriteError
 from .plan_cache import CachedPlan, PlanCache, agree_on_structure
 from .planner import (
@@ -239,7 +240,9 @@ class Checkpointer:
         self.wait_for(path)
         group = process_group if process_group is not None else self.process_group
         collectives = self.use_collectives if use_collectives is None else use_collectives
-        reader = AsyncCkptStorageReader(path, verify=self.verify if verify is None else verify, io_threads=self.io_threads)
+        commit.require_complete(path)  # DCP would hide these errors behind a generic one: check first
+        reader = AsyncCkptStorageReader(path, verify=self.verify if verify is None else verify,
+                                        io_threads=self.io_threads, metadata=load_dcp_metadata(path))
         try:
             with warnings.catch_warnings():  # DCP warns that a no-collectives load is "single process"
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

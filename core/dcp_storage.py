@@ -96,18 +96,21 @@ class AsyncCkptStorageReader(StorageReader):
     """DCP StorageReader: restricted metadata unpickling, checksum verification, direct reads."""
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = True, io_threads: int = 2,
-                 require_commit: bool = True) -> None:
+                 require_commit: bool = True, metadata: Optional[Metadata] = None) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.verify = verify
         self.io_threads = io_threads
         self.require_commit = require_commit
+        self._metadata = metadata  # already read (and checked) by the caller
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is not None:
+            return self._metadata
         if self.require_commit:
             commit.require_complete(self.path)
         return load_dcp_metadata(self.path)
