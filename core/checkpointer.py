@@ -41,6 +41,8 @@ from .planner import (
     structure_hash,
     tensor_items,
 )
+from .layout import IO_ALIGNMENT, RankLayout, align_up
+from .native_files import FileRequest, RemoveRequest, safetensors_image, stage_image, torch_file_image
 from .staging import StagingBuffer, copy_into
 from .storage import ShareRequest, report_failure
 from .worker_client import WorkerClient
@@ -214,15 +216,63 @@ class Checkpointer:
         with self._lock:
             self._in_flight.append(handle)
         overlap = self.overlap_staging if overlap_staging is None else overlap_staging
+        stage = lambda: copy_into(slot.buffer, sources)  # noqa: E731
         if overlap:
             self.wait_staged()
             self._staging_thread = threading.Thread(
-                target=self._stage_and_submit, args=(handle, slot, sources, request), name="asyncckpt-stager", daemon=True
+                target=self._stage_and_submit, args=(handle, slot, stage, request), name="asyncckpt-stager", daemon=True
             )
             self._staging_thread.start()
         else:
-            self._stage_and_submit(handle, slot, sources, request)
+            self._stage_and_submit(handle, slot, stage, request)
             self._raise_unreported()
+        return handle
+
+    def async_save_file(
+        self, obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: Optional[dict[str, str]] = None
+    ) -> SaveHandle:
+        """Write one native file in the background: ``format="torch"`` is what ``torch.save(obj)``
+        writes; ``"safetensors"`` what ``safetensors.torch.save_file(obj, metadata=...)`` writes.
+
+        Rank-local (no collectives). The snapshot (structure and tensor bytes) is taken before
+        returning; the file appears under ``path`` only complete and fsynced. Requests run in
+        submission order, so repeated saves to one path keep their order.
+        """
+        if self._closed:
+            raise RuntimeError("Checkpointer is closed")
+        self._raise_unreported()
+        path = os.path.abspath(os.fspath(path))
+        if format == "torch":
+            image = torch_file_image(obj)
+        elif format == "safetensors":
+            image = safetensors_image(obj, metadata)
+        else:
+            raise ValueError(f"unknown file format {format!r} (expected 'torch' or 'safetensors')")
+        self._apply_back_pressure()
+        slot = self._free_file_slot(image.size)
+        handle = SaveHandle(path, _rank_and_world(self.process_group)[0], self.timeout + 60)
+        slot.user, handle.buffer_slot = handle, slot
+        with self._lock:
+            self._in_flight.append(handle)
+        request = FileRequest(path, image.size, direct_io=self.direct_io, io_threads=self.io_threads)
+        self._stage_and_submit(handle, slot, lambda: stage_image(image, slot.buffer.bytes), request)
+        self._raise_unreported()
+        return handle
+
+    def save_file(self, obj: Any, path: str | os.PathLike, **options: Any) -> None:
+        self.async_save_file(obj, path, **options).result()
+
+    def async_remove(self, paths: Iterable[str | os.PathLike], *, only_if_complete: Optional[str] = None) -> SaveHandle:
+        """Delete files or checkpoint directories in the background, after every save queued
+        before this call. With ``only_if_complete``, nothing is deleted unless that checkpoint
+        (usually the newer one being saved) was committed: retention never trades an old
+        checkpoint for a failed new one."""
+        paths = [os.path.abspath(os.fspath(p)) for p in paths]
+        handle = SaveHandle(", ".join(paths), _rank_and_world(self.process_group)[0], self.timeout + 60)
+        with self._lock:
+            self._in_flight.append(handle)
+        handle._set_staged()
+        self._submit(handle, RemoveRequest(paths, only_if_complete))
         return handle
 
     def load(
@@ -316,11 +366,13 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ buffers & back-pressure
     def _apply_back_pressure(self) -> None:
+        """Wait for the oldest save holding a staging buffer while max_in_flight are pending."""
         while True:
             with self._lock:
-                if len(self._in_flight) < self.max_in_flight:
+                holding = [h for h in self._in_flight if h.buffer_slot is not None and not h.done()]
+                if len(holding) < self.max_in_flight:
                     return
-                oldest = self._in_flight[0]
+                oldest = holding[0]
             self._settle(oldest, None)
 
     def _free_slot(self, key, cached: CachedPlan) -> _BufferSlot:
@@ -328,29 +380,52 @@ class Checkpointer:
             for slot in self._slots:
                 if slot.key == key and slot.user is None:
                     return slot
-            for slot in [s for s in self._slots if s.key != key and s.user is None]:
-                self._slots.remove(slot)  # structure changed: free the old buffer now
-                if self._worker is not None:
-                    self._worker.drop_buffer(slot.id)
-                slot.buffer.close()
-            slot = _BufferSlot(key, StagingBuffer(cached.layout, pin_for_cuda=torch.cuda.is_available()))
-            self._slots.append(slot)
-            return slot
+            for slot in [s for s in self._slots if s.key not in (key, "file") and s.user is None]:
+                self._release(slot)  # structure changed: free the old buffer now
+            return self._new_slot(key, cached.layout)
+
+    def _free_file_slot(self, size: int) -> _BufferSlot:
+        """A free buffer of at least ``size`` bytes for single files (grown, never per-save)."""
+        with self._lock:
+            free = [s for s in self._slots if s.key == "file" and s.user is None]
+            fitting = [s for s in free if s.buffer.layout.buffer_size >= size]
+            if fitting:
+                return min(fitting, key=lambda s: s.buffer.layout.buffer_size)
+            for slot in free:
+                self._release(slot)
+            capacity = max(align_up(size + size // 8, IO_ALIGNMENT), IO_ALIGNMENT)  # headroom for growth
+            return self._new_slot("file", RankLayout("", (), capacity, capacity))
+
+    def _new_slot(self, key, layout: RankLayout) -> _BufferSlot:
+        slot = _BufferSlot(key, StagingBuffer(layout, pin_for_cuda=torch.cuda.is_available()))
+        self._slots.append(slot)
+        return slot
+
+    def _release(self, slot: _BufferSlot) -> None:
+        self._slots.remove(slot)
+        if self._worker is not None:
+            self._worker.drop_buffer(slot.id)
+        slot.buffer.close()
 
     # ------------------------------------------------------------------ staging & the worker
-    def _stage_and_submit(self, handle: SaveHandle, slot: _BufferSlot, sources, request: ShareRequest) -> None:
+    def _stage_and_submit(self, handle: SaveHandle, slot: _BufferSlot, stage, request) -> None:
+        """Run ``stage()`` (the snapshot copy), then queue ``request`` on the background writer."""
         try:
             with torch.no_grad():
-                copy_into(slot.buffer, sources)
+                stage()
             handle._set_staged()
-            job_id = next(self._job_ids)
-            with self._lock:
-                self._jobs[job_id] = (handle, request)
-                worker = self._ensure_worker()
-            worker.submit(job_id, slot.id, slot.buffer, request)
+            self._submit(handle, request, slot)
         except BaseException as e:
-            report_failure(request, e)
+            if isinstance(request, ShareRequest):
+                report_failure(request, e)
             self._complete(handle, CheckpointWriteError(f"rank {handle.rank}: snapshot of {handle.path} failed: {e}"))
+
+    def _submit(self, handle: SaveHandle, request, slot: Optional[_BufferSlot] = None) -> None:
+        job_id = next(self._job_ids)
+        with self._lock:
+            self._jobs[job_id] = (handle, request)
+            worker = self._ensure_worker()
+        worker.submit(job_id, request, slot.id if slot else None, slot.buffer if slot else None)
 
     def _ensure_worker(self) -> WorkerClient:
         if self._worker is None or not self._worker.alive:

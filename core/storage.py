@@ -57,6 +57,9 @@ class ShareRequest:
     step: Optional[int] = None
     extra_files: dict = field(default_factory=dict)  # name -> bytes, written by the coordinator before commit
 
+    def run(self, layout: RankLayout, image: memoryview) -> None:
+        run_share(self, layout, image)
+
 
 def write_share(
     directory: str, rank: int, layout: RankLayout, image: memoryview, byte_items: list, *, direct_io: bool, io_threads: int

@@ -3,7 +3,7 @@
 It is launched as ``python -m asyncckpt.core.worker`` (not multiprocessing's spawn, which would
 re-import the user's ``__main__`` and re-run an unguarded training script), talks over a Unix
 socket, receives staging buffers as memfd file descriptors, and runs the storage engine
-(``storage.run_share``) outside the training process's GIL. It dies with its parent
+(each request's ``run``: a rank's share of a sharded save, a single file, a removal) outside the training process's GIL. It dies with its parent
 (PR_SET_PDEATHSIG), so a killed trainer never leaves an orphan writer behind.
 """
 from __future__ import annotations
@@ -43,8 +43,6 @@ def _apply_test_limits() -> None:
 
 
 def serve(conn: Connection) -> None:
-    from .storage import run_share
-
     buffers: dict[int, tuple[object, mmap.mmap]] = {}
     while True:
         try:
@@ -60,11 +58,11 @@ def serve(conn: Connection) -> None:
         elif kind == "drop":
             layout, mapping = buffers.pop(message[1])
             mapping.close()
-        elif kind == "save":
+        elif kind == "run":
             _, job_id, buffer_id, request = message
-            layout, mapping = buffers[buffer_id]
+            layout, mapping = buffers[buffer_id] if buffer_id is not None else (None, None)
             try:
-                run_share(request, layout, memoryview(mapping))
+                request.run(layout, memoryview(mapping) if mapping is not None else None)
                 conn.send(("done", job_id, None))
             except BaseException as e:  # report everything; the trainer decides what to raise
                 conn.send(("failed", job_id, f"{type(e).__name__}: {e}", traceback.format_exc()))

@@ -8,10 +8,9 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
-from typing import Callable
+from typing import Callable, Optional
 
 from .staging import StagingBuffer
-from .storage import ShareRequest
 
 
 class WorkerClient:
@@ -58,13 +57,14 @@ class WorkerClient:
         if not self._stopping:
             self._on_exit(returncode)
 
-    def submit(self, job_id: int, buffer_id: int, buffer: StagingBuffer, request: ShareRequest) -> None:
+    def submit(self, job_id: int, request, buffer_id: Optional[int] = None, buffer: Optional[StagingBuffer] = None) -> None:
+        """Queue ``request.run(layout, image)``; requests run one at a time, in submission order."""
         with self._send_lock:
-            if buffer_id not in self._registered:
+            if buffer is not None and buffer_id not in self._registered:
                 self.conn.send(("buffer", buffer_id, buffer.layout))
                 send_handle(self.conn, buffer.fd, self.process.pid)
                 self._registered.add(buffer_id)
-            self.conn.send(("save", job_id, buffer_id, request))
+            self.conn.send(("run", job_id, buffer_id, request))
 
     def drop_buffer(self, buffer_id: int) -> None:
         with self._send_lock:

@@ -1,0 +1,183 @@
+"""Single-file checkpoints in the frameworks' native formats, written by the background writer.
+
+``torch``: exactly what ``torch.save`` writes. We run ``torch.save`` with ``skip_data`` (the
+pickled structure and zip records are produced, the storage bytes are left as holes; CRC32s are
+not computed, and ``torch.load`` does not check them), note which storage went to which data
+record, and copy each storage's bytes into its hole of a staging buffer. Shared storages (tied
+weights, views) are saved once, as torch.save does. The pickled structure is the snapshot of
+every non-tensor object.
+
+``safetensors``: the 8-byte header length, the JSON header, then the tensors back to back, as
+the safetensors specification lays them out.
+
+The writer then writes the image to a temporary name, fsyncs and renames it into place.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import struct
+import types
+import uuid
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.utils.serialization import config as _serialization_config
+
+from . import diskio
+from .container import _LOCAL_HEADER, _template_lock
+from .fsio import fsync_dir
+from .layout import RankLayout
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+@dataclass
+class FileImage:
+    """A native file's bytes: ``header`` pieces at offsets, and tensor bytes to copy at offsets."""
+
+    size: int
+    pieces: list[tuple[int, bytes]]
+    copies: list[tuple[int, torch.Tensor]]  # (offset, uint8 view of the source storage/tensor)
+
+
+def _recording_pickle_module(storages: dict) -> types.SimpleNamespace:
+    """A stand-in for ``pickle`` in ``torch.save(pickle_module=...)`` that notes, in ``storages``,
+    which storage torch.save assigned to which data record key.
+
+    torch.save subclasses ``pickle_module.Pickler`` and defines ``persistent_id`` on the subclass;
+    the C pickler reads that hook when it is constructed, so we put a recording wrapper on the
+    instance just before construction.
+    """
+
+    class Pickler(pickle.Pickler):
+        def __init__(self, *args, **kwargs):
+            assign_key = type(self).persistent_id.__get__(self)
+
+            def recording(obj):
+                pid = assign_key(obj)
+                if pid is not None and pid[0] == "storage":
+                    storage = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
+                    storages.setdefault(pid[2], storage)
+                return pid
+
+            self.persistent_id = recording
+            super().__init__(*args, **kwargs)
+
+    return types.SimpleNamespace(__name__="asyncckpt_recording_pickle", Pickler=Pickler, dump=pickle.dump)
+
+
+def torch_file_image(obj: Any) -> FileImage:
+    """The image of ``torch.save(obj)``; call-time snapshot of the structure, live storages to copy."""
+    storages: dict = {}
+    buffer = io.BytesIO()
+    with _template_lock:
+        previous = _serialization_config.save.compute_crc32
+        _serialization_config.save.compute_crc32 = False
+        try:
+            with torch.serialization.skip_data():
+                torch.save(obj, buffer, pickle_module=_recording_pickle_module(storages))
+        finally:
+            _serialization_config.save.compute_crc32 = previous
+    rendered = buffer.getvalue()
+    copies, holes = [], []
+    with zipfile.ZipFile(io.BytesIO(rendered)) as archive:
+        for info in archive.infolist():
+            parts = info.filename.split("/")
+            if len(parts) == 3 and parts[1] == "data" and parts[2] in storages:
+                header = _LOCAL_HEADER.unpack_from(rendered, info.header_offset)
+                start = info.header_offset + _LOCAL_HEADER.size + header[9] + header[10]
+                storage = storages[parts[2]]
+                source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+                copies.append((start, source))
+                holes.append((start, start + info.file_size))
+    pieces, cursor = [], 0
+    for start, end in sorted(holes):
+        pieces.append((cursor, rendered[cursor:start]))
+        cursor = end
+    pieces.append((cursor, rendered[cursor:]))
+    return FileImage(len(rendered), pieces, copies)
+
+
+def safetensors_image(tensors: dict[str, torch.Tensor], metadata: Optional[dict[str, str]] = None) -> FileImage:
+    """The image of ``safetensors.torch.save_file(tensors, metadata=metadata)`` (same layout rules)."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    copies, cursor = [], 0
+    for name in sorted(tensors, key=lambda n: (-tensors[n].element_size(), n)):
+        tensor = tensors[name].detach()
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"safetensors cannot store '{name}' of dtype {tensor.dtype}")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [cursor, cursor + nbytes]}
+        copies.append((cursor, tensor))
+        cursor += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    prefix = struct.pack("<Q", len(encoded)) + encoded
+    return FileImage(len(prefix) + cursor, [(0, prefix)],
+                     [(len(prefix) + offset, tensor) for offset, tensor in copies])
+
+
+def stage_image(image: FileImage, target: torch.Tensor) -> None:
+    """Fill ``target`` (uint8 staging bytes) with the file image: framing, then tensor bytes."""
+    mapped = target.numpy()
+    for offset, piece in image.pieces:
+        mapped[offset : offset + len(piece)] = memoryview(piece)
+    for offset, source in image.copies:
+        flat = source.contiguous().reshape(-1)
+        nbytes = flat.numel() * flat.element_size()
+        if nbytes:
+            target[offset : offset + nbytes].copy_(flat.view(torch.uint8), non_blocking=source.is_cuda)
+    if any(source.is_cuda for _, source in image.copies):
+        torch.cuda.current_stream().synchronize()
+
+
+@dataclass
+class FileRequest:
+    """Write a staged single file atomically: temporary name, fsync, rename, fsync the directory."""
+
+    path: str
+    size: int
+    direct_io: bool = True
+    io_threads: int = 2
+
+    def run(self, layout: RankLayout, image: memoryview) -> None:
+        directory, name = os.path.split(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        temporary = os.path.join(directory, f".{name}.asyncckpt-tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            diskio.write_image(temporary, image, self.size, direct=self.direct_io, threads=self.io_threads)
+            os.replace(temporary, self.path)
+        except BaseException:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+            raise
+        fsync_dir(directory)
+
+
+@dataclass
+class RemoveRequest:
+    """Delete files / checkpoint directories, in queue order (after the saves queued before it)."""
+
+    paths: list
+    only_if_complete: Optional[str] = None
+
+    def run(self, layout: Optional[RankLayout], image: Optional[memoryview]) -> None:
+        from .commit import is_complete, remove_checkpoint
+
+        if self.only_if_complete is not None and not is_complete(self.only_if_complete):
+            return
+        for path in self.paths:
+            if os.path.isdir(path) and not os.path.islink(path):
+                remove_checkpoint(path)
+            elif os.path.lexists(path):
+                os.unlink(path)
