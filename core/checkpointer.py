@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper, find_state_dict_obj
 from . import commit
 from .dcp_storage import AsyncCkptStorageReader
 from .metadata_io import load_dcp_metadata
+from .directory import DirectoryTransaction, transaction_id
 from .errors import CheckpointError, CheckpointTimeoutError, CheckpointWriteError
 from .plan_cache import CachedPlan, PlanCache, agree_on_structure
 from .planner import (
@@ -159,6 +160,7 @@ class Checkpointer:
         self._worker: Optional[WorkerClient] = None
         self._lock = threading.RLock()
         self._save_counter = 0
+        self._directory_counter = 0
         self._closed = False
         self._staging_thread: Optional[threading.Thread] = None
         _live_checkpointers.add(self)
@@ -238,6 +240,9 @@ class Checkpointer:
         returning; the file appears under ``path`` only complete and fsynced. Requests run in
         submission order, so repeated saves to one path keep their order.
         """
+        return self._save_file(obj, path, format, metadata)
+
+    def _save_file(self, obj: Any, path, format: str, metadata, on_failure=None) -> SaveHandle:
         if self._closed:
             raise RuntimeError("Checkpointer is closed")
         self._raise_unreported()
@@ -254,7 +259,7 @@ class Checkpointer:
         slot.user, handle.buffer_slot = handle, slot
         with self._lock:
             self._in_flight.append(handle)
-        request = FileRequest(path, image.size, direct_io=self.direct_io, io_threads=self.io_threads)
+        request = FileRequest(path, image.size, self.direct_io, self.io_threads, on_failure)
         self._stage_and_submit(handle, slot, lambda: stage_image(image, slot.buffer.bytes), request)
         self._raise_unreported()
         return handle
@@ -268,11 +273,25 @@ class Checkpointer:
         (usually the newer one being saved) was committed: retention never trades an old
         checkpoint for a failed new one."""
         paths = [os.path.abspath(os.fspath(p)) for p in paths]
-        handle = SaveHandle(", ".join(paths), _rank_and_world(self.process_group)[0], self.timeout + 60)
+        return self._submit_unbuffered(", ".join(paths), RemoveRequest(paths, only_if_complete))
+
+    def begin_directory(self, final_dir: str | os.PathLike, *, step: Optional[int] = None) -> DirectoryTransaction:
+        """Start a checkpoint directory of native files (SPMD: every rank of the group calls it in
+        the same order). Stage files with ``tx.save_file`` / ``tx.write_bytes``, then ``tx.commit()``."""
+        rank, world = _rank_and_world(self.process_group)
+        self._directory_counter += 1
+        return DirectoryTransaction(self, os.fspath(final_dir), rank, world, step,
+                                    transaction_id(world, self._directory_counter))
+
+    def _submit_unbuffered(self, what: str, request) -> SaveHandle:
+        """Queue a request that needs no staging buffer (it does not count toward max_in_flight)."""
+        if self._closed:
+            raise RuntimeError("Checkpointer is closed")
+        handle = SaveHandle(what, _rank_and_world(self.process_group)[0], self.timeout + 60)
         with self._lock:
             self._in_flight.append(handle)
         handle._set_staged()
-        self._submit(handle, RemoveRequest(paths, only_if_complete))
+        self._submit(handle, request)
         return handle
 
     def load(

@@ -149,19 +149,24 @@ class FileRequest:
     size: int
     direct_io: bool = True
     io_threads: int = 2
+    on_failure: Any = None  # a directory transaction's commit request, told about a failure
 
     def run(self, layout: RankLayout, image: memoryview) -> None:
         directory, name = os.path.split(os.path.abspath(self.path))
-        os.makedirs(directory, exist_ok=True)
         temporary = os.path.join(directory, f".{name}.asyncckpt-tmp-{uuid.uuid4().hex[:8]}")
         try:
+            os.makedirs(directory, exist_ok=True)
             diskio.write_image(temporary, image, self.size, direct=self.direct_io, threads=self.io_threads)
             os.replace(temporary, self.path)
-        except BaseException:
+            fsync_dir(directory)
+        except BaseException as e:
             if os.path.exists(temporary):
                 os.unlink(temporary)
+            if self.on_failure is not None:
+                from .storage import report_failure
+
+                report_failure(self.on_failure, e)
             raise
-        fsync_dir(directory)
 
 
 @dataclass

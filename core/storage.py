@@ -127,7 +127,7 @@ def _poll(condition, timeout: float, what: str):
         delay = min(delay * 1.5, 0.05)
 
 
-def report_failure(req: ShareRequest, error: BaseException) -> None:
+def report_failure(req, error: BaseException) -> None:
     """Record this rank's failure where every other rank's writer looks for it."""
     reason = {"rank": req.rank, "error": f"{type(error).__name__}: {error}"}
     try:
@@ -139,12 +139,13 @@ def report_failure(req: ShareRequest, error: BaseException) -> None:
         pass  # the disk itself may be what failed; peers then time out instead
 
 
-def _failure_message(req: ShareRequest, reason: dict) -> str:
+def _failure_message(req, reason: dict) -> str:
     return f"checkpoint {req.final_path} (save {req.save_id}) failed on rank {reason['rank']}: {reason['error']}"
 
 
-def commit_share(req: ShareRequest) -> None:
-    """Coordinator: wait for every rank's sidecar, then write metadata + commit record, publish."""
+def wait_for_ranks(req, done_marker) -> None:
+    """Coordinator: wait (bounded) until every rank published ``done_marker(rank)`` in the
+    staging directory; if any rank reported a failure instead, abort the save for everyone."""
 
     def all_ranks_done():
         for rank in range(req.world_size):
@@ -154,11 +155,29 @@ def commit_share(req: ShareRequest) -> None:
                     reason = json.load(f)
                 commit.mark_aborted(req.staging_dir, reason)
                 raise CheckpointWriteError(_failure_message(req, reason))
-            if not os.path.exists(os.path.join(req.staging_dir, sidecar_name(rank))):
+            if not os.path.exists(os.path.join(req.staging_dir, done_marker(rank))):
                 return False
         return True
 
     _poll(all_ranks_done, req.timeout, f"all {req.world_size} ranks to finish writing {req.final_path}")
+
+
+def publish_with_record(req, **record) -> None:
+    """Coordinator: write the commit record (listing the files) and rename into place."""
+    files = {
+        name: os.path.getsize(os.path.join(req.staging_dir, name))
+        for name in sorted(os.listdir(req.staging_dir))
+        if not name.startswith(".") or name == ".metadata"
+    }
+    commit.write_commit_record(
+        req.staging_dir, {"save_id": req.save_id, "world_size": req.world_size, "step": req.step, "files": files, **record}
+    )
+    commit.publish(req.staging_dir, req.final_path)
+
+
+def commit_share(req: ShareRequest) -> None:
+    """Coordinator: wait for every rank's sidecar, then write metadata + commit record, publish."""
+    wait_for_ranks(req, sidecar_name)
     sidecars = [read_rank_sidecar(req.staging_dir, rank) for rank in range(req.world_size)]
     stale = [s["rank"] for s in sidecars if s["save_id"] != req.save_id]
     if stale:
@@ -166,20 +185,10 @@ def commit_share(req: ShareRequest) -> None:
     for name, data in req.extra_files.items():
         atomic_write_bytes(os.path.join(req.staging_dir, name), data)
     write_dcp_metadata(req.staging_dir, build_dcp_metadata(sidecars, req.final_path, req.save_id))
-    files = {
-        name: os.path.getsize(os.path.join(req.staging_dir, name))
-        for name in sorted(os.listdir(req.staging_dir))
-        if not name.startswith(".") or name == ".metadata"
-    }
-    commit.write_commit_record(
-        req.staging_dir,
-        {"save_id": req.save_id, "world_size": req.world_size, "step": req.step,
-         "structure_hash": req.structure_hash, "files": files},
-    )
-    commit.publish(req.staging_dir, req.final_path)
+    publish_with_record(req, structure_hash=req.structure_hash)
 
 
-def await_commit(req: ShareRequest) -> None:
+def await_commit(req) -> None:
     """Non-coordinator: wait (bounded) until the coordinator committed this save or gave up on it."""
 
     def committed_or_aborted():
