@@ -208,7 +208,7 @@ class Checkpointer:
         slot.user = handle
         handle.buffer_slot = slot
         objects = [(item.index.fqn, _serialize_object(planner.state_dict, item)) for item in cached.byte_items]
-        sources = [find_state_dict_object(planner.state_dict, item.index).detach() for item in cached.tensor_items]
+        sources = [find_state_dict_object(planner.state_dict, item.index).detach() for item in cached.unique_items]
         request = ShareRequest(
             save_id=save_id, final_path=path, staging_dir=commit.staging_dir_for(path, save_id), rank=rank,
             world_size=world, coordinator=rank == 0, structure_hash=str(key[0]), planner_data=cached.planner_data,
@@ -380,8 +380,10 @@ class Checkpointer:
         else:
             final = planner.create_global_plan([planner.create_local_plan()])[0][0]
         planner.finish_plan(final)
-        return CachedPlan(final, layout_for_plan(final, rank), planner_data_paths(planner.mappings),
-                          tensor_items(final), byte_items(final))
+        layout = layout_for_plan(final, rank, planner.state_dict)
+        items = tensor_items(final)
+        return CachedPlan(final, layout, planner_data_paths(planner.mappings),
+                          [items[i] for i in layout.unique_slots()], byte_items(final))
 
     # ------------------------------------------------------------------ buffers & back-pressure
     def _apply_back_pressure(self) -> None:

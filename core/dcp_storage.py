@@ -62,7 +62,8 @@ class AsyncCkptStorageWriter(StorageWriter):
             if self._buffer is not None:
                 self._buffer.close()
             self._buffer = StagingBuffer(layout)
-        copy_into(self._buffer, [planner.resolve_data(item) for item in tensor_items(plan)])
+        items_in_plan = tensor_items(plan)
+        copy_into(self._buffer, [planner.resolve_data(items_in_plan[i]) for i in layout.unique_slots()])
         objects = [(item.index.fqn, planner.resolve_data(item).getvalue()) for item in byte_items(plan)]
         items = write_share(self.path, self.rank, layout, memoryview(self._buffer.mmap), objects,
                             direct_io=self.direct_io, io_threads=self.io_threads)

@@ -45,10 +45,19 @@ class RankLayout:
     size: int
     buffer_size: int
 
+    def unique_slots(self) -> list[int]:
+        """Positions of slots that own their bytes (aliases of tied tensors excluded)."""
+        seen, unique = set(), []
+        for position, slot in enumerate(self.slots):
+            if slot.start not in seen:
+                seen.add(slot.start)
+                unique.append(position)
+        return unique
+
     def template_fill(self) -> list[tuple[int, bytes]]:
         """(offset, bytes) pieces of container framing to write into a fresh buffer once."""
         pieces = []
-        for slot in self.slots:
+        for slot in (self.slots[i] for i in self.unique_slots()):
             template = container_template(getattr(torch, slot.dtype), slot.chunk_sizes)
             pieces.append((slot.start, template.prefix))
             pieces.append((slot.data_start + slot.nbytes, template.suffix))
@@ -59,11 +68,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def build_layout(file_name: str, chunks: list[tuple[str, tuple, tuple, tuple, torch.dtype, bool]]) -> RankLayout:
-    """Lay out ``(fqn, chunk_offsets, chunk_sizes, global_size, dtype, requires_grad)`` chunks."""
+def build_layout(
+    file_name: str, chunks: list[tuple[str, tuple, tuple, tuple, torch.dtype, bool]], alias_of: dict[int, int] | None = None
+) -> RankLayout:
+    """Lay out ``(fqn, chunk_offsets, chunk_sizes, global_size, dtype, requires_grad)`` chunks.
+
+    ``alias_of`` maps a chunk's position to an earlier chunk holding the very same tensor (tied
+    weights): the alias gets the same bytes in the file, so shared data is written once.
+    """
+    alias_of = alias_of or {}
     slots = []
     cursor = 0
-    for fqn, offsets, sizes, global_size, dtype, requires_grad in chunks:
+    for position, (fqn, offsets, sizes, global_size, dtype, requires_grad) in enumerate(chunks):
+        if position in alias_of:
+            original = slots[alias_of[position]]
+            slots.append(Slot(fqn, tuple(offsets), tuple(sizes), tuple(global_size), original.dtype, requires_grad,
+                              original.start, original.length, original.data_start, original.nbytes))
+            continue
         template = container_template(dtype, tuple(sizes))
         cursor = align_up(cursor, ITEM_ALIGNMENT)
         slots.append(

@@ -26,7 +26,7 @@ class CachedPlan:
     plan: SavePlan  # this rank's final plan
     layout: RankLayout
     planner_data: dict
-    tensor_items: list[WriteItem]
+    unique_items: list[WriteItem]  # tensor items owning their bytes, in ``layout.unique_slots()`` order
     byte_items: list[WriteItem]
 
 

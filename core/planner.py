@@ -29,6 +29,13 @@ from .errors import StateDictMismatchError
 from .layout import RankLayout, build_layout
 
 
+def alias_key(value: Any):
+    """Identity of a plain tensor's exact bytes: two keys equal means the same tensor (tied weights)."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.numel():
+        return (value.device, value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+    return None
+
+
 def _describe(fqn: str, value: Any) -> str:
     if isinstance(value, DTensor):
         mesh = value.device_mesh
@@ -44,8 +51,14 @@ def _describe(fqn: str, value: Any) -> str:
 def structure_hash(flat_state_dict: dict[str, Any]) -> str:
     """A digest of keys, kinds, dtypes, shapes, devices and placements: equal digest, equal plan."""
     digest = hashlib.blake2b(digest_size=16)
+    first_holder: dict = {}
     for fqn, value in flat_state_dict.items():
         digest.update(_describe(fqn, value).encode())
+        key = alias_key(value)
+        if key is not None:
+            holder = first_holder.setdefault(key, fqn)
+            if holder != fqn:  # tied weights are part of the structure: they share one slot
+                digest.update(f"={holder}".encode())
         digest.update(b"\0")
     return digest.hexdigest()
 
@@ -86,16 +99,23 @@ def byte_items(plan: SavePlan) -> list[WriteItem]:
     return [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
 
 
-def layout_for_plan(plan: SavePlan, rank: int) -> RankLayout:
-    """The data-file layout of a rank's final plan (tensor items only, in plan order)."""
-    chunks = []
-    for item in tensor_items(plan):
+def layout_for_plan(plan: SavePlan, rank: int, flat_state_dict: dict | None = None) -> RankLayout:
+    """The data-file layout of a rank's final plan (tensor items only, in plan order); tensors
+    of ``flat_state_dict`` that are the very same tensor (tied weights) share their bytes."""
+    chunks, alias_of, first_position = [], {}, {}
+    for position, item in enumerate(tensor_items(plan)):
+        key = alias_key(flat_state_dict.get(item.index.fqn)) if flat_state_dict is not None else None
+        if key is not None:
+            if key in first_position:
+                alias_of[position] = first_position[key]
+            else:
+                first_position[key] = position
         data = item.tensor_data
         chunks.append(
             (item.index.fqn, tuple(data.chunk.offsets), tuple(data.chunk.sizes), tuple(data.size),
              data.properties.dtype, bool(data.properties.requires_grad))
         )
-    return build_layout(f"__{rank}_0.distcp", chunks)
+    return build_layout(f"__{rank}_0.distcp", chunks, alias_of)
 
 
 def planner_data_paths(mappings: dict) -> dict:

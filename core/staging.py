@@ -36,6 +36,7 @@ class StagingBuffer:
             self.bytes[s.data_start : s.data_start + s.nbytes].view(getattr(torch, s.dtype)).view(s.chunk_sizes)
             for s in layout.slots
         ]
+        self.unique_views = [self.slot_views[i] for i in layout.unique_slots()]
         self.pinned = False
         if pin_for_cuda:
             self._pin()
@@ -49,7 +50,7 @@ class StagingBuffer:
         self.pinned = True
 
     def close(self) -> None:
-        self.slot_views = []
+        self.slot_views = self.unique_views = []
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
             self.pinned = False
@@ -59,14 +60,14 @@ class StagingBuffer:
 
 
 def copy_into(buffer: StagingBuffer, sources: Sequence[torch.Tensor], *, cuda_stream=None) -> None:
-    """Copy each source tensor into its slot (same order as ``buffer.layout.slots``).
+    """Copy each source tensor into its slot (``sources`` follow ``buffer.layout.unique_slots()``).
 
     CPU tensors are copied on this thread (large copies use torch's intra-op threads). CUDA
     tensors are copied non-blocking on ``cuda_stream`` (a side stream that first waits for the
     producer stream, so it sees the finished optimizer step) into pinned memory; the call returns
     once the stream has drained, so the buffer is complete when this function returns.
     """
-    views = buffer.slot_views
+    views = buffer.unique_views
     if len(views) != len(sources):
         raise AssertionError(f"staging {len(sources)} tensors into a layout of {len(views)} slots")
     cuda_pairs = []

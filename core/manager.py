@@ -1,0 +1,128 @@
+"""``CheckpointManager``: step-named checkpoints under one root, with retention.
+
+Retention runs in the background writer, queued right after the save that triggers it, so it
+sees that save's outcome: old checkpoints are deleted only once the newer one is committed,
+never one still in flight (it is not committed yet, so it is not a candidate), and never the
+newest committed one. Only rank 0 deletes.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from . import commit
+from .checkpointer import Checkpointer, SaveHandle, _rank_and_world
+from .layout import RankLayout
+
+
+def select_deletions(committed_steps: list[int], keep_last: Optional[int], keep_every: Optional[int]) -> list[int]:
+    """Steps to delete: all but the newest ``keep_last`` and multiples of ``keep_every``; never the newest."""
+    steps = sorted(committed_steps)
+    if not steps:
+        return []
+    keep = set(steps[-keep_last:]) if keep_last else set(steps)
+    if keep_every:
+        keep |= {s for s in steps if s % keep_every == 0}
+    keep.add(steps[-1])
+    return [s for s in steps if s not in keep]
+
+
+@dataclass
+class RetentionRequest:
+    """Applied by the background writer after the save of ``newest`` (queue order)."""
+
+    root: str
+    pattern: str
+    newest: str
+    keep_last: Optional[int]
+    keep_every: Optional[int]
+
+    def run(self, layout: Optional[RankLayout], image: Optional[memoryview]) -> None:
+        if not commit.is_complete(self.newest):
+            return  # the newer checkpoint failed: keep everything we have
+        committed = committed_steps(self.root, re.compile(self.pattern))
+        for step in select_deletions(list(committed), self.keep_last, self.keep_every):
+            commit.remove_checkpoint(committed[step])
+
+
+def committed_steps(root: str, pattern: re.Pattern) -> dict[int, str]:
+    """step -> path of every committed checkpoint under ``root`` whose name matches ``pattern``."""
+    found = {}
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return found
+    for name in names:
+        match = pattern.match(name)
+        if match and commit.is_complete(os.path.join(root, name)):
+            found[int(match.group(1))] = os.path.join(root, name)
+    return found
+
+
+class CheckpointManager:
+    """Save, find and load checkpoints named by step (``step_000120``) under ``root``.
+
+    Args:
+        keep_last: how many of the newest committed checkpoints to keep (None: all).
+        keep_every: additionally keep every checkpoint whose step is a multiple of this.
+        checkpointer: the Checkpointer to use (default: a new one, built from ``options``).
+    """
+
+    def __init__(self, root: str | os.PathLike, *, keep_last: Optional[int] = 3, keep_every: Optional[int] = None,
+                 prefix: str = "step_", digits: int = 6, checkpointer: Optional[Checkpointer] = None,
+                 **options: Any) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be >= 1 (the newest committed checkpoint is always kept)")
+        self.root = os.path.abspath(os.fspath(root))
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.prefix, self.digits = prefix, digits
+        self._pattern = rf"^{re.escape(prefix)}(\d+)$"
+        self.checkpointer = checkpointer or Checkpointer(**options)
+
+    def path_for(self, step: int) -> str:
+        return os.path.join(self.root, f"{self.prefix}{step:0{self.digits}d}")
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return sorted(committed_steps(self.root, re.compile(self._pattern)))
+
+    def latest(self) -> Optional[int]:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def async_save(self, step: int, state_dict: dict, **options: Any) -> SaveHandle:
+        path = self.path_for(step)
+        handle = self.checkpointer.async_save(state_dict, path, step=step, **options)
+        if _rank_and_world(self.checkpointer.process_group)[0] == 0:
+            self.checkpointer._submit_unbuffered(
+                f"retention of {self.root}",
+                RetentionRequest(self.root, self._pattern, path, self.keep_last, self.keep_every),
+            )
+        return handle
+
+    def save(self, step: int, state_dict: dict, **options: Any) -> None:
+        self.async_save(step, state_dict, **options).result()
+
+    def load(self, state_dict: dict, step: Optional[int] = None, **options: Any) -> int:
+        """Load ``step`` (default: the newest committed) into ``state_dict``; returns the step."""
+        if step is None:
+            self.checkpointer.wait()  # a save in flight may be the newest
+            step = self.latest()
+            if step is None:
+                raise FileNotFoundError(f"no committed checkpoint under {self.root}")
+        self.checkpointer.load(state_dict, self.path_for(step), **options)
+        return step
+
+    def wait(self) -> None:
+        self.checkpointer.wait()
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
