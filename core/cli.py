@@ -68,15 +68,32 @@ def _sidecar_ranks(path: str) -> list[int]:
     return sorted(int(m.group(1)) for m in map(_SIDECAR_RE.match, names) if m)
 
 
+def _well_formed(item: object) -> bool:
+    """Sidecars are input like any other: check the fields we index with before trusting them."""
+    return (
+        isinstance(item, dict)
+        and all(isinstance(item.get(key), str) for key in ("fqn", "file", "xxh3"))
+        and all(isinstance(item.get(key), int) and item[key] >= 0 for key in ("start", "length", "data_start", "nbytes"))
+    )
+
+
 def _load_sidecars(path: str, ranks: Sequence[int], problems: list[str]) -> dict[int, dict]:
+    """The readable, well-formed sidecars of ``ranks``; what is wrong with the others goes to ``problems``."""
     sidecars = {}
     for rank in ranks:
         try:
-            sidecars[rank] = read_rank_sidecar(path, rank)
+            sidecar = read_rank_sidecar(path, rank)
         except FileNotFoundError:
-            problems.append(f"missing sidecar __{rank}.asyncckpt.json: rank {rank}'s checksums are gone")
+            problems.append(f"__{rank}.asyncckpt.json: missing: rank {rank}'s checksums are gone")
+            continue
         except CheckpointError as e:
             problems.append(str(e))
+            continue
+        items = sidecar.get("items")
+        if not isinstance(items, list) or not all(map(_well_formed, items)):
+            problems.append(f"__{rank}.asyncckpt.json: malformed item list")
+            continue
+        sidecars[rank] = sidecar
     return sidecars
 
 
@@ -84,6 +101,13 @@ def _rank_of_file(relative_path: str) -> Optional[int]:
     """The writing rank encoded in a DCP data file name (``__{rank}_{n}.distcp``)."""
     match = _DATA_FILE_RE.match(relative_path)
     return int(match.group(1)) if match else None
+
+
+def _is_native_dir(path: str, record: dict) -> bool:
+    """A committed directory of a framework's own files (``DirectoryTransaction``): a commit
+    record but no DCP metadata and no sidecars, so there is nothing to checksum per item."""
+    return (DCP_METADATA_FILE not in record.get("files", {DCP_METADATA_FILE: 0})
+            and not os.path.exists(os.path.join(path, DCP_METADATA_FILE)) and not _sidecar_ranks(path))
 
 
 def _shape(size) -> str:
@@ -126,7 +150,7 @@ def cmd_ls(root: str) -> int:
             continue
         record = commit.read_commit_record(path)
         step = record.get("step") if record else None
-        if step is None:
+        if not isinstance(step, int):
             step = _step_from_name(name)
         when = (record or {}).get("committed_at_ns") or os.stat(path).st_mtime_ns
         status = "COMPLETE" if commit.is_complete(path) else "INCOMPLETE"
@@ -157,6 +181,11 @@ def cmd_inspect(path: str) -> int:
     sidecars = _load_sidecars(path, _sidecar_ranks(path), problems)
     for message in problems:
         print(f"warning: {message}", file=sys.stderr)
+    if record and _is_native_dir(path, record):
+        print("native files (no DCP metadata):")
+        for name, size in sorted(record.get("files", {}).items()):
+            print(f"  {name}  {size} B")
+        return EXIT_OK
     try:
         metadata = load_dcp_metadata(path)
     except FileNotFoundError:
@@ -190,11 +219,14 @@ def cmd_inspect(path: str) -> int:
                     lines.append(f"    chunk at {_shape(chunk.offsets)} size {_shape(chunk.sizes)}: NOT IN STORAGE DATA")
                     continue
                 rank, item, who = where(info)
-                first = item["data_start"] if item else info.offset
                 totals[rank]["chunks"] += 1
                 totals[rank]["tensor_bytes"] += nbytes
+                if item is not None:  # the sidecar knows where the raw bytes start
+                    place = f"[{item['data_start']}, {item['data_start'] + nbytes}), container {info.length} B"
+                else:  # plain DCP: only the container's extent is known
+                    place = f"container [{info.offset}, {info.offset + info.length})"
                 lines.append(f"    chunk at {_shape(chunk.offsets)} size {_shape(chunk.sizes)}: {who}, {nbytes} B data "
-                             f"in {info.relative_path} [{first}, {first + nbytes}), container {info.length} B")
+                             f"in {info.relative_path} {place}")
             print(f"{fqn}  tensor  {str(dtype).removeprefix('torch.')}  {_shape(entry.size)}  {total} B  "
                   f"{len(entry.chunks)} chunk(s)")
             print("\n".join(lines))
@@ -271,6 +303,7 @@ def _verify_file(path: str, name: str, items: list[tuple[int, dict]], bar: tqdm,
         _report(problems, str(e))
         bar.update(sum(item["nbytes"] for _rank, item in items))
         return
+    computed: dict[tuple[int, int], str] = {}  # tied tensors: several items, one byte range
     try:
         for rank, item in sorted(items, key=lambda ri: ri[1]["start"]):
             start, end = item["start"], item["start"] + item["length"]
@@ -279,7 +312,9 @@ def _verify_file(path: str, name: str, items: list[tuple[int, dict]], bar: tqdm,
             if end > size:
                 _report(problems, f"{label} bytes [{start}, {end}): beyond the end of the file ({size} B): truncated")
             else:
-                actual = checksum(memoryview(mapping)[data_start:data_end])
+                if (data_start, data_end) not in computed:
+                    computed[data_start, data_end] = checksum(memoryview(mapping)[data_start:data_end])
+                actual = computed[data_start, data_end]
                 if actual != item["xxh3"]:
                     _report(problems, f"{label} bytes [{data_start}, {data_end}): checksum mismatch: "
                                       f"expected xxh3 {item['xxh3']}, found {actual}")
@@ -300,11 +335,19 @@ def cmd_verify(path: str, progress: bool = True) -> int:
         print(f"asyncckpt verify: {path}: not a directory", file=sys.stderr)
         return EXIT_PROBLEM
     if not commit.is_complete(path):
-        print(f"{path}: INCOMPLETE: no commit record ({commit.COMMIT_RECORD}) under a final name; the save that "
-              "wrote it did not finish (crash, failure, or still running). Not verified.")
+        print(f"{path}: INCOMPLETE: no commit record ({commit.COMMIT_RECORD}) under a final name: the save that "
+              "wrote it did not finish (crash, failure, still running) or was not asyncckpt's. Not verified.")
         return EXIT_INCOMPLETE
     record = commit.read_commit_record(path)
     problems: list[str] = []
+    if _is_native_dir(path, record):
+        _check_commit_files(path, record, set(), problems)
+        if problems:
+            print(f"{path}: FAILED: {len(problems)} problem(s)")
+            return EXIT_PROBLEM
+        print(f"{path}: OK: {len(record.get('files', {}))} native file(s) present with their committed sizes "
+              "(no per-item checksums in this kind of checkpoint)")
+        return EXIT_OK
     world_size = record.get("world_size") or max(_sidecar_ranks(path), default=-1) + 1
     sidecar_problems: list[str] = []
     sidecars = _load_sidecars(path, range(world_size), sidecar_problems)

@@ -1,0 +1,169 @@
+"""The ``asyncckpt`` command line, run as users run it: a subprocess on real checkpoints.
+
+Every CLI process imports torch (~2 s), so the module prepares all scenarios once (checkpoints
+written with ``asyncckpt.core.save``, then copied and damaged), runs all the commands
+concurrently, and each test asserts on its own command's output and exit code.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncckpt import core
+from asyncckpt.core.commit import COMMIT_RECORD
+
+STAGING_NAME = ".step_000020.asyncckpt-staging-0123abcd"
+
+
+def state_dict() -> dict:
+    torch.manual_seed(0)
+    return {
+        "model": {"weight": torch.randn(16, 8), "bias": torch.zeros(8, dtype=torch.bfloat16)},
+        "optim": {"step": torch.tensor(7, dtype=torch.int64), "lr": 0.01},
+        "epoch": 3,
+    }
+
+
+def cli(*args: str | os.PathLike) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "asyncckpt.core.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def sidecar_item(checkpoint: Path, fqn: str) -> dict:
+    items = json.loads((checkpoint / "__0.asyncckpt.json").read_text())["items"]
+    (item,) = [i for i in items if i["fqn"] == fqn]
+    return item
+
+
+def copy(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> Path:
+    """A pristine checkpoint with its step in the commit record, next to checkpoint-3, which has
+    none (``ls`` must take that step from the name). Tests only ever damage copies."""
+    pristine = tmp_path_factory.mktemp("pristine")
+    core.save(state_dict(), pristine / "step_000010", step=10)
+    core.save(state_dict(), pristine / "checkpoint-3")
+    return pristine / "step_000010"
+
+
+@pytest.fixture(scope="module")
+def runs(good, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Scenario name -> the finished CLI run on it."""
+
+    # ls: two committed checkpoints, a save in progress (staging name), one that crashed before its
+    # commit record, and a directory that is not a checkpoint at all.
+    listing = tmp_path_factory.mktemp("listing")
+    copy(good, listing / "step_000010")
+    copy(good.parent / "checkpoint-3", listing / "checkpoint-3")
+    (copy(good, listing / STAGING_NAME) / COMMIT_RECORD).unlink()
+    (copy(good, listing / "step_000030") / COMMIT_RECORD).unlink()
+    (listing / "logs").mkdir()
+
+    damaged = tmp_path_factory.mktemp("damaged")
+    flipped = copy(good, damaged / "flipped")
+    flip_byte(flipped / "__0_0.distcp", sidecar_item(flipped, "model.weight")["data_start"] + 100)
+    truncated = copy(good, damaged / "truncated")
+    os.truncate(truncated / "__0_0.distcp", sidecar_item(truncated, "model.bias")["data_start"] + 2)
+    (truncated / "__0_1.distcp").unlink()  # the pickled objects
+    incomplete = copy(good, damaged / "incomplete")
+    (incomplete / COMMIT_RECORD).unlink()
+
+    commands = {
+        "ls": ("ls", listing),
+        "inspect": ("inspect", good),
+        "verify_good": ("verify", good),
+        "verify_flipped": ("verify", flipped, "--no-progress"),
+        "verify_truncated": ("verify", truncated, "--no-progress"),
+        "verify_incomplete": ("verify", incomplete),
+    }
+    with ThreadPoolExecutor(len(commands)) as pool:
+        futures = {name: pool.submit(cli, *args) for name, args in commands.items()}
+    return {name: future.result() for name, future in futures.items()}
+
+
+def test_ls_lists_complete_incomplete_and_staging_newest_last(runs):
+    result = runs["ls"]
+
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert [row[0] for row in rows] == ["checkpoint-3", "step_000010", STAGING_NAME, "step_000030"]
+    assert [row[1] for row in rows] == ["3", "10", "20", "30"]
+    assert [row[3] for row in rows] == ["KiB"] * 4  # total size, e.g. "10.1 KiB"
+    assert [row[4] for row in rows] == ["COMPLETE", "COMPLETE", "INCOMPLETE", "INCOMPLETE"]
+    assert rows[2][5:] == ["(staging)"] and len(rows[3]) == 5
+
+
+def test_inspect_shows_keys_shapes_dtypes_chunks_and_ranks(runs, good):
+    result = runs["inspect"]
+
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "COMPLETE, step 10, world size 1" in lines[0]
+    weight = sidecar_item(good, "model.weight")
+    assert "model.weight  tensor  float32  [16, 8]  512 B  1 chunk(s)" in lines
+    assert (f"    chunk at [0, 0] size [16, 8]: rank 0, 512 B data in __0_0.distcp "
+            f"[{weight['data_start']}, {weight['data_start'] + 512}), container {weight['length']} B") in lines
+    assert "model.bias  tensor  bfloat16  [8]  16 B  1 chunk(s)" in lines
+    assert "optim.step  tensor  int64  []  8 B  1 chunk(s)" in lines
+    assert {line.split()[0] for line in lines if "  object  " in line} == {"optim.lr", "epoch"}
+    assert any(line.startswith("  rank 0: 3 tensor chunk(s) 536 B, 2 object(s)") for line in lines)
+
+
+def test_verify_passes_on_a_good_checkpoint(runs):
+    result = runs["verify_good"]
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK: 5 item(s), " in result.stdout
+    assert "verify: 100%" in result.stderr  # the tqdm progress bar goes to stderr only
+
+
+def test_verify_names_file_key_and_byte_range_of_a_flipped_byte(runs, good):
+    result = runs["verify_flipped"]
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    item = sidecar_item(good, "model.weight")
+    first, end = item["data_start"], item["data_start"] + item["nbytes"]
+    assert (f"__0_0.distcp: key 'model.weight' (rank 0) bytes [{first}, {end}): checksum mismatch: "
+            f"expected xxh3 {item['xxh3']}, found ") in result.stdout
+    assert "model.bias" not in result.stdout  # only the damaged item is reported
+    assert "FAILED: 1 problem(s)" in result.stdout
+
+
+def test_verify_reports_truncated_and_missing_data_files(runs, good):
+    result = runs["verify_truncated"]
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    out = result.stdout
+    cut = sidecar_item(good, "model.bias")["data_start"] + 2
+    full_size = (good / "__0_0.distcp").stat().st_size
+    assert f"__0_0.distcp: truncated: {cut} B on disk, the commit record says {full_size} B" in out
+    assert "__0_0.distcp: key 'model.bias' (rank 0) bytes [" in out and "beyond the end of the file" in out
+    assert "key 'model.weight'" not in out  # it lies before the cut: intact
+    assert "__0_1.distcp: missing data file (holds 2 item(s): epoch, optim.lr)" in out
+
+
+def test_verify_refuses_an_incomplete_checkpoint_with_exit_2(runs):
+    result = runs["verify_incomplete"]
+
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "INCOMPLETE" in result.stdout and COMMIT_RECORD in result.stdout
