@@ -456,10 +456,7 @@ class Checkpointer:
     def _on_worker_reply(self, kind: str, job_id: int, error: Optional[str], tb: Optional[str] = None) -> None:
         with self._lock:
             handle, request = self._jobs.pop(job_id)
-        failure = None
-        if kind == "failed":
-            failure = CheckpointWriteError(f"rank {request.rank}: checkpoint {request.final_path} failed: {error}")
-        self._complete(handle, failure)
+        self._complete(handle, _worker_error(request, error) if kind == "failed" else None)
 
     def _on_worker_exit(self, returncode: Optional[int]) -> None:
         """The writer died: fail its saves on this rank, and tell the other ranks' writers."""
@@ -482,17 +479,15 @@ class Checkpointer:
         handle._finish(error)
 
     def _settle(self, handle: SaveHandle, timeout: Optional[float]) -> None:
-        """Wait for ``handle``; its failure is kept to be raised by the caller's sync point."""
+        """Wait (bounded) for ``handle``; a failure the caller has not seen yet is raised here."""
+        limit = handle._default_timeout if timeout is None else timeout
         try:
-            handle.result(timeout)
-        except CheckpointTimeoutError as e:
+            handle._future.exception(limit)  # waits without consuming the outcome
+        except FutureTimeout:
             with self._lock:
-                self._unreported.append((None, e))
-        except BaseException:
-            handle.reported = False  # recorded by _complete; the sync point raises it
-        with self._lock:
-            if handle in self._in_flight and handle.done():
-                self._in_flight.remove(handle)
+                self._unreported.append(
+                    (None, CheckpointTimeoutError(f"rank {handle.rank}: save of {handle.path} not committed after {limit:.0f}s"))
+                )
         self._raise_unreported()
 
     def _raise_unreported(self) -> None:
@@ -511,6 +506,16 @@ def _serialize_object(flat_state_dict: dict, item) -> bytes:
     buffer = io.BytesIO()
     torch.save(find_state_dict_object(flat_state_dict, item.index), buffer)
     return buffer.getvalue()
+
+
+def _worker_error(request, error: str) -> CheckpointError:
+    """Rebuild a writer's failure in the training process; ours already name path and rank."""
+    for kind in (CheckpointTimeoutError, CheckpointWriteError):
+        prefix = f"{kind.__name__}: "
+        if error.startswith(prefix):
+            return kind(error[len(prefix):])
+    where = getattr(request, "final_path", None) or getattr(request, "path", None) or "checkpoint"
+    return CheckpointWriteError(f"rank {getattr(request, 'rank', '?')}: {where} failed: {error}")
 
 
 def _unwrap(error: CheckpointException) -> BaseException:

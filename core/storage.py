@@ -212,7 +212,7 @@ def run_share(req: ShareRequest, layout: RankLayout, image: memoryview) -> None:
         write_rank_sidecar(req.staging_dir, sidecar_record(req, items))
     except BaseException as e:
         report_failure(req, e)
-        raise
+        raise CheckpointWriteError(_failure_message(req, {"rank": req.rank, "error": f"{type(e).__name__}: {e}"})) from e
     if req.coordinator:
         try:
             commit_share(req)

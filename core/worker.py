@@ -56,8 +56,9 @@ def serve(conn: Connection) -> None:
             buffers[buffer_id] = (layout, mmap.mmap(fd, layout.buffer_size))
             os.close(fd)
         elif kind == "drop":
-            layout, mapping = buffers.pop(message[1])
-            mapping.close()
+            # Only drop our reference: views of the mapping may outlive a failed request (its
+            # traceback), and the mapping unmaps itself once the last of them is gone.
+            buffers.pop(message[1], None)
         elif kind == "run":
             _, job_id, buffer_id, request = message
             layout, mapping = buffers[buffer_id] if buffer_id is not None else (None, None)

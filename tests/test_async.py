@@ -1,0 +1,260 @@
+"""The async pipeline: snapshot semantics, back-pressure, failures, drains, overlap, retention."""
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from asyncckpt import core
+from dist_helper import run_on_ranks
+
+
+def _mutable_state():
+    torch.manual_seed(0)
+    shared = torch.randn(64, 32)
+    embedding = torch.randn(100, 16)
+    return {
+        "weight": shared,
+        "weight_rows": shared[8:24],  # a view of the same storage
+        "embed.weight": embedding,
+        "lm_head.weight": embedding,  # tied
+        "bf16": torch.randn(33).to(torch.bfloat16),
+        "step": torch.tensor(5),
+        "opt": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}], "history": [1, 2, 3]},
+        "args": argparse.Namespace(seed=1, name="run"),
+    }
+
+
+def _mutate_everything(state):
+    for value in (state["weight"], state["embed.weight"], state["bf16"], state["step"]):
+        value.fill_(-7)
+    state["opt"]["param_groups"][0]["lr"] = 99.0
+    state["opt"]["history"].append(4)
+    state["args"].seed = 2
+
+
+def _blank(state):
+    """Same nesting as ``state``; tensors zeroed, other leaves None (so loading must fill them)."""
+    if isinstance(state, dict):
+        return {k: _blank(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_blank(v) for v in state]
+    return torch.zeros_like(state) if isinstance(state, torch.Tensor) else None
+
+
+def test_snapshot_holds_call_time_values_after_mutation(tmp_path):
+    state = _mutable_state()
+    expected = copy.deepcopy(state)
+    with core.Checkpointer() as checkpointer:
+        handle = checkpointer.async_save(state, tmp_path / "ckpt")
+        _mutate_everything(state)
+        handle.result()
+        loaded = _blank(expected)
+        tied = loaded["embed.weight"]
+        loaded["lm_head.weight"] = tied
+        checkpointer.load(loaded, tmp_path / "ckpt")
+    for key in ("weight", "weight_rows", "embed.weight", "bf16", "step"):
+        assert torch.equal(loaded[key], expected[key]), key
+    assert loaded["lm_head.weight"] is tied and torch.equal(tied, expected["embed.weight"])  # still tied
+    assert loaded["opt"] == expected["opt"] and vars(loaded["args"]) == vars(expected["args"])
+
+
+def test_native_files_hold_call_time_values(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    state = _mutable_state()
+    expected = copy.deepcopy(state)
+    with core.Checkpointer() as checkpointer:
+        as_torch = checkpointer.async_save_file(state, tmp_path / "model.ckpt")
+        flat = {"a": state["weight"], "b": state["bf16"]}
+        as_safetensors = checkpointer.async_save_file(flat, tmp_path / "model.safetensors", format="safetensors")
+        _mutate_everything(state)
+        as_torch.result()
+        as_safetensors.result()
+    loaded = torch.load(tmp_path / "model.ckpt", weights_only=False)
+    assert torch.equal(loaded["weight"], expected["weight"]) and torch.equal(loaded["weight_rows"], expected["weight_rows"])
+    assert loaded["embed.weight"].data_ptr() == loaded["lm_head.weight"].data_ptr()  # tied, saved once
+    assert loaded["opt"] == expected["opt"] and loaded["args"].seed == 1
+    st = safetensors.load_file(tmp_path / "model.safetensors")
+    assert torch.equal(st["a"], expected["weight"]) and torch.equal(st["b"], expected["bf16"])
+
+
+def _dtensor_mutation(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
+    state = {"w": distribute_tensor(full.clone(), mesh, [Shard(0)]), "step": 10}
+    with core.Checkpointer() as checkpointer:
+        handle = checkpointer.async_save(state, path)
+        state["w"].to_local().fill_(-1)
+        state["step"] = 11
+        handle.result()
+        target = {"w": distribute_tensor(torch.zeros(64, 8), mesh, [Shard(1)]), "step": None}
+        checkpointer.load(target, path)
+    assert torch.equal(target["w"].full_tensor(), full) and target["step"] == 10
+
+
+def test_dtensor_snapshot_on_two_ranks(tmp_path):
+    run_on_ranks(_dtensor_mutation, 2, str(tmp_path / "ckpt"))
+
+
+def test_back_pressure_bounds_saves_in_flight(tmp_path):
+    state = {"w": torch.randn(8 << 20)}  # 32 MiB
+    with core.Checkpointer(max_in_flight=1) as one:
+        first = one.async_save(state, tmp_path / "a")
+        one.async_save(state, tmp_path / "b")
+        assert first.done()  # the second save waited for the first before taking its snapshot
+        assert len(one._slots) == 1
+    with core.Checkpointer(max_in_flight=2) as two:
+        handles = [two.async_save(state, tmp_path / f"c{i}") for i in range(3)]
+        assert len(two._slots) == 2 and handles[0].done()
+    assert all(core.is_complete(str(tmp_path / n)) for n in ("a", "b", "c0", "c1", "c2"))
+
+
+def test_killed_worker_fails_the_save_and_is_restarted(tmp_path):
+    state = {"w": torch.randn(32 << 20)}  # 128 MiB: the write takes a while
+    with core.Checkpointer() as checkpointer:
+        checkpointer.save({"w": torch.ones(4)}, tmp_path / "before")
+        handle = checkpointer.async_save(state, tmp_path / "torn")
+        first_pid = checkpointer._worker.process.pid
+        os.kill(first_pid, signal.SIGKILL)
+        with pytest.raises(core.CheckpointWriteError, match=r"rank 0: background writer for .*torn died"):
+            handle.result(timeout=30)
+        assert not core.is_complete(str(tmp_path / "torn"))
+        checkpointer.save(state, tmp_path / "after")  # a new writer takes over
+        assert checkpointer._worker.process.pid != first_pid
+    assert core.latest_checkpoint(str(tmp_path)) in (str(tmp_path / "after"), str(tmp_path / "before"))
+    loaded = {"w": torch.zeros(32 << 20)}
+    core.load(loaded, tmp_path / "after")
+    assert torch.equal(loaded["w"], state["w"])
+
+
+def _io_error_on_rank_one(rank, world, root):
+    if rank == 1:  # a real EFBIG from the kernel in rank 1's writer, as on a full disk
+        os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"] = str(1 << 20)
+    with core.Checkpointer(timeout=60) as checkpointer:
+        checkpointer.save({"small": torch.full((1000,), float(rank))}, f"{root}/good")
+        started = time.monotonic()
+        with pytest.raises(core.CheckpointWriteError, match=r"failed on rank 1: .*(File too large|EFBIG|27)"):
+            checkpointer.save({f"big{i}": torch.randn(2 << 20) for i in range(4)}, f"{root}/bad")  # 8 MiB per rank
+        assert time.monotonic() - started < 30
+        assert not core.is_complete(f"{root}/bad")
+        target = {"small": torch.zeros(1000)}
+        checkpointer.load(target, f"{root}/good")
+        checkpointer.save({"small": torch.full((1000,), 2.0)}, f"{root}/good_again")  # the job goes on
+    return "ok"
+
+
+def test_io_error_on_one_rank_reaches_every_rank(tmp_path):
+    assert run_on_ranks(_io_error_on_rank_one, 2, str(tmp_path)) == ["ok", "ok"]
+
+
+def _stuck_peer(rank, world, root):
+    if rank == 1:
+        return "never saved"  # a rank that never shows up
+    with core.Checkpointer(timeout=3, use_collectives=False) as checkpointer:
+        started = time.monotonic()
+        with pytest.raises(core.CheckpointTimeoutError, match="all 2 ranks"):
+            checkpointer.save({"w": torch.ones(10)}, f"{root}/ckpt")
+        return time.monotonic() - started
+
+
+def test_a_stuck_rank_becomes_a_timeout_not_a_hang(tmp_path):
+    elapsed, _ = run_on_ranks(_stuck_peer, 2, str(tmp_path), init_process_group=False, timeout=90)
+    assert elapsed < 20
+
+
+def test_normal_exit_drains_accepted_saves(tmp_path):
+    script = textwrap.dedent(f"""
+        import torch
+        from asyncckpt import core
+        state = {{"w": torch.randn(16 << 20)}}
+        core.async_save(state, {str(tmp_path / 'via_default')!r})
+        checkpointer = core.Checkpointer()
+        checkpointer.async_save(state, {str(tmp_path / 'via_instance')!r})
+        torch.save(state["w"][:10].clone(), {str(tmp_path / 'expected.pt')!r})
+        # no wait(), no close(): the interpreter exits right away
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    expected = torch.load(tmp_path / "expected.pt")
+    for name in ("via_default", "via_instance"):
+        assert core.is_complete(str(tmp_path / name)), name
+        loaded = {"w": torch.zeros(16 << 20)}
+        core.load(loaded, tmp_path / name)
+        assert torch.equal(loaded["w"][:10], expected)
+
+
+def test_overlapped_staging_guard_makes_optimizer_step_wait(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 512)).sum().backward()
+    optimizer.step()
+    with core.Checkpointer(overlap_staging=True) as checkpointer:
+        hooks = checkpointer.guard(optimizer)
+        state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        expected = copy.deepcopy(state)
+        handle = checkpointer.async_save(state, tmp_path / "ckpt")
+        model(torch.randn(4, 512)).sum().backward()  # runs while the snapshot is copied
+        optimizer.step()  # the guard waits for the snapshot before mutating anything
+        assert handle.staged()
+        handle.result()
+        for hook in hooks:
+            hook.remove()
+        loaded = {"model": copy.deepcopy(model).state_dict(), "optim": copy.deepcopy(optimizer.state_dict())}
+        checkpointer.load(loaded, tmp_path / "ckpt")
+    for key, value in expected["model"].items():
+        assert torch.equal(loaded["model"][key], value), key
+    assert torch.equal(loaded["optim"]["state"][0]["exp_avg"], expected["optim"]["state"][0]["exp_avg"])
+    assert not torch.equal(model[0].weight.detach(), expected["model"]["0.weight"])  # training did move on
+
+
+def test_directory_transaction_publishes_all_or_nothing(tmp_path):
+    with core.Checkpointer() as checkpointer:
+        tx = checkpointer.begin_directory(tmp_path / "checkpoint-1", step=1)
+        tx.save_file({"w": torch.ones(3)}, "model.safetensors", format="safetensors")
+        tx.write_bytes("trainer_state.json", b"{}")
+        tx.commit().result()
+        assert sorted(os.listdir(tmp_path / "checkpoint-1")) == [".asyncckpt-commit.json", "model.safetensors",
+                                                                  "trainer_state.json"]
+        broken = checkpointer.begin_directory(tmp_path / "checkpoint-2", step=2)
+        with open(broken.path("sub"), "w"):  # a regular file where the writer needs a directory
+            pass
+        broken.save_file({"w": torch.ones(3)}, "model.safetensors", format="safetensors")
+        broken.save_file({"x": 1}, "sub/optimizer.pt")
+        with pytest.raises(core.CheckpointWriteError, match="checkpoint-2"):
+            broken.commit().result()
+        with pytest.raises(core.CheckpointWriteError):
+            checkpointer.wait()  # the failed file save itself is reported too
+    assert not os.path.exists(tmp_path / "checkpoint-2")
+    assert core.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-1")
+
+
+def test_retention_deletes_only_after_a_newer_commit(tmp_path):
+    manager = core.CheckpointManager(tmp_path, keep_last=1, keep_every=10)
+    small = {"w": torch.ones(1000)}
+    os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"] = str(4 << 20)  # the writer starts now: its files over 4 MiB fail
+    try:
+        manager.save(10, small)
+    finally:
+        del os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"]
+    for step in (11, 12):
+        manager.save(step, small)
+    manager.wait()
+    assert manager.steps() == [10, 12]  # 11 went once 12 was committed; 10 is kept by keep_every
+    with pytest.raises(core.CheckpointWriteError):
+        manager.save(13, {"w": torch.ones(2 << 20)})  # 8 MiB: fails in the background
+    manager.checkpointer.wait()
+    assert manager.steps() == [10, 12]  # a failed newer save never costs an older checkpoint
+    assert manager.load({"w": torch.zeros(1000)}) == 12
+    manager.close()
