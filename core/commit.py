@@ -36,7 +36,9 @@ def read_commit_record(path: str) -> Optional[dict]:
             record = json.load(f)
     except (FileNotFoundError, NotADirectoryError, ValueError):
         return None
-    return record if record.get("format") == COMMIT_FORMAT else None
+    if not isinstance(record, dict) or record.get("format") != COMMIT_FORMAT or record.get("version", 0) > COMMIT_VERSION:
+        return None
+    return record
 
 
 def is_complete(path: str) -> bool:
@@ -123,10 +125,15 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def remove_checkpoint(path: str) -> None:
-    """Delete a checkpoint: first un-commit it (so a crash mid-delete leaves no 'complete' torso)."""
+def uncommit(path: str) -> None:
+    """Durably remove the commit record, so ``path`` no longer counts as complete."""
     record = os.path.join(path, COMMIT_RECORD)
     if os.path.exists(record):
         os.unlink(record)
         fsync_dir(path)
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete a checkpoint: first un-commit it (so a crash mid-delete leaves no 'complete' torso)."""
+    uncommit(path)
     _remove_tree(path)

@@ -54,6 +54,9 @@ class AsyncCkptStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator, before any rank writes: un-commit a checkpoint being overwritten in place,
+        so a crash mid-save can never leave the old commit record over new, partial data."""
+        commit.uncommit(self.path)
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -67,7 +70,8 @@ class AsyncCkptStorageWriter(StorageWriter):
         objects = [(item.index.fqn, planner.resolve_data(item).getvalue()) for item in byte_items(plan)]
         items = write_share(self.path, self.rank, layout, memoryview(self._buffer.mmap), objects,
                             direct_io=self.direct_io, io_threads=self.io_threads)
-        request = ShareRequest(self.save_id, self.path, self.path, self.rank, 0, self.is_coordinator, "", {}, [])
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        request = ShareRequest(self.save_id, self.path, self.path, self.rank, world_size, self.is_coordinator, "", {}, [])
         write_rank_sidecar(self.path, sidecar_record(request, items))
         results = []
         for write_item, record in zip(tensor_items(plan) + byte_items(plan), items):

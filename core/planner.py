@@ -1,8 +1,8 @@
 """Save and load planners on torch.distributed.checkpoint's planner protocol.
 
 Saving: the state dict is flattened, every value becomes DCP write items (DTensor chunking is
-torch's), replicated items are deduplicated across ranks balancing bytes, so each rank writes
-about the same share. Loading: DCP's resharding maths, plus strict checks that report every
+torch's), and items present on several ranks (replicated tensors) are written by one rank each,
+chosen greedily by torch's dedup so that the replicated bytes are spread over the ranks. Loading: DCP's resharding maths, plus strict checks that report every
 missing key and every shape/dtype mismatch at once, naming key and both sides.
 """
 from __future__ import annotations
