@@ -1,1 +1,8 @@
-"""asyncckpt adapter for accelerate (see docs/)."""
+"""asyncckpt adapter for Hugging Face Accelerate (docs/accelerate.md).
+
+    from asyncckpt.adapters.accelerate import enable_async_checkpointing
+    handle = enable_async_checkpointing(accelerator)   # save_state() is now asynchronous and crash-safe
+"""
+from .adapter import AsyncCheckpointing, Options, enable_async_checkpointing
+
+__all__ = ["enable_async_checkpointing", "AsyncCheckpointing", "Options"]
