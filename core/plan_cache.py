@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from .layout import RankLayout
+from .structure import digest
 
 
 @dataclass
@@ -26,7 +27,7 @@ class CachedPlan:
     plan: SavePlan  # this rank's final plan
     layout: RankLayout
     planner_data: dict
-    unique_items: list[WriteItem]  # tensor items owning their bytes, in ``layout.unique_slots()`` order
+    sources: list[tuple[str, Optional[WriteItem]]]  # per unique slot: key, and the item if a shard lookup is needed
     byte_items: list[WriteItem]
 
 
@@ -36,6 +37,7 @@ class PlanCache:
     def __init__(self, capacity: int = 4) -> None:
         self.capacity = capacity
         self._entries: "OrderedDict[Any, CachedPlan]" = OrderedDict()
+        self._digests: "OrderedDict[tuple, str]" = OrderedDict()
         self.hits = 0
         self.misses = 0
 
@@ -54,8 +56,18 @@ class PlanCache:
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
+    def digest(self, description: tuple) -> str:
+        """The cross-process digest of a structure description, computed once per structure."""
+        found = self._digests.get(description)
+        if found is None:
+            found = self._digests[description] = digest(description)
+            while len(self._digests) > self.capacity:
+                self._digests.popitem(last=False)
+        return found
+
     def clear(self) -> None:
         self._entries.clear()
+        self._digests.clear()
 
 
 def _job_token() -> str:

@@ -8,13 +8,11 @@ missing key and every shape/dtype mismatch at once, naming key and both sides.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     create_default_global_save_plan,
@@ -27,47 +25,14 @@ from torch.distributed.tensor import DTensor
 
 from .errors import StateDictMismatchError
 from .layout import RankLayout, build_layout
-
-
-def alias_key(value: Any):
-    """Identity of a plain tensor's exact bytes: two keys equal means the same tensor (tied weights)."""
-    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.numel():
-        return (value.device, value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
-    return None
-
-
-def _describe(fqn: str, value: Any) -> str:
-    if isinstance(value, DTensor):
-        mesh = value.device_mesh
-        return (
-            f"{fqn}|D|{value.dtype}|{tuple(value.shape)}|{tuple(value.to_local().shape)}|{mesh.device_type}"
-            f"|{mesh.mesh.tolist()}|{value.placements}|{mesh.get_coordinate()}"
-        )
-    if isinstance(value, torch.Tensor):
-        return f"{fqn}|T|{value.dtype}|{tuple(value.shape)}|{value.device.type}"
-    return f"{fqn}|O"
-
-
-def structure_hash(flat_state_dict: dict[str, Any]) -> str:
-    """A digest of keys, kinds, dtypes, shapes, devices and placements: equal digest, equal plan."""
-    digest = hashlib.blake2b(digest_size=16)
-    first_holder: dict = {}
-    for fqn, value in flat_state_dict.items():
-        digest.update(_describe(fqn, value).encode())
-        key = alias_key(value)
-        if key is not None:
-            holder = first_holder.setdefault(key, fqn)
-            if holder != fqn:  # tied weights are part of the structure: they share one slot
-                digest.update(f"={holder}".encode())
-        digest.update(b"\0")
-    return digest.hexdigest()
+from .structure import flatten_state_dict
 
 
 class AsyncCkptSavePlanner(SavePlanner):
     """Flattening + DCP write items + byte-balanced deduplication of replicated items."""
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        self.state_dict, self.mappings = flatten_state_dict(state_dict)
+        self.state_dict, self.mappings = flatten_state_dict(state_dict)  # same keys as torch's flattening
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
@@ -99,17 +64,16 @@ def byte_items(plan: SavePlan) -> list[WriteItem]:
     return [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
 
 
-def layout_for_plan(plan: SavePlan, rank: int, flat_state_dict: dict | None = None) -> RankLayout:
-    """The data-file layout of a rank's final plan (tensor items only, in plan order); tensors
-    of ``flat_state_dict`` that are the very same tensor (tied weights) share their bytes."""
-    chunks, alias_of, first_position = [], {}, {}
+def layout_for_plan(plan: SavePlan, rank: int, tied_to: dict[str, str] | None = None) -> RankLayout:
+    """The data-file layout of a rank's final plan (tensor items only, in plan order); a key in
+    ``tied_to`` (the very same tensor as another key: tied weights) shares that key's bytes."""
+    tied_to = tied_to or {}
+    chunks, alias_of, position_of = [], {}, {}
     for position, item in enumerate(tensor_items(plan)):
-        key = alias_key(flat_state_dict.get(item.index.fqn)) if flat_state_dict is not None else None
-        if key is not None:
-            if key in first_position:
-                alias_of[position] = first_position[key]
-            else:
-                first_position[key] = position
+        fqn = item.index.fqn
+        position_of[fqn] = position
+        if fqn in tied_to and tied_to[fqn] in position_of:
+            alias_of[position] = position_of[tied_to[fqn]]
         data = item.tensor_data
         chunks.append(
             (item.index.fqn, tuple(data.chunk.offsets), tuple(data.chunk.sizes), tuple(data.size),

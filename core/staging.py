@@ -18,6 +18,7 @@ import torch
 from .layout import RankLayout
 
 _pinned_lock = threading.Lock()
+LARGE_COPY_BYTES = 1 << 20
 
 
 class StagingBuffer:
@@ -70,12 +71,17 @@ def copy_into(buffer: StagingBuffer, sources: Sequence[torch.Tensor], *, cuda_st
     views = buffer.unique_views
     if len(views) != len(sources):
         raise AssertionError(f"staging {len(sources)} tensors into a layout of {len(views)} slots")
-    cuda_pairs = []
+    small_views, small_sources, cuda_pairs = [], [], []
     for view, source in zip(views, sources):
-        if source.device.type == "cpu":
-            view.copy_(source)
-        else:
+        if source.is_cuda:
             cuda_pairs.append((view, source))
+        elif view.numel() * view.element_size() >= LARGE_COPY_BYTES:
+            view.copy_(source)  # large: torch splits it over its intra-op threads
+        else:
+            small_views.append(view)
+            small_sources.append(source)
+    if small_views:
+        torch._foreach_copy_(small_views, small_sources)  # many small: one call, no per-tensor overhead
     if cuda_pairs:
         _copy_from_cuda(cuda_pairs, cuda_stream)
 
