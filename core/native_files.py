@@ -75,36 +75,90 @@ def _recording_pickle_module(storages: dict) -> types.SimpleNamespace:
     return types.SimpleNamespace(__name__="asyncckpt_recording_pickle", Pickler=Pickler, dump=pickle.dump)
 
 
+class _SparseFile(io.RawIOBase):
+    """A seekable file keeping only what is written; holes read as zeros and cost nothing.
+
+    ``torch.save`` under ``skip_data`` seeks over each storage's bytes. Into a ``BytesIO`` that
+    would allocate, zero and copy a buffer as large as the whole checkpoint on every save; here
+    only the zip framing and the pickle (a few KB to MB) are kept, with their offsets.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces: list[tuple[int, bytes]] = []
+        self.position = self.size = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        if data:
+            self.pieces.append((self.position, data))
+            self.position += len(data)
+            self.size = max(self.size, self.position)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.position = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence] + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def readinto(self, target) -> int:
+        """Reads (used by zipfile on the framing only) assemble the overlapping pieces."""
+        end = min(self.position + len(target), self.size)
+        length = max(0, end - self.position)
+        view = memoryview(target)[:length]
+        view[:] = bytes(length)
+        for start, data in self.pieces:
+            lo, hi = max(start, self.position), min(start + len(data), end)
+            if lo < hi:
+                view[lo - self.position : hi - self.position] = data[lo - start : hi - start]
+        self.position = end
+        return length
+
+    def merged_pieces(self) -> list[tuple[int, bytes]]:
+        merged: list[list] = []
+        for start, data in sorted(self.pieces):
+            if merged and merged[-1][0] + len(merged[-1][1]) == start:
+                merged[-1][1] += data
+            else:
+                merged.append([start, bytearray(data)])
+        return [(start, bytes(data)) for start, data in merged]
+
+
 def torch_file_image(obj: Any) -> FileImage:
     """The image of ``torch.save(obj)``; call-time snapshot of the structure, live storages to copy."""
     storages: dict = {}
-    buffer = io.BytesIO()
+    sparse = _SparseFile()
     with _template_lock:
         previous = _serialization_config.save.compute_crc32
         _serialization_config.save.compute_crc32 = False
         try:
             with torch.serialization.skip_data():
-                torch.save(obj, buffer, pickle_module=_recording_pickle_module(storages))
+                torch.save(obj, sparse, pickle_module=_recording_pickle_module(storages))
         finally:
             _serialization_config.save.compute_crc32 = previous
-    rendered = buffer.getvalue()
-    copies, holes = [], []
-    with zipfile.ZipFile(io.BytesIO(rendered)) as archive:
+    copies = []
+    sparse.seek(0)
+    with zipfile.ZipFile(sparse) as archive:
         for info in archive.infolist():
             parts = info.filename.split("/")
             if len(parts) == 3 and parts[1] == "data" and parts[2] in storages:
-                header = _LOCAL_HEADER.unpack_from(rendered, info.header_offset)
+                sparse.seek(info.header_offset)
+                header = _LOCAL_HEADER.unpack(sparse.read(_LOCAL_HEADER.size))
                 start = info.header_offset + _LOCAL_HEADER.size + header[9] + header[10]
                 storage = storages[parts[2]]
-                source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-                copies.append((start, source))
-                holes.append((start, start + info.file_size))
-    pieces, cursor = [], 0
-    for start, end in sorted(holes):
-        pieces.append((cursor, rendered[cursor:start]))
-        cursor = end
-    pieces.append((cursor, rendered[cursor:]))
-    return FileImage(len(rendered), pieces, copies)
+                copies.append((start, torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)))
+    return FileImage(sparse.size, sparse.merged_pieces(), copies)
 
 
 def safetensors_image(tensors: dict[str, torch.Tensor], metadata: Optional[dict[str, str]] = None) -> FileImage:
