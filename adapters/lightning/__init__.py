@@ -1,1 +1,4 @@
-"""asyncckpt adapter for lightning (see docs/)."""
+"""asyncckpt adapter for Lightning: ``Trainer(plugins=[AsyncCkptIO()])`` (see docs/lightning.md)."""
+from .checkpoint_io import AsyncCkptIO, AsyncCkptSaveError
+
+__all__ = ["AsyncCkptIO", "AsyncCkptSaveError"]
