@@ -234,6 +234,20 @@ def _strip_timing(history):
     return [{k: v for k, v in entry.items() if not TIMING_KEYS.search(k)} for entry in history]
 
 
+def test_epoch_strategy_matches_native(tmp_path, shared_checkpointer):
+    options = dict(save_strategy="epoch", save_total_limit=None, num_train_epochs=3)
+    _train_toy(tmp_path / "native", **options)
+    callback = AsyncCheckpointCallback(checkpointer=shared_checkpointer)
+    _train_toy(tmp_path / "async", callbacks=[callback], **options)
+    assert [s for s, _ in callback.stalls] == [16, 32, 48]
+    assert _checkpoints(tmp_path / "async") == _checkpoints(tmp_path / "native") == \
+        ["checkpoint-16", "checkpoint-32", "checkpoint-48"]
+    _assert_committed(tmp_path / "async")
+    for name in _checkpoints(tmp_path / "async"):
+        _assert_same_training_state(tmp_path / "async" / name, tmp_path / "native" / name)
+        assert _trainer_state(tmp_path / "async" / name) == _trainer_state(tmp_path / "native" / name)
+
+
 # ---------------------------------------------------------------------- 3. a PreTrainedModel (+ tokenizer, sharded weights)
 def _tiny_gpt2_and_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers

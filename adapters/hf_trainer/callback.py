@@ -52,6 +52,12 @@ class AsyncCheckpointCallback(TrainerCallback):
         """(global step, seconds the training loop spent in each checkpoint save)."""
         return self.saver.stalls if self.saver is not None else []
 
+    @property
+    def timings(self) -> list[dict]:
+        """Per save: ``step``, ``stall_s`` and ``waited_s`` (the part spent waiting for an earlier
+        checkpoint's commit because ``max_pending`` were in flight)."""
+        return self.saver.timings if self.saver is not None else []
+
     # ------------------------------------------------------------------ Trainer events
     def on_init_end(self, args, state, control, **kwargs):
         self._attach(_calling_trainer(self))
@@ -60,9 +66,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         trainer = _calling_trainer(self)
         self._attach(trainer)  # added with trainer.add_callback(...) after __init__: attach now
         if self.saver is not None and args.save_strategy != "no":
-            if args.should_save:
-                self.saver.remove_stale_staging(args.output_dir)  # no save of this run has started yet
-            self.saver.start_writer()  # its start-up (a Python process importing torch) overlaps training
+            self.saver.begin_training(args.output_dir, remove_stale=args.should_save)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.saver is not None:

@@ -24,7 +24,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from asyncckpt.core import Checkpointer, CheckpointError, CheckpointWriteError
 from transformers.trainer_callback import ExportableState
@@ -37,7 +37,7 @@ logger = logging.getLogger("asyncckpt.hf_trainer")
 
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 _STALE_STAGING_RE = re.compile(rf"^\.{PREFIX_CHECKPOINT_DIR}-\d+\.asyncckpt-(staging|replaced)-")
-_MARK = "__asyncckpt_saver__"
+_MARK = "_asyncckpt_saver"  # on the Trainer instance: the saver installed there
 
 
 @dataclass
@@ -85,23 +85,26 @@ class AsyncCheckpointSaver:
         self._removed: set[str] = set()  # queued for deletion by our rotation
         self._fallback_warned = False
         self.stalls: list[tuple[int, float]] = []  # (global step, seconds the training loop was blocked)
+        self.timings: list[dict] = []  # per save: stall_s, and waited_s of it for an earlier checkpoint's commit
         self._originals: dict[str, Callable] = {}
 
     # ------------------------------------------------------------------ installation
     @staticmethod
     def installed_on(trainer) -> Optional["AsyncCheckpointSaver"]:
-        return getattr(trainer.__dict__.get("_save_checkpoint"), _MARK, None)
+        return trainer.__dict__.get(_MARK)
 
     def install(self) -> None:
-        """Shadow three methods on this Trainer instance (not its class): the same signatures."""
+        """Shadow three methods on this Trainer instance (not its class): the same signatures.
+
+        Code that wraps them again afterwards (a profiler, another callback) keeps working: the
+        Trainer calls the outermost attribute, which ends in ours."""
         trainer = self._trainer()
         for name, replacement in (("_save_checkpoint", self.save_checkpoint),
                                   ("_load_best_model", self._wait_then("_load_best_model")),
                                   ("_finalize_training", self._wait_then("_finalize_training"))):
             self._originals[name] = getattr(trainer, name)
-            wrapper = _bound(replacement)
-            setattr(wrapper, _MARK, self)
-            setattr(trainer, name, wrapper)
+            setattr(trainer, name, replacement)
+        trainer.__dict__[_MARK] = self
 
     def _wait_then(self, name: str) -> Callable:
         def call(*args, **kwargs):
@@ -118,9 +121,11 @@ class AsyncCheckpointSaver:
             return self._originals["_save_checkpoint"](model, trial)
         started = time.perf_counter()
         args, state = trainer.args, trainer.state
+        waited = 0.0
         try:
             self._raise_failures()
             self._apply_back_pressure()  # async: at most max_pending checkpoints uncommitted
+            waited = time.perf_counter() - started
 
             checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
             if trainer.hp_search_backend is None and trial is None:
@@ -171,7 +176,9 @@ class AsyncCheckpointSaver:
             self._raise_failures(cause=e)  # name the folder whose save failed, if it was an earlier one
             raise
         finally:
-            self.stalls.append((state.global_step, time.perf_counter() - started))
+            stall = time.perf_counter() - started
+            self.stalls.append((state.global_step, stall))
+            self.timings.append({"step": state.global_step, "stall_s": stall, "waited_s": waited})
 
     # ------------------------------------------------------------------ bookkeeping
     def _exists_or_pending(self, path: str, current: str) -> bool:
@@ -232,9 +239,14 @@ class AsyncCheckpointSaver:
             self._own_checkpointer = True
         return self._checkpointer
 
-    def start_writer(self) -> None:
-        """Start the background writer now rather than at the first save (an empty deletion request)."""
-        self.checkpointer().async_remove([])
+    def begin_training(self, run_dir: str, remove_stale: bool) -> None:
+        """At ``on_train_begin``: nothing of ours is pending (the last ``train()`` drained), so the
+        disk is the truth again; start the background writer now rather than at the first save."""
+        self.drain()
+        self._written, self._removed = [], set()
+        if remove_stale:
+            self.remove_stale_staging(run_dir)  # no save of this run has started yet
+        self.checkpointer().async_remove([])  # an empty request: spawns the writer, its start-up overlaps training
 
     def _apply_back_pressure(self) -> None:
         while self._pending and sum(not p.done() for p in self._pending) >= self.max_pending:
@@ -286,13 +298,3 @@ class AsyncCheckpointSaver:
             if _STALE_STAGING_RE.match(name):
                 shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
-
-def _bound(function: Callable) -> Callable:
-    """A plain function object (so a marker attribute can be set on it) calling ``function``."""
-
-    def method(*args: Any, **kwargs: Any):
-        return function(*args, **kwargs)
-
-    method.__name__ = getattr(function, "__name__", "method")
-    method.__doc__ = function.__doc__
-    return method
