@@ -1,16 +1,19 @@
 """Per-save stall and training slowdown of Transformers Trainer checkpointing on a >= 500 MB-state model.
 
-    python benchmarks/hf_trainer_bench.py        # ~6-12 min on 2 shared cores; writes
+    python benchmarks/hf_trainer_bench.py        # ~10-15 min on 2 shared cores; writes
                                                  # benchmarks/results/hf_trainer.json and docs/benchmarks_hf_trainer.md
 
 Modes (each in its own fresh process, same seed, same steps; run order: none, native, asyncckpt,
-asyncckpt_fix, none):
+asyncckpt_overlap, asyncckpt_fix, asyncckpt_fix_overlap, none):
   none           save_strategy="no" (the baseline)
   native         the Trainer's own _save_checkpoint (synchronous)
   asyncckpt      Trainer(callbacks=[AsyncCheckpointCallback()]) (this project, core as it is in the tree)
-  asyncckpt_fix  the same, with a PROPOSED core change applied in the child process only (not in the tree):
-                 core.native_files.torch_file_image rendering torch.save(skip_data) into a sparse writer
-                 instead of a BytesIO (see PROPOSED_TORCH_FILE_IMAGE below and docs/hf_trainer.md)
+  asyncckpt_overlap      AsyncCheckpointCallback(overlap_optimizer=True): optimizer.pt snapshot on a thread
+                 during the next forward/backward; the next optimizer.step() waits for it
+  asyncckpt_fix, asyncckpt_fix_overlap   the same two, with a PROPOSED core change applied in the child
+                 process only (not in the tree): core.native_files.torch_file_image rendering
+                 torch.save(skip_data) into a sparse writer instead of a BytesIO
+                 (install_proposed_torch_file_image below; docs/hf_trainer.md, Performance)
 
 Training: ``LlamaForCausalLM`` from a config (no download): hidden 1024, 4 layers, MLP 2816, vocab 1024,
 untied embeddings -> 53.5 M parameters; AdamW -> the checkpoint holds 642 MB of tensors (model.safetensors
@@ -52,7 +55,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("none", "native", "asyncckpt", "asyncckpt_fix")
+MODES = ("none", "native", "asyncckpt", "asyncckpt_overlap", "asyncckpt_fix", "asyncckpt_fix_overlap")
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 AFTER_SAVE_STEPS = 3
 
@@ -133,7 +136,7 @@ def child(args) -> dict:
     from torch.utils.data import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    if args.mode == "asyncckpt_fix":
+    if "_fix" in args.mode:
         install_proposed_torch_file_image()
 
     class Tokens(Dataset):
@@ -170,7 +173,7 @@ def child(args) -> dict:
     if args.mode.startswith("asyncckpt"):
         from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
 
-        callbacks.append(asyncckpt_callback := AsyncCheckpointCallback())
+        callbacks.append(asyncckpt_callback := AsyncCheckpointCallback(overlap_optimizer="overlap" in args.mode))
     targs = TrainingArguments(output_dir=workdir, max_steps=args.steps, per_device_train_batch_size=args.batch,
                               learning_rate=1e-5, save_strategy="no" if args.mode == "none" else "steps",
                               save_steps=args.every, save_total_limit=2, logging_steps=args.every, report_to=[],
@@ -230,6 +233,8 @@ def child(args) -> dict:
         "checkpoints": checkpoints, "files": files,
         "waited_for_previous_commit_s": [t["waited_s"] for t in asyncckpt_callback.timings]
         if asyncckpt_callback else None,
+        "optimizer_step_waited_s": [t.get("optimizer_step_waited_s", 0.0) for t in asyncckpt_callback.timings]
+        if asyncckpt_callback else [0.0] * len(stalls),
     }
 
 
@@ -261,7 +266,10 @@ def summarize(runs: list[dict], args) -> dict:
         window_pairs = [(s, m) for (step, s), m in zip(r["stalls"], r["memcpy_before_save_s"])
                         if args.every < step < args.steps]
         first = [s for step, s in r["stalls"] if step <= args.every]
-        blocked = sum(s for s, _ in window_pairs)
+        step_waits = {step: w for (step, _), w in zip(r["stalls"], r["optimizer_step_waited_s"])}
+        # overlap mode: the next optimizer.step() may wait for the snapshot; that is blocking time too
+        blocked = sum(s for s, _ in window_pairs) + sum(w for step, w in step_waits.items()
+                                                         if args.every <= step < args.steps)
         rows[r["mode"]] = {
             "first_save_stall_s": first[0] if first else None, "stalls_s": [s for _, s in r["stalls"]],
             "memcpy_before_save_s": r["memcpy_before_save_s"],
@@ -270,6 +278,9 @@ def summarize(runs: list[dict], args) -> dict:
             "stall_over_memcpy_per_save": [s / m for s, m in pairs],
             "stall_over_memcpy": statistics.median(s / m for s, m in pairs),
             "memcpy_end_of_run_s": r["memcpy_s"], "waited_for_previous_commit_s": r["waited_for_previous_commit_s"],
+            "optimizer_step_waited_s": r["optimizer_step_waited_s"],
+            "stall_plus_step_wait_median_s": statistics.median(
+                s + step_waits.get(step, 0.0) for step, s in r["stalls"] if step > args.every),
             "window_s": r["window_s"], "slowdown": r["window_s"] / base - 1.0,
             "blocked_in_run": blocked / (r["window_s"] - blocked),
             "interference": r["median_step_after_save_s"] / r["median_step_other_s"] - 1.0,
@@ -297,26 +308,32 @@ def markdown(result: dict) -> str:
         f"tokens. Each mode runs in a fresh process. Stalls: the {saves} saves after the first (steps "
         f"{2 * cfg['every']}..{cfg['steps']}). Window: step {cfg['every'] + 1} to the end of step {cfg['steps']}.",
         "",
-        "* **stall** = time `trainer._save_checkpoint` blocked training; **memcpy** = copying the same tensors into "
-        "held memory in the same process right before each save; **stall / memcpy** = median of the per-save ratios.",
+        "* **stall** = time `trainer._save_checkpoint` blocked training; **+ next step's wait** = stall plus the time "
+        "the next `optimizer.step()` waited for an overlapped optimizer snapshot (median; = stall without overlap); "
+        "**memcpy** = copying the same tensors into held memory in the same process right before each save; "
+        "**stall / memcpy** = median of the per-save ratios.",
         "* **slowdown** = window wall time vs the runs without checkpoints (baseline windows: "
         f"{', '.join('%.1f s' % w for w in summary['baseline_window_s'])}; median step "
         f"{', '.join('%.2f s' % s for s in summary['baseline_median_step_s'])}): across processes, so it moves with the "
         "other jobs on the machine (load average in the last column).",
-        "* **blocked** = in-run share of the window's stalls: sum of stalls / (window - sum); **interference** = "
+        "* **blocked** = in-run share of the window's stalls (and overlapped-snapshot waits): sum / (window - sum); "
+        "**interference** = "
         f"in-run: median time of the {AFTER_SAVE_STEPS} steps after each save (writer busy) vs the other steps "
         f"(without checkpoints the same ratio is {', '.join('%+.1f%%' % (100 * x) for x in summary['baseline_interference'])}).",
         "",
-        "| mode | first save stall s | stall s (median) | stall max s | memcpy s (median) | stall / memcpy "
-        "| slowdown | blocked | interference | median step s | drain at end s | load avg (before, after) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | first save stall s | stall s (median) | stall max s | + next step's wait s | memcpy s (median) "
+        "| stall / memcpy | slowdown | blocked | interference | median step s | drain at end s | load avg (before, after) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    names = {"native": "Trainer native `_save_checkpoint`", "asyncckpt": "**AsyncCheckpointCallback**",
-             "asyncckpt_fix": "AsyncCheckpointCallback + proposed core fix (not in tree)"}
+    names = {"native": "Trainer native `_save_checkpoint`", "asyncckpt": "**AsyncCheckpointCallback()**",
+             "asyncckpt_overlap": "**AsyncCheckpointCallback(overlap_optimizer=True)**",
+             "asyncckpt_fix": "AsyncCheckpointCallback() + proposed core fix (not in tree)",
+             "asyncckpt_fix_overlap": "AsyncCheckpointCallback(overlap_optimizer=True) + proposed core fix (not in tree)"}
     for mode, row in summary["modes"].items():
         lines.append(
             f"| {names[mode]} | {row['first_save_stall_s']:.2f} | {row['stall_median_s']:.3f} | "
-            f"{row['stall_max_s']:.3f} | {row['memcpy_s']:.3f} | {row['stall_over_memcpy']:.2f}x | "
+            f"{row['stall_max_s']:.3f} | {row['stall_plus_step_wait_median_s']:.3f} | {row['memcpy_s']:.3f} | "
+            f"{row['stall_over_memcpy']:.2f}x | "
             f"{100 * row['slowdown']:+.1f}% | {100 * row['blocked_in_run']:.1f}% | {100 * row['interference']:+.1f}% | "
             f"{row['median_step_s']:.2f} | {row['drain_s']:.2f} | {row['loadavg'][0]:.1f}, {row['loadavg'][1]:.1f} |")
     lines += ["", "Per-save stall / memcpy ratios: " + "; ".join(
@@ -337,7 +354,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--modes", default="none,native,asyncckpt,asyncckpt_fix,none", help="comma-separated run order")
+    parser.add_argument("--modes", default="none,native,asyncckpt,asyncckpt_overlap,asyncckpt_fix,asyncckpt_fix_overlap,none",
+                        help="comma-separated run order")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: the temp dir)")
     parser.add_argument("--no-malloc-env", action="store_true", help="run the children with glibc's default malloc")
     parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "hf_trainer.json"))

@@ -328,6 +328,35 @@ def test_resume_fidelity_bitwise(tmp_path, shared_checkpointer):
     assert _trainer_state(tmp_path / "split" / "checkpoint-20") == _trainer_state(tmp_path / "full" / "checkpoint-20")
 
 
+def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, shared_checkpointer, monkeypatch):
+    """overlap_optimizer: optimizer.pt is copied on a thread; the next optimizer.step() must wait for it.
+    The thread is slowed down so that the next step always arrives first: a torn snapshot would hold the
+    next step's Adam state and the resumed run would differ from the uninterrupted one."""
+    from asyncckpt.adapters.hf_trainer import AsyncCheckpointSaver
+
+    original = AsyncCheckpointSaver._finish
+
+    def slow_finish(self, *args):
+        time.sleep(0.3)
+        return original(self, *args)
+
+    monkeypatch.setattr(AsyncCheckpointSaver, "_finish", slow_finish)
+    options = dict(max_steps=20, save_steps=5, save_total_limit=None, logging_steps=5)
+    overlapped = lambda: AsyncCheckpointCallback(checkpointer=shared_checkpointer, overlap_optimizer=True)  # noqa: E731
+    callback = overlapped()
+    full = _train_toy(tmp_path / "full", callbacks=[callback], **options)
+    waits = [t.get("optimizer_step_waited_s", 0.0) for t in callback.timings[:-1]]  # the last save has no next step
+    assert len(waits) == 3 and min(waits) > 0.1, callback.timings  # the next step did wait for the snapshot
+    native = _train_toy(tmp_path / "native", **options)
+    for name in _checkpoints(tmp_path / "native"):
+        _assert_same_training_state(tmp_path / "full" / name, tmp_path / "native" / name)
+    _train_toy(tmp_path / "split", callbacks=[overlapped(), StopAt(10)], **options)
+    resumed = _train_toy(tmp_path / "split", callbacks=[overlapped()], resume=True, **options)
+    assert _equal(resumed.optimizer.state_dict(), full.optimizer.state_dict())
+    assert _equal(resumed.model.state_dict(), native.model.state_dict())
+    _assert_committed(tmp_path / "split")
+
+
 # ---------------------------------------------------------------------- 5. added later with add_callback
 def test_add_callback_before_train(tmp_path):
     native = _train_toy(tmp_path / "native")

@@ -34,14 +34,19 @@ class AsyncCheckpointCallback(TrainerCallback):
         timeout: seconds any wait on the background writer or on another rank may take.
         direct_io: write with O_DIRECT where the filesystem supports it.
         checkpointer: an ``asyncckpt.core.Checkpointer`` to use (you close it); by default the
-            callback creates one at the first save and closes it when training ends.
+            callback creates one when training starts and closes it when training ends.
+        overlap_optimizer: snapshot ``optimizer.pt`` (two thirds of an Adam checkpoint) in a background
+            thread while the next step's forward and backward run; the next ``optimizer.step()`` waits
+            for it. Safe because a torch optimizer's state changes only in ``step()``; the weights, RNG
+            and everything else are still snapshot before the save returns.
     """
 
     def __init__(self, max_pending: int = 1, timeout: float = 600.0, direct_io: bool = True,
-                 checkpointer: Optional[Checkpointer] = None) -> None:
+                 checkpointer: Optional[Checkpointer] = None, overlap_optimizer: bool = False) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be >= 1")
         self.max_pending = max_pending
+        self.overlap_optimizer = overlap_optimizer
         self.timeout = timeout
         self.direct_io = direct_io
         self.checkpointer = checkpointer
@@ -82,7 +87,8 @@ class AsyncCheckpointCallback(TrainerCallback):
                 self.saver = existing
             return
         self.saver = AsyncCheckpointSaver(trainer, max_pending=self.max_pending, timeout=self.timeout,
-                                          direct_io=self.direct_io, checkpointer=self.checkpointer)
+                                          direct_io=self.direct_io, checkpointer=self.checkpointer,
+                                          overlap_optimizer=self.overlap_optimizer)
         self.saver.install()
 
 

@@ -25,7 +25,7 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import safetensors.torch
 import torch
@@ -43,11 +43,13 @@ def _scratch_root() -> Optional[str]:
 class Capture:
     """Collects the handles of everything given to the transaction (to report failures per folder)."""
 
-    def __init__(self, tx) -> None:
+    def __init__(self, tx, defer: Optional[Callable[[str], bool]] = None) -> None:
         self.tx = tx
         self.scratch = os.path.realpath(tempfile.mkdtemp(prefix="asyncckpt-hf-", dir=_scratch_root()))
         self.handles: list = []
         self.captured: list[str] = []
+        self.defer = defer
+        self.deferred: list[tuple] = []  # (obj, name, format, metadata): the caller snapshots them later
 
     def relative(self, target: Any) -> Optional[str]:
         if not isinstance(target, (str, os.PathLike)):
@@ -58,8 +60,11 @@ class Capture:
         return os.path.relpath(path, self.scratch)
 
     def save_file(self, obj: Any, name: str, format: str, metadata: Optional[dict] = None) -> None:
-        self.handles.append(self.tx.save_file(obj, name, format=format, metadata=metadata))
         self.captured.append(name)
+        if self.defer is not None and self.defer(name):
+            self.deferred.append((obj, name, format, metadata))
+        else:
+            self.handles.append(self.tx.save_file(obj, name, format=format, metadata=metadata))
 
     def hand_over_scratch(self) -> None:
         """Give the files written synchronously into the scratch directory to the transaction."""
@@ -75,9 +80,12 @@ class Capture:
 
 
 @contextlib.contextmanager
-def capture_into(tx) -> Iterator[Capture]:
-    """``with capture_into(tx) as cap:`` call the Trainer's save methods with ``cap.scratch``."""
-    cap = Capture(tx)
+def capture_into(tx, defer: Optional[Callable[[str], bool]] = None) -> Iterator[Capture]:
+    """``with capture_into(tx) as cap:`` call the Trainer's save methods with ``cap.scratch``.
+
+    Files whose name ``defer(name)`` accepts are not snapshot here but listed in ``cap.deferred``
+    (live objects: the caller must snapshot them before anything changes them)."""
+    cap = Capture(tx, defer)
     original_torch_save = torch.save
     original_st_save = safetensors.torch.save_file
     original_mu_save = modeling_utils.safe_save_file

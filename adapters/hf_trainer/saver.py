@@ -12,7 +12,9 @@ differences, each marked ``# async:`` below:
 * at most ``max_pending`` checkpoints are uncommitted: a save beyond that first waits for the oldest;
   a failed background save raises at the next save (or at the end of training), naming its folder;
 * before anything reads a checkpoint back (``_load_best_model``) and before training ends
-  (``_finalize_training``), every pending save is waited for.
+  (``_finalize_training``), every pending save is waited for;
+* with ``overlap_optimizer``, ``optimizer.pt`` is snapshot on a thread while the next forward and
+  backward run, and every ``optimizer.step()`` first waits for that thread.
 """
 from __future__ import annotations
 
@@ -20,11 +22,14 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from asyncckpt.core import Checkpointer, CheckpointError, CheckpointWriteError
 from transformers.trainer_callback import ExportableState
@@ -36,6 +41,7 @@ from .capture import capture_into
 logger = logging.getLogger("asyncckpt.hf_trainer")
 
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
+OPTIMIZER_NAME = "optimizer.pt"  # transformers.trainer.OPTIMIZER_NAME
 _STALE_STAGING_RE = re.compile(rf"^\.{PREFIX_CHECKPOINT_DIR}-\d+\.asyncckpt-(staging|replaced)-")
 _MARK = "_asyncckpt_saver"  # on the Trainer instance: the saver installed there
 
@@ -71,11 +77,15 @@ class AsyncCheckpointSaver:
     """Installed on one Trainer instance; replaces its ``_save_checkpoint`` and waits where needed."""
 
     def __init__(self, trainer, *, max_pending: int, timeout: float, direct_io: bool,
-                 checkpointer: Optional[Checkpointer]) -> None:
+                 checkpointer: Optional[Checkpointer], overlap_optimizer: bool = False) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be >= 1")
         self._trainer = weakref.ref(trainer)
         self.max_pending = max_pending
+        self.overlap_optimizer = overlap_optimizer
+        self._tail: Optional[threading.Thread] = None  # snapshots deferred to the next optimizer step, then commit
+        self._tail_error: Optional[tuple[PendingCheckpoint, BaseException]] = None
+        self._step_hook = None
         self.timeout = timeout
         self.direct_io = direct_io
         self._own_checkpointer = checkpointer is None
@@ -105,6 +115,12 @@ class AsyncCheckpointSaver:
             self._originals[name] = getattr(trainer, name)
             setattr(trainer, name, replacement)
         trainer.__dict__[_MARK] = self
+        if self.overlap_optimizer:
+            # Any optimizer step (ours is the only one that changes the state we snapshot) first
+            # waits for a deferred optimizer.pt snapshot: a torch optimizer's state changes only in step().
+            this = weakref.ref(self)
+            self._step_hook = register_optimizer_step_pre_hook(
+                lambda *_: this() is not None and this()._join_tail(timing=True))
 
     def _wait_then(self, name: str) -> Callable:
         def call(*args, **kwargs):
@@ -123,6 +139,7 @@ class AsyncCheckpointSaver:
         args, state = trainer.args, trainer.state
         waited = 0.0
         try:
+            self._raise_tail_error()
             self._raise_failures()
             self._apply_back_pressure()  # async: at most max_pending checkpoints uncommitted
             waited = time.perf_counter() - started
@@ -135,7 +152,8 @@ class AsyncCheckpointSaver:
             final_dir = os.path.abspath(output_dir)
 
             tx = self.checkpointer().begin_directory(final_dir, step=state.global_step)
-            with capture_into(tx) as cap:  # async: the Trainer's own save code, data files snapshot and queued
+            defer = (lambda name: name == OPTIMIZER_NAME) if self.overlap_optimizer else None
+            with capture_into(tx, defer=defer) as cap:  # async: the Trainer's own save code, files snapshot + queued
                 trainer.save_model(cap.scratch, _internal_call=True)
 
                 if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) \
@@ -159,19 +177,26 @@ class AsyncCheckpointSaver:
                         else:
                             state.stateful_callbacks[cb_name] = cb_state
                     state.save_to_json(os.path.join(cap.scratch, TRAINER_STATE_NAME))
-            pending = PendingCheckpoint(final_dir, state.global_step, cap.handles + [tx.commit()])
+            pending = PendingCheckpoint(final_dir, state.global_step, list(cap.handles))
             self._pending.append(pending)
             if final_dir in self._written:
                 self._written.remove(final_dir)
             self._written.append(final_dir)
             self._removed.discard(final_dir)
+            doomed = self._rotation(run_dir, args.save_total_limit, state.best_model_checkpoint) \
+                if args.should_save else []
+            tail = (tx, cap.deferred, pending, doomed)
+            if cap.deferred:  # async: the optimizer state is copied while the next forward/backward runs
+                self._tail = threading.Thread(target=self._run_tail, args=tail, name="asyncckpt-hf-snapshot",
+                                              daemon=True)
+                self._tail.start()
+            else:
+                self._finish(*tail)
 
             if args.push_to_hub:  # async: the upload needs the files: wait for this commit first
+                self._join_tail()
                 self._wait(pending)
                 trainer._push_from_checkpoint(output_dir)
-
-            if args.should_save:
-                self._rotate(run_dir, final_dir, args.save_total_limit, state.best_model_checkpoint)
         except CheckpointError as e:
             self._raise_failures(cause=e)  # name the folder whose save failed, if it was an earlier one
             raise
@@ -187,20 +212,58 @@ class AsyncCheckpointSaver:
             return True
         return os.path.exists(path) and path not in self._removed
 
-    def _rotate(self, run_dir: str, newest: str, save_total_limit: Optional[int], best: Optional[str]) -> None:
-        """``rotate_checkpoints`` over what will exist once the writer is done, deleted after our commit.
+    def _finish(self, tx, deferred: list, pending: PendingCheckpoint, doomed: list[str]) -> None:
+        """The deferred snapshots, then the commit, then the rotation's deletions (in the writer's FIFO,
+        behind the commit, and only if it succeeded)."""
+        for obj, name, format, metadata in deferred:
+            pending.handles.append(tx.save_file(obj, name, format=format, metadata=metadata))
+        pending.handles.append(tx.commit())
+        if doomed:
+            self.checkpointer().async_remove(doomed, only_if_complete=pending.final_dir)
+
+    def _run_tail(self, tx, deferred: list, pending: PendingCheckpoint, doomed: list[str]) -> None:
+        try:
+            self._finish(tx, deferred, pending, doomed)
+        except BaseException as e:  # noqa: BLE001 - raised on the training thread at the next save
+            self._tail_error = (pending, e)
+
+    def _join_tail(self, timing: bool = False) -> None:
+        """Wait for a deferred snapshot (the training thread must not touch the checkpointer meanwhile)."""
+        tail = self._tail
+        if tail is None:
+            return
+        started = time.perf_counter()
+        tail.join()
+        self._tail = None
+        if timing and self.timings:
+            self.timings[-1]["optimizer_step_waited_s"] = time.perf_counter() - started
+
+    def _raise_tail_error(self) -> None:
+        self._join_tail()
+        if self._tail_error is not None:
+            pending, error = self._tail_error
+            self._tail_error = None
+            if pending in self._pending:
+                self._pending.remove(pending)
+            self._written = [d for d in self._written if d != pending.final_dir]
+            raise CheckpointWriteError(
+                f"asyncckpt: the checkpoint {pending.final_dir} (global step {pending.step}) was not saved: its "
+                f"optimizer snapshot failed; nothing was published under that name. Cause: {error}") from error
+
+    def _rotation(self, run_dir: str, save_total_limit: Optional[int], best: Optional[str]) -> list[str]:
+        """``rotate_checkpoints`` over what will exist once the writer is done: the folders to delete.
 
         Order: checkpoints found on disk that this run did not write (the Trainer's own order, by
         mtime or else by step), then ours in the order we saved them; so the newest is the one
         just saved, as with native ``use_mtime=True``.
         """
         if save_total_limit is None or save_total_limit <= 0:
-            return
+            return []
         ours = [d for d in self._written if d not in self._removed and os.path.dirname(d) == os.path.abspath(run_dir)]
         found = [os.path.abspath(p) for p in sort_checkpoints(run_dir, use_mtime=True)]
         checkpoints = [p for p in found if p not in ours and p not in self._removed] + ours
         if len(checkpoints) <= save_total_limit:
-            return
+            return []
         protected = {checkpoints[-1]}
         if best is not None:
             protected.add(os.path.abspath(best))
@@ -212,10 +275,8 @@ class AsyncCheckpointSaver:
             if checkpoint not in protected:
                 doomed.append(checkpoint)
                 remaining -= 1
-        if doomed:
-            # async: runs in the writer after everything queued before, only if `newest` was committed
-            self.checkpointer().async_remove(doomed, only_if_complete=newest)
-            self._removed.update(doomed)
+        self._removed.update(doomed)  # async: deleted by the writer after the commit (see _finish)
+        return doomed
 
     def _supported(self, trainer) -> bool:
         unsupported = [name for name, on in (
@@ -274,6 +335,7 @@ class AsyncCheckpointSaver:
 
     def drain(self) -> None:
         """Wait until every checkpoint (and deletion) handed to the writer is done; raise failures."""
+        self._raise_tail_error()
         while self._pending:
             self._wait(self._pending[0])
         if self._checkpointer is not None and not self._checkpointer._closed:
@@ -284,6 +346,10 @@ class AsyncCheckpointSaver:
         try:
             self.drain()
         finally:
+            self._join_tail()
+            if self._step_hook is not None:
+                self._step_hook.remove()
+                self._step_hook = None
             if self._own_checkpointer and self._checkpointer is not None:
                 self._checkpointer.close()
                 self._checkpointer = None
