@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers.trainer_callback import ExportableState  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback  # noqa: E402
@@ -248,6 +249,18 @@ def test_epoch_strategy_matches_native(tmp_path, shared_checkpointer):
         assert _trainer_state(tmp_path / "async" / name) == _trainer_state(tmp_path / "native" / name)
 
 
+def test_two_pending_checkpoints_rotation_matches_native(tmp_path, shared_checkpointer):
+    """max_pending=2: a save does not wait for the previous commit; rotation (limit 1) is still behind it."""
+    options = dict(save_steps=5, save_total_limit=1, max_steps=30)
+    _train_toy(tmp_path / "native", **options)
+    callback = AsyncCheckpointCallback(checkpointer=shared_checkpointer, max_pending=2)
+    _train_toy(tmp_path / "async", callbacks=[callback], **options)
+    assert _checkpoints(tmp_path / "async") == _checkpoints(tmp_path / "native") == ["checkpoint-30"]
+    _assert_committed(tmp_path / "async")
+    _assert_same_training_state(tmp_path / "async" / "checkpoint-30", tmp_path / "native" / "checkpoint-30")
+    assert _trainer_state(tmp_path / "async" / "checkpoint-30") == _trainer_state(tmp_path / "native" / "checkpoint-30")
+
+
 # ---------------------------------------------------------------------- 3. a PreTrainedModel (+ tokenizer, sharded weights)
 def _tiny_gpt2_and_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -363,6 +376,7 @@ def test_add_callback_before_train(tmp_path):
     torch.manual_seed(0)
     trainer = Trainer(model=Net(), args=_args(tmp_path / "async"), train_dataset=Toy())
     callback = AsyncCheckpointCallback()  # default: its own writer process, closed when training ends
+    assert not isinstance(callback, ExportableState)  # the Trainer re-creates those on resume
     trainer.add_callback(callback)
     assert "_save_checkpoint" not in trainer.__dict__  # nothing to hook before train()
     trainer.train()
