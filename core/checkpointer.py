@@ -61,6 +61,7 @@ class SaveHandle:
         self._default_timeout = default_timeout
         self.buffer_slot: Optional["_BufferSlot"] = None
         self.reported = False  # the caller saw the outcome through result()
+        self.group: object = self  # saves of one checkpoint (a directory transaction) share a group
 
     def done(self) -> bool:
         return self._future.done()
@@ -243,7 +244,7 @@ class Checkpointer:
         """
         return self._save_file(obj, path, format, metadata)
 
-    def _save_file(self, obj: Any, path, format: str, metadata, on_failure=None) -> SaveHandle:
+    def _save_file(self, obj: Any, path, format: str, metadata, on_failure=None, group=None) -> SaveHandle:
         if self._closed:
             raise RuntimeError("Checkpointer is closed")
         self._raise_unreported()
@@ -254,9 +255,12 @@ class Checkpointer:
             image = safetensors_image(obj, metadata)
         else:
             raise ValueError(f"unknown file format {format!r} (expected 'torch' or 'safetensors')")
-        self._apply_back_pressure()
+        if group is None:  # files of a directory transaction were admitted with the transaction
+            self._apply_back_pressure()
         slot = self._free_file_slot(image.size)
         handle = SaveHandle(path, _rank_and_world(self.process_group)[0], self.timeout + 60)
+        if group is not None:
+            handle.group = group
         slot.user, handle.buffer_slot = handle, slot
         with self._lock:
             self._in_flight.append(handle)
@@ -279,16 +283,20 @@ class Checkpointer:
     def begin_directory(self, final_dir: str | os.PathLike, *, step: Optional[int] = None) -> DirectoryTransaction:
         """Start a checkpoint directory of native files (SPMD: every rank of the group calls it in
         the same order). Stage files with ``tx.save_file`` / ``tx.write_bytes``, then ``tx.commit()``."""
+        self._apply_back_pressure()  # the whole directory counts as one save in flight
         rank, world = _rank_and_world(self.process_group)
         self._directory_counter += 1
         return DirectoryTransaction(self, os.fspath(final_dir), rank, world, step,
                                     transaction_id(world, self._directory_counter))
 
-    def _submit_unbuffered(self, what: str, request) -> SaveHandle:
-        """Queue a request that needs no staging buffer (it does not count toward max_in_flight)."""
+    def _submit_unbuffered(self, what: str, request, group=None) -> SaveHandle:
+        """Queue a request that needs no staging buffer (counted toward max_in_flight only as part
+        of ``group``, a directory transaction)."""
         if self._closed:
             raise RuntimeError("Checkpointer is closed")
         handle = SaveHandle(what, _rank_and_world(self.process_group)[0], self.timeout + 60)
+        if group is not None:
+            handle.group = group
         with self._lock:
             self._in_flight.append(handle)
         handle._set_staged()
@@ -336,6 +344,11 @@ class Checkpointer:
         for handle in pending:
             self._settle(handle, None)
         self._raise_unreported()
+
+    def start(self) -> None:
+        """Start the background writer now (it starts lazily otherwise: ~2-3 s at the first save)."""
+        with self._lock:
+            self._ensure_worker()
 
     def wait_staged(self) -> None:
         """Block until the snapshot of the last overlapped save is taken (call before mutating)."""
@@ -393,14 +406,19 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ buffers & back-pressure
     def _apply_back_pressure(self) -> None:
-        """Wait for the oldest save holding a staging buffer while max_in_flight are pending."""
+        """While ``max_in_flight`` saves hold staging buffers, wait for the oldest one (all of its
+        files, for a directory transaction)."""
         while True:
             with self._lock:
-                holding = [h for h in self._in_flight if h.buffer_slot is not None and not h.done()]
-                if len(holding) < self.max_in_flight:
+                groups: dict = {}
+                for h in self._in_flight:
+                    if (h.buffer_slot is not None or h.group is not h) and not h.done():
+                        groups.setdefault(id(h.group), []).append(h)
+                if len(groups) < self.max_in_flight:
                     return
-                oldest = holding[0]
-            self._settle(oldest, None)
+                oldest = next(iter(groups.values()))
+            for handle in oldest:
+                self._settle(handle, None)
 
     def _free_slot(self, key, cached: CachedPlan) -> _BufferSlot:
         with self._lock:

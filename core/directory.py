@@ -108,17 +108,17 @@ class DirectoryTransaction:
     def save_file(self, obj: Any, name: str, *, format: str = "torch", metadata: Optional[dict] = None) -> "SaveHandle":
         """Snapshot ``obj`` now; write it as ``name`` (torch.save or safetensors layout) later."""
         return self._checkpointer._save_file(obj, os.path.join(self.staging_dir, name), format, metadata,
-                                             on_failure=self._commit_request)
+                                             on_failure=self._commit_request, group=self)
 
     def write_bytes(self, name: str, data: bytes) -> "SaveHandle":
         """Write small bytes (already a snapshot) as ``name``, in queue order."""
         path = os.path.join(self.staging_dir, name)
-        return self._checkpointer._submit_unbuffered(path, BytesRequest(path, bytes(data), self._commit_request))
+        return self._checkpointer._submit_unbuffered(path, BytesRequest(path, bytes(data), self._commit_request), group=self)
 
     def commit(self) -> "SaveHandle":
         """Every rank calls this once, after its files; the handle resolves when the directory is
         published under its final name (or raises what failed on any rank)."""
-        return self._checkpointer._submit_unbuffered(self.final_dir, self._commit_request)
+        return self._checkpointer._submit_unbuffered(self.final_dir, self._commit_request, group=self)
 
 
 def transaction_id(world_size: int, counter: int) -> str:

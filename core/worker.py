@@ -69,7 +69,8 @@ def serve(conn: Connection) -> None:
                 conn.send(("failed", job_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
         elif kind == "stop":
             conn.send(("stopped", None, None))
-            return
+            conn.close()
+            os._exit(0)  # everything is durable already; skip torch's slow interpreter teardown
 
 
 def main() -> None:

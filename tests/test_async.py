@@ -258,3 +258,18 @@ def test_retention_deletes_only_after_a_newer_commit(tmp_path):
     assert manager.steps() == [10, 12]  # a failed newer save never costs an older checkpoint
     assert manager.load({"w": torch.zeros(1000)}) == 12
     manager.close()
+
+
+def test_a_directory_counts_as_one_save_in_flight(tmp_path):
+    with core.Checkpointer(max_in_flight=1) as checkpointer:
+        checkpointer.start()
+        tx = checkpointer.begin_directory(tmp_path / "checkpoint-1", step=1)
+        first = tx.save_file({"w": torch.randn(8 << 20)}, "a.pt")
+        tx.save_file({"w": torch.randn(8 << 20)}, "b.pt")
+        assert not first.done() or len(checkpointer._slots) == 2  # the second file did not wait for the first
+        done = tx.commit()
+        second = checkpointer.begin_directory(tmp_path / "checkpoint-2", step=2)  # waits for checkpoint-1
+        assert done.done()
+        second.save_file({"w": torch.ones(3)}, "a.pt")
+        second.commit().result()
+    assert core.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
