@@ -22,7 +22,10 @@ Reported per mode:
                    window's saves; first save reported apart)
   memcpy           copying the same tensors into held (pre-allocated, pre-touched) memory, median
                    of 5, measured in the same process at the end of the run
-  slowdown         window wall time / the no-checkpoint window wall time - 1
+  overhead         window wall time / (window steps x the run's own median step-to-step interval) - 1,
+                   minus the same figure of the no-checkpoint runs: what checkpointing added to training,
+                   robust to the load drifting between runs on a shared machine
+  vs baseline run  window wall time / the no-checkpoint window of the same round - 1
   drain            time from the last step to fit() returning (the last write finishing)
 The machine is shared: the 1-minute load average is recorded around every run.
 """
@@ -131,6 +134,9 @@ def child(args) -> dict:
     memcpy = statistics.median(times[1:])
 
     window = clock.end[args.steps] - clock.start[args.warmup + 1]
+    # start-to-start intervals: a step plus every callback after it (the checkpoint save included)
+    intervals = [clock.start[s + 1] - clock.start[s] for s in range(args.warmup + 1, args.steps)]
+    intervals.append(clock.end[args.steps] - clock.start[args.steps])
     step_times = {s: clock.end[s] - clock.start[s] for s in clock.end if s in clock.start}
     files = sorted(os.listdir(workdir))
     sizes = [os.path.getsize(os.path.join(workdir, f)) for f in files]
@@ -142,7 +148,8 @@ def child(args) -> dict:
         "memcpy_reps_s": times[1:], "stalls": stalls, "window_s": window,
         "window_steps": args.steps - args.warmup, "drain_s": returned - clock.end[args.steps],
         "median_step_s": statistics.median(step_times.values()), "files": files, "file_bytes": sizes,
-        "profile": profile,
+        "profile": profile, "window_intervals_s": intervals,
+        "excess": window / (len(intervals) * statistics.median(intervals)) - 1.0,
     }
 
 
@@ -152,8 +159,8 @@ def where_the_stall_goes(profiler, elapsed: float) -> dict:
 
     wanted = {
         "dump_checkpoint": "Lightning: dump_checkpoint (build the checkpoint dict)",
-        "torch_file_image": "core: torch_file_image (torch.save(skip_data) into BytesIO, zip parse)",
-        "<built-in method torch._C.write_record_metadata>": "  of which: write_record_metadata (hole bytes zero-filled in BytesIO)",
+        "torch_file_image": "core: torch_file_image (torch.save(skip_data) framing, zip parse)",
+        "<built-in method torch._C.write_record_metadata>": "  of which: write_record_metadata (holes for the tensor bytes)",
         "stage_image": "core: stage_image (copy tensor bytes into the held staging buffer)",
         "_apply_back_pressure": "core: back-pressure wait",
         "_free_file_slot": "core: staging buffer lookup/allocation",
@@ -162,13 +169,12 @@ def where_the_stall_goes(profiler, elapsed: float) -> dict:
         "_atomic_save": "Lightning TorchCheckpointIO: _atomic_save (torch.save + write)",
     }
     stats = pstats.Stats(profiler)
-    out = {"profiled_save_s": elapsed}
+    found: dict = {}
     for (filename, line, name), (cc, nc, tt, ct, callers) in stats.stats.items():
-        key = name if name in wanted else None
-        if key is None and name.startswith("<") and name in wanted:
-            key = name
-        if key is not None:
-            out[wanted[key]] = round(out.get(wanted[key], 0.0) + ct, 4)
+        if name in wanted:
+            found[wanted[name]] = found.get(wanted[name], 0.0) + ct
+    out = {"profiled_save_s": elapsed}
+    out.update({label: round(found[label], 4) for label in wanted.values() if label in found})
     return out
 
 
@@ -196,6 +202,7 @@ def summarize(runs: list[dict], args) -> dict:
     """Per mode, over all rounds. The stall is compared with the memcpy of the same process; the
     slowdown with the no-checkpoint run of the same round (the machine's load drifts between rounds)."""
     baseline = {r["round"]: r["window_s"] for r in runs if r["mode"] == "none"}
+    jitter = statistics.median(r["excess"] for r in runs if r["mode"] == "none")
     rows = {}
     for mode in MODES[1:]:
         mine = [r for r in runs if r["mode"] == mode]
@@ -212,12 +219,14 @@ def summarize(runs: list[dict], args) -> dict:
             "saves_in_window": len(window_stalls), "memcpy_s": statistics.median(r["memcpy_s"] for r in mine),
             "stall_over_memcpy": statistics.median(ratios), "stall_over_memcpy_per_run": ratios,
             "slowdown": statistics.median(slowdowns), "slowdown_per_round": slowdowns,
+            "overhead": statistics.median(r["excess"] for r in mine) - jitter,
+            "excess_per_run": [r["excess"] for r in mine],
             "window_s": [r["window_s"] for r in mine], "drain_s": max(r["drain_s"] for r in mine),
             "median_step_s": [r["median_step_s"] for r in mine],
             "loadavg": [round(x, 1) for r in mine for x in (r["loadavg_before"], r["loadavg_after"])],
             "profile": mine[-1].get("profile", {}),
         }
-    return {"baseline_window_s": baseline, "modes": rows}
+    return {"baseline_window_s": baseline, "baseline_excess": jitter, "modes": rows}
 
 
 def markdown(result: dict) -> str:
@@ -228,7 +237,8 @@ def markdown(result: dict) -> str:
     lines = [
         "# Lightning checkpointing benchmark",
         "",
-        f"`python benchmarks/lightning_bench.py` ({result['date']}, {cfg['cpus']} CPUs, shared with other jobs: "
+        f"`python benchmarks/lightning_bench.py` ({result['date']}, commit {result.get('commit', '?')}, "
+        f"{cfg['cpus']} CPUs, shared with other jobs: "
         "see the load averages). Model: MLP "
         f"{cfg['depth']} x Linear({cfg['width']}, {cfg['width']}) + AdamW; the checkpoint holds "
         f"**{run0['state_bytes'] / 1e6:.0f} MB** of tensors ({run0['n_tensors']} tensors; file "
@@ -240,21 +250,28 @@ def markdown(result: dict) -> str:
         "* **stall**: time `trainer.save_checkpoint` blocked the training loop (median over all window saves).",
         "* **memcpy**: copying the same tensors into held (pre-allocated, pre-touched) memory, measured in the same",
         "  process at the end of its run; **stall / memcpy** is the median over runs of each run's own ratio.",
-        "* **slowdown**: window wall time / the no-checkpoint window of the same round - 1 (median over rounds;",
-        "  per round in brackets). Baseline windows: "
+        "* **overhead** (the slowdown estimate that survives the machine's drifting load): each run's window wall",
+        "  time / (window steps x that run's median step-to-step interval) - 1, i.e. the time the checkpoints added",
+        "  on top of the run's own undisturbed step time (stalls, and steps slowed by a background writer), minus the",
+        f"  same figure for the runs without checkpoints ({100 * summary['baseline_excess']:+.1f}%: jitter); median over"
+        "  runs, per run in brackets.",
+        "* **vs baseline run**: window wall time / the no-checkpoint run's window in the same round - 1. Only",
+        "  meaningful on a quiet machine: here step times varied up to several-fold between runs (median step",
+        "  column). Baseline windows: "
         + ", ".join(f"round {k}: {v:.1f} s" for k, v in summary["baseline_window_s"].items()) + ".",
         "* **first save**: the save at step 10, outside the window (buffer allocation; AsyncCkptIO also starts its",
         "  writer process then).",
         "",
-        "| mode | stall s (median) | stall max s | memcpy s | stall / memcpy | slowdown | first save s "
-        "| median step s (per run) | load avg (per run, before/after) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | stall s (median) | stall max s | memcpy s | stall / memcpy | overhead | vs baseline run "
+        "| first save s | median step s (per run) | load avg (per run, before/after) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, row in summary["modes"].items():
         lines.append(
             f"| {names[mode]} | {row['stall_median_s']:.3f} | {row['stall_max_s']:.3f} | {row['memcpy_s']:.3f} "
-            f"| {row['stall_over_memcpy']:.1f}x | {100 * row['slowdown']:+.0f}% "
-            f"({', '.join('%+.0f%%' % (100 * x) for x in row['slowdown_per_round'])}) "
+            f"| {row['stall_over_memcpy']:.1f}x | {100 * row['overhead']:+.1f}% "
+            f"({', '.join('%+.1f%%' % (100 * x) for x in row['excess_per_run'])}) "
+            f"| {', '.join('%+.0f%%' % (100 * x) for x in row['slowdown_per_round'])} "
             f"| {row['first_save_stall_s']:.2f} | {', '.join('%.2f' % x for x in row['median_step_s'])} "
             f"| {', '.join('%.1f' % x for x in row['loadavg'])} |")
     prof = summary["modes"]["asyncckpt"].get("profile") or {}
@@ -297,8 +314,9 @@ def main() -> None:
             runs.append(run_mode(mode, args) | {"round": round_})
             print(f"  window {runs[-1]['window_s']:.1f} s, median step {runs[-1]['median_step_s']:.3f} s, stalls "
                   f"{[round(s, 3) for _, s in runs[-1]['stalls']]}", file=sys.stderr, flush=True)
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "config": vars(args) | {"cpus": os.cpu_count()},
-              "runs": runs}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit.strip(),
+              "config": vars(args) | {"cpus": os.cpu_count()}, "runs": runs}
     result["summary"] = summarize(runs, args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
