@@ -188,7 +188,6 @@ class Checkpointer:
         """
         if self._closed:
             raise RuntimeError("Checkpointer is closed")
-        self._raise_unreported()
         path = os.path.abspath(os.fspath(path))
         group = process_group if process_group is not None else self.process_group
         collectives = self.use_collectives if use_collectives is None else use_collectives
@@ -196,9 +195,13 @@ class Checkpointer:
         planner = AsyncCkptSavePlanner()
         planner.set_up_planner(_resolve_stateful(state_dict), is_coordinator=rank == 0)
         description = describe(planner.state_dict)
-        key, save_id = agree_on_structure(self.plan_cache.digest(description), group, world,
-                                          collectives and _dist_ready(), self._save_counter)
+        key, save_id, failed_ranks = agree_on_structure(self.plan_cache.digest(description), group, world,
+                                                        collectives and _dist_ready(), self._save_counter,
+                                                        failed=self._has_unreported())
         self._save_counter += 1
+        self._raise_unreported()
+        if failed_ranks:  # another rank's earlier save failed: every rank stops here together
+            raise CheckpointWriteError(f"rank {rank}: not saving {path}: an earlier save failed on ranks {failed_ranks}")
         cached = self.plan_cache.get(key)
         if cached is None:
             cached = self._plan(planner, group, rank, world, collectives, tied_keys(description))
@@ -229,7 +232,7 @@ class Checkpointer:
             self._staging_thread.start()
         else:
             self._stage_and_submit(handle, slot, stage, request)
-            self._raise_unreported()
+            _raise_if_failed_now(handle)
         return handle
 
     def async_save_file(
@@ -266,7 +269,7 @@ class Checkpointer:
             self._in_flight.append(handle)
         request = FileRequest(path, image.size, self.direct_io, self.io_threads, on_failure)
         self._stage_and_submit(handle, slot, lambda: stage_image(image, slot.buffer.bytes), request)
-        self._raise_unreported()
+        _raise_if_failed_now(handle)
         return handle
 
     def save_file(self, obj: Any, path: str | os.PathLike, **options: Any) -> None:
@@ -514,6 +517,12 @@ class Checkpointer:
                 )
         self._raise_unreported()
 
+    def _has_unreported(self) -> bool:
+        with self._lock:
+            return any(h is None or not h.reported for h, _ in self._unreported) or any(
+                h.done() and h.exception() is not None and not h.reported for h in self._in_flight
+            )
+
     def _raise_unreported(self) -> None:
         with self._lock:
             done = [h for h in self._in_flight if h.done()]
@@ -523,6 +532,12 @@ class Checkpointer:
             self._unreported = []
         if errors:
             raise errors[0]
+
+
+def _raise_if_failed_now(handle: SaveHandle) -> None:
+    """The snapshot of the save just accepted failed synchronously: say so to the caller now."""
+    if handle.done() and handle.exception() is not None:
+        handle.result(0)
 
 
 def _resolve_stateful(state_dict: STATE_DICT) -> STATE_DICT:

@@ -14,6 +14,7 @@ The writer then writes the image to a temporary name, fsyncs and renames it into
 """
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import os
@@ -85,7 +86,8 @@ class _SparseFile(io.RawIOBase):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pieces: list[tuple[int, bytes]] = []
+        self.pieces: list[tuple[int, bytes]] = []  # torch writes forward only: sorted by offset
+        self.starts: list[int] = []
         self.position = self.size = 0
 
     def readable(self) -> bool:
@@ -100,7 +102,10 @@ class _SparseFile(io.RawIOBase):
     def write(self, data) -> int:
         data = bytes(data)
         if data:
+            if self.starts and self.position < self.starts[-1]:
+                raise io.UnsupportedOperation("torch.save wrote backwards")
             self.pieces.append((self.position, data))
+            self.starts.append(self.position)
             self.position += len(data)
             self.size = max(self.size, self.position)
         return len(data)
@@ -118,16 +123,19 @@ class _SparseFile(io.RawIOBase):
         length = max(0, end - self.position)
         view = memoryview(target)[:length]
         view[:] = bytes(length)
-        for start, data in self.pieces:
+        index = max(0, bisect.bisect_right(self.starts, self.position) - 1)
+        while index < len(self.pieces) and self.pieces[index][0] < end:
+            start, data = self.pieces[index]
             lo, hi = max(start, self.position), min(start + len(data), end)
             if lo < hi:
                 view[lo - self.position : hi - self.position] = data[lo - start : hi - start]
+            index += 1
         self.position = end
         return length
 
     def merged_pieces(self) -> list[tuple[int, bytes]]:
         merged: list[list] = []
-        for start, data in sorted(self.pieces):
+        for start, data in self.pieces:
             if merged and merged[-1][0] + len(merged[-1][1]) == start:
                 merged[-1][1] += data
             else:
@@ -233,8 +241,10 @@ class RemoveRequest:
     def run(self, layout: Optional[RankLayout], image: Optional[memoryview]) -> None:
         from .commit import is_complete, remove_checkpoint
 
-        if self.only_if_complete is not None and not is_complete(self.only_if_complete):
-            return
+        if self.only_if_complete is not None:
+            newer = self.only_if_complete  # a directory needs its commit record; a file only exists complete
+            if not (is_complete(newer) if os.path.isdir(newer) else os.path.isfile(newer)):
+                return
         for path in self.paths:
             if os.path.isdir(path) and not os.path.islink(path):
                 remove_checkpoint(path)

@@ -76,15 +76,19 @@ def _job_token() -> str:
     return hashlib.blake2b(token.encode(), digest_size=4).hexdigest() if token != ":" else "local"
 
 
-def agree_on_structure(local_hash: str, group, world_size: int, use_collectives: bool, counter: int) -> tuple[tuple, str]:
-    """(cache key, save id) agreed by all ranks; one all-gather of 16 bytes per rank, or none."""
+def agree_on_structure(local_hash: str, group, world_size: int, use_collectives: bool, counter: int,
+                       failed: bool = False) -> tuple[tuple, str, list[int]]:
+    """(cache key, save id, ranks holding an unreported failure) agreed by all ranks, in one
+    all-gather of 24 bytes per rank (or none). Sharing the failure flag lets every rank raise
+    together instead of one rank leaving the others waiting in a collective."""
     if world_size == 1 or not use_collectives:
         save_id = secrets.token_hex(8) if world_size == 1 else f"n{counter}-{_job_token()}"
-        return (local_hash, world_size), save_id
-    local = torch.tensor([int(local_hash[:15], 16), secrets.randbits(62)], dtype=torch.int64)
+        return (local_hash, world_size), save_id, []
+    local = torch.tensor([int(local_hash[:15], 16), secrets.randbits(62), int(failed)], dtype=torch.int64)
     if dist.get_backend(group) == "nccl":
         local = local.cuda()
     gathered = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(gathered, local, group=group)
     values = [t.cpu().tolist() for t in gathered]
-    return (tuple(v[0] for v in values), world_size), format(values[0][1], "016x")
+    failed_ranks = [rank for rank, v in enumerate(values) if v[2]]
+    return (tuple(v[0] for v in values), world_size), format(values[0][1], "016x"), failed_ranks
