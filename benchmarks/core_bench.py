@@ -1257,6 +1257,9 @@ def render_md(R: dict, command: str) -> str:
     w(command)
     w("```")
     w("")
+    if meta.get("command_as_run") and meta["command_as_run"] != command:
+        w(f"(This run was started as `{meta['command_as_run']}` and its two output files copied to docs/.)")
+        w("")
     w("## How to read this")
     w("")
     w("Every figure comes from one run on this machine, and each is compared to this machine's limits measured in the same run "
