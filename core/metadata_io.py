@@ -118,42 +118,61 @@ def read_rank_sidecar(directory: str, rank: int) -> dict:
     return record
 
 
-def build_dcp_metadata(sidecars: list[dict], checkpoint_id: str, save_id: str) -> dcp_metadata.Metadata:
-    """Merge every rank's sidecar into the one global ``Metadata`` torch's loader reads.
+_tensor_metadata_cache: dict = {}
 
-    Replicated items that several ranks wrote (only with ``use_collectives=False``, where ranks
-    cannot agree who writes what) are recorded once.
-    """
+
+def _tensor_metadata(sidecars: list[dict]) -> tuple[dict, dict]:
+    """state_dict_metadata and storage_data of the tensor items; replicated chunks recorded once."""
     state_dict_metadata: dict[str, Any] = {}
     storage_data: dict[dcp_metadata.MetadataIndex, _StorageInfo] = {}
-    planner_data: dict[str, Any] = {}
+    seen: set = set()
     for record in sidecars:
-        for fqn, path in record.get("planner_data", {}).items():
-            planner_data.setdefault(fqn, tuple(path))
         for item in record["items"]:
-            fqn = item["fqn"]
-            info = _StorageInfo(item["file"], item["start"], item["length"])
-            if item["kind"] == "bytes":
-                if fqn not in state_dict_metadata:
-                    state_dict_metadata[fqn] = dcp_metadata.BytesStorageMetadata()
-                    storage_data[dcp_metadata.MetadataIndex(fqn)] = info
+            if item["kind"] != "tensor":
                 continue
-            offsets = torch.Size(item["chunk_offsets"])
-            tensor_md = state_dict_metadata.setdefault(
-                fqn,
-                dcp_metadata.TensorStorageMetadata(
+            fqn, offsets = item["fqn"], tuple(item["chunk_offsets"])
+            if (fqn, offsets) in seen:
+                continue
+            seen.add((fqn, offsets))
+            tensor_md = state_dict_metadata.get(fqn)
+            if tensor_md is None:
+                tensor_md = state_dict_metadata[fqn] = dcp_metadata.TensorStorageMetadata(
                     properties=dcp_metadata.TensorProperties(
                         dtype=getattr(torch, item["dtype"]), requires_grad=item.get("requires_grad", False)
                     ),
                     size=torch.Size(item["global_size"]),
                     chunks=[],
-                ),
-            )
-            if any(chunk.offsets == offsets for chunk in tensor_md.chunks):
-                continue
-            index = dcp_metadata.MetadataIndex(fqn, offsets, len(tensor_md.chunks))
-            tensor_md.chunks.append(dcp_metadata.ChunkStorageMetadata(offsets, torch.Size(item["chunk_sizes"])))
-            storage_data[index] = info
+                )
+            index = dcp_metadata.MetadataIndex(fqn, torch.Size(offsets), len(tensor_md.chunks))
+            tensor_md.chunks.append(dcp_metadata.ChunkStorageMetadata(torch.Size(offsets), torch.Size(item["chunk_sizes"])))
+            storage_data[index] = _StorageInfo(item["file"], item["start"], item["length"])
+    return state_dict_metadata, storage_data
+
+
+def build_dcp_metadata(sidecars: list[dict], checkpoint_id: str, save_id: str) -> dcp_metadata.Metadata:
+    """Merge every rank's sidecar into the one global ``Metadata`` torch's loader reads.
+
+    Replicated items that several ranks wrote (only with ``use_collectives=False``, where ranks
+    cannot agree who writes what) are recorded once. The tensor part depends only on the
+    structure every rank agreed on, so it is built once per structure and reused.
+    """
+    key = (tuple(record.get("structure_hash") for record in sidecars), len(sidecars))
+    if all(key[0]) and key in _tensor_metadata_cache:
+        tensors, tensor_storage = _tensor_metadata_cache[key]
+    else:
+        tensors, tensor_storage = _tensor_metadata(sidecars)
+        if all(key[0]):
+            _tensor_metadata_cache.clear()  # one structure at a time is plenty for a writer
+            _tensor_metadata_cache[key] = (tensors, tensor_storage)
+    state_dict_metadata, storage_data = dict(tensors), dict(tensor_storage)
+    planner_data: dict[str, Any] = {}
+    for record in sidecars:
+        for fqn, path in record.get("planner_data", {}).items():
+            planner_data.setdefault(fqn, tuple(path))
+        for item in record["items"]:
+            if item["kind"] == "bytes" and item["fqn"] not in state_dict_metadata:
+                state_dict_metadata[item["fqn"]] = dcp_metadata.BytesStorageMetadata()
+                storage_data[dcp_metadata.MetadataIndex(item["fqn"])] = _StorageInfo(item["file"], item["start"], item["length"])
     return dcp_metadata.Metadata(
         version=CURRENT_DCP_VERSION,
         state_dict_metadata=state_dict_metadata,
