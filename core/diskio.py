@@ -101,6 +101,11 @@ def pread_into(fd: int, target: memoryview, offset: int, path: str) -> None:
         filled += got
 
 
+def submit_background(function):
+    """Run ``function`` on a dedicated helper thread (not the I/O pool, which it must not starve)."""
+    return _pool(1).submit(function)
+
+
 def run_parallel(function, jobs: list, threads: int) -> list:
     """Run ``function(job)`` for each job on the shared I/O pool and return results in order."""
     if threads <= 1 or len(jobs) <= 1:

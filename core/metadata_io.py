@@ -95,8 +95,8 @@ def load_dcp_metadata(checkpoint_dir: str, file_name: str = DCP_METADATA_FILE) -
         raise CorruptCheckpointError(f"{path}: cannot read checkpoint metadata: {e}") from e
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise UnsafeMetadataError(f"{path}: expected DCP Metadata, found {type(metadata).__name__}")
-    for info in (metadata.storage_data or {}).values():
-        check_relative_path(checkpoint_dir, info.relative_path)
+    for relative_path in {info.relative_path for info in (metadata.storage_data or {}).values()}:
+        check_relative_path(checkpoint_dir, relative_path)
     return metadata
 
 

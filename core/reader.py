@@ -19,7 +19,6 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from . import diskio
 from .checksum import checksum
 from .errors import CorruptCheckpointError
-from .metadata_io import check_relative_path
 
 DIRECT_READ_MIN_BYTES = 1 << 20
 COALESCE_MAX_BYTES = 64 << 20
@@ -106,7 +105,7 @@ def read_file_jobs(
     load_bytes: Callable[[ReadItem, io.BytesIO], None],
 ) -> None:
     """Read every job of one file; tensors land in ``job.target``, objects go to ``load_bytes``."""
-    path = check_relative_path(root, relative_path)
+    path = os.path.join(root, relative_path)  # checked when the metadata was read
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError as e:
@@ -119,8 +118,9 @@ def read_file_jobs(
                     f"{path}: file is truncated: key '{job.request.storage_index.fqn}' needs bytes "
                     f"{job.start}..{job.start + job.length}, file has {size}"
                 )
-        direct = [j for j in jobs if j.target is not None and _is_direct(j)]
-        staged = [j for j in jobs if j not in direct] if direct else jobs
+        direct, staged = [], []
+        for job in jobs:
+            (direct if job.target is not None and _is_direct(job) else staged).append(job)
 
         def read_direct(job: ReadJob) -> None:
             view = _as_bytes(job.target)
