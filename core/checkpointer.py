@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper, find_state_dict_obj
 from . import commit
 from .dcp_storage import AsyncCkptStorageReader
 from .metadata_io import load_dcp_metadata
-from .directory import DirectoryTransaction, transaction_id
+from .directory import CommitDirRequest, DirectoryTransaction, transaction_id
 from .errors import CheckpointError, CheckpointTimeoutError, CheckpointWriteError
 from .plan_cache import CachedPlan, PlanCache, agree_on_structure
 from .planner import (
@@ -491,10 +491,12 @@ class Checkpointer:
             jobs, self._jobs = self._jobs, {}
             self._worker = None
         for handle, request in jobs.values():
-            cause = CheckpointWriteError(
-                f"rank {request.rank}: background writer for {request.final_path} died (exit code {returncode})"
-            )
-            report_failure(request, cause)
+            cause = CheckpointWriteError(f"rank {handle.rank}: background writer for {handle.path} died (exit code {returncode})")
+            peers = request if isinstance(request, ShareRequest) else getattr(request, "on_failure", None)
+            if peers is None and isinstance(request, CommitDirRequest):
+                peers = request
+            if peers is not None:
+                report_failure(peers, cause)
             self._complete(handle, cause)
 
     def _complete(self, handle: SaveHandle, error: Optional[BaseException]) -> None:

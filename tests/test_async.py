@@ -273,3 +273,13 @@ def test_a_directory_counts_as_one_save_in_flight(tmp_path):
         second.save_file({"w": torch.ones(3)}, "a.pt")
         second.commit().result()
     assert core.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+
+
+def test_killed_worker_fails_a_pending_single_file_save(tmp_path):
+    with core.Checkpointer() as checkpointer:
+        handle = checkpointer.async_save_file({"w": torch.randn(32 << 20)}, tmp_path / "model.pt")
+        os.kill(checkpointer._worker.process.pid, signal.SIGKILL)
+        with pytest.raises(core.CheckpointWriteError, match=r"rank 0: background writer for .*model\.pt died"):
+            handle.result(timeout=30)
+        checkpointer.save_file({"w": torch.ones(3)}, tmp_path / "model.pt")
+    assert torch.equal(torch.load(tmp_path / "model.pt")["w"], torch.ones(3))
