@@ -32,7 +32,6 @@ import os
 import re
 import shutil
 import sys
-import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -49,8 +48,6 @@ from accelerate.utils.other import clean_state_dict_for_safetensors
 from asyncckpt.core import Checkpointer, CheckpointWriteError
 from asyncckpt.core.errors import CheckpointError
 from asyncckpt.core.storage import report_failure
-
-from . import torch_image as _fast_image
 
 logger = logging.getLogger("asyncckpt.accelerate")
 
@@ -105,32 +102,14 @@ def enable_async_checkpointing(accelerator, **options: Any) -> "AsyncCheckpointi
 
 
 # ---------------------------------------------------------------------------------------------- the core
-_swap_lock = threading.Lock()
-
-
 class _Checkpointer(Checkpointer):
-    """The core ``Checkpointer`` with two adapter-side workarounds (remove once the core has them):
-    a faster ``torch.save`` image builder, and a writer-death handler that works for single-file requests.
+    """The core ``Checkpointer`` with a writer-death handler that also works for single-file requests.
 
     Core bug (checkpointer.py ``_on_worker_exit``): it reads ``request.rank`` / ``request.final_path``, which
     only ``ShareRequest`` / ``CommitDirRequest`` have. If the writer dies with a ``FileRequest``,
     ``BytesRequest`` or ``RemoveRequest`` pending, the reply thread dies of AttributeError and every pending
     handle hangs until the timeout. Remove this class once the core is fixed.
     """
-
-    def _save_file(self, obj: Any, path, format: str, metadata, on_failure=None):
-        """The core's ``_save_file`` with our equivalent, sparse ``torch_file_image`` (torch_image.py): the
-        core's renders the whole file into a zero-filled BytesIO, as slow as the snapshot's memcpy itself."""
-        module = _fast_image.swap_into_core() if format == "torch" else None
-        if module is None:
-            return super()._save_file(obj, path, format, metadata, on_failure)
-        with _swap_lock:
-            original = module.torch_file_image
-            module.torch_file_image = _fast_image.torch_file_image
-            try:
-                return super()._save_file(obj, path, format, metadata, on_failure)
-            finally:
-                module.torch_file_image = original
 
     def _on_worker_exit(self, returncode: Optional[int]) -> None:
         with self._lock:
@@ -179,6 +158,9 @@ class _Save:
         return self.commit is not None and self.commit.done() and (self.remove is None or self.remove.done())
 
 
+_CONTAINERS = (torch.Tensor, dict, list, tuple)
+
+
 def _tensor_bytes(obj: Any, seen: Optional[set] = None, depth: int = 0) -> int:
     """Bytes of tensor storage reachable through dicts/lists/tuples (what torch.save would write)."""
     seen = set() if seen is None else seen
@@ -191,11 +173,8 @@ def _tensor_bytes(obj: Any, seen: Optional[set] = None, depth: int = 0) -> int:
         return storage.nbytes()
     if depth > 8:
         return 0
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v, seen, depth + 1) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v, seen, depth + 1) for v in obj)
-    return 0
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(_tensor_bytes(v, seen, depth + 1) for v in values if isinstance(v, _CONTAINERS))  # skip scalars fast
 
 
 class _TorchWithCapturedSave:
@@ -347,7 +326,7 @@ class AsyncCheckpointing:
             setattr(accelerator, name, _shadow(wrapper, original))
         if options.cleanup_stale:
             self._remove_stale_staging()
-        self._checkpointer.async_remove([])  # starts the writer now (it imports torch), not at the first save
+        self._checkpointer.start()  # the writer starts now (it imports torch: seconds), not at the first save
         _live_handles.add(self)
 
     # ------------------------------------------------------------------ public
