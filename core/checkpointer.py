@@ -232,7 +232,7 @@ class Checkpointer:
             self._staging_thread.start()
         else:
             self._stage_and_submit(handle, slot, stage, request)
-            _raise_if_failed_now(handle)
+            self._raise_unreported()  # this snapshot's failure, or an older one that completed meanwhile
         return handle
 
     def async_save_file(
@@ -269,7 +269,7 @@ class Checkpointer:
             self._in_flight.append(handle)
         request = FileRequest(path, image.size, self.direct_io, self.io_threads, on_failure)
         self._stage_and_submit(handle, slot, lambda: stage_image(image, slot.buffer.bytes), request)
-        _raise_if_failed_now(handle)
+        self._raise_unreported()  # this snapshot's failure, or an older one that completed meanwhile
         return handle
 
     def save_file(self, obj: Any, path: str | os.PathLike, **options: Any) -> None:
@@ -534,12 +534,6 @@ class Checkpointer:
             self._unreported = []
         if errors:
             raise errors[0]
-
-
-def _raise_if_failed_now(handle: SaveHandle) -> None:
-    """The snapshot of the save just accepted failed synchronously: say so to the caller now."""
-    if handle.done() and handle.exception() is not None:
-        handle.result(0)
 
 
 def _resolve_stateful(state_dict: STATE_DICT) -> STATE_DICT:
