@@ -4,16 +4,12 @@
                                                  # benchmarks/results/hf_trainer.json and docs/benchmarks_hf_trainer.md
 
 Modes (each in its own fresh process, same seed, same steps; run order: none, native, asyncckpt,
-asyncckpt_overlap, asyncckpt_fix, asyncckpt_fix_overlap, none):
+asyncckpt_overlap, none):
   none           save_strategy="no" (the baseline)
   native         the Trainer's own _save_checkpoint (synchronous)
   asyncckpt      Trainer(callbacks=[AsyncCheckpointCallback()]) (this project, core as it is in the tree)
   asyncckpt_overlap      AsyncCheckpointCallback(overlap_optimizer=True): optimizer.pt snapshot on a thread
                  during the next forward/backward; the next optimizer.step() waits for it
-  asyncckpt_fix, asyncckpt_fix_overlap   the same two, with a PROPOSED core change applied in the child
-                 process only (not in the tree): core.native_files.torch_file_image rendering
-                 torch.save(skip_data) into a sparse writer instead of a BytesIO
-                 (install_proposed_torch_file_image below; docs/hf_trainer.md, Performance)
 
 Training: ``LlamaForCausalLM`` from a config (no download): hidden 1024, 4 layers, MLP 2816, vocab 1024,
 untied embeddings -> 53.5 M parameters; AdamW -> the checkpoint holds 642 MB of tensors (model.safetensors
@@ -55,80 +51,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("none", "native", "asyncckpt", "asyncckpt_overlap", "asyncckpt_fix", "asyncckpt_fix_overlap")
+MODES = ("none", "native", "asyncckpt", "asyncckpt_overlap")
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 AFTER_SAVE_STEPS = 3
-
-
-def install_proposed_torch_file_image() -> None:
-    """PROPOSED core change, measured here only: ``torch_file_image`` without materialising the holes.
-
-    ``torch.save`` under ``skip_data`` *seeks* over every storage's bytes. Into a ``BytesIO`` each seek
-    past the end becomes zero-filled memory (the whole file, page-faulted) and ``getvalue()`` copies it
-    again: ~0.4 s per 830 MB file on this machine, in the caller's stall. A writer that keeps only the
-    written framing and notes the holes gives the same image (identical bytes) in ~5 ms.
-    """
-    import torch
-    from torch.utils.serialization import config as serialization_config
-
-    import asyncckpt.core.checkpointer as checkpointer
-    from asyncckpt.core.container import _LOCAL_HEADER, _template_lock
-    from asyncckpt.core.native_files import FileImage, _recording_pickle_module
-
-    class SparseWriter:
-        def __init__(self):
-            self.pos = self.end = 0
-            self.pieces, self.holes = [], []
-
-        def write(self, data):
-            data = bytes(data)
-            self.pieces.append((self.pos, data))
-            self.pos += len(data)
-            self.end = max(self.end, self.pos)
-            return len(data)
-
-        def seek(self, offset, whence=0):
-            if whence == 1 and offset > 0:
-                self.holes.append((self.pos, offset))  # skip_data: a storage's bytes belong here
-            self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.end + offset
-            self.end = max(self.end, self.pos)
-            return self.pos
-
-        def tell(self):
-            return self.pos
-
-        def flush(self):
-            pass
-
-    def torch_file_image(obj):
-        storages = {}
-        writer = SparseWriter()
-        with _template_lock:
-            previous = serialization_config.save.compute_crc32
-            serialization_config.save.compute_crc32 = False
-            try:
-                with torch.serialization.skip_data():
-                    torch.save(obj, writer, pickle_module=_recording_pickle_module(storages))
-            finally:
-                serialization_config.save.compute_crc32 = previous
-        copies, framing_end = [], 0
-        pieces = sorted(writer.pieces)
-        for start, _size in writer.holes:
-            # the bytes written just before a hole end with that record's zip local header (+ name, extra)
-            lo = max(0, start - 4096)
-            window = bytearray(start - lo)
-            for p, d in pieces:
-                if p < start and p + len(d) > lo:
-                    a, b = max(p, lo), min(p + len(d), start)
-                    window[a - lo:b - lo] = d[a - p:b - p]
-            at = bytes(window).rfind(b"PK\x03\x04")
-            fields = _LOCAL_HEADER.unpack_from(window, at)
-            name = bytes(window[at + _LOCAL_HEADER.size:at + _LOCAL_HEADER.size + fields[9]]).decode()
-            storage = storages[name.split("/")[-1]]
-            copies.append((start, torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)))
-        return FileImage(writer.end, writer.pieces, copies)
-
-    checkpointer.torch_file_image = torch_file_image
 
 
 def child(args) -> dict:
@@ -136,8 +61,6 @@ def child(args) -> dict:
     from torch.utils.data import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    if "_fix" in args.mode:
-        install_proposed_torch_file_image()
 
     class Tokens(Dataset):
         def __len__(self):
@@ -327,8 +250,8 @@ def markdown(result: dict) -> str:
     ]
     names = {"native": "Trainer native `_save_checkpoint`", "asyncckpt": "**AsyncCheckpointCallback()**",
              "asyncckpt_overlap": "**AsyncCheckpointCallback(overlap_optimizer=True)**",
-             "asyncckpt_fix": "AsyncCheckpointCallback() + proposed core fix (not in tree)",
-             "asyncckpt_fix_overlap": "AsyncCheckpointCallback(overlap_optimizer=True) + proposed core fix (not in tree)"}
+             "asyncckpt_fix": "AsyncCheckpointCallback() + sparse torch_file_image (measured before the core adopted it in 88dd146)",
+             "asyncckpt_fix_overlap": "AsyncCheckpointCallback(overlap_optimizer=True) + sparse torch_file_image (measured before the core adopted it in 88dd146)"}
     for mode, row in summary["modes"].items():
         lines.append(
             f"| {names[mode]} | {row['first_save_stall_s']:.2f} | {row['stall_median_s']:.3f} | "
@@ -354,7 +277,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--modes", default="none,native,asyncckpt,asyncckpt_overlap,asyncckpt_fix,asyncckpt_fix_overlap,none",
+    parser.add_argument("--modes", default="none,native,asyncckpt,asyncckpt_overlap,none",
                         help="comma-separated run order")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: the temp dir)")
     parser.add_argument("--no-malloc-env", action="store_true", help="run the children with glibc's default malloc")

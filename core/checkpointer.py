@@ -283,14 +283,19 @@ class Checkpointer:
         paths = [os.path.abspath(os.fspath(p)) for p in paths]
         return self._submit_unbuffered(", ".join(paths), RemoveRequest(paths, only_if_complete))
 
-    def begin_directory(self, final_dir: str | os.PathLike, *, step: Optional[int] = None) -> DirectoryTransaction:
+    def begin_directory(self, final_dir: str | os.PathLike, *, step: Optional[int] = None,
+                        staging_parent: Optional[str | os.PathLike] = None) -> DirectoryTransaction:
         """Start a checkpoint directory of native files (SPMD: every rank of the group calls it in
-        the same order). Stage files with ``tx.save_file`` / ``tx.write_bytes``, then ``tx.commit()``."""
+        the same order). Stage files with ``tx.save_file`` / ``tx.write_bytes``, then ``tx.commit()``.
+
+        The directory is staged as a hidden sibling of ``final_dir``, or in ``staging_parent`` (same
+        filesystem) when a framework counts or lists every entry of the final directory's parent."""
         self._apply_back_pressure()  # the whole directory counts as one save in flight
         rank, world = _rank_and_world(self.process_group)
         self._directory_counter += 1
         return DirectoryTransaction(self, os.fspath(final_dir), rank, world, step,
-                                    transaction_id(world, self._directory_counter))
+                                    transaction_id(world, self._directory_counter),
+                                    os.fspath(staging_parent) if staging_parent is not None else None)
 
     def _submit_unbuffered(self, what: str, request, group=None) -> SaveHandle:
         """Queue a request that needs no staging buffer (counted toward max_in_flight only as part

@@ -25,9 +25,12 @@ ABORT_MARKER = "ABORTED.json"
 _STAGING_RE = re.compile(r"^\.(?P<name>.+)\.asyncckpt-(?P<kind>staging|replaced)-(?P<save_id>[0-9a-zA-Z_-]+)$")
 
 
-def staging_dir_for(final_path: str, save_id: str) -> str:
+def staging_dir_for(final_path: str, save_id: str, staging_parent: Optional[str] = None) -> str:
+    """The hidden staging directory of a save: next to the final path, or in ``staging_parent``
+    (which must be on the same filesystem, since publishing is a rename)."""
     parent, name = os.path.split(os.path.abspath(final_path))
-    return os.path.join(parent, f".{name}.asyncckpt-staging-{save_id}")
+    return os.path.join(os.path.abspath(staging_parent) if staging_parent else parent,
+                        f".{name}.asyncckpt-staging-{save_id}")
 
 
 def read_commit_record(path: str) -> Optional[dict]:

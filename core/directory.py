@@ -92,11 +92,11 @@ class DirectoryTransaction:
     """Files for one checkpoint directory, written in the background, published all at once."""
 
     def __init__(self, checkpointer: "Checkpointer", final_dir: str, rank: int, world_size: int,
-                 step: Optional[int], save_id: str) -> None:
+                 step: Optional[int], save_id: str, staging_parent: Optional[str] = None) -> None:
         self._checkpointer = checkpointer
         self.final_dir = os.path.abspath(final_dir)
         self.rank, self.world_size, self.step, self.save_id = rank, world_size, step, save_id
-        self.staging_dir = commit.staging_dir_for(self.final_dir, save_id)
+        self.staging_dir = commit.staging_dir_for(self.final_dir, save_id, staging_parent)
         self._commit_request = CommitDirRequest(save_id, self.final_dir, self.staging_dir, rank, world_size,
                                                 rank == 0, step, checkpointer.timeout)
 

@@ -101,44 +101,6 @@ def enable_async_checkpointing(accelerator, **options: Any) -> "AsyncCheckpointi
     return handle
 
 
-# ---------------------------------------------------------------------------------------------- the core
-class _Checkpointer(Checkpointer):
-    """The core ``Checkpointer`` with a writer-death handler that also works for single-file requests.
-
-    Core bug (checkpointer.py ``_on_worker_exit``): it reads ``request.rank`` / ``request.final_path``, which
-    only ``ShareRequest`` / ``CommitDirRequest`` have. If the writer dies with a ``FileRequest``,
-    ``BytesRequest`` or ``RemoveRequest`` pending, the reply thread dies of AttributeError and every pending
-    handle hangs until the timeout. Remove this class once the core is fixed.
-    """
-
-    def _on_worker_exit(self, returncode: Optional[int]) -> None:
-        with self._lock:
-            jobs, self._jobs = self._jobs, {}
-            self._worker = None
-        for handle, request in jobs.values():
-            where = getattr(request, "final_path", None) or handle.path
-            cause = CheckpointWriteError(f"rank {handle.rank}: background writer for {where} died (exit code {returncode})")
-            target = request if hasattr(request, "staging_dir") else getattr(request, "on_failure", None)
-            if target is not None:
-                report_failure(target, cause)
-            self._complete(handle, cause)
-
-
-def _relocate_staging(tx, parent: str) -> bool:
-    """Stage ``tx`` in ``parent`` instead of next to its final directory (same name, same filesystem).
-
-    Needed because the core stages a directory as a hidden sibling of the final one, i.e. *inside*
-    ``checkpoints/``, where Accelerate counts every entry for ``total_limit`` and users list
-    ``checkpoint_N``. Core change requested: ``begin_directory(final_dir, staging_parent=...)``.
-    """
-    request = getattr(tx, "_commit_request", None)
-    if request is None or not hasattr(request, "staging_dir"):
-        return False
-    moved = os.path.join(parent, os.path.basename(tx.staging_dir))
-    tx.staging_dir = request.staging_dir = moved
-    return True
-
-
 # ------------------------------------------------------------------------------------------ one save
 @dataclass
 class _Save:
@@ -306,7 +268,7 @@ class AsyncCheckpointing:
             raise ValueError("max_in_flight must be >= 1")
         self.accelerator, self.options = accelerator, options
         # The core's own back-pressure counts files; we count whole saves (below), so it never binds.
-        self._checkpointer = _Checkpointer(max_in_flight=1 << 20, timeout=options.timeout,
+        self._checkpointer = Checkpointer(max_in_flight=1 << 20, timeout=options.timeout,
                                            direct_io=options.direct_io, io_threads=options.io_threads)
         self._pending: list[_Save] = []
         self._deferred_errors: list[CheckpointWriteError] = []
@@ -387,9 +349,9 @@ class AsyncCheckpointing:
                 return self._native_save(output_dir, safe_serialization, kwargs)
             os.makedirs(os.path.dirname(final_dir), exist_ok=True)
 
-        tx = self._checkpointer.begin_directory(final_dir, step=pc.iteration if automatic else None)
-        if staging_parent is not None and not _relocate_staging(tx, staging_parent):
-            logger.warning("asyncckpt: cannot stage outside checkpoints/ with this core; staging next to %s", final_dir)
+        # staged outside checkpoints/, where Accelerate counts every entry for total_limit
+        tx = self._checkpointer.begin_directory(final_dir, step=pc.iteration if automatic else None,
+                                                staging_parent=staging_parent)
         save = _Save(final_dir, tx, removals)
         capture = _Capture(self, save)
         try:
