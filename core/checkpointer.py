@@ -42,9 +42,10 @@ from .planner import (
 )
 from .structure import describe, tied_keys
 from .layout import IO_ALIGNMENT, RankLayout, align_up
-from .native_files import FileRequest, RemoveRequest, safetensors_image, stage_image, torch_file_image
+from .native_files import FileRequest, RemoveRequest, safetensors_image, stage_image
 from .staging import StagingBuffer, copy_into
 from .storage import ShareRequest, report_failure
+from .torch_file import TorchFileTemplates
 from .worker_client import WorkerClient
 
 STATE_DICT = dict[str, Any]
@@ -152,6 +153,7 @@ class Checkpointer:
         self.timeout = timeout
         self.verify = verify
         self.plan_cache = PlanCache()
+        self.torch_files = TorchFileTemplates()  # single torch.save files: framing cached per structure
         self._slots: list[_BufferSlot] = []
         self._in_flight: deque[SaveHandle] = deque()
         self._unreported: list[tuple[Optional[SaveHandle], BaseException]] = []
@@ -253,7 +255,7 @@ class Checkpointer:
         self._raise_unreported()
         path = os.path.abspath(os.fspath(path))
         if format == "torch":
-            image = torch_file_image(obj)
+            image = self.torch_files.image(obj)
         elif format == "safetensors":
             image = safetensors_image(obj, metadata)
         else:
