@@ -63,6 +63,12 @@ class SaveHandle:
         self.buffer_slot: Optional["_BufferSlot"] = None
         self.reported = False  # the caller saw the outcome through result()
         self.group: object = self  # saves of one checkpoint (a directory transaction) share a group
+        self.held_by: Optional[DirectoryTransaction] = None  # the transaction holding this request back
+
+    def _release_held(self) -> None:
+        """Whoever waits for a request a transaction holds back releases it (never a hang)."""
+        if self.held_by is not None:
+            self.held_by.release()
 
     def done(self) -> bool:
         return self._future.done()
@@ -71,6 +77,7 @@ class SaveHandle:
         """Wait until committed; raise what went wrong. Never unbounded: ``None`` means the
         checkpointer's timeout (plus a margin for the commit)."""
         limit = self._default_timeout if timeout is None else timeout
+        self._release_held()
         try:
             self.reported = True
             return self._future.result(limit)
@@ -302,6 +309,12 @@ class Checkpointer:
     def _submit_unbuffered(self, what: str, request, group=None) -> SaveHandle:
         """Queue a request that needs no staging buffer (counted toward max_in_flight only as part
         of ``group``, a directory transaction)."""
+        handle = self._unbuffered_handle(what, group)
+        self._dispatch(handle, request)
+        return handle
+
+    def _unbuffered_handle(self, what: str, group=None) -> SaveHandle:
+        """The handle of a request without a staging buffer, in flight from now on."""
         if self._closed:
             raise RuntimeError("Checkpointer is closed")
         handle = SaveHandle(what, _rank_and_world(self.process_group)[0], self.timeout + 60)
@@ -310,7 +323,6 @@ class Checkpointer:
         with self._lock:
             self._in_flight.append(handle)
         handle._set_staged()
-        self._submit(handle, request)
         return handle
 
     def load(
@@ -469,18 +481,46 @@ class Checkpointer:
             with torch.no_grad():
                 stage()
             handle._set_staged()
-            self._submit(handle, request, slot)
+            self._dispatch(handle, request, slot)
         except BaseException as e:
-            if isinstance(request, ShareRequest):
-                report_failure(request, e)
-            self._complete(handle, CheckpointWriteError(f"rank {handle.rank}: snapshot of {handle.path} failed: {e}"))
+            self._fail_before_writer(handle, request, CheckpointWriteError(f"rank {handle.rank}: snapshot of {handle.path} failed: {e}"))
+
+    def _fail_before_writer(self, handle: SaveHandle, request, error: CheckpointWriteError) -> None:
+        """A request that never reached the writer: fail its handle, and its save on every rank (a
+        directory's commit must not publish without this file)."""
+        peers = _peers_of(request)
+        if peers is not None:
+            report_failure(peers, error)
+        self._complete(handle, error)
+
+    def _dispatch(self, handle: SaveHandle, request, slot: Optional[_BufferSlot] = None) -> None:
+        """Queue on the writer, except a directory transaction's files: they wait in the
+        transaction until its commit (see ``DirectoryTransaction.hold``)."""
+        if isinstance(handle.group, DirectoryTransaction) and handle.group.hold(handle, request, slot):
+            return
+        self._submit(handle, request, slot)
+
+    def _submit_held(self, jobs: list) -> None:
+        """Queue requests a transaction held back, in one message; a failure to do so fails them."""
+        try:
+            self._submit_many(jobs)
+        except BaseException as e:
+            for handle, request, _slot in jobs:
+                self._fail_before_writer(handle, request, CheckpointWriteError(f"rank {handle.rank}: queueing {handle.path} failed: {e}"))
 
     def _submit(self, handle: SaveHandle, request, slot: Optional[_BufferSlot] = None) -> None:
-        job_id = next(self._job_ids)
+        self._submit_many([(handle, request, slot)])
+
+    def _submit_many(self, jobs: list) -> None:
+        """Queue ``(handle, request, slot)`` jobs on the writer, in order, with one message."""
         with self._lock:
-            self._jobs[job_id] = (handle, request)
+            numbered = []
+            for handle, request, slot in jobs:
+                job_id = next(self._job_ids)
+                self._jobs[job_id] = (handle, request)
+                numbered.append((job_id, request, slot.id if slot else None, slot.buffer if slot else None))
             worker = self._ensure_worker()
-        worker.submit(job_id, request, slot.id if slot else None, slot.buffer if slot else None)
+        worker.submit(numbered)
 
     def _ensure_worker(self) -> WorkerClient:
         if self._worker is None or not self._worker.alive:
@@ -499,9 +539,7 @@ class Checkpointer:
             self._worker = None
         for handle, request in jobs.values():
             cause = CheckpointWriteError(f"rank {handle.rank}: background writer for {handle.path} died (exit code {returncode})")
-            peers = request if isinstance(request, ShareRequest) else getattr(request, "on_failure", None)
-            if peers is None and isinstance(request, CommitDirRequest):
-                peers = request
+            peers = _peers_of(request)
             if peers is not None:
                 report_failure(peers, cause)
             self._complete(handle, cause)
@@ -517,6 +555,7 @@ class Checkpointer:
     def _settle(self, handle: SaveHandle, timeout: Optional[float]) -> None:
         """Wait (bounded) for ``handle``; a failure the caller has not seen yet is raised here."""
         limit = handle._default_timeout if timeout is None else timeout
+        handle._release_held()
         try:
             handle._future.exception(limit)  # waits without consuming the outcome
         except FutureTimeout:
@@ -541,6 +580,14 @@ class Checkpointer:
             self._unreported = []
         if errors:
             raise errors[0]
+
+
+def _peers_of(request):
+    """Where a request's failure must be reported so that every rank's save fails with it: the
+    request itself (a rank's share, a directory commit), or the directory it belongs to."""
+    if isinstance(request, (ShareRequest, CommitDirRequest)):
+        return request
+    return getattr(request, "on_failure", None)
 
 
 def _resolve_stateful(state_dict: STATE_DICT) -> STATE_DICT:

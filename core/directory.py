@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -89,7 +90,14 @@ def _read_json(path: str) -> Optional[dict]:
 
 
 class DirectoryTransaction:
-    """Files for one checkpoint directory, written in the background, published all at once."""
+    """Files for one checkpoint directory, written in the background, published all at once.
+
+    The files' write requests are held back until ``commit()``: a framework's save call stages
+    several files one after the other, and a writer already streaming the first to disk would
+    compete with the copies of the next ones for the CPU and memory bandwidth, lengthening the
+    very stall it exists to shorten. Waiting for a held file (its handle's ``result()``, the
+    checkpointer's ``wait``/back-pressure) releases everything held, so nothing can hang on it.
+    """
 
     def __init__(self, checkpointer: "Checkpointer", final_dir: str, rank: int, world_size: int,
                  step: Optional[int], save_id: str, staging_parent: Optional[str] = None) -> None:
@@ -99,6 +107,9 @@ class DirectoryTransaction:
         self.staging_dir = commit.staging_dir_for(self.final_dir, save_id, staging_parent)
         self._commit_request = CommitDirRequest(save_id, self.final_dir, self.staging_dir, rank, world_size,
                                                 rank == 0, step, checkpointer.timeout)
+        self._held: list[tuple["SaveHandle", Any, Any]] = []
+        self._committing = False
+        self._lock = threading.Lock()
 
     def path(self, name: str) -> str:
         """Where ``name`` is staged (for code that must write a file itself, synchronously)."""
@@ -118,7 +129,32 @@ class DirectoryTransaction:
     def commit(self) -> "SaveHandle":
         """Every rank calls this once, after its files; the handle resolves when the directory is
         published under its final name (or raises what failed on any rank)."""
-        return self._checkpointer._submit_unbuffered(self.final_dir, self._commit_request, group=self)
+        handle = self._checkpointer._unbuffered_handle(self.final_dir, group=self)
+        with self._lock:  # the held files and the commit reach the writer in one message
+            self._committing = True
+            self._flush([(handle, self._commit_request, None)])
+        return handle
+
+    def hold(self, handle: "SaveHandle", request: Any, slot: Any) -> bool:
+        """Keep a staged file's write request until ``commit()``/``release()``; False once committing."""
+        with self._lock:
+            if self._committing:
+                return False
+            handle.held_by = self
+            self._held.append((handle, request, slot))
+            return True
+
+    def release(self) -> None:
+        """Hand every held request to the writer, in the order they were made."""
+        with self._lock:  # held while submitting: two releasing threads cannot reorder the queue
+            self._flush([])
+
+    def _flush(self, after: list) -> None:
+        held, self._held = self._held, []
+        for handle, _request, _slot in held:
+            handle.held_by = None
+        if held or after:
+            self._checkpointer._submit_held(held + after)
 
 
 def transaction_id(world_size: int, counter: int) -> str:

@@ -60,13 +60,13 @@ def serve(conn: Connection) -> None:
             # traceback), and the mapping unmaps itself once the last of them is gone.
             buffers.pop(message[1], None)
         elif kind == "run":
-            _, job_id, buffer_id, request = message
-            layout, mapping = buffers[buffer_id] if buffer_id is not None else (None, None)
-            try:
-                request.run(layout, memoryview(mapping) if mapping is not None else None)
-                conn.send(("done", job_id, None))
-            except BaseException as e:  # report everything; the trainer decides what to raise
-                conn.send(("failed", job_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
+            for job_id, buffer_id, request in message[1]:
+                layout, mapping = buffers[buffer_id] if buffer_id is not None else (None, None)
+                try:
+                    request.run(layout, memoryview(mapping) if mapping is not None else None)
+                    conn.send(("done", job_id, None))
+                except BaseException as e:  # report everything; the trainer decides what to raise
+                    conn.send(("failed", job_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
         elif kind == "stop":
             conn.send(("stopped", None, None))
             conn.close()

@@ -57,14 +57,17 @@ class WorkerClient:
         if not self._stopping:
             self._on_exit(returncode)
 
-    def submit(self, job_id: int, request, buffer_id: Optional[int] = None, buffer: Optional[StagingBuffer] = None) -> None:
-        """Queue ``request.run(layout, image)``; requests run one at a time, in submission order."""
+    def submit(self, jobs: list[tuple[int, object, Optional[int], Optional[StagingBuffer]]]) -> None:
+        """Queue ``(job_id, request, buffer_id, buffer)`` jobs: each runs ``request.run(layout, image)``;
+        requests run one at a time, in submission order. One message for all of them (each message
+        wakes the writer, which then competes with the caller for the CPU)."""
         with self._send_lock:
-            if buffer is not None and buffer_id not in self._registered:
-                self.conn.send(("buffer", buffer_id, buffer.layout))
-                send_handle(self.conn, buffer.fd, self.process.pid)
-                self._registered.add(buffer_id)
-            self.conn.send(("run", job_id, buffer_id, request))
+            for _job_id, _request, buffer_id, buffer in jobs:
+                if buffer is not None and buffer_id not in self._registered:
+                    self.conn.send(("buffer", buffer_id, buffer.layout))
+                    send_handle(self.conn, buffer.fd, self.process.pid)
+                    self._registered.add(buffer_id)
+            self.conn.send(("run", [(job_id, buffer_id, request) for job_id, request, buffer_id, _buffer in jobs]))
 
     def drop_buffer(self, buffer_id: int) -> None:
         with self._send_lock:

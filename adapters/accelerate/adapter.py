@@ -123,20 +123,31 @@ class _Save:
 _CONTAINERS = (torch.Tensor, dict, list, tuple)
 
 
-def _tensor_bytes(obj: Any, seen: Optional[set] = None, depth: int = 0) -> int:
-    """Bytes of tensor storage reachable through dicts/lists/tuples (what torch.save would write)."""
-    seen = set() if seen is None else seen
-    if isinstance(obj, torch.Tensor):
-        storage = obj.untyped_storage()
-        key = (storage.data_ptr(), storage.device)
-        if key in seen:
-            return 0
-        seen.add(key)
-        return storage.nbytes()
-    if depth > 8:
-        return 0
-    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return sum(_tensor_bytes(v, seen, depth + 1) for v in values if isinstance(v, _CONTAINERS))  # skip scalars fast
+def _tensor_bytes(obj: Any, stop_at: Optional[int] = None) -> int:
+    """Bytes of tensor storage reachable through dicts/lists/tuples (what torch.save would write);
+    with ``stop_at``, counting ends once that many are found (enough to choose how to save)."""
+    seen: set = set()
+    total = 0
+    pending = [(obj, 0)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            key = (storage.data_ptr(), storage.device)
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+                if stop_at is not None and total >= stop_at:
+                    return total
+        elif depth <= 8:
+            values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+            pending.extend((v, depth + 1) for v in values if isinstance(v, _CONTAINERS))  # skip scalars fast
+    return total
+
+
+def _small(obj: Any, inline_bytes: int) -> bool:
+    """Fewer tensor bytes than ``inline_bytes``: serialised at call time rather than staged."""
+    return _tensor_bytes(obj, stop_at=inline_bytes) < inline_bytes
 
 
 class _TorchWithCapturedSave:
@@ -230,13 +241,13 @@ class _Capture:
         if fmt == "safetensors":
             if isinstance(obj, OrderedDict):
                 obj = clean_state_dict_for_safetensors(obj)  # before the snapshot: tied weights stay one tensor
-            if _tensor_bytes(obj) < inline:
+            if _small(obj, inline):
                 from safetensors.torch import save as safetensors_bytes
 
                 handle = tx.write_bytes(name, safetensors_bytes(obj, metadata={"format": "pt"}))
             else:
                 handle = tx.save_file(obj, name, format="safetensors", metadata={"format": "pt"})
-        elif _tensor_bytes(obj) < inline:
+        elif _small(obj, inline):
             buffer = io.BytesIO()
             self.real_torch_save(obj, buffer)  # the exact bytes torch.save writes: that is the snapshot
             handle = tx.write_bytes(name, buffer.getvalue())

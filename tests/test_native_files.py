@@ -1,0 +1,177 @@
+"""Single native files: torch.save files from a cached per-structure template, the batched copy, and
+directory transactions holding their files back until the commit."""
+from __future__ import annotations
+
+import copy
+import io
+import os
+import time
+import zipfile
+
+import pytest
+import torch
+
+from asyncckpt import core
+from asyncckpt.core.native_files import stage_image
+from asyncckpt.core.tensor_copy import PARALLEL_SMALL_BYTES, copy_tensors
+from asyncckpt.core.torch_file import TorchFileTemplates
+
+
+def _checkpoint_like():
+    """What a framework saves: weights (a view and a tied pair among them), optimizer state with
+    scalar tensors, odd dtypes, and plain values that change from save to save."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(64, 32))
+    embedding = torch.randn(100, 16)
+    return {
+        "state_dict": {"w": weight, "w_rows": weight.data[8:24], "embed": embedding, "lm_head": embedding,
+                       "half": torch.randn(33).to(torch.bfloat16), "mask": torch.rand(17) > 0.5,
+                       "empty": torch.empty(0, 4), "ids": torch.arange(10, dtype=torch.int64)},
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(64, 32)}},
+                      "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0]}]},
+        "global_step": 1,
+        "loops": {"name": "fit", "history": [1, 2, 3]},
+    }
+
+
+def _assert_same(ours, reference, path="obj"):
+    """Equal values, dtypes, shapes, requires_grad; tensors sharing a storage in ``reference`` share one in ours."""
+    assert type(ours) is type(reference), path
+    if isinstance(reference, torch.Tensor):
+        assert ours.dtype == reference.dtype and ours.shape == reference.shape, path
+        assert ours.requires_grad == reference.requires_grad, path
+        assert torch.equal(ours, reference), path
+    elif isinstance(reference, dict):
+        assert list(ours) == list(reference), path
+        for key in reference:
+            _assert_same(ours[key], reference[key], f"{path}[{key!r}]")
+    elif isinstance(reference, (list, tuple)):
+        assert len(ours) == len(reference), path
+        for i, (a, b) in enumerate(zip(ours, reference)):
+            _assert_same(a, b, f"{path}[{i}]")
+    else:
+        assert ours == reference, path
+
+
+def _storage_groups(state):
+    sd = state["state_dict"]
+    return (sd["w"].untyped_storage().data_ptr() == sd["w_rows"].untyped_storage().data_ptr(),
+            sd["embed"].untyped_storage().data_ptr() == sd["lm_head"].untyped_storage().data_ptr())
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_template_file_loads_as_torch_save_across_changing_values(tmp_path, weights_only):
+    """The non-tensor part changes size from save to save (growing, outgrowing the template's room,
+    shrinking); every file loads exactly as torch.save's own would, through one template per size class."""
+    state = _checkpoint_like()
+    path = tmp_path / "last.ckpt"
+    with core.Checkpointer() as checkpointer:
+        for step, history in ((1, [1]), (10 ** 6, [1, 2]), (10 ** 40, list(range(3000))), (2, [])):
+            state["global_step"] = step
+            state["loops"]["history"] = history
+            checkpointer.save_file(state, path)
+            reference = io.BytesIO()
+            torch.save(state, reference)
+            reference.seek(0)
+            expected = torch.load(reference, weights_only=weights_only)
+            loaded = torch.load(path, weights_only=weights_only)
+            _assert_same(loaded, expected)
+            assert _storage_groups(loaded) == (True, True)
+            mapped = torch.load(path, weights_only=weights_only, mmap=True)
+            _assert_same(mapped, expected)
+            with zipfile.ZipFile(path) as archive:  # a valid zip; data.pkl's CRC-32 is right
+                assert archive.read("archive/data.pkl") == zipfile.ZipFile(reference).read("archive/data.pkl")
+        assert len(checkpointer.torch_files._templates) == 1  # outgrown once, then reused
+
+
+def test_tensors_mutated_after_the_call_do_not_reach_the_file(tmp_path):
+    state = _checkpoint_like()
+    with core.Checkpointer() as checkpointer:
+        for step in range(3):  # the same structure: the cached template's path
+            state["global_step"] = step
+            expected = copy.deepcopy(state["state_dict"])
+            handle = checkpointer.async_save_file(state, tmp_path / f"step{step}.ckpt")
+            with torch.no_grad():
+                for tensor in (state["state_dict"]["w"], state["state_dict"]["embed"], state["state_dict"]["mask"]):
+                    tensor.fill_(True if tensor.dtype == torch.bool else 7)
+            state["loops"]["history"].append(step)
+            handle.result()
+            loaded = torch.load(tmp_path / f"step{step}.ckpt", weights_only=True)
+            _assert_same(loaded["state_dict"], expected)
+            assert loaded["global_step"] == step and loaded["loops"]["history"] == [1, 2, 3] + list(range(step))
+
+
+def test_files_beyond_4_gib_use_zip64_offsets(tmp_path):
+    """Storage records past 4 GiB (zip64): rendered sparsely, so the big tensors are never touched."""
+    big = torch.empty(3 << 30, dtype=torch.uint8)  # untouched memory costs nothing
+    bigger = torch.empty(2 << 30, dtype=torch.uint8)
+    small = torch.arange(10.0)
+    image = TorchFileTemplates().image({"a": big, "b": bigger, "c": small, "step": 3})
+    assert image.size > 5 << 30 and image.copies[2][0] > 1 << 32
+    path = tmp_path / "big.pt"
+    with open(path, "wb") as f:
+        f.truncate(image.size)
+        for offset, piece in image.pieces:
+            f.seek(offset)
+            f.write(piece)
+        f.seek(image.copies[2][0])
+        f.write(small.numpy().tobytes())
+    loaded = torch.load(path, mmap=True, weights_only=True)
+    assert torch.equal(loaded["c"], small) and loaded["step"] == 3 and loaded["b"].shape == bigger.shape
+
+
+def test_stage_image_writes_strided_sources_in_their_layout():
+    image = TorchFileTemplates().image({"t": torch.arange(12.0).reshape(3, 4).t()})  # a view: whole storage
+    target = torch.zeros(image.size, dtype=torch.uint8)
+    stage_image(image, target)
+    assert torch.equal(torch.load(io.BytesIO(target.numpy().tobytes()))["t"], torch.arange(12.0).reshape(3, 4).t())
+
+
+def test_copy_tensors_large_small_and_split_over_two_threads():
+    sources = [torch.randn(1 << 19)] + [torch.randn(4096) for _ in range(PARALLEL_SMALL_BYTES // (4096 * 4) + 10)]
+    sources += [torch.randn(5, 7).t()]  # strided
+    targets = [torch.empty_like(s) for s in sources]
+    copy_tensors(targets, sources)
+    assert all(torch.equal(t, s) for t, s in zip(targets, sources))
+
+
+def test_directory_files_reach_the_writer_at_commit(tmp_path):
+    """A transaction's files are written only from its commit on (or when somebody waits for one)."""
+    with core.Checkpointer() as checkpointer:
+        checkpointer.start()
+        tx = checkpointer.begin_directory(tmp_path / "checkpoint-1", step=1)
+        model = tx.save_file({"w": torch.ones(1 << 20)}, "model.safetensors", format="safetensors")
+        state = tx.write_bytes("trainer_state.json", b"{}")
+        time.sleep(1.0)
+        assert model.staged() and not model.done() and not state.done()
+        assert not os.path.exists(os.path.join(tx.staging_dir, "model.safetensors"))
+        tx.commit().result()
+        assert model.done() and state.done()
+        assert sorted(os.listdir(tmp_path / "checkpoint-1")) == [".asyncckpt-commit.json", "model.safetensors",
+                                                                  "trainer_state.json"]
+        other = checkpointer.begin_directory(tmp_path / "checkpoint-2", step=2)
+        held = other.save_file({"x": torch.ones(3)}, "a.pt")
+        held.result(timeout=60)  # waiting releases it: no hang without a commit
+        assert os.path.exists(os.path.join(other.staging_dir, "a.pt"))
+        other.commit().result()
+
+
+class _FailsToCopy(torch.Tensor):
+    """A tensor whose bytes cannot be copied (as a device error would do during a snapshot)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch._foreach_copy_:
+            raise RuntimeError("copy failed")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_file_whose_snapshot_failed_fails_its_directory(tmp_path):
+    with core.Checkpointer() as checkpointer:
+        tx = checkpointer.begin_directory(tmp_path / "checkpoint-1", step=1)
+        tx.save_file({"w": torch.ones(4)}, "config.pt")
+        with pytest.raises(core.CheckpointWriteError, match="snapshot of .*model.safetensors failed: copy failed"):
+            tx.save_file({"w": torch.ones(1 << 20).as_subclass(_FailsToCopy)}, "model.safetensors", format="safetensors")
+        with pytest.raises(core.CheckpointWriteError, match="copy failed"):  # a commit anyway publishes nothing
+            tx.commit().result()
+    assert not os.path.exists(tmp_path / "checkpoint-1")
