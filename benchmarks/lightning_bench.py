@@ -8,6 +8,7 @@ Modes (each in its own fresh process, same seed, same steps):
   torch            Lightning's default TorchCheckpointIO (torch.save, synchronous)
   lightning_async  Lightning's AsyncCheckpointIO (clone on the caller, torch.save on a thread)
   asyncckpt        AsyncCkptIO (this project)
+  asyncckpt_base   AsyncCkptIO as of ``--base-rev`` (only with that option): before/after in one run
 
 Training: an MLP (``--depth`` x Linear(``--width``, ``--width``)) with AdamW; the checkpoint holds the
 weights and both Adam moments (width 2048, depth 10: 42 M parameters, 504 MB of tensors).
@@ -20,8 +21,9 @@ saves at 30..60).
 Reported per mode:
   stall            time ``trainer.save_checkpoint`` blocked the training loop (median over the
                    window's saves; first save reported apart)
-  memcpy           copying the same tensors into held (pre-allocated, pre-touched) memory, median
-                   of 5, measured in the same process at the end of the run
+  memcpy           copying the same tensors into held (pre-allocated, pre-touched) memory, in the same
+                   process right before each save (not counted in the window); stall / memcpy is the
+                   median of the per-save ratios
   overhead         window wall time / (window steps x the run's own median step-to-step interval) - 1,
                    minus the same figure of the no-checkpoint runs: what checkpointing added to training,
                    robust to the load drifting between runs on a shared machine
@@ -41,8 +43,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from base_revision import env_for_mode
+
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("none", "torch", "lightning_async", "asyncckpt")
+MODES = ("none", "torch", "lightning_async", "asyncckpt_base", "asyncckpt")
 
 
 def child(args) -> dict:
@@ -79,7 +83,7 @@ def child(args) -> dict:
         from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
         plugins = [AsyncCheckpointIO()]
-    elif args.mode == "asyncckpt":
+    elif args.mode.startswith("asyncckpt"):
         from asyncckpt.adapters.lightning import AsyncCkptIO
 
         plugins = [AsyncCkptIO()]
@@ -91,10 +95,27 @@ def child(args) -> dict:
     trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=args.mode != "none", callbacks=callbacks,
                         plugins=plugins, num_sanity_val_steps=0)
-    stalls, profile = [], {}
+    stalls, profile, memcpys = [], {}, []
     original_save = trainer.save_checkpoint
+    held = []
+
+    def memcpy() -> tuple[float, int, int]:
+        """Copy exactly the checkpointed tensors (weights + optimizer state) into held memory."""
+        sources = list(model.state_dict().values())
+        sources += [v for s in trainer.optimizers[0].state.values() for v in s.values() if torch.is_tensor(v)]
+        nbytes = sum(t.numel() * t.element_size() for t in sources)
+        if not held:
+            held.append(torch.empty(nbytes, dtype=torch.uint8))
+            held[0].zero_()  # pre-touched
+        t0, offset = time.perf_counter(), 0
+        for t in sources:
+            n = t.numel() * t.element_size()
+            held[0][offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
+            offset += n
+        return time.perf_counter() - t0, nbytes, len(sources)
 
     def timed_save(*a, **k):
+        memcpys.append((trainer.global_step, memcpy()[0]))
         profiler = None
         if args.profile and len(stalls) == 3:  # one save in the window, under cProfile (reported apart)
             import cProfile
@@ -106,7 +127,7 @@ def child(args) -> dict:
         elapsed = time.perf_counter() - t0
         if profiler is not None:
             profiler.disable()
-            profile.update(where_the_stall_goes(profiler, elapsed))
+            profile.update(where_the_stall_goes(profiler, elapsed), step=trainer.global_step)
         stalls.append((trainer.global_step, elapsed))
 
     trainer.save_checkpoint = timed_save
@@ -116,27 +137,16 @@ def child(args) -> dict:
     trainer.fit(model, data)
     returned = time.perf_counter()
 
-    # held-memory memcpy of exactly the checkpointed tensors (weights + optimizer state)
-    opt = trainer.optimizers[0]
-    sources = [t for t in model.state_dict().values()]
-    sources += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    nbytes = sum(t.numel() * t.element_size() for t in sources)
-    held = torch.empty(nbytes, dtype=torch.uint8)
-    held.zero_()
-    times = []
-    for _ in range(6):
-        t0, offset = time.perf_counter(), 0
-        for t in sources:
-            n = t.numel() * t.element_size()
-            held[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
-            offset += n
-        times.append(time.perf_counter() - t0)
-    memcpy = statistics.median(times[1:])
+    times = [memcpy()[0] for _ in range(6)]
+    _, nbytes, n_tensors = memcpy()
 
-    window = clock.end[args.steps] - clock.start[args.warmup + 1]
+    # the memcpy before each save is measurement, not training: taken out of the window and its step
+    excluded = {step: m for step, m in memcpys}
+    window = clock.end[args.steps] - clock.start[args.warmup + 1] - sum(
+        m for step, m in memcpys if args.warmup < step <= args.steps)
     # start-to-start intervals: a step plus every callback after it (the checkpoint save included)
-    intervals = [clock.start[s + 1] - clock.start[s] for s in range(args.warmup + 1, args.steps)]
-    intervals.append(clock.end[args.steps] - clock.start[args.steps])
+    intervals = [clock.start[s + 1] - clock.start[s] - excluded.get(s, 0.0) for s in range(args.warmup + 1, args.steps)]
+    intervals.append(clock.end[args.steps] - clock.start[args.steps] - excluded.get(args.steps, 0.0))
     step_times = {s: clock.end[s] - clock.start[s] for s in clock.end if s in clock.start}
     files = sorted(os.listdir(workdir))
     sizes = [os.path.getsize(os.path.join(workdir, f)) for f in files]
@@ -144,8 +154,8 @@ def child(args) -> dict:
         os.unlink(os.path.join(workdir, f))
     os.rmdir(workdir)
     return {
-        "mode": args.mode, "state_bytes": nbytes, "n_tensors": len(sources), "memcpy_s": memcpy,
-        "memcpy_reps_s": times[1:], "stalls": stalls, "window_s": window,
+        "mode": args.mode, "state_bytes": nbytes, "n_tensors": n_tensors, "memcpy_s": statistics.median(times[1:]),
+        "memcpy_reps_s": times[1:], "stalls": stalls, "memcpy_before_save": memcpys, "window_s": window,
         "window_steps": args.steps - args.warmup, "drain_s": returned - clock.end[args.steps],
         "median_step_s": statistics.median(step_times.values()), "files": files, "file_bytes": sizes,
         "profile": profile, "window_intervals_s": intervals,
@@ -159,8 +169,9 @@ def where_the_stall_goes(profiler, elapsed: float) -> dict:
 
     wanted = {
         "dump_checkpoint": "Lightning: dump_checkpoint (build the checkpoint dict)",
-        "torch_file_image": "core: torch_file_image (torch.save(skip_data) framing, zip parse)",
-        "<built-in method torch._C.write_record_metadata>": "  of which: write_record_metadata (holes for the tensor bytes)",
+        "torch_file_image": "core (before): torch_file_image (torch.save(skip_data) framing, zip parse)",
+        "pickle_records": "core: pickle_records (torch's pickler: data.pkl, the snapshot of non-tensor values)",
+        "render_template": "core: render_template (framing of a new structure; not per save)",
         "stage_image": "core: stage_image (copy tensor bytes into the held staging buffer)",
         "_apply_back_pressure": "core: back-pressure wait",
         "_free_file_slot": "core: staging buffer lookup/allocation",
@@ -190,7 +201,8 @@ def run_mode(mode: str, args) -> dict:
         cmd += ["--dir", args.dir]
     before = load_average()
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **env_for_mode(mode, args.base_rev, _trees)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{mode} failed:\n{proc.stderr[-4000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -198,26 +210,34 @@ def run_mode(mode: str, args) -> dict:
     return result
 
 
+_trees: dict = {}
+
+
 def summarize(runs: list[dict], args) -> dict:
-    """Per mode, over all rounds. The stall is compared with the memcpy of the same process; the
+    """Per mode, over all rounds. Each stall is compared with the memcpy taken right before it; the
     slowdown with the no-checkpoint run of the same round (the machine's load drifts between rounds)."""
     baseline = {r["round"]: r["window_s"] for r in runs if r["mode"] == "none"}
     jitter = statistics.median(r["excess"] for r in runs if r["mode"] == "none")
     rows = {}
     for mode in MODES[1:]:
         mine = [r for r in runs if r["mode"] == mode]
-        window_stalls, first, ratios, slowdowns = [], [], [], []
+        if not mine:
+            continue
+        window_stalls, memcpys, first, ratios, slowdowns = [], [], [], [], []
         for r in mine:
-            stalls = [s for step, s in r["stalls"] if args.warmup < step <= args.steps]
-            window_stalls += stalls
+            pairs = [(s, m) for (step, s), (_, m) in zip(r["stalls"], r["memcpy_before_save"])
+                     if args.warmup < step <= args.steps and step != r["profile"].get("step")]  # cProfile'd: apart
+            window_stalls += [s for s, _ in pairs]
+            memcpys += [m for _, m in pairs]
+            ratios += [s / m for s, m in pairs]
             first += [s for step, s in r["stalls"] if step <= args.warmup][:1]
-            ratios.append(statistics.median(stalls) / r["memcpy_s"])
             slowdowns.append(r["window_s"] / baseline[r["round"]] - 1.0)
         rows[mode] = {
             "first_save_stall_s": statistics.median(first) if first else None,
             "stall_median_s": statistics.median(window_stalls), "stall_max_s": max(window_stalls),
-            "saves_in_window": len(window_stalls), "memcpy_s": statistics.median(r["memcpy_s"] for r in mine),
-            "stall_over_memcpy": statistics.median(ratios), "stall_over_memcpy_per_run": ratios,
+            "saves_in_window": len(window_stalls), "memcpy_s": statistics.median(memcpys),
+            "memcpy_end_of_run_s": [r["memcpy_s"] for r in mine],
+            "stall_over_memcpy": statistics.median(ratios), "stall_over_memcpy_per_save": ratios,
             "slowdown": statistics.median(slowdowns), "slowdown_per_round": slowdowns,
             "overhead": statistics.median(r["excess"] for r in mine) - jitter,
             "excess_per_run": [r["excess"] for r in mine],
@@ -233,7 +253,7 @@ def markdown(result: dict) -> str:
     cfg, summary = result["config"], result["summary"]
     run0 = next(r for r in result["runs"] if r["mode"] == "asyncckpt")
     names = {"torch": "TorchCheckpointIO (default)", "lightning_async": "Lightning AsyncCheckpointIO",
-             "asyncckpt": "**AsyncCkptIO**"}
+             "asyncckpt_base": f"AsyncCkptIO at {cfg.get('base_rev')} (before)", "asyncckpt": "**AsyncCkptIO**"}
     lines = [
         "# Lightning checkpointing benchmark",
         "",
@@ -247,9 +267,10 @@ def markdown(result: dict) -> str:
         f"({summary['modes']['asyncckpt']['saves_in_window'] // cfg['rounds']} saves per run); {cfg['rounds']} rounds, "
         "each mode in a fresh process per round.",
         "",
-        "* **stall**: time `trainer.save_checkpoint` blocked the training loop (median over all window saves).",
+        "* **stall**: time `trainer.save_checkpoint` blocked the training loop (median over the window saves, the cProfile'd one left out).",
         "* **memcpy**: copying the same tensors into held (pre-allocated, pre-touched) memory, measured in the same",
-        "  process at the end of its run; **stall / memcpy** is the median over runs of each run's own ratio.",
+        "  process right before each save (median); **stall / memcpy** is the median of the per-save ratios (the",
+        "  machine's speed drifts within a minute, so each stall is compared with its own memcpy).",
         "* **overhead** (the slowdown estimate that survives the machine's drifting load): each run's window wall",
         "  time / (window steps x that run's median step-to-step interval) - 1, i.e. the time the checkpoints added",
         "  on top of the run's own undisturbed step time (stalls, and steps slowed by a background writer), minus the",
@@ -269,7 +290,7 @@ def markdown(result: dict) -> str:
     for mode, row in summary["modes"].items():
         lines.append(
             f"| {names[mode]} | {row['stall_median_s']:.3f} | {row['stall_max_s']:.3f} | {row['memcpy_s']:.3f} "
-            f"| {row['stall_over_memcpy']:.1f}x | {100 * row['overhead']:+.1f}% "
+            f"| {row['stall_over_memcpy']:.2f}x | {100 * row['overhead']:+.1f}% "
             f"({', '.join('%+.1f%%' % (100 * x) for x in row['excess_per_run'])}) "
             f"| {', '.join('%+.0f%%' % (100 * x) for x in row['slowdown_per_round'])} "
             f"| {row['first_save_stall_s']:.2f} | {', '.join('%.2f' % x for x in row['median_step_s'])} "
@@ -277,7 +298,10 @@ def markdown(result: dict) -> str:
     prof = summary["modes"]["asyncckpt"].get("profile") or {}
     if prof:
         lines += ["", f"Where AsyncCkptIO's stall goes (one save under cProfile, {prof['profiled_save_s']:.2f} s):", ""]
-        lines += [f"* {k}: {v:.3f} s" for k, v in prof.items() if k != "profiled_save_s"]
+        lines += [f"* {k}: {v:.3f} s" for k, v in prof.items() if k not in ("profiled_save_s", "step")]
+    lines += ["", "Per-save stall / memcpy: " + "; ".join(
+        f"{names[mode]}: " + ", ".join(f"{x:.2f}" for x in row["stall_over_memcpy_per_save"])
+        for mode, row in summary["modes"].items()) + "."]
     lines += ["", "Goals: stall <= 1.2x memcpy, slowdown <= 5%.", ""]
     return "\n".join(lines)
 
@@ -294,7 +318,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: the temp dir)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over all modes (order reversed every round)")
-    parser.add_argument("--profile", type=int, default=1, help="cProfile the 4th save of each run (reported apart)")
+    parser.add_argument("--profile", type=int, default=1,
+                        help="cProfile the 4th save of each run (reported apart, left out of the stall figures)")
+    parser.add_argument("--base-rev", default=None,
+                        help="also run mode asyncckpt_base: AsyncCkptIO as of this git revision (before/after)")
     parser.add_argument("--from-json", help="only re-render the markdown from a results file")
     parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "lightning.json"))
     parser.add_argument("--markdown", default=str(REPO / "docs" / "benchmarks_lightning.md"))
@@ -307,8 +334,9 @@ def main() -> None:
         Path(args.markdown).write_text(markdown(json.loads(Path(args.from_json).read_text())))
         return
     runs = []
+    modes = tuple(m for m in MODES if args.base_rev or m != "asyncckpt_base")
     for round_ in range(args.rounds):
-        order = MODES if round_ % 2 == 0 else tuple(reversed(MODES))
+        order = modes if round_ % 2 == 0 else tuple(reversed(modes))
         for mode in order:
             print(f"round {round_}: running {mode} ...", file=sys.stderr, flush=True)
             runs.append(run_mode(mode, args) | {"round": round_})
