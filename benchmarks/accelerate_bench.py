@@ -7,6 +7,7 @@ Modes (each in its own fresh process, same seed, same steps):
   none        no save_state() at all (the baseline)
   native      Accelerate's own save_state() (synchronous; page-cache writes, no fsync)
   asyncckpt   the same program after ``enable_async_checkpointing(accelerator)`` (this project; durable writes)
+  asyncckpt_base  the same, with asyncckpt as of ``--base-rev`` (before/after in one run; see base_revision.py)
 
 Training: an MLP of ``--layers`` Linear(hidden, hidden) + ReLU (default 10 x 2048: 42 M parameters) with
 AdamW: ``save_state()`` writes model.safetensors (168 MB) + optimizer.bin (336 MB) + scheduler.bin +
@@ -44,8 +45,10 @@ import threading
 import time
 from pathlib import Path
 
+from base_revision import env_for_mode
+
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("none", "native", "asyncckpt")
+MODES = ("none", "native", "asyncckpt_base", "asyncckpt")
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 
 
@@ -60,7 +63,7 @@ def child(args) -> dict:
     acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
         project_dir=workdir, automatic_checkpoint_naming=True, total_limit=2))
     handle = None
-    if args.mode == "asyncckpt":
+    if args.mode.startswith("asyncckpt"):
         from asyncckpt.adapters.accelerate import enable_async_checkpointing
 
         handle = enable_async_checkpointing(acc)
@@ -111,10 +114,10 @@ def child(args) -> dict:
             time.sleep(0.002)
 
     watcher = threading.Thread(target=watch_commits, daemon=True)
-    if args.mode == "asyncckpt":
+    if args.mode.startswith("asyncckpt"):
         watcher.start()
     profiler = None
-    if args.profile and args.mode == "asyncckpt":
+    if args.profile and args.mode.startswith("asyncckpt"):
         import cProfile
 
         profiler = cProfile.Profile()
@@ -205,7 +208,8 @@ def run_mode(mode: str, args) -> dict:
         cmd += ["--dir", args.dir]
     if args.profile:
         cmd += ["--profile"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", **({} if args.no_malloc_env else MALLOC_ENV)}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **({} if args.no_malloc_env else MALLOC_ENV),
+           **env_for_mode(mode, args.base_rev, _trees)}
     before = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -219,6 +223,7 @@ def run_mode(mode: str, args) -> dict:
     return result
 
 
+_trees: dict = {}
 AFFECTED_STEPS = 4  # steps after a save that a background write (or the kernel's writeback) may slow down
 
 
@@ -256,7 +261,8 @@ def summarize(runs: list[dict], args) -> dict:
         rows[mode] = {
             "runs": len(mine), "first_save_stall_s": first, "stalls_s": [s for s, _ in pairs],
             "memcpy_before_save_s": [m for _, m in pairs], "stall_median_s": stall, "stall_max_s": max(s for s, _ in pairs),
-            "saves_in_window": len(pairs), "memcpy_s": memcpy, "stall_over_memcpy": stall / memcpy,
+            "saves_in_window": len(pairs), "memcpy_s": memcpy,
+            "stall_over_memcpy": statistics.median(s / m for s, m in pairs),
             "stall_over_memcpy_per_save": [s / m for s, m in pairs],
             "window_s": window, "windows_s": [r["window_s"] for r in mine], "slowdown": window / base - 1.0,
             "median_step_s": statistics.mean(r["median_step_s"] for r in mine),
@@ -293,7 +299,7 @@ def markdown(result: dict) -> str:
         "",
         "stall = time `accelerator.save_state()` blocked training (median over the window's saves of all runs of the "
         "mode); memcpy = copying the same tensors into held memory in the same process right before each save "
-        "(median); slowdown = window wall time (stalls included) vs the runs without checkpoints (baseline windows: "
+        "(median); stall / memcpy = median of the per-save ratios (each stall against its own memcpy); slowdown = window wall time (stalls included) vs the runs without checkpoints (baseline windows: "
         f"{', '.join('%.1f s' % w for w in summary['baseline_window_s'])}); step slowdown = median step time, saves "
         "excluded (the background writer's interference); commit = from `save_state()` returning to `checkpoint_N` "
         "appearing, durable (fsynced). slowdown (within run) = (the window's stalls + the extra time of the "
@@ -306,7 +312,8 @@ def markdown(result: dict) -> str:
         "| window s | slowdown (vs none runs) | step slowdown | commit s | drain s | load avg (before, after) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    names = {"native": "Accelerate native `save_state()`", "asyncckpt": "**`enable_async_checkpointing`**"}
+    names = {"native": "Accelerate native `save_state()`", "asyncckpt": "**`enable_async_checkpointing`**",
+             "asyncckpt_base": f"`enable_async_checkpointing` at {cfg.get('base_rev')} (before)"}
     for mode, row in summary["modes"].items():
         commit = "-" if row["commit_latency_median_s"] is None else f"{row['commit_latency_median_s']:.2f}"
         loads = "; ".join(f"{a:.1f}, {b:.1f}" for a, b in row["loadavg"])
@@ -315,6 +322,9 @@ def markdown(result: dict) -> str:
             f"| {row['stall_max_s']:.3f} | {row['memcpy_s']:.3f} | {row['stall_over_memcpy']:.2f}x | "
             f"{100 * row['within_run_slowdown']:+.1f}% | {row['window_s']:.1f} | {100 * row['slowdown']:+.1f}% | {100 * row['step_slowdown']:+.1f}% | {commit} | "
             f"{row['drain_s']:.2f} | {loads} |")
+    lines += ["", "Per-save stall / memcpy: " + "; ".join(
+        f"{names[mode]}: " + ", ".join(f"{x:.2f}" for x in row["stall_over_memcpy_per_save"])
+        for mode, row in summary["modes"].items()) + "."]
     lines += ["", "Median step time without checkpoints: "
               f"{', '.join('%.3f s' % s for s in summary['baseline_median_step_s'])}.", "",
               "Goals: stall <= 1.2x memcpy, slowdown <= 5%.", ""]
@@ -337,6 +347,7 @@ def main() -> None:
     parser.add_argument("--modes", default="none,native,asyncckpt,asyncckpt,native,none",
                         help="comma-separated run order")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: the temp dir)")
+    parser.add_argument("--base-rev", default=None, help="git revision that mode asyncckpt_base runs (before/after)")
     parser.add_argument("--profile", action="store_true", help="cProfile the asyncckpt saves")
     parser.add_argument("--no-malloc-env", action="store_true", help="run the children with glibc's default malloc")
     parser.add_argument("--notes", default="", help="a paragraph added to the markdown")
@@ -363,6 +374,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(),
         "versions": {"torch": torch.__version__, "accelerate": accelerate.__version__, "python": platform.python_version()},
         "config": {"steps": args.steps, "every": args.every, "hidden": args.hidden, "layers": args.layers,
+                   "base_rev": args.base_rev,
                    "batch": args.batch, "modes": modes, "cpus": os.cpu_count(), "malloc_env": not args.no_malloc_env},
         "runs": runs, "summary": None, "notes": args.notes, "wait_quiet": quiet,
         "profile": next((r["profile"] for r in runs if r.get("profile")), None),

@@ -10,6 +10,7 @@ asyncckpt_overlap, none):
   asyncckpt      Trainer(callbacks=[AsyncCheckpointCallback()]) (this project, core as it is in the tree)
   asyncckpt_overlap      AsyncCheckpointCallback(overlap_optimizer=True): optimizer.pt snapshot on a thread
                  during the next forward/backward; the next optimizer.step() waits for it
+  asyncckpt_base AsyncCheckpointCallback() with asyncckpt as of ``--base-rev`` (before/after in one run)
 
 Training: ``LlamaForCausalLM`` from a config (no download): hidden 1024, 4 layers, MLP 2816, vocab 1024,
 untied embeddings -> 53.5 M parameters; AdamW -> the checkpoint holds 642 MB of tensors (model.safetensors
@@ -50,8 +51,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from base_revision import env_for_mode
+
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("none", "native", "asyncckpt", "asyncckpt_overlap")
+MODES = ("none", "native", "asyncckpt_base", "asyncckpt", "asyncckpt_overlap")
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 AFTER_SAVE_STEPS = 3
 
@@ -167,7 +170,8 @@ def run_mode(mode: str, args) -> dict:
                                                            "seq", "batch")]
     if args.dir:
         cmd += ["--dir", args.dir]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", **({} if args.no_malloc_env else MALLOC_ENV)}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **({} if args.no_malloc_env else MALLOC_ENV),
+           **env_for_mode(mode, args.base_rev, _trees)}
     before = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -176,6 +180,9 @@ def run_mode(mode: str, args) -> dict:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result.update(loadavg_before=before, loadavg_after=os.getloadavg()[0], process_wall_s=time.perf_counter() - t0)
     return result
+
+
+_trees: dict = {}
 
 
 def summarize(runs: list[dict], args) -> dict:
@@ -250,8 +257,7 @@ def markdown(result: dict) -> str:
     ]
     names = {"native": "Trainer native `_save_checkpoint`", "asyncckpt": "**AsyncCheckpointCallback()**",
              "asyncckpt_overlap": "**AsyncCheckpointCallback(overlap_optimizer=True)**",
-             "asyncckpt_fix": "AsyncCheckpointCallback() + sparse torch_file_image (measured before the core adopted it in 88dd146)",
-             "asyncckpt_fix_overlap": "AsyncCheckpointCallback(overlap_optimizer=True) + sparse torch_file_image (measured before the core adopted it in 88dd146)"}
+             "asyncckpt_base": f"AsyncCheckpointCallback() at {cfg.get('base_rev')} (before)"}
     for mode, row in summary["modes"].items():
         lines.append(
             f"| {names[mode]} | {row['first_save_stall_s']:.2f} | {row['stall_median_s']:.3f} | "
@@ -280,6 +286,7 @@ def main() -> None:
     parser.add_argument("--modes", default="none,native,asyncckpt,asyncckpt_overlap,none",
                         help="comma-separated run order")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: the temp dir)")
+    parser.add_argument("--base-rev", default=None, help="git revision that mode asyncckpt_base runs (before/after)")
     parser.add_argument("--no-malloc-env", action="store_true", help="run the children with glibc's default malloc")
     parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "hf_trainer.json"))
     parser.add_argument("--markdown", default=str(REPO / "docs" / "benchmarks_hf_trainer.md"))
