@@ -117,6 +117,7 @@ class _BufferSlot:
         self.key = key
         self.buffer = buffer
         self.user: Optional[SaveHandle] = None
+        self.framing: Optional[list] = None  # the torch-file framing the buffer holds (see _stage_file)
 
 
 class Checkpointer:
@@ -277,9 +278,18 @@ class Checkpointer:
         with self._lock:
             self._in_flight.append(handle)
         request = FileRequest(path, image.size, self.direct_io, self.io_threads, on_failure)
-        self._stage_and_submit(handle, slot, lambda: stage_image(image, slot.buffer.bytes), request)
+        self._stage_and_submit(handle, slot, lambda: self._stage_file(image, slot), request)
         self._raise_unreported()  # this snapshot's failure, or an older one that completed meanwhile
         return handle
+
+    @staticmethod
+    def _stage_file(image, slot: "_BufferSlot") -> None:
+        """Stage a file image; the framing of a torch file is written only when the buffer's last
+        file had another structure."""
+        in_place = image.framing is not None and slot.framing is image.framing
+        slot.framing = None  # until this staging is complete
+        stage_image(image, slot.buffer.bytes, framing_in_place=in_place)
+        slot.framing = image.framing
 
     def save_file(self, obj: Any, path: str | os.PathLike, **options: Any) -> None:
         self.async_save_file(obj, path, **options).result()

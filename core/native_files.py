@@ -35,11 +35,20 @@ _SAFETENSORS_DTYPES = {
 
 @dataclass
 class FileImage:
-    """A native file's bytes: ``header`` pieces at offsets, and tensor bytes to copy at offsets."""
+    """A native file's bytes: pieces of bytes at offsets, and tensor bytes to copy at offsets."""
 
     size: int
-    pieces: list[tuple[int, bytes]]
-    copies: list[tuple[int, torch.Tensor]]  # (offset, uint8 view of the source storage/tensor)
+    pieces: list[tuple[int, bytes]]  # written at every save
+    copies: list[tuple[int, torch.Tensor]]  # (offset, source): flat uint8 if contiguous, else the strided tensor
+    framing: Optional[list[tuple[int, bytes]]] = None  # pieces shared by every image of one structure
+
+    def all_pieces(self) -> list[tuple[int, bytes]]:
+        return self.pieces if self.framing is None else self.framing + self.pieces
+
+
+def _as_source(tensor: torch.Tensor) -> torch.Tensor:
+    """What ``stage_image`` copies from: the bytes of a contiguous tensor, or the strided tensor itself."""
+    return tensor.reshape(-1).view(torch.uint8) if tensor.is_contiguous() else tensor
 
 
 def safetensors_image(tensors: dict[str, torch.Tensor], metadata: Optional[dict[str, str]] = None) -> FileImage:
@@ -53,32 +62,32 @@ def safetensors_image(tensors: dict[str, torch.Tensor], metadata: Optional[dict[
         nbytes = tensor.numel() * tensor.element_size()
         header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [cursor, cursor + nbytes]}
-        copies.append((cursor, tensor))
+        copies.append((cursor, _as_source(tensor)))
         cursor += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     prefix = struct.pack("<Q", len(encoded)) + encoded
     return FileImage(len(prefix) + cursor, [(0, prefix)],
-                     [(len(prefix) + offset, tensor) for offset, tensor in copies])
+                     [(len(prefix) + offset, source) for offset, source in copies])
 
 
-def stage_image(image: FileImage, target: torch.Tensor) -> None:
-    """Fill ``target`` (uint8 staging bytes) with the file image: framing, then tensor bytes.
+def stage_image(image: FileImage, target: torch.Tensor, *, framing_in_place: bool = False) -> None:
+    """Fill ``target`` (uint8 staging bytes) with the file image: pieces, then tensor bytes.
 
-    Non-contiguous sources are copied straight into a strided view of their place (no temporary
-    contiguous copy); the CPU copies go through ``copy_tensors`` in one batch."""
+    ``framing_in_place``: ``target`` already holds ``image.framing`` (its last image had the same
+    structure), which is then not written again. Strided sources are copied straight into a view
+    of their place with their shape (no temporary contiguous copy); the CPU copies go through
+    ``copy_tensors`` in one batch."""
     mapped = target.numpy()
-    for offset, piece in image.pieces:
+    for offset, piece in image.pieces if framing_in_place else image.all_pieces():
         mapped[offset : offset + len(piece)] = memoryview(piece)
     cpu_targets, cpu_sources, cuda_pairs = [], [], []
     for offset, source in image.copies:
-        nbytes = source.numel() * source.element_size()
+        nbytes = source.nbytes
         if not nbytes:
             continue
         place = target[offset : offset + nbytes]
-        if source.is_contiguous():
-            source = source.reshape(-1).view(torch.uint8)
-        else:
+        if source.dtype != torch.uint8 or source.dim() != 1:
             place = place.view(source.dtype).view(source.shape)
         if source.is_cuda:
             cuda_pairs.append((place, source))

@@ -13,8 +13,9 @@ directory). Everything else, including where every storage's bytes go, depends o
 structure (the records torch writes and the storages' sizes), and is rendered once by torch's own
 zip writer (``torch._C.PyTorchFileWriter``) and cached. A save then only pickles the object (with
 torch's own pickler, which is also the snapshot of every non-tensor value) and fills in the pickle,
-its descriptor and its central-directory entry (CRC-32 and sizes). Storage records carry no CRC,
-as with ``torch.save`` under ``compute_crc32=False``: ``torch.load`` does not check them.
+its descriptor and its central-directory entry (CRC-32 and sizes). Storage records carry CRC-32 0,
+as with ``torch.save`` under ``compute_crc32=False`` (``torch.load`` does not check them); every
+other record's CRC-32 is right.
 """
 from __future__ import annotations
 
@@ -192,10 +193,10 @@ class TorchFileTemplate:
         crc = zlib.crc32(pickled)
         region = b"".join((pickled, _DESCRIPTOR.pack(_DESCRIPTOR_SIGNATURE, crc, len(pickled), len(pickled)),
                            bytes(self.capacity - len(pickled))))
-        pieces = self.framing + [(self.pickle_offset, region),
-                                 (self.pickle_sizes_offset, _CENTRAL_SIZES.pack(crc, len(pickled), len(pickled)))]
+        pieces = [(self.pickle_offset, region),
+                  (self.pickle_sizes_offset, _CENTRAL_SIZES.pack(crc, len(pickled), len(pickled)))]
         copies = [(offset, _bytes_of(storage)) for offset, storage in zip(self.storage_offsets, storages)]
-        return FileImage(self.size, pieces, copies)
+        return FileImage(self.size, pieces, copies, framing=self.framing)
 
 
 def _bytes_of(storage) -> torch.Tensor:
@@ -208,7 +209,7 @@ def render_template(records: list[_Record], capacity: int) -> TorchFileTemplate:
     ``capacity`` placeholder bytes and storages as holes, and find where everything went."""
     sparse = _SparseFile()
     alignment = next((int(r.payload) for r in records if r.name == ".storage_alignment"), ITEM_ALIGNMENT)
-    writer = torch._C.PyTorchFileWriter(sparse, False, alignment)
+    writer = torch._C.PyTorchFileWriter(sparse, True, alignment)  # CRC-32s of the small records; holes get 0
     for record in records:
         if record.name == _PICKLE_RECORD:
             writer.write_record(record.name, bytes(capacity), capacity)
@@ -228,7 +229,8 @@ def render_template(records: list[_Record], capacity: int) -> TorchFileTemplate:
         central_start = archive.start_dir
     pickle_offset = starts[_PICKLE_RECORD]
     sparse.seek(pickle_offset + capacity)
-    if _DESCRIPTOR.unpack(sparse.read(_DESCRIPTOR.size)) != (_DESCRIPTOR_SIGNATURE, 0, capacity, capacity):
+    expected = (_DESCRIPTOR_SIGNATURE, zlib.crc32(bytes(capacity)), capacity, capacity)
+    if _DESCRIPTOR.unpack(sparse.read(_DESCRIPTOR.size)) != expected:
         raise AssertionError("torch's zip writer laid out data.pkl's record in an unexpected way")
     sizes_offset = _central_sizes_offset(sparse, central_start, _PICKLE_RECORD)
     framing = sparse.merged_pieces(exclude=(pickle_offset, pickle_offset + capacity + _DESCRIPTOR.size))

@@ -79,9 +79,23 @@ def test_template_file_loads_as_torch_save_across_changing_values(tmp_path, weig
             assert _storage_groups(loaded) == (True, True)
             mapped = torch.load(path, weights_only=weights_only, mmap=True)
             _assert_same(mapped, expected)
-            with zipfile.ZipFile(path) as archive:  # a valid zip; data.pkl's CRC-32 is right
+            with zipfile.ZipFile(path) as archive:  # a valid zip; the CRC-32s of all but the storage records are right
                 assert archive.read("archive/data.pkl") == zipfile.ZipFile(reference).read("archive/data.pkl")
+                assert [archive.read(n) for n in archive.namelist() if "/data/" not in n]
         assert len(checkpointer.torch_files._templates) == 1  # outgrown once, then reused
+
+
+def test_structures_alternating_in_one_staging_buffer(tmp_path):
+    """The framing is written only when the buffer's last file had another structure: alternate two."""
+    first = {"a": torch.arange(1000.0), "b": torch.ones(10, dtype=torch.int64), "n": 1}
+    second = {"b": torch.ones(10, dtype=torch.int64), "a": torch.arange(1000.0), "c": torch.zeros(3), "n": 2}
+    with core.Checkpointer(max_in_flight=1) as checkpointer:
+        for round_ in range(3):
+            for name, state in (("first", first), ("second", second), ("second", second)):
+                state["n"] = round_
+                checkpointer.save_file(state, tmp_path / f"{name}.pt")
+                _assert_same(torch.load(tmp_path / f"{name}.pt", weights_only=True), state)
+        assert len([s for s in checkpointer._slots if s.key == "file"]) == 1
 
 
 def test_tensors_mutated_after_the_call_do_not_reach_the_file(tmp_path):
@@ -111,7 +125,7 @@ def test_files_beyond_4_gib_use_zip64_offsets(tmp_path):
     path = tmp_path / "big.pt"
     with open(path, "wb") as f:
         f.truncate(image.size)
-        for offset, piece in image.pieces:
+        for offset, piece in image.all_pieces():
             f.seek(offset)
             f.write(piece)
         f.seek(image.copies[2][0])
