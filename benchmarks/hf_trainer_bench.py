@@ -186,36 +186,38 @@ _trees: dict = {}
 
 
 def summarize(runs: list[dict], args) -> dict:
+    """Per mode, over all its runs: stalls against the memcpy taken right before each of them; the
+    in-run figures (blocked, interference) per run."""
     baseline = [r["window_s"] for r in runs if r["mode"] == "none"]
     base = statistics.mean(baseline) if baseline else float("nan")
     rows = {}
-    for r in runs:
-        if r["mode"] == "none" or r["mode"] in rows:
-            continue
-        pairs = [(s, m) for (step, s), m in zip(r["stalls"], r["memcpy_before_save_s"]) if step > args.every]
-        window_pairs = [(s, m) for (step, s), m in zip(r["stalls"], r["memcpy_before_save_s"])
-                        if args.every < step < args.steps]
-        first = [s for step, s in r["stalls"] if step <= args.every]
-        step_waits = {step: w for (step, _), w in zip(r["stalls"], r["optimizer_step_waited_s"])}
-        # overlap mode: the next optimizer.step() may wait for the snapshot; that is blocking time too
-        blocked = sum(s for s, _ in window_pairs) + sum(w for step, w in step_waits.items()
-                                                         if args.every <= step < args.steps)
-        rows[r["mode"]] = {
-            "first_save_stall_s": first[0] if first else None, "stalls_s": [s for _, s in r["stalls"]],
-            "memcpy_before_save_s": r["memcpy_before_save_s"],
+    for mode in dict.fromkeys(r["mode"] for r in runs if r["mode"] != "none"):
+        mine = [r for r in runs if r["mode"] == mode]
+        pairs, first, with_waits, blocked = [], [], [], []
+        for r in mine:
+            pairs += [(s, m) for (step, s), m in zip(r["stalls"], r["memcpy_before_save_s"]) if step > args.every]
+            first += [s for step, s in r["stalls"] if step <= args.every]
+            step_waits = {step: w for (step, _), w in zip(r["stalls"], r["optimizer_step_waited_s"])}
+            with_waits += [s + step_waits.get(step, 0.0) for step, s in r["stalls"] if step > args.every]
+            # overlap mode: the next optimizer.step() may wait for the snapshot; that is blocking time too
+            stalled = sum(s for step, s in r["stalls"] if args.every < step < args.steps) + sum(
+                w for step, w in step_waits.items() if args.every <= step < args.steps)
+            blocked.append(stalled / (r["window_s"] - stalled))
+        rows[mode] = {
+            "runs": len(mine), "first_save_stall_s": first, "stalls_s": [s for s, _ in pairs],
+            "memcpy_before_save_s": [m for _, m in pairs],
             "stall_median_s": statistics.median(s for s, _ in pairs), "stall_max_s": max(s for s, _ in pairs),
             "saves_measured": len(pairs), "memcpy_s": statistics.median(m for _, m in pairs),
             "stall_over_memcpy_per_save": [s / m for s, m in pairs],
             "stall_over_memcpy": statistics.median(s / m for s, m in pairs),
-            "memcpy_end_of_run_s": r["memcpy_s"], "waited_for_previous_commit_s": r["waited_for_previous_commit_s"],
-            "optimizer_step_waited_s": r["optimizer_step_waited_s"],
-            "stall_plus_step_wait_median_s": statistics.median(
-                s + step_waits.get(step, 0.0) for step, s in r["stalls"] if step > args.every),
-            "window_s": r["window_s"], "slowdown": r["window_s"] / base - 1.0,
-            "blocked_in_run": blocked / (r["window_s"] - blocked),
-            "interference": r["median_step_after_save_s"] / r["median_step_other_s"] - 1.0,
-            "drain_s": r["drain_s"], "median_step_s": r["median_step_s"],
-            "loadavg": [r["loadavg_before"], r["loadavg_after"]], "files": r["files"],
+            "waited_for_previous_commit_s": [w for r in mine for w in (r["waited_for_previous_commit_s"] or [])],
+            "optimizer_step_waited_s": [w for r in mine for w in r["optimizer_step_waited_s"]],
+            "stall_plus_step_wait_median_s": statistics.median(with_waits),
+            "window_s": [r["window_s"] for r in mine], "slowdown": [r["window_s"] / base - 1.0 for r in mine],
+            "blocked_in_run": blocked,
+            "interference": [r["median_step_after_save_s"] / r["median_step_other_s"] - 1.0 for r in mine],
+            "drain_s": [r["drain_s"] for r in mine], "median_step_s": [r["median_step_s"] for r in mine],
+            "loadavg": [[r["loadavg_before"], r["loadavg_after"]] for r in mine], "files": mine[-1]["files"],
         }
     none = [r for r in runs if r["mode"] == "none"]
     return {"baseline_window_s": baseline, "baseline_median_step_s": [r["median_step_s"] for r in none],
@@ -235,8 +237,9 @@ def markdown(result: dict) -> str:
         f"vocab {cfg['vocab']}; {run0['params'] / 1e6:.1f} M parameters) + AdamW: checkpoint state "
         f"**{run0['state_bytes'] / 1e6:.0f} MB** of tensors ({run0['n_tensors']} tensors). `save_strategy=\"steps\", "
         f"save_steps={cfg['every']}, save_total_limit=2`; {cfg['steps']} steps of batch {cfg['batch']} x {cfg['seq']} "
-        f"tokens. Each mode runs in a fresh process. Stalls: the {saves} saves after the first (steps "
-        f"{2 * cfg['every']}..{cfg['steps']}). Window: step {cfg['every'] + 1} to the end of step {cfg['steps']}.",
+        f"tokens. Each mode runs in a fresh process; run order `{cfg['modes']}` (columns with several values: one per "
+        f"run). Stalls: the {saves} saves after the first (steps {2 * cfg['every']}..{cfg['steps']}) of every run of "
+        f"the mode. Window: step {cfg['every'] + 1} to the end of step {cfg['steps']}.",
         "",
         "* **stall** = time `trainer._save_checkpoint` blocked training; **+ next step's wait** = stall plus the time "
         "the next `optimizer.step()` waited for an overlapped optimizer snapshot (median; = stall without overlap); "
@@ -258,13 +261,17 @@ def markdown(result: dict) -> str:
     names = {"native": "Trainer native `_save_checkpoint`", "asyncckpt": "**AsyncCheckpointCallback()**",
              "asyncckpt_overlap": "**AsyncCheckpointCallback(overlap_optimizer=True)**",
              "asyncckpt_base": f"AsyncCheckpointCallback() at {cfg.get('base_rev')} (before)"}
+    def each(values, form):
+        return ", ".join(form % v for v in values)
+
     for mode, row in summary["modes"].items():
         lines.append(
-            f"| {names[mode]} | {row['first_save_stall_s']:.2f} | {row['stall_median_s']:.3f} | "
+            f"| {names[mode]} | {each(row['first_save_stall_s'], '%.2f')} | {row['stall_median_s']:.3f} | "
             f"{row['stall_max_s']:.3f} | {row['stall_plus_step_wait_median_s']:.3f} | {row['memcpy_s']:.3f} | "
-            f"{row['stall_over_memcpy']:.2f}x | "
-            f"{100 * row['slowdown']:+.1f}% | {100 * row['blocked_in_run']:.1f}% | {100 * row['interference']:+.1f}% | "
-            f"{row['median_step_s']:.2f} | {row['drain_s']:.2f} | {row['loadavg'][0]:.1f}, {row['loadavg'][1]:.1f} |")
+            f"{row['stall_over_memcpy']:.2f}x | {each([100 * x for x in row['slowdown']], '%+.1f%%')} | "
+            f"{each([100 * x for x in row['blocked_in_run']], '%.1f%%')} | "
+            f"{each([100 * x for x in row['interference']], '%+.1f%%')} | {each(row['median_step_s'], '%.2f')} | "
+            f"{each(row['drain_s'], '%.2f')} | {'; '.join(each(pair, '%.1f') for pair in row['loadavg'])} |")
     lines += ["", "Per-save stall / memcpy ratios: " + "; ".join(
         f"{mode}: " + ", ".join(f"{x:.2f}" for x in row["stall_over_memcpy_per_save"])
         for mode, row in summary["modes"].items()) + ".",
