@@ -2,6 +2,7 @@
 directory transactions holding their files back until the commit."""
 from __future__ import annotations
 
+import collections
 import copy
 import io
 import os
@@ -14,7 +15,8 @@ import torch
 from asyncckpt import core
 from asyncckpt.core.native_files import stage_image
 from asyncckpt.core.tensor_copy import PARALLEL_SMALL_BYTES, copy_tensors
-from asyncckpt.core.torch_file import TorchFileTemplates
+from asyncckpt.core import torch_file
+from asyncckpt.core.torch_file import TorchFileTemplates, pickle_records
 
 
 def _checkpoint_like():
@@ -113,6 +115,46 @@ def test_tensors_mutated_after_the_call_do_not_reach_the_file(tmp_path):
             loaded = torch.load(tmp_path / f"step{step}.ckpt", weights_only=True)
             _assert_same(loaded["state_dict"], expected)
             assert loaded["global_step"] == step and loaded["loops"]["history"] == [1, 2, 3] + list(range(step))
+
+
+def _tensors_of_every_kind():
+    base = torch.randn(6, 4)
+    with_attribute = torch.ones(3)
+    with_attribute.note = "kept"
+    hooked = torch.ones(2, requires_grad=True)
+    hooked.register_hook(torch.utils.hooks.unserializable_hook(lambda grad: grad))
+    return {"f32": base, "t": base.t(), "rows": base[1:4], "bf16": base.to(torch.bfloat16), "scalar": torch.tensor(3),
+            "empty": torch.empty(0, 5), "bool": base > 0, "grad": torch.ones(4, requires_grad=True),
+            "param": torch.nn.Parameter(torch.ones(2, 2)), "u16": torch.arange(5).to(torch.uint16),
+            "f8": base.to(torch.float8_e4m3fn), "conj": torch.randn(3, dtype=torch.complex64).conj(),
+            "neg": torch.randn(3, dtype=torch.complex64).conj().imag, "attr": with_attribute, "hooked": hooked,
+            "meta": torch.empty(3, device="meta"), "sparse": base.to_sparse(), "same": base, "plain": [1, "x", 2.5]}
+
+
+def test_direct_tensor_reduction_pickles_as_torch_does():
+    """Plain tensors are reduced without torch's generic path; every kind of tensor pickles to torch's bytes."""
+    with pytest.warns(UserWarning, match="meta device"):  # torch's own warning for meta tensors under skip_data
+        direct, _ = pickle_records(_tensors_of_every_kind(), plain_tensors_directly=True)
+    with pytest.warns(UserWarning, match="meta device"):
+        reference, _ = pickle_records(_tensors_of_every_kind())
+    assert direct == reference
+
+
+def test_a_structure_the_direct_reduction_gets_wrong_is_pickled_by_torch(tmp_path, monkeypatch):
+    """Each new structure is pickled both ways once; if the bytes differ, torch's reduction is used for it."""
+    state = {"w": torch.arange(6.0).reshape(2, 3), "step": 1}
+    wrong = lambda tensor: (torch._utils._rebuild_tensor_v2, (  # noqa: E731 - loses the stride
+        torch.storage.TypedStorage(wrap_storage=tensor.untyped_storage(), dtype=tensor.dtype, _internal=True),
+        0, tuple(tensor.size()), (1, 1), False, collections.OrderedDict()))
+    monkeypatch.setattr(torch_file, "_plain_tensor_reduce", wrong)
+    templates = TorchFileTemplates()
+    for step in (1, 2):
+        state["step"] = step
+        image = templates.image(state)
+        target = torch.zeros(image.size, dtype=torch.uint8)
+        stage_image(image, target)
+        _assert_same(torch.load(io.BytesIO(target.numpy().tobytes()), weights_only=True), state)
+    assert list(templates._direct_pickle_ok.values()) == [False]
 
 
 def test_files_beyond_4_gib_use_zip64_offsets(tmp_path):
