@@ -19,6 +19,7 @@ other record's CRC-32 is right.
 """
 from __future__ import annotations
 
+import bisect
 import io
 import pickle
 import struct
@@ -145,6 +146,7 @@ class _SparseFile(io.RawIOBase):
     def __init__(self) -> None:
         super().__init__()
         self.pieces: list[tuple[int, bytes]] = []  # torch writes forward only: sorted by offset
+        self.starts: list[int] = []
         self.position = self.size = 0
 
     def readable(self) -> bool:
@@ -162,6 +164,7 @@ class _SparseFile(io.RawIOBase):
             if self.pieces and self.position < self.pieces[-1][0] + len(self.pieces[-1][1]):
                 raise io.UnsupportedOperation("torch's zip writer wrote backwards")
             self.pieces.append((self.position, data))
+            self.starts.append(self.position)
             self.position += len(data)
             self.size = max(self.size, self.position)
         return len(data)
@@ -179,10 +182,13 @@ class _SparseFile(io.RawIOBase):
         length = max(0, end - self.position)
         view = memoryview(target)[:length]
         view[:] = bytes(length)
-        for start, data in self.pieces:
+        index = max(0, bisect.bisect_right(self.starts, self.position) - 1)
+        while index < len(self.pieces) and self.pieces[index][0] < end:
+            start, data = self.pieces[index]
             lo, hi = max(start, self.position), min(start + len(data), end)
             if lo < hi:
                 view[lo - self.position : hi - self.position] = data[lo - start : hi - start]
+            index += 1
         self.position = end
         return length
 
