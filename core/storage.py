@@ -20,12 +20,12 @@ from .errors import CheckpointTimeoutError, CheckpointWriteError, CorruptCheckpo
 from .fsio import atomic_write_bytes, fsync_dir
 from .layout import RankLayout
 from .metadata_io import (
+    DCP_METADATA_FILE,
     SIDECAR_FORMAT,
     SIDECAR_VERSION,
-    build_dcp_metadata,
+    dcp_metadata_bytes,
     read_rank_sidecar,
     sidecar_name,
-    write_dcp_metadata,
     write_rank_sidecar,
 )
 
@@ -190,7 +190,7 @@ def commit_share(req: ShareRequest) -> None:
         raise CheckpointWriteError(f"checkpoint {req.final_path}: ranks {stale} left sidecars of another save")
     for name, data in req.extra_files.items():
         atomic_write_bytes(os.path.join(req.staging_dir, name), data)
-    write_dcp_metadata(req.staging_dir, build_dcp_metadata(sidecars, req.final_path, req.save_id))
+    atomic_write_bytes(os.path.join(req.staging_dir, DCP_METADATA_FILE), dcp_metadata_bytes(sidecars, req.final_path, req.save_id))
     publish_with_record(req, structure_hash=req.structure_hash)
 
 
