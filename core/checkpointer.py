@@ -43,7 +43,7 @@ from .planner import (
 from .structure import describe, tied_keys
 from .layout import IO_ALIGNMENT, RankLayout, align_up
 from .native_files import FileRequest, RemoveRequest, safetensors_image, stage_image, torch_file_image
-from .staging import StagingBuffer, copy_into
+from .staging import CopyInProgress, StagingBuffer, copy_into, start_copy
 from .storage import ShareRequest, report_failure
 from .worker_client import WorkerClient
 
@@ -163,6 +163,7 @@ class Checkpointer:
         self._directory_counter = 0
         self._closed = False
         self._staging_thread: Optional[threading.Thread] = None
+        self._last_structure: Optional[tuple[tuple, Any]] = None  # (flat keys, plan key) of the last save
         _live_checkpointers.add(self)
 
     # ------------------------------------------------------------------ public API
@@ -192,28 +193,45 @@ class Checkpointer:
         group = process_group if process_group is not None else self.process_group
         collectives = self.use_collectives if use_collectives is None else use_collectives
         rank, world = _rank_and_world(group)
+        overlap = self.overlap_staging if overlap_staging is None else overlap_staging
+        if overlap:
+            self.wait_staged()  # one overlapped snapshot at a time
         planner = AsyncCkptSavePlanner()
         planner.set_up_planner(_resolve_stateful(state_dict), is_coordinator=rank == 0)
-        description = describe(planner.state_dict)
-        key, save_id, failed_ranks = agree_on_structure(self.plan_cache.digest(description), group, world,
-                                                        collectives and _dist_ready(), self._save_counter,
-                                                        failed=self._has_unreported())
-        self._save_counter += 1
-        self._raise_unreported()
-        if failed_ranks:  # another rank's earlier save failed: every rank stops here together
-            raise CheckpointWriteError(f"rank {rank}: not saving {path}: an earlier save failed on ranks {failed_ranks}")
-        cached = self.plan_cache.get(key)
-        if cached is None:
-            cached = self._plan(planner, group, rank, world, collectives, tied_keys(description))
-            self.plan_cache.put(key, cached)
+        flat = planner.state_dict
         self._apply_back_pressure()
-        slot = self._free_slot(key, cached)
+        speculation = None if overlap else self._speculate(flat)
+        try:
+            description = describe(flat)
+            key, save_id, failed_ranks = agree_on_structure(self.plan_cache.digest(description), group, world,
+                                                            collectives and _dist_ready(), self._save_counter,
+                                                            failed=self._has_unreported())
+            self._save_counter += 1
+            self._raise_unreported()
+            if failed_ranks:  # another rank's earlier save failed: every rank stops here together
+                raise CheckpointWriteError(f"rank {rank}: not saving {path}: an earlier save failed on ranks {failed_ranks}")
+            cached = self.plan_cache.get(key)
+            if cached is None:
+                cached = self._plan(planner, group, rank, world, collectives, tied_keys(description))
+                self.plan_cache.put(key, cached)
+            self._last_structure = (tuple(flat), key)
+            objects = [(item.index.fqn, _serialize_object(flat, item)) for item in cached.byte_items]
+            if speculation is not None and speculation.key == key:
+                slot, stage = speculation.slot, speculation.copy.wait
+            else:
+                if speculation is not None:
+                    speculation.abandon()
+                    speculation = None
+                slot = self._free_slot(key, cached)
+                sources = _sources(flat, cached)
+                stage = lambda: copy_into(slot.buffer, sources)  # noqa: E731
+        except BaseException:
+            if speculation is not None:
+                speculation.abandon()
+            raise
         handle = SaveHandle(path, rank, self.timeout + 60)
         slot.user = handle
         handle.buffer_slot = slot
-        objects = [(item.index.fqn, _serialize_object(planner.state_dict, item)) for item in cached.byte_items]
-        flat = planner.state_dict
-        sources = [flat[key] if item is None else find_tensor_shard(flat[key], item.index) for key, item in cached.sources]
         request = ShareRequest(
             save_id=save_id, final_path=path, staging_dir=commit.staging_dir_for(path, save_id), rank=rank,
             world_size=world, coordinator=rank == 0, structure_hash=str(key[0]), planner_data=cached.planner_data,
@@ -222,10 +240,7 @@ class Checkpointer:
         )
         with self._lock:
             self._in_flight.append(handle)
-        overlap = self.overlap_staging if overlap_staging is None else overlap_staging
-        stage = lambda: copy_into(slot.buffer, sources)  # noqa: E731
         if overlap:
-            self.wait_staged()
             self._staging_thread = threading.Thread(
                 target=self._stage_and_submit, args=(handle, slot, stage, request), name="asyncckpt-stager", daemon=True
             )
@@ -412,6 +427,32 @@ class Checkpointer:
             sources.append((item.index.fqn, None if plain else item))  # DTensors: look up the local shard
         return CachedPlan(final, layout, planner_data_paths(planner.mappings), sources, byte_items(final))
 
+    def _speculate(self, flat: dict) -> Optional["_SpeculativeCopy"]:
+        """Start the snapshot copy before the structure is confirmed, when the keys are those of
+        the last save: then the structure almost always is the same too, and the copy (most of
+        the stall) runs on the copy threads while this thread describes the structure, agrees on
+        it with the other ranks and looks up the plan. If the structure turns out to differ, the
+        copy is discarded (it only ever writes into a free buffer) and taken again."""
+        last = self._last_structure
+        if last is None or last[0] != tuple(flat):
+            return None
+        cached = self.plan_cache.peek(last[1])
+        if cached is None:
+            return None
+        with self._lock:
+            slot = next((s for s in self._slots if s.key == last[1] and s.user is None), None)
+            if slot is None:
+                return None
+            slot.user = _SpeculativeCopy
+        try:
+            sources = _sources(flat, cached)
+            if any(source.is_cuda for source in sources):  # CUDA copies are issued from the caller's stream
+                raise LookupError("no speculative copies from CUDA")
+            return _SpeculativeCopy(self, last[1], slot, start_copy(slot.buffer, sources))
+        except Exception:  # e.g. a key now holding a non-tensor: the confirmed structure will differ
+            slot.user = None
+            return None
+
     # ------------------------------------------------------------------ buffers & back-pressure
     def _apply_back_pressure(self) -> None:
         """While ``max_in_flight`` saves hold staging buffers, wait for the oldest one (all of its
@@ -539,6 +580,27 @@ class Checkpointer:
             self._unreported = []
         if errors:
             raise errors[0]
+
+
+class _SpeculativeCopy:
+    """A snapshot copy started before the structure agreement (see ``Checkpointer._speculate``)."""
+
+    def __init__(self, checkpointer: Checkpointer, key, slot: _BufferSlot, copy: CopyInProgress) -> None:
+        self.checkpointer, self.key, self.slot, self.copy = checkpointer, key, slot, copy
+
+    def abandon(self) -> None:
+        """Wait for the copy threads to leave the buffer, then free it for other saves."""
+        try:
+            self.copy.wait()
+        except Exception:
+            pass  # a copy for a structure that changed may fail; it is discarded either way
+        with self.checkpointer._lock:
+            self.slot.user = None
+
+
+def _sources(flat: dict, cached: CachedPlan) -> list[torch.Tensor]:
+    """The tensors to copy, in the order of the plan's unique slots (DTensors: the local shard)."""
+    return [flat[key] if item is None else find_tensor_shard(flat[key], item.index) for key, item in cached.sources]
 
 
 def _resolve_stateful(state_dict: STATE_DICT) -> STATE_DICT:

@@ -53,8 +53,12 @@ def _blank(state):
 
 def test_snapshot_holds_call_time_values_after_mutation(tmp_path):
     state = _mutable_state()
-    expected = copy.deepcopy(state)
     with core.Checkpointer() as checkpointer:
+        # the second save of the structure copies speculatively, before the structure agreement
+        checkpointer.async_save(state, tmp_path / "first").result()
+        for value in (state["weight"], state["embed.weight"], state["bf16"], state["step"]):
+            value.add_(1)  # new values for the second save, unlike what _mutate_everything writes
+        expected = copy.deepcopy(state)
         handle = checkpointer.async_save(state, tmp_path / "ckpt")
         _mutate_everything(state)
         handle.result()
@@ -66,6 +70,31 @@ def test_snapshot_holds_call_time_values_after_mutation(tmp_path):
         assert torch.equal(loaded[key], expected[key]), key
     assert loaded["lm_head.weight"] is tied and torch.equal(tied, expected["embed.weight"])  # still tied
     assert loaded["opt"] == expected["opt"] and vars(loaded["args"]) == vars(expected["args"])
+
+
+def test_same_keys_new_structure_is_saved_right(tmp_path):
+    """A save whose keys match the last save starts copying before the structure is confirmed;
+    when shapes, dtypes or kinds changed under the same keys, that copy must be thrown away."""
+    states = [
+        {"a": torch.arange(6.0), "b": torch.ones(3, 2), "n": 1},
+        {"a": torch.arange(8.0), "b": torch.ones(3, 2) * 2, "n": 2},  # shape changed
+        {"a": torch.arange(8, dtype=torch.float64), "b": torch.ones(3, 2) * 3, "n": 3},  # dtype changed
+        {"a": "no longer a tensor", "b": torch.ones(3, 2) * 4, "n": 4},  # kind changed
+        {"a": torch.arange(8, dtype=torch.float64) * 5, "b": torch.ones(3, 2) * 5, "n": 5},  # the earlier structure again
+    ]
+    with core.Checkpointer() as checkpointer:
+        for i, state in enumerate(states):
+            checkpointer.save(state, tmp_path / f"s{i}")
+            checkpointer.save(state, tmp_path / f"t{i}")  # same structure twice: the speculative copy is used
+        for i, state in enumerate(states):
+            for name in (f"s{i}", f"t{i}"):
+                target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+                checkpointer.load(target, tmp_path / name)
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        assert torch.equal(target[key], value) and target[key].dtype == value.dtype, (name, key)
+                    else:
+                        assert target[key] == value, (name, key)
 
 
 def test_native_files_hold_call_time_values(tmp_path):
