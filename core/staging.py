@@ -40,7 +40,8 @@ class StagingBuffer:
             for s in layout.slots
         ]
         self.unique_views = [self.slot_views[i] for i in layout.unique_slots()]
-        self.copy_halves = _balanced_halves([v.numel() * v.element_size() for v in self.unique_views])
+        self.copy_halves = [half for half in _balanced_halves([v.numel() * v.element_size() for v in self.unique_views]) if half]
+        self.copy_half_views = [[self.unique_views[i] for i in half] for half in self.copy_halves]
         self.pinned = False
         if pin_for_cuda:
             self._pin()
@@ -54,7 +55,7 @@ class StagingBuffer:
         self.pinned = True
 
     def close(self) -> None:
-        self.slot_views = self.unique_views = []
+        self.slot_views = self.unique_views = self.copy_half_views = []
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
             self.pinned = False
@@ -113,8 +114,8 @@ def start_copy(buffer: StagingBuffer, sources: Sequence[torch.Tensor]) -> CopyIn
         raise AssertionError(f"staging {len(sources)} tensors into a layout of {len(views)} slots")
     pool = _helpers()
     return CopyInProgress([
-        pool.submit(_copy_group, [views[i] for i in half], [sources[i] for i in half])
-        for half in buffer.copy_halves if half
+        pool.submit(_copy_group, half_views, [sources[i] for i in half])
+        for half, half_views in zip(buffer.copy_halves, buffer.copy_half_views)
     ])
 
 
