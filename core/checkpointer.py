@@ -8,12 +8,15 @@ synchronous ``save`` is ``async_save(...).result()``.
 from __future__ import annotations
 
 import atexit
+import datetime
+import functools
 import io
 import itertools
 import os
 import pickle
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections import deque
@@ -165,6 +168,7 @@ class Checkpointer:
         self._closed = False
         self._staging_thread: Optional[threading.Thread] = None
         self._last_key = None  # plan-cache key of the last save
+        self._side_group: Optional[dist.ProcessGroup] = None
         self._object_snapshots = _ObjectSnapshots()
         _live_checkpointers.add(self)
 
@@ -193,20 +197,46 @@ class Checkpointer:
             raise RuntimeError("Checkpointer is closed")
         path = os.path.abspath(os.fspath(path))
         group = process_group if process_group is not None else self.process_group
-        collectives = self.use_collectives if use_collectives is None else use_collectives
+        collectives = (self.use_collectives if use_collectives is None else use_collectives) and _dist_ready()
         rank, world = _rank_and_world(group)
         overlap = self.overlap_staging if overlap_staging is None else overlap_staging
-        if overlap:
-            self.wait_staged()  # one overlapped snapshot at a time
+        self.wait_staged()  # one snapshot at a time: saves agree on their structures in call order
+        agreement_group = self._agreement_group(group, world, collectives)
+        prepare = functools.partial(self._prepare, state_dict, path, agreement_group, collectives, rank, world, step,
+                                    extra_files, speculate=not overlap)
+        if overlap and (agreement_group is not group or world == 1 or not collectives):
+            # The whole snapshot (flatten, describe, agree on a group of our own, copy) runs in the
+            # background: the caller waits for nothing but a thread start.
+            handle = SaveHandle(path, rank, self.timeout + 60)
+            with self._lock:
+                self._in_flight.append(handle)
+            self._start_staging_thread(self._prepare_and_stage, handle, prepare)
+            return handle
+        handle, slot, stage, request = prepare()
+        with self._lock:
+            self._in_flight.append(handle)
+        if overlap:  # the caller's own group must not be used from another thread: only the copy is overlapped
+            self._start_staging_thread(self._stage_and_submit, handle, slot, stage, request)
+        else:
+            self._stage_and_submit(handle, slot, stage, request)
+            self._raise_unreported()  # this snapshot's failure, or an older one that completed meanwhile
+        return handle
+
+    def _prepare(self, state_dict: STATE_DICT, path: str, group, collectives: bool, rank: int, world: int,
+                 step: Optional[int], extra_files: Optional[dict[str, bytes]], *, speculate: bool,
+                 handle: Optional[SaveHandle] = None) -> tuple[SaveHandle, "_BufferSlot", Any, ShareRequest]:
+        """Everything before the copy: flatten, agree on the structure, plan (cached), pickle the
+        non-tensor values, pick a buffer. Returns the handle, the buffer, the copy to run, and the
+        request for the writer. With ``speculate``, the copy already runs meanwhile."""
         planner = AsyncCkptSavePlanner()
         planner.set_up_planner(_resolve_stateful(state_dict), is_coordinator=rank == 0)
         flat = planner.state_dict
         self._apply_back_pressure()
-        speculation = None if overlap else self._speculate(flat)
+        speculation = self._speculate(flat) if speculate else None
         try:
             description = describe(flat)
             key, save_id, failed_ranks = agree_on_structure(self.plan_cache.digest(description), group, world,
-                                                            collectives and _dist_ready(), self._save_counter,
+                                                            collectives, self._save_counter,
                                                             failed=self._has_unreported())
             self._save_counter += 1
             self._raise_unreported()
@@ -232,7 +262,7 @@ class Checkpointer:
             if speculation is not None:
                 speculation.abandon()
             raise
-        handle = SaveHandle(path, rank, self.timeout + 60)
+        handle = handle or SaveHandle(path, rank, self.timeout + 60)
         slot.user = handle
         handle.buffer_slot = slot
         request = ShareRequest(
@@ -241,17 +271,33 @@ class Checkpointer:
             byte_items=objects, direct_io=self.direct_io, io_threads=self.io_threads, timeout=self.timeout,
             step=step, extra_files=dict(extra_files or {}) if rank == 0 else {},
         )
-        with self._lock:
-            self._in_flight.append(handle)
-        if overlap:
-            self._staging_thread = threading.Thread(
-                target=self._stage_and_submit, args=(handle, slot, stage, request), name="asyncckpt-stager", daemon=True
-            )
-            self._staging_thread.start()
-        else:
-            self._stage_and_submit(handle, slot, stage, request)
-            self._raise_unreported()  # this snapshot's failure, or an older one that completed meanwhile
-        return handle
+        return handle, slot, stage, request
+
+    def _prepare_and_stage(self, handle: SaveHandle, prepare) -> None:
+        """Background thread of an overlapped save: the whole snapshot, then the hand-off."""
+        time.sleep(0)  # hand the GIL back at once: the caller returns now, not after a 5 ms switch interval
+        try:
+            _, slot, stage, request = prepare(handle=handle)
+        except BaseException as e:
+            self._complete(handle, e if isinstance(e, CheckpointError) else
+                           CheckpointWriteError(f"rank {handle.rank}: snapshot of {handle.path} failed: {type(e).__name__}: {e}"))
+            return
+        self._stage_and_submit(handle, slot, stage, request)
+
+    def _start_staging_thread(self, target, *args) -> None:
+        self._staging_thread = threading.Thread(target=target, args=args, name="asyncckpt-stager", daemon=True)
+        self._staging_thread.start()
+
+    def _agreement_group(self, group, world: int, collectives: bool):
+        """The group a save's structure agreement (and cold planning) runs on: a gloo group of our
+        own when saving on the whole world, created collectively at the first such save, so that
+        it can run on a background thread without interleaving with the training's collectives on
+        the default group (and never needs a CUDA tensor); the caller's group otherwise."""
+        if group is not None or world == 1 or not collectives:
+            return group
+        if self._side_group is None:
+            self._side_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+        return self._side_group
 
     def async_save_file(
         self, obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: Optional[dict[str, str]] = None
@@ -402,6 +448,9 @@ class Checkpointer:
             for slot in self._slots:
                 slot.buffer.close()
             self._slots.clear()
+            if self._side_group is not None and _dist_ready():
+                dist.destroy_process_group(self._side_group)
+            self._side_group = None
             _live_checkpointers.discard(self)
 
     def __enter__(self) -> "Checkpointer":

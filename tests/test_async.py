@@ -248,6 +248,41 @@ def test_overlapped_staging_guard_makes_optimizer_step_wait(tmp_path):
     assert not torch.equal(model[0].weight.detach(), expected["model"]["0.weight"])  # training did move on
 
 
+def _overlapped_ddp_saves(rank, world, root):
+    """Overlapped saves on 2 ranks with DDP: each snapshot (and its structure agreement, on the
+    checkpointer's own group) runs in the background while DDP all-reduces gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    expected = []
+    with core.Checkpointer(overlap_staging=True) as checkpointer:
+        checkpointer.guard(optimizer)
+        for step in range(3):
+            model(torch.randn(4, 256)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            state = {"model": model.module.state_dict(), "optim": optimizer.state_dict(), "step": step}
+            expected.append(copy.deepcopy(state))
+            handle = checkpointer.async_save(state, f"{root}/s{step}")
+            model(torch.randn(4, 256)).sum().backward()  # all-reduces while the snapshot is taken
+            optimizer.step()  # waits for the snapshot
+            optimizer.zero_grad()
+        checkpointer.wait()
+        for step, want in enumerate(expected):
+            got = {"model": copy.deepcopy(model.module).state_dict(), "optim": copy.deepcopy(optimizer.state_dict()), "step": -1}
+            checkpointer.load(got, f"{root}/s{step}")
+            assert got["step"] == step
+            for key, value in want["model"].items():
+                assert torch.equal(got["model"][key], value), (step, key)
+            for index, entry in want["optim"]["state"].items():
+                assert torch.equal(got["optim"]["state"][index]["exp_avg_sq"], entry["exp_avg_sq"]), (step, index)
+    return "ok"
+
+
+def test_overlapped_saves_on_two_ranks_with_ddp(tmp_path):
+    assert run_on_ranks(_overlapped_ddp_saves, 2, str(tmp_path)) == ["ok", "ok"]
+
+
 def test_directory_transaction_publishes_all_or_nothing(tmp_path):
     with core.Checkpointer() as checkpointer:
         tx = checkpointer.begin_directory(tmp_path / "checkpoint-1", step=1)
