@@ -49,6 +49,7 @@ from .layout import IO_ALIGNMENT, RankLayout, align_up
 from .native_files import FileRequest, RemoveRequest, safetensors_image, stage_image, torch_file_image
 from .staging import CopyInProgress, StagingBuffer, copy_into, start_copy
 from .storage import ShareRequest, report_failure
+from .worker import Idle
 from .worker_client import WorkerClient
 
 STATE_DICT = dict[str, Any]
@@ -402,9 +403,13 @@ class Checkpointer:
             raise _unwrap(e) from None
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Wait until every accepted save is committed; raise the first failure."""
+        """Wait until every accepted save is committed, and the checkpoints they replaced are
+        deleted; raise the first failure."""
         with self._lock:
             pending = list(self._in_flight)
+            worker_running = self._worker is not None and self._worker.alive
+        if worker_running:
+            pending.append(self._submit_unbuffered("the background writer's cleanup", Idle()))
         for handle in pending:
             self._settle(handle, timeout)
         self._raise_unreported()

@@ -181,10 +181,10 @@ def publish_with_record(req, **record) -> None:
     commit.publish(req.staging_dir, req.final_path)
 
 
-def commit_share(req: ShareRequest) -> None:
+def commit_share(req: ShareRequest, own_sidecar: dict) -> None:
     """Coordinator: wait for every rank's sidecar, then write metadata + commit record, publish."""
     wait_for_ranks(req, sidecar_name)
-    sidecars = [read_rank_sidecar(req.staging_dir, rank) for rank in range(req.world_size)]
+    sidecars = [own_sidecar if rank == req.rank else read_rank_sidecar(req.staging_dir, rank) for rank in range(req.world_size)]
     stale = [s["rank"] for s in sidecars if s["save_id"] != req.save_id]
     if stale:
         raise CheckpointWriteError(f"checkpoint {req.final_path}: ranks {stale} left sidecars of another save")
@@ -215,13 +215,14 @@ def run_share(req: ShareRequest, layout: RankLayout, image: memoryview) -> None:
         os.makedirs(req.staging_dir, exist_ok=True)
         items = write_share(req.staging_dir, req.rank, layout, image, req.byte_items,
                             direct_io=req.direct_io, io_threads=req.io_threads)
-        write_rank_sidecar(req.staging_dir, sidecar_record(req, items))
+        sidecar = sidecar_record(req, items)
+        write_rank_sidecar(req.staging_dir, sidecar)
     except BaseException as e:
         report_failure(req, e)
         raise CheckpointWriteError(_failure_message(req, {"rank": req.rank, "error": f"{type(e).__name__}: {e}"})) from e
     if req.coordinator:
         try:
-            commit_share(req)
+            commit_share(req, sidecar)
         except BaseException as e:
             report_failure(req, e)
             raise

@@ -103,5 +103,6 @@ def test_saving_over_a_committed_checkpoint_replaces_it_atomically(saved):
     loaded = target()
     core.load(loaded, path)
     assert torch.equal(loaded["w"], newer["w"]) and torch.equal(loaded["big"], newer["big"]) and loaded["n"] == 4
+    core.wait()  # the replaced checkpoint is deleted after the commit is reported, before wait() returns
     leftovers = [n for n in os.listdir(os.path.dirname(path)) if n.startswith(".")]
     assert leftovers == []
