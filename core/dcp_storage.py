@@ -210,7 +210,7 @@ class AsyncCkptStorageReader(StorageReader):
                 columns, index = found
                 dtype = RAW_DTYPES[columns.dtype[index]]
                 source = (torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)).view(
-                    tuple(columns.chunk_sizes[index]))
+                    columns.chunk_shape(index))
             else:
                 source = torch.load(io.BytesIO(buffer), map_location="cpu", weights_only=True)
             target.copy_(_narrow(source, request))
@@ -234,7 +234,7 @@ def _narrow(tensor: torch.Tensor, request: ReadItem) -> torch.Tensor:
 
 def _reads_whole_chunk(request: ReadItem, target: torch.Tensor, columns: Any, index: int) -> bool:
     """The request is a whole saved chunk of ours and can land in ``target``'s memory as it is."""
-    shape = tuple(columns.chunk_sizes[index])
+    shape = columns.chunk_shape(index)
     return (not any(request.storage_offsets) and tuple(request.lengths) == shape
             and can_read_into(target, RAW_DTYPES.get(columns.dtype[index]), shape, columns.nbytes[index]))
 

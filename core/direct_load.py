@@ -132,6 +132,8 @@ def plan_direct_load(state_dict: dict, root: str, record: dict, *, strict: bool,
 def _tensor_reads(sidecar: Sidecar, flat: dict, taken: Optional[set], verify: bool) -> Optional[FileSpans]:
     """This rank's tensor items that ``flat`` asks for, in file order; None if one needs dcp.load."""
     t = sidecar.tensors
+    shapes = [tuple(shape) for shape in t.shapes]
+    at_origin = {index for index, shape in enumerate(shapes) if not any(shape)}
     spans: list[Span] = []
     append, get, dtypes = spans.append, flat.get, RAW_DTYPES
     needed, needed_by = 0, ""
@@ -141,13 +143,13 @@ def _tensor_reads(sidecar: Sidecar, flat: dict, taken: Optional[set], verify: bo
         value = get(fqn, _ABSENT)
         if value is _ABSENT:
             continue
-        if type(value) not in _PLAIN_TENSORS or any(offsets) or sizes != global_size:
+        if type(value) not in _PLAIN_TENSORS or sizes != global_size or offsets not in at_origin:
             return None  # not a plain tensor, or the key was saved in chunks: resharding
         if taken is not None:
             if fqn in taken:
                 continue
             taken.add(fqn)
-        if not can_read_into(value, dtypes.get(dtype), tuple(sizes), nbytes):
+        if not can_read_into(value, dtypes.get(dtype), shapes[sizes], nbytes):
             return None
         append(Span(data_start, nbytes, value, digest if verify else None, fqn))
         needed, needed_by = start + length, fqn
@@ -176,23 +178,23 @@ def _disjoint(files: list[FileSpans]) -> bool:
     """True unless two targets overlap in memory with different sources (tied tensors loaded from
     one saved copy are fine: the later one is dropped). Reads run in parallel, so overlapping
     writes would race where dcp.load's sequential copies let the last key win."""
-    spans = [(span, entry) for entry in files for span in entry.spans
-             if span.nbytes and isinstance(span.target, torch.Tensor)]
+    spans = [span for entry in files for span in entry.spans if span.nbytes and type(span.target) is not bytearray]
     if len(spans) < 2:
         return True
-    starts = np.fromiter((span.target.data_ptr() for span, _ in spans), dtype=np.int64, count=len(spans))
-    ends = starts + np.fromiter((span.nbytes for span, _ in spans), dtype=np.int64, count=len(spans))
+    starts = np.array([span.target.data_ptr() for span in spans], dtype=np.int64)
+    ends = starts + np.array([span.nbytes for span in spans], dtype=np.int64)
     order = np.argsort(starts, kind="stable")
     clashes = np.nonzero(starts[order][1:] < ends[order][:-1])[0]
+    if not len(clashes):
+        return True
+    file_of = {id(span): entry.relative_path for entry in files for span in entry.spans}
     dropped = set()
     for position in clashes.tolist():
-        (a, file_a), (b, file_b) = spans[order[position]], spans[order[position + 1]]
-        same = (starts[order[position]] == starts[order[position + 1]] and a.nbytes == b.nbytes
-                and file_a.relative_path == file_b.relative_path and a.offset == b.offset)
-        if not same:
+        first, second = order[position], order[position + 1]
+        a, b = spans[first], spans[second]
+        if (starts[first], a.nbytes, file_of[id(a)], a.offset) != (starts[second], b.nbytes, file_of[id(b)], b.offset):
             return False
         dropped.add(id(b))
-    if dropped:
-        for entry in files:
-            entry.spans = [span for span in entry.spans if id(span) not in dropped]
+    for entry in files:
+        entry.spans = [span for span in entry.spans if id(span) not in dropped]
     return True
