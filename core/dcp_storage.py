@@ -13,7 +13,7 @@ import os
 import re
 import uuid
 from itertools import repeat
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from . import commit
 from .errors import CorruptCheckpointError
 from .metadata_io import load_dcp_metadata, write_dcp_metadata
 from .planner import byte_items, layout_for_plan, tensor_items
-from .reader import RAW_DTYPES, Span, can_read_into, group_by_file, read_spans
+from .reader import RAW_DTYPES, Span, can_read_into, group_by_file, overlapping, read_spans
 from .staging import StagingBuffer, copy_into
 from .sidecar import read_sidecar, write_rank_sidecar
 from .storage import ShareRequest, sidecar_record, write_share
@@ -156,69 +156,84 @@ class AsyncCkptStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        direct: list[tuple[str, Span, int]] = []  # (file, span, end of the item's container)
-        then: list[Callable[[], None]] = []  # hand each result to the planner once read
-        staged: list[tuple[ReadItem, torch.Tensor, _StorageInfo, Optional[tuple[Any, int]]]] = []
-        for request in plan.items:
-            info: _StorageInfo = self.storage_data[request.storage_index]
-            if info.transform_descriptors:
-                raise CorruptCheckpointError(
-                    f"{self.path}: key '{request.storage_index.fqn}' uses stream transforms {info.transform_descriptors}, "
-                    "which this reader does not support; load it with torch's FileSystemReader"
-                )
-            found = self._sidecar_items.get((info.relative_path, info.offset))
-            digest = found[0].xxh3[found[1]] if found is not None and self.verify else None
-            end = info.offset + info.length
-            if request.type == LoadItemType.BYTE_IO:
-                blob = bytearray(info.length)
-                direct.append((info.relative_path, Span(info.offset, info.length, blob, digest, request.storage_index.fqn), end))
-                then.append(functools.partial(_load_bytes, planner, request, blob))
-                continue
-            target = planner.resolve_tensor(request).detach()
-            if found is not None and _reads_whole_chunk(request, target, *found):
-                columns, index = found
-                direct.append((info.relative_path, Span(columns.data_start[index], columns.nbytes[index], target, digest,
-                                                        request.storage_index.fqn), end))
-                then.append(functools.partial(planner.commit_tensor, request, target))
-            else:
-                staged.append((request, target, info, found))
-        read_spans(self.path, group_by_file(direct), threads=self.io_threads)
-        for hand_over in then:
-            hand_over()
+        jobs = [self._job(request, planner) for request in plan.items]
+        _repeats, clashes = overlapping([(job.info.relative_path, job.span) for job in jobs if job.span is not None])
+        direct = [job for job in jobs if job.span is not None and id(job.span) not in clashes]
+        # Narrowed reads, plain DCP containers, and targets sharing memory with different sources
+        # (which must be copied one by one, in plan order, so that the last key wins as in DCP).
+        staged = [job for job in jobs if job.span is None or id(job.span) in clashes]
+        read_spans(self.path, group_by_file([(job.info.relative_path, job.span, job.info.offset + job.info.length)
+                                             for job in direct]), threads=self.io_threads)
+        for job in direct:
+            job.hand_over()
         for batch in _batches(staged):
             self._read_staged(batch, planner)
         future: Future = Future()
         future.set_result(None)
         return future
 
-    def _read_staged(self, jobs: list, planner: LoadPlanner) -> None:
+    def _job(self, request: ReadItem, planner: LoadPlanner) -> "_Job":
+        """Where a request's bytes are, where they go, and whether they can go there directly."""
+        info: _StorageInfo = self.storage_data[request.storage_index]
+        if info.transform_descriptors:
+            raise CorruptCheckpointError(
+                f"{self.path}: key '{request.storage_index.fqn}' uses stream transforms {info.transform_descriptors}, "
+                "which this reader does not support; load it with torch's FileSystemReader"
+            )
+        found = self._sidecar_items.get((info.relative_path, info.offset))
+        digest = found[0].xxh3[found[1]] if found is not None and self.verify else None
+        fqn = request.storage_index.fqn
+        if request.type == LoadItemType.BYTE_IO:
+            blob = bytearray(info.length)
+            return _Job(request, info, found, None, Span(info.offset, info.length, blob, digest, fqn),
+                        functools.partial(_load_bytes, planner, request, blob))
+        target = planner.resolve_tensor(request).detach()
+        if found is None or not _reads_whole_chunk(request, target, *found):
+            return _Job(request, info, found, target, None, None)
+        columns, index = found
+        return _Job(request, info, found, target, Span(columns.data_start[index], columns.nbytes[index], target, digest, fqn),
+                    functools.partial(planner.commit_tensor, request, target))
+
+    def _read_staged(self, jobs: list["_Job"], planner: LoadPlanner) -> None:
         """Read chunks into temporaries (verified raw bytes of ours, whole containers of plain DCP
         checkpoints), then copy the requested part of each into its target."""
         reads, buffers = [], []
-        for request, _target, info, found in jobs:
-            if found is not None:
-                columns, index = found
+        for job in jobs:
+            fqn = job.request.storage_index.fqn
+            if job.found is not None:
+                columns, index = job.found
                 span = Span(columns.data_start[index], columns.nbytes[index], bytearray(columns.nbytes[index]),
-                            columns.xxh3[index] if self.verify else None, request.storage_index.fqn)
+                            columns.xxh3[index] if self.verify else None, fqn)
             else:
-                span = Span(info.offset, info.length, bytearray(info.length), None, request.storage_index.fqn)
-            reads.append((info.relative_path, span, info.offset + info.length))
+                span = Span(job.info.offset, job.info.length, bytearray(job.info.length), None, fqn)
+            reads.append((job.info.relative_path, span, job.info.offset + job.info.length))
             buffers.append(span.target)
         read_spans(self.path, group_by_file(reads), threads=self.io_threads)
-        for (request, target, _info, found), buffer in zip(jobs, buffers):
-            if found is not None:
-                columns, index = found
+        for job, buffer in zip(jobs, buffers):
+            if job.found is not None:
+                columns, index = job.found
                 dtype = RAW_DTYPES[columns.dtype[index]]
                 source = (torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)).view(
                     columns.chunk_shape(index))
             else:
                 source = torch.load(io.BytesIO(buffer), map_location="cpu", weights_only=True)
-            target.copy_(_narrow(source, request))
-            planner.commit_tensor(request, target)
+            job.target.copy_(_narrow(source, job.request))
+            planner.commit_tensor(job.request, job.target)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class _Job(NamedTuple):
+    """One read request of a plan, resolved against the checkpoint."""
+
+    request: ReadItem
+    info: _StorageInfo  # where .metadata says the item is
+    found: Optional[tuple[Any, int]]  # (sidecar columns, index) of the item, if a sidecar has it
+    target: Optional[torch.Tensor]  # None for objects
+    span: Optional[Span]  # the direct read (objects, whole chunks); None: staged
+    hand_over: Optional[Callable[[], None]]  # gives the planner the result of the direct read
 
 
 def _load_bytes(planner: LoadPlanner, request: ReadItem, blob: bytearray) -> None:
@@ -239,15 +254,14 @@ def _reads_whole_chunk(request: ReadItem, target: torch.Tensor, columns: Any, in
             and can_read_into(target, RAW_DTYPES.get(columns.dtype[index]), shape, columns.nbytes[index]))
 
 
-def _batches(staged: list) -> list[list]:
+def _batches(staged: list[_Job]) -> list[list[_Job]]:
     """Staged reads in groups of at most STAGED_BYTES of temporaries (a single larger one alone)."""
-    groups: list[list] = []
+    groups: list[list[_Job]] = []
     size = 0
     for job in staged:
-        length = job[2].length
-        if not groups or size + length > STAGED_BYTES:
+        if not groups or size + job.info.length > STAGED_BYTES:
             groups.append([])
             size = 0
         groups[-1].append(job)
-        size += length
+        size += job.info.length
     return groups

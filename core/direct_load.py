@@ -25,13 +25,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .metadata_io import DCP_METADATA_FILE, check_relative_path
-from .reader import RAW_DTYPES, FileSpans, Span, can_read_into, read_spans
+from .reader import RAW_DTYPES, FileSpans, Span, can_read_into, overlapping, read_spans
 from .sidecar import Sidecar, read_sidecar, sidecar_name
 from .structure import flatten_state_dict
 
@@ -119,7 +118,7 @@ def plan_direct_load(state_dict: dict, root: str, record: dict, *, strict: bool,
             if found.spans:
                 check_relative_path(root, found.relative_path)  # sidecars are input: never read outside root
                 files.append(found)
-    if not _disjoint(files):
+    if not _without_repeats(files):
         return None  # state dict tensors sharing memory but saved with different values
     try:  # we write their memory behind autograd's back
         torch.autograd.graph.increment_version([s.target for f in files for s in f.spans if type(s.target) is not bytearray])
@@ -174,27 +173,14 @@ def _object_reads(sidecar: Sidecar, flat: dict, taken: Optional[set], verify: bo
     return FileSpans(o.file, spans, spans[-1].offset + spans[-1].nbytes if spans else 0, spans[-1].key if spans else "")
 
 
-def _disjoint(files: list[FileSpans]) -> bool:
-    """True unless two targets overlap in memory with different sources (tied tensors loaded from
-    one saved copy are fine: the later one is dropped). Reads run in parallel, so overlapping
-    writes would race where dcp.load's sequential copies let the last key win."""
-    spans = [span for entry in files for span in entry.spans if span.nbytes and type(span.target) is not bytearray]
-    if len(spans) < 2:
-        return True
-    starts = np.array([span.target.data_ptr() for span in spans], dtype=np.int64)
-    ends = starts + np.array([span.nbytes for span in spans], dtype=np.int64)
-    order = np.argsort(starts, kind="stable")
-    clashes = np.nonzero(starts[order][1:] < ends[order][:-1])[0]
-    if not len(clashes):
-        return True
-    file_of = {id(span): entry.relative_path for entry in files for span in entry.spans}
-    dropped = set()
-    for position in clashes.tolist():
-        first, second = order[position], order[position + 1]
-        a, b = spans[first], spans[second]
-        if (starts[first], a.nbytes, file_of[id(a)], a.offset) != (starts[second], b.nbytes, file_of[id(b)], b.offset):
-            return False
-        dropped.add(id(b))
-    for entry in files:
-        entry.spans = [span for span in entry.spans if id(span) not in dropped]
+def _without_repeats(files: list[FileSpans]) -> bool:
+    """Drop reads into memory another read fills with the same bytes (tied weights saved once);
+    False if two reads would put different bytes into the same memory (dcp.load's sequential
+    copies let the last key win; parallel reads would race)."""
+    repeats, clashes = overlapping([(entry.relative_path, span) for entry in files for span in entry.spans])
+    if clashes:
+        return False
+    if repeats:
+        for entry in files:
+            entry.spans = [span for span in entry.spans if id(span) not in repeats]
     return True

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
+import numpy as np
 import torch
 
 from . import diskio
@@ -83,6 +84,30 @@ def can_read_into(target: torch.Tensor, dtype: Optional[torch.dtype], shape: tup
     conjugate or negative view bit (whose memory holds other values than the tensor shows)."""
     return (target.dtype is dtype and target.shape == shape and target.is_cpu and target.layout is torch.strided
             and target.is_contiguous() and not target.is_neg() and not target.is_conj() and target.nbytes == nbytes)
+
+
+def overlapping(reads: list[tuple[str, Span]]) -> tuple[set[int], set[int]]:
+    """Targets that share memory, as ``id``s of ``(relative path, span)`` reads: (repeats: the same
+    bytes of the same file again, e.g. tied weights, which need not be read twice; clashes: different
+    bytes into the same memory, which parallel reads would race on and checksums would then reject).
+    """
+    tensors = [(relative_path, span) for relative_path, span in reads
+               if span.nbytes and type(span.target) is not bytearray]
+    if len(tensors) < 2:
+        return set(), set()
+    starts = np.array([span.target.data_ptr() for _, span in tensors], dtype=np.int64)
+    ends = starts + np.array([span.nbytes for _, span in tensors], dtype=np.int64)
+    order = np.argsort(starts, kind="stable")
+    repeats: set[int] = set()
+    clashes: set[int] = set()
+    for position in np.nonzero(starts[order][1:] < ends[order][:-1])[0].tolist():
+        first, second = order[position], order[position + 1]
+        (file_a, a), (file_b, b) = tensors[first], tensors[second]
+        if (starts[first], a.nbytes, file_a, a.offset) == (starts[second], b.nbytes, file_b, b.offset):
+            repeats.add(id(b))
+        else:
+            clashes.update((id(a), id(b)))
+    return repeats, clashes
 
 
 def writable_bytes(target: Union[torch.Tensor, bytearray]):
