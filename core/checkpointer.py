@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper, find_state_dict_obj
 
 from . import commit
 from .dcp_storage import AsyncCkptStorageReader
+from .direct_load import paused_gc, plan_direct_load
 from .metadata_io import load_dcp_metadata
 from .directory import CommitDirRequest, DirectoryTransaction, transaction_id
 from .errors import CheckpointError, CheckpointTimeoutError, CheckpointWriteError
@@ -386,19 +387,38 @@ class Checkpointer:
         verify: Optional[bool] = None,
         use_collectives: Optional[bool] = None,
     ) -> None:
-        """Load a committed checkpoint into ``state_dict`` in place, resharding as needed."""
+        """Load a committed checkpoint into ``state_dict`` in place, resharding as needed.
+
+        Checkpoints written by asyncckpt whose tensors need no resharding (plain CPU tensors, each
+        saved whole) are read straight from the sidecars (``direct_load``); anything else goes
+        through ``dcp.load`` with torch's resharding. With collectives, every rank takes the same
+        path, and a failure on any rank is raised on every rank (as dcp.load does).
+        """
         path = os.path.abspath(os.fspath(path))
         self.wait_for(path)
         group = process_group if process_group is not None else self.process_group
         collectives = self.use_collectives if use_collectives is None else use_collectives
-        commit.require_complete(path)  # DCP would hide these errors behind a generic one: check first
-        reader = AsyncCkptStorageReader(path, verify=self.verify if verify is None else verify,
-                                        io_threads=self.io_threads, metadata=load_dcp_metadata(path))
+        verify = self.verify if verify is None else verify
+        record = commit.require_complete(path)  # DCP would hide these errors behind a generic one: check first
+        use_dist = collectives and _dist_ready()
+        ranks = _DistWrapper(group, use_dist, 0)
+        planned: list = []
+
+        def plan() -> bool:
+            planned.append(plan_direct_load(state_dict, path, record, strict=strict, verify=verify))
+            return planned[0] is not None
+
         try:
-            with warnings.catch_warnings():  # DCP warns that a no-collectives load is "single process"
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(state_dict, storage_reader=reader, planner=AsyncCkptLoadPlanner(strict=strict),
-                         process_group=group, no_dist=not (collectives and _dist_ready()))
+            with paused_gc():
+                if all(ranks.all_gather("plan", plan)):
+                    ranks.all_gather("read", lambda: planned[0].run(self.io_threads))
+                    return
+                reader = AsyncCkptStorageReader(path, verify=verify, io_threads=self.io_threads,
+                                                metadata=load_dcp_metadata(path))
+                with warnings.catch_warnings():  # DCP warns that a no-collectives load is "single process"
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.load(state_dict, storage_reader=reader, planner=AsyncCkptLoadPlanner(strict=strict),
+                             process_group=group, no_dist=not use_dist)
         except CheckpointException as e:
             raise _unwrap(e) from None
 

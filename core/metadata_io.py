@@ -1,15 +1,15 @@
-"""Reading and writing checkpoint metadata: DCP's ``.metadata`` and our JSON sidecars.
+"""Reading and writing checkpoint metadata: DCP's ``.metadata``, built from our JSON sidecars.
 
 ``.metadata`` stays the pickled ``torch.distributed.checkpoint.metadata.Metadata`` that torch's
 own reader expects (so frameworks' DCP loaders read our checkpoints), but we never unpickle it
 freely: ``load_dcp_metadata`` admits only DCP's metadata classes, dtypes and paths. Everything
 we add (checksums, where tensor bytes start, the structure hash) lives in one JSON sidecar per
-rank, ``__{rank}.asyncckpt.json``, which is also the rank's "my share is durable" signal.
+rank, ``__{rank}.asyncckpt.json`` (``sidecar.py``; its reader and writer are also importable from
+here, where the commit code has always found them).
 """
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 from typing import Any, Optional
@@ -21,14 +21,9 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _Storag
 from .errors import CorruptCheckpointError, UnsafeMetadataError
 from .fsio import atomic_write_bytes
 from .metadata_pickle import MetadataPickleTemplate
+from .sidecar import SIDECAR_FORMAT, SIDECAR_VERSION, read_rank_sidecar, sidecar_name, write_rank_sidecar  # noqa: F401
 
-SIDECAR_FORMAT = "asyncckpt-rank"
-SIDECAR_VERSION = 1
 DCP_METADATA_FILE = ".metadata"
-
-
-def sidecar_name(rank: int) -> str:
-    return f"__{rank}.asyncckpt.json"
 
 
 _ALLOWED_GLOBALS = {
@@ -99,24 +94,6 @@ def load_dcp_metadata(checkpoint_dir: str, file_name: str = DCP_METADATA_FILE) -
     for relative_path in {info.relative_path for info in (metadata.storage_data or {}).values()}:
         check_relative_path(checkpoint_dir, relative_path)
     return metadata
-
-
-def write_rank_sidecar(directory: str, record: dict) -> None:
-    """Durably publish one rank's sidecar (tmp + fsync + rename): the rank's share is complete."""
-    data = json.dumps(record, separators=(",", ":")).encode()
-    atomic_write_bytes(os.path.join(directory, sidecar_name(record["rank"])), data)
-
-
-def read_rank_sidecar(directory: str, rank: int) -> dict:
-    path = os.path.join(directory, sidecar_name(rank))
-    with open(path, "rb") as f:
-        try:
-            record = json.load(f)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{path}: unreadable sidecar: {e}") from e
-    if record.get("format") != SIDECAR_FORMAT or record.get("version", 0) > SIDECAR_VERSION:
-        raise CorruptCheckpointError(f"{path}: unsupported sidecar format {record.get('format')} v{record.get('version')}")
-    return record
 
 
 _tensor_part_cache: dict = {}

@@ -17,12 +17,11 @@ from typing import Any, Optional
 from . import commit, diskio
 from .checksum import checksum
 from .errors import CheckpointTimeoutError, CheckpointWriteError, CorruptCheckpointError
+from .sidecar import ShareItems, ShareRecord
 from .fsio import atomic_write_bytes, fsync_dir
 from .layout import RankLayout
 from .metadata_io import (
     DCP_METADATA_FILE,
-    SIDECAR_FORMAT,
-    SIDECAR_VERSION,
     dcp_metadata_bytes,
     read_rank_sidecar,
     sidecar_name,
@@ -63,60 +62,36 @@ class ShareRequest:
 
 def write_share(
     directory: str, rank: int, layout: RankLayout, image: memoryview, byte_items: list, *, direct_io: bool, io_threads: int
-) -> list[dict]:
-    """Durably write one rank's tensor image and pickled objects; return the sidecar item records."""
-    items: list[dict] = []
+) -> ShareItems:
+    """Durably write one rank's tensor image and pickled objects; return what the sidecar records."""
+    digests: list[str] = []
     if layout.slots:
-        # Checksums are computed on another thread while the image streams to disk (xxhash and
-        # the writes both release the GIL), so verification costs no time on the save path.
-        digests = diskio.submit_background(
-            lambda: {slot.start: checksum(image[slot.data_start : slot.data_start + slot.nbytes]) for slot in layout.slots}
-        )
+        # Checksums are computed on another thread while the image streams to disk (the writes
+        # release the GIL), so verification costs no time on the save path. Tied tensors share bytes.
+        def checksum_slots() -> list[str]:
+            by_start: dict[int, str] = {}
+            for slot in layout.slots:
+                if slot.start not in by_start:
+                    by_start[slot.start] = checksum(image[slot.data_start : slot.data_start + slot.nbytes])
+            return [by_start[slot.start] for slot in layout.slots]
+
+        pending = diskio.submit_background(checksum_slots)
         diskio.write_image(os.path.join(directory, layout.file_name), image, layout.size, direct=direct_io, threads=io_threads)
-        digest_of = digests.result()
-        for slot in layout.slots:
-            items.append(
-                {
-                    "kind": "tensor",
-                    "fqn": slot.fqn,
-                    "chunk_offsets": slot.chunk_offsets,
-                    "chunk_sizes": slot.chunk_sizes,
-                    "global_size": slot.global_size,
-                    "dtype": slot.dtype,
-                    "requires_grad": slot.requires_grad,
-                    "file": layout.file_name,
-                    "start": slot.start,
-                    "length": slot.length,
-                    "data_start": slot.data_start,
-                    "nbytes": slot.nbytes,
-                    "xxh3": digest_of[slot.start],
-                }
-            )
+        digests = pending.result()
+    objects: list[tuple[str, int, int, str]] = []
     if byte_items:
         name = objects_file_name(rank)
         blob, cursor = bytearray(), 0
         for fqn, data in byte_items:
-            items.append(
-                {"kind": "bytes", "fqn": fqn, "file": name, "start": cursor, "length": len(data),
-                 "data_start": cursor, "nbytes": len(data), "xxh3": checksum(data)}
-            )
+            objects.append((fqn, cursor, len(data), checksum(data)))
             blob += data
             cursor += len(data)
         diskio.write_small_file(os.path.join(directory, name), bytes(blob))
-    return items
+    return ShareItems(layout if layout.slots else None, digests, objects_file_name(rank) if byte_items else None, objects)
 
 
-def sidecar_record(req: ShareRequest, items: list[dict]) -> dict:
-    return {
-        "format": SIDECAR_FORMAT,
-        "version": SIDECAR_VERSION,
-        "save_id": req.save_id,
-        "rank": req.rank,
-        "world_size": req.world_size,
-        "structure_hash": req.structure_hash,
-        "planner_data": req.planner_data,
-        "items": items,
-    }
+def sidecar_record(req: ShareRequest, items: ShareItems) -> ShareRecord:
+    return ShareRecord(req.save_id, req.rank, req.world_size, req.structure_hash, req.planner_data, items)
 
 
 def _poll(condition, timeout: float, what: str):
@@ -181,10 +156,10 @@ def publish_with_record(req, **record) -> None:
     commit.publish(req.staging_dir, req.final_path)
 
 
-def commit_share(req: ShareRequest, own_sidecar: dict) -> None:
+def commit_share(req: ShareRequest) -> None:
     """Coordinator: wait for every rank's sidecar, then write metadata + commit record, publish."""
     wait_for_ranks(req, sidecar_name)
-    sidecars = [own_sidecar if rank == req.rank else read_rank_sidecar(req.staging_dir, rank) for rank in range(req.world_size)]
+    sidecars = [read_rank_sidecar(req.staging_dir, rank) for rank in range(req.world_size)]
     stale = [s["rank"] for s in sidecars if s["save_id"] != req.save_id]
     if stale:
         raise CheckpointWriteError(f"checkpoint {req.final_path}: ranks {stale} left sidecars of another save")
@@ -215,14 +190,13 @@ def run_share(req: ShareRequest, layout: RankLayout, image: memoryview) -> None:
         os.makedirs(req.staging_dir, exist_ok=True)
         items = write_share(req.staging_dir, req.rank, layout, image, req.byte_items,
                             direct_io=req.direct_io, io_threads=req.io_threads)
-        sidecar = sidecar_record(req, items)
-        write_rank_sidecar(req.staging_dir, sidecar)
+        write_rank_sidecar(req.staging_dir, sidecar_record(req, items))
     except BaseException as e:
         report_failure(req, e)
         raise CheckpointWriteError(_failure_message(req, {"rank": req.rank, "error": f"{type(e).__name__}: {e}"})) from e
     if req.coordinator:
         try:
-            commit_share(req, sidecar)
+            commit_share(req)
         except BaseException as e:
             report_failure(req, e)
             raise
