@@ -50,8 +50,7 @@ from .layout import IO_ALIGNMENT, RankLayout, align_up
 from .native_files import FileRequest, RemoveRequest, safetensors_image, stage_image, torch_file_image
 from .staging import CopyInProgress, StagingBuffer, copy_into, start_copy
 from .storage import ShareRequest, report_failure
-from .worker import Idle
-from .worker_client import WorkerClient
+from .worker_client import Idle, WorkerClient
 
 STATE_DICT = dict[str, Any]
 

@@ -45,14 +45,6 @@ def _apply_test_limits() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), int(limit)))
 
 
-class Idle:
-    """A request that does nothing: its reply means every earlier request, and the cleanup
-    after it, is finished (``Checkpointer.wait`` ends with one)."""
-
-    def run(self, layout, image) -> None:
-        pass
-
-
 def _after_request() -> None:
     """Work the trainer need not wait for, done once a request's outcome is reported: delete the
     checkpoints it replaced, and collect garbage. Automatic collection is off in the writer: a
