@@ -411,6 +411,7 @@ class Checkpointer:
             with paused_gc():
                 if all(ranks.all_gather("plan", plan)):
                     ranks.all_gather("read", lambda: planned[0].run(self.io_threads))
+                    planned.clear()  # its ~10 objects per key go before the GC is back on
                     return
                 reader = AsyncCkptStorageReader(path, verify=verify, io_threads=self.io_threads,
                                                 metadata=load_dcp_metadata(path))

@@ -167,7 +167,10 @@ class Sidecar:
     objects: ObjectColumns
 
     def planner_data(self) -> dict:
-        """DCP's flatten mapping (key -> path) of every key this rank wrote."""
+        """DCP's flatten mapping (key -> path) of every key this rank wrote. (Its entries are
+        checked here, on use: a load needs none of them.)"""
+        if not all(map(_is_path, self.explicit_paths.values())):
+            raise _malformed(self.path, "'planner_data' holds something other than key paths")
         paths = {fqn: fqn.split(".") for fqn in self.tensors.fqn}
         paths.update((fqn, fqn.split(".")) for fqn in self.objects.fqn)
         paths.update(self.explicit_paths)
@@ -302,8 +305,8 @@ def read_sidecar(directory: str, rank: int) -> Sidecar:
         tensors, objects, explicit = _columns_from_v1(path, record)
     _check_columns(path, "tensors", tensors, _TENSOR_FIELDS)
     _check_columns(path, "objects", objects, _OBJECT_FIELDS)
-    if not isinstance(explicit, dict) or not all(map(_is_path, explicit.values())):
-        raise _malformed(path, "'planner_data' is not an object of key paths")
+    if not isinstance(explicit, dict):
+        raise _malformed(path, "'planner_data' is not an object")
     return Sidecar(
         path=path, version=record["version"], save_id=record.get("save_id"), rank=record.get("rank"),
         world_size=record.get("world_size"), structure_hash=record.get("structure_hash"), explicit_paths=explicit,
