@@ -7,9 +7,9 @@ contiguous CPU tensor or a writable buffer of exactly that size), with the xxh3 
 - items of at most ``PIECE_BYTES`` that lie close together in the file are read by one
   ``preadv`` whose iovec list scatters their bytes into their targets, and drops the container
   framing between them into a scratch buffer;
-- larger items are read ``PIECE_BYTES`` at a time;
-- every piece is hashed right after it is read, while it is still in the core's cache, so
-  verification does not cost a second pass over memory.
+- larger items are read ``PIECE_BYTES`` at a time, and every piece is hashed right after it is
+  read, while it is still in the core's cache, so verification does not cost a second pass over
+  memory (unverified, they are read in ``PART_BYTES`` parts that both threads share).
 
 Two threads share the work: ``preadv`` releases the GIL, so one thread's copy from the page cache
 overlaps the other's Python bookkeeping and hashing (xxhash holds the GIL).
@@ -28,6 +28,7 @@ from .checksum import checksum, checksum_stream
 from .errors import CorruptCheckpointError
 
 PIECE_BYTES = 512 << 10  # half of a core's L2 here: a piece is still cached when it is hashed
+PART_BYTES = 16 << 20  # unverified large items are read in parts this size, shared by the lanes
 GAP_BYTES = 64 << 10  # framing between two items read by one preadv (larger gaps start a new read)
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 _SCRATCH = memoryview(bytearray(GAP_BYTES))  # receives skipped framing; nobody reads it
@@ -148,12 +149,15 @@ def _mismatch(path: str, span: Span, found: str) -> CorruptCheckpointError:
         f"expected xxh3 {span.xxh3}, found {found}")
 
 
+def _read_part(fd: int, path: str, span: Span, begin: int, end: int) -> None:
+    """Bytes ``[begin, end)`` of an unverified item (parts of one item can go to different lanes)."""
+    view = memoryview(writable_bytes(span.target)).cast("B")[begin:end]
+    preadv_exact(fd, [view], span.offset + begin, end - begin, path)
+
+
 def _read_large(fd: int, path: str, span: Span) -> None:
-    """One item, piece by piece, each piece hashed just after it lands (in one go unverified)."""
+    """One verified item, piece by piece, each piece hashed just after it lands."""
     view = memoryview(writable_bytes(span.target)).cast("B")
-    if span.xxh3 is None:
-        preadv_exact(fd, [view], span.offset, span.nbytes, path)
-        return
     digest = checksum_stream()
     for position in range(0, span.nbytes, PIECE_BYTES):
         piece = view[position : position + PIECE_BYTES]
@@ -192,7 +196,11 @@ def _work(fd: int, path: str, spans: list[Span], large: list, batches: list) -> 
         if not span.nbytes:
             continue
         if span.nbytes > PIECE_BYTES:
-            large.append((_read_large, (fd, path, span)))
+            if span.xxh3 is not None:  # hashed in order: one lane reads it all
+                large.append((_read_large, (fd, path, span)))
+            else:
+                large.extend((_read_part, (fd, path, span, begin, min(begin + PART_BYTES, span.nbytes)))
+                             for begin in range(0, span.nbytes, PART_BYTES))
             continue
         if batch and (span.offset - batch_end > GAP_BYTES or span.offset < batch_end
                       or batch_bytes + span.nbytes > PIECE_BYTES or len(batch) * 2 + 2 > _IOV_MAX):
