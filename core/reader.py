@@ -30,7 +30,7 @@ from .errors import CorruptCheckpointError
 PIECE_BYTES = 512 << 10  # half of a core's L2 here: a piece is still cached when it is hashed
 PART_BYTES = 16 << 20  # unverified large items are read in parts this size, shared by the lanes
 GAP_BYTES = 64 << 10  # framing between two items read by one preadv (larger gaps start a new read)
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 _SCRATCH = memoryview(bytearray(GAP_BYTES))  # receives skipped framing; nobody reads it
 
 # dtype attribute name -> dtype, for the dtypes whose saved bytes are read raw into tensors
@@ -128,19 +128,24 @@ def _truncated(path: str, offset: int, wanted: int, reached: int) -> CorruptChec
 def preadv_exact(fd: int, buffers: list, offset: int, total: int, path: str) -> None:
     """Fill ``buffers`` (``total`` bytes together) from ``fd`` at ``offset``; a short file is an error."""
     got = os.preadv(fd, buffers, offset)
-    while got < total:  # short read: drop what is filled, continue into the rest
+    while got < total:  # a short read: continue into the rest
         if got == 0:
             raise _truncated(path, offset, total, offset)
-        rest = []
-        for buffer in buffers:
-            view = memoryview(buffer).cast("B")
-            if got >= len(view):
-                got -= len(view)
-            else:
-                rest.append(view[got:])
-                got = 0
-        offset, total, buffers = offset + (total - sum(len(b) for b in rest)), sum(len(b) for b in rest), rest
+        offset, total, buffers = offset + got, total - got, _after(buffers, got)
         got = os.preadv(fd, buffers, offset)
+
+
+def _after(buffers: list, skip: int) -> list:
+    """The buffers with their first ``skip`` bytes (together) dropped."""
+    rest = []
+    for buffer in buffers:
+        view = memoryview(buffer).cast("B")
+        if skip >= len(view):
+            skip -= len(view)
+        else:
+            rest.append(view[skip:])
+            skip = 0
+    return rest
 
 
 def _mismatch(path: str, span: Span, found: str) -> CorruptCheckpointError:
