@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncckpt import core
 from asyncckpt.core import cli, commit
@@ -255,3 +256,29 @@ def test_two_ranks_load_directly_and_a_damaged_share_fails_every_rank(tmp_path):
         f.seek(item["data_start"])
         f.write(b"\x01\x02\x03")
     run_on_ranks(_load_on_ranks, 2, path, item["fqn"])  # one rank reads the damage; both raise it
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_our_storage_reader_under_stock_dcp_load(saved, tmp_path):
+    """``dcp.load(storage_reader=AsyncCkptStorageReader(path))``: whole chunks read in place,
+    narrowed or non-contiguous targets through temporaries, checksums verified, and plain DCP
+    checkpoints (no sidecars) read through ``torch.load``."""
+    path, state = saved
+    target = blank(state)
+    target["model"]["small"] = torch.zeros(7, 5).t()  # staged: copied from a temporary
+    dcp.load(target, storage_reader=core.AsyncCkptStorageReader(path), no_dist=True)
+    assert_same(target, state)
+
+    item = next(i for i in read_rank_sidecar(path, 0)["items"] if i["fqn"] == "model.big")
+    with open(os.path.join(path, item["file"]), "r+b") as f:
+        f.seek(item["data_start"] + 1000)
+        f.write(b"\x00\x01")
+    with pytest.raises(CheckpointException, match=r"__0_0\.distcp: checksum mismatch for key 'model.big'"):
+        dcp.load(blank(state), storage_reader=core.AsyncCkptStorageReader(path), no_dist=True)
+
+    plain = str(tmp_path / "plain_dcp")
+    dcp.save(state, checkpoint_id=plain, no_dist=True)  # torch's FileSystemWriter: no sidecars, no commit record
+    target = blank(state)
+    target["model"]["small"] = torch.zeros(7, 5).t()
+    dcp.load(target, storage_reader=core.AsyncCkptStorageReader(plain, require_commit=False), no_dist=True)
+    assert_same(target, state)
