@@ -212,7 +212,10 @@ class AsyncCkptStorageReader(StorageReader):
         for job, buffer in zip(jobs, buffers):
             if job.found is not None:
                 columns, index = job.found
-                dtype = RAW_DTYPES[columns.dtype[index]]
+                dtype = getattr(torch, columns.dtype[index], None)  # any dtype DCP saves, not only the raw-readable ones
+                if not isinstance(dtype, torch.dtype):
+                    raise CorruptCheckpointError(f"{self.path}: the sidecar gives key '{job.request.storage_index.fqn}' "
+                                                 f"an unknown dtype {columns.dtype[index]!r}")
                 source = (torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)).view(
                     columns.chunk_shape(index))
             else:
