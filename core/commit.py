@@ -91,9 +91,12 @@ def write_commit_record(staging_dir: str, record: dict) -> None:
 def publish(staging_dir: str, final_path: str) -> None:
     """Rename the fully written, fsynced ``staging_dir`` to ``final_path``, replacing an older one.
 
-    An existing checkpoint at ``final_path`` is swapped out atomically (renameat2 EXCHANGE) and
-    deleted afterwards, so there is no moment with neither checkpoint at the final name. Without
-    renameat2 it is first renamed aside, never deleted before the new one is in place.
+    An existing checkpoint at ``final_path`` is swapped out atomically (renameat2 EXCHANGE), so
+    there is no moment with neither checkpoint at the final name. Without renameat2 it is first
+    renamed aside, never deleted before the new one is in place. The replaced checkpoint, now
+    under a hidden name, is deleted by ``remove_replaced`` once the commit has been reported:
+    deleting a large tree (freeing extents, discards) takes ~0.1 s per GiB here, which is not
+    part of making the new checkpoint durable.
     """
     fsync_dir(staging_dir)
     parent = os.path.dirname(os.path.abspath(final_path))
@@ -104,10 +107,19 @@ def publish(staging_dir: str, final_path: str) -> None:
             os.rename(staging_dir, final_path)
             staging_dir = aside
         fsync_dir(parent)
-        _remove_tree(staging_dir)  # now holds the replaced checkpoint
+        _replaced.append(staging_dir)  # now holds the replaced checkpoint
     else:
         os.rename(staging_dir, final_path)
         fsync_dir(parent)
+
+
+_replaced: list[str] = []
+
+
+def remove_replaced() -> None:
+    """Delete the checkpoints that ``publish`` swapped out (the writer calls this after replying)."""
+    while _replaced:
+        _remove_tree(_replaced.pop())
 
 
 def mark_aborted(staging_dir: str, reason: dict) -> None:

@@ -7,24 +7,33 @@ for ours. The checkpoint directory is always readable by torch's stock ``FileSys
 """
 from __future__ import annotations
 
+import functools
+import io
 import os
+import re
 import uuid
-from typing import Any, Optional
+from itertools import repeat
+from typing import Any, Callable, NamedTuple, Optional
 
+import torch
 import torch.distributed as dist
 from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from . import commit
 from .errors import CorruptCheckpointError
-from .metadata_io import load_dcp_metadata, read_rank_sidecar, write_dcp_metadata, write_rank_sidecar
+from .metadata_io import load_dcp_metadata, write_dcp_metadata
 from .planner import byte_items, layout_for_plan, tensor_items
-from .reader import ReadJob, is_bytes_request, read_file_jobs
+from .reader import RAW_DTYPES, Span, can_read_into, group_by_file, overlapping, read_spans
 from .staging import StagingBuffer, copy_into
+from .sidecar import read_sidecar, write_rank_sidecar
 from .storage import ShareRequest, sidecar_record, write_share
+
+STAGED_BYTES = 64 << 20  # temporaries of a resharding read, at most, at a time
+_SIDECAR_RE = re.compile(r"^__(\d+)\.asyncckpt\.json$")
 
 
 class AsyncCkptStorageWriter(StorageWriter):
@@ -68,16 +77,15 @@ class AsyncCkptStorageWriter(StorageWriter):
         items_in_plan = tensor_items(plan)
         copy_into(self._buffer, [planner.resolve_data(items_in_plan[i]) for i in layout.unique_slots()])
         objects = [(item.index.fqn, planner.resolve_data(item).getvalue()) for item in byte_items(plan)]
-        items = write_share(self.path, self.rank, layout, memoryview(self._buffer.mmap), objects,
+        items = write_share(self.path, self.rank, self._buffer.layout, memoryview(self._buffer.mmap), objects,
                             direct_io=self.direct_io, io_threads=self.io_threads)
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         request = ShareRequest(self.save_id, self.path, self.path, self.rank, world_size, self.is_coordinator, "", {}, [])
         write_rank_sidecar(self.path, sidecar_record(request, items))
-        results = []
-        for write_item, record in zip(tensor_items(plan) + byte_items(plan), items):
-            results.append(
-                WriteResult(write_item.index, record["length"], _StorageInfo(record["file"], record["start"], record["length"]))
-            )
+        results = [
+            WriteResult(write_item.index, length, _StorageInfo(file, start, length))
+            for write_item, (file, start, length) in zip(tensor_items(plan) + byte_items(plan), items.locations())
+        ]
         future: Future = Future()
         future.set_result(results)
         return future
@@ -98,7 +106,12 @@ class AsyncCkptStorageWriter(StorageWriter):
 
 
 class AsyncCkptStorageReader(StorageReader):
-    """DCP StorageReader: restricted metadata unpickling, checksum verification, direct reads."""
+    """DCP StorageReader: restricted metadata unpickling, checksum verification, direct reads.
+
+    A request for a whole saved chunk of ours, into a plain CPU tensor, is read straight into it
+    (``reader.read_spans``); narrowed requests (resharding) and the containers of plain DCP
+    checkpoints are read into a temporary first, at most ``STAGED_BYTES`` at a time.
+    """
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = True, io_threads: int = 2,
                  require_commit: bool = True, metadata: Optional[Metadata] = None) -> None:
@@ -124,15 +137,17 @@ class AsyncCkptStorageReader(StorageReader):
         self.storage_data = metadata.storage_data
         self._sidecar_items = self._load_sidecars()
 
-    def _load_sidecars(self) -> dict[tuple[str, int], dict]:
-        """(file, start) -> sidecar item, for every rank sidecar present (none for plain DCP)."""
-        items = {}
+    def _load_sidecars(self) -> dict[tuple[str, int], tuple[Any, int]]:
+        """(file, start) -> (sidecar columns, item index), for every rank sidecar present (none for plain DCP)."""
+        located: dict[tuple[str, int], tuple[Any, int]] = {}
         for name in os.listdir(self.path):
-            if name.startswith("__") and name.endswith(".asyncckpt.json"):
-                rank = int(name[2:].split(".", 1)[0])
-                for item in read_rank_sidecar(self.path, rank)["items"]:
-                    items[(item["file"], item["start"])] = item
-        return items
+            match = _SIDECAR_RE.match(name)
+            if match is None:
+                continue
+            sidecar = read_sidecar(self.path, int(match.group(1)))
+            for columns in (sidecar.tensors, sidecar.objects):
+                located.update(zip(zip(repeat(columns.file), columns.start), zip(repeat(columns), range(len(columns.fqn)))))
+        return located
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -141,29 +156,115 @@ class AsyncCkptStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list[ReadJob]] = {}
-        for request in plan.items:
-            info: _StorageInfo = self.storage_data[request.storage_index]
-            if info.transform_descriptors:
-                raise CorruptCheckpointError(
-                    f"{self.path}: key '{request.storage_index.fqn}' uses stream transforms {info.transform_descriptors}, "
-                    "which this reader does not support; load it with torch's FileSystemReader"
-                )
-            job = ReadJob(request, info.relative_path, info.offset, info.length,
-                          self._sidecar_items.get((info.relative_path, info.offset)))
-            if not is_bytes_request(request):
-                job.target = planner.resolve_tensor(request).detach()
-            per_file.setdefault(info.relative_path, []).append(job)
-        for relative_path, jobs in per_file.items():
-            read_file_jobs(self.path, relative_path, jobs, verify=self.verify, threads=self.io_threads,
-                           load_bytes=planner.load_bytes)
-            for job in jobs:
-                if job.target is not None:
-                    planner.commit_tensor(job.request, job.target)
+        jobs = [self._job(request, planner) for request in plan.items]
+        _repeats, clashes = overlapping([(job.info.relative_path, job.span) for job in jobs if job.span is not None])
+        direct = [job for job in jobs if job.span is not None and id(job.span) not in clashes]
+        # Narrowed reads, plain DCP containers, and targets sharing memory with different sources
+        # (which must be copied one by one, in plan order, so that the last key wins as in DCP).
+        staged = [job for job in jobs if job.span is None or id(job.span) in clashes]
+        read_spans(self.path, group_by_file([(job.info.relative_path, job.span, job.info.offset + job.info.length)
+                                             for job in direct]), threads=self.io_threads)
+        for job in direct:
+            job.hand_over()
+        for batch in _batches(staged):
+            self._read_staged(batch, planner)
         future: Future = Future()
         future.set_result(None)
         return future
 
+    def _job(self, request: ReadItem, planner: LoadPlanner) -> "_Job":
+        """Where a request's bytes are, where they go, and whether they can go there directly."""
+        info: _StorageInfo = self.storage_data[request.storage_index]
+        if info.transform_descriptors:
+            raise CorruptCheckpointError(
+                f"{self.path}: key '{request.storage_index.fqn}' uses stream transforms {info.transform_descriptors}, "
+                "which this reader does not support; load it with torch's FileSystemReader"
+            )
+        found = self._sidecar_items.get((info.relative_path, info.offset))
+        digest = found[0].xxh3[found[1]] if found is not None and self.verify else None
+        fqn = request.storage_index.fqn
+        if request.type == LoadItemType.BYTE_IO:
+            blob = bytearray(info.length)
+            return _Job(request, info, found, None, Span(info.offset, info.length, blob, digest, fqn),
+                        functools.partial(_load_bytes, planner, request, blob))
+        target = planner.resolve_tensor(request).detach()
+        if found is None or not _reads_whole_chunk(request, target, *found):
+            return _Job(request, info, found, target, None, None)
+        columns, index = found
+        return _Job(request, info, found, target, Span(columns.data_start[index], columns.nbytes[index], target, digest, fqn),
+                    functools.partial(planner.commit_tensor, request, target))
+
+    def _read_staged(self, jobs: list["_Job"], planner: LoadPlanner) -> None:
+        """Read chunks into temporaries (verified raw bytes of ours, whole containers of plain DCP
+        checkpoints), then copy the requested part of each into its target."""
+        reads, buffers = [], []
+        for job in jobs:
+            fqn = job.request.storage_index.fqn
+            if job.found is not None:
+                columns, index = job.found
+                span = Span(columns.data_start[index], columns.nbytes[index], bytearray(columns.nbytes[index]),
+                            columns.xxh3[index] if self.verify else None, fqn)
+            else:
+                span = Span(job.info.offset, job.info.length, bytearray(job.info.length), None, fqn)
+            reads.append((job.info.relative_path, span, job.info.offset + job.info.length))
+            buffers.append(span.target)
+        read_spans(self.path, group_by_file(reads), threads=self.io_threads)
+        for job, buffer in zip(jobs, buffers):
+            if job.found is not None:
+                columns, index = job.found
+                dtype = getattr(torch, columns.dtype[index], None)  # any dtype DCP saves, not only the raw-readable ones
+                if not isinstance(dtype, torch.dtype):
+                    raise CorruptCheckpointError(f"{self.path}: the sidecar gives key '{job.request.storage_index.fqn}' "
+                                                 f"an unknown dtype {columns.dtype[index]!r}")
+                source = (torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)).view(
+                    columns.chunk_shape(index))
+            else:
+                source = torch.load(io.BytesIO(buffer), map_location="cpu", weights_only=True)
+            job.target.copy_(_narrow(source, job.request))
+            planner.commit_tensor(job.request, job.target)
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class _Job(NamedTuple):
+    """One read request of a plan, resolved against the checkpoint."""
+
+    request: ReadItem
+    info: _StorageInfo  # where .metadata says the item is
+    found: Optional[tuple[Any, int]]  # (sidecar columns, index) of the item, if a sidecar has it
+    target: Optional[torch.Tensor]  # None for objects
+    span: Optional[Span]  # the direct read (objects, whole chunks); None: staged
+    hand_over: Optional[Callable[[], None]]  # gives the planner the result of the direct read
+
+
+def _load_bytes(planner: LoadPlanner, request: ReadItem, blob: bytearray) -> None:
+    planner.load_bytes(request, io.BytesIO(blob))
+
+
+def _narrow(tensor: torch.Tensor, request: ReadItem) -> torch.Tensor:
+    """The part of a saved chunk that ``request`` asks for."""
+    for dim, (offset, length) in enumerate(zip(request.storage_offsets, request.lengths)):
+        tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+def _reads_whole_chunk(request: ReadItem, target: torch.Tensor, columns: Any, index: int) -> bool:
+    """The request is a whole saved chunk of ours and can land in ``target``'s memory as it is."""
+    shape = columns.chunk_shape(index)
+    return (not any(request.storage_offsets) and tuple(request.lengths) == shape
+            and can_read_into(target, RAW_DTYPES.get(columns.dtype[index]), shape, columns.nbytes[index]))
+
+
+def _batches(staged: list[_Job]) -> list[list[_Job]]:
+    """Staged reads in groups of at most STAGED_BYTES of temporaries (a single larger one alone)."""
+    groups: list[list[_Job]] = []
+    size = 0
+    for job in staged:
+        if not groups or size + job.info.length > STAGED_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(job)
+        size += job.info.length
+    return groups

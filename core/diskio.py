@@ -87,20 +87,6 @@ def write_small_file(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def pread_into(fd: int, target: memoryview, offset: int, path: str) -> None:
-    """Fill ``target`` from ``fd`` at ``offset``; a short file is reported as truncated."""
-    filled = 0
-    while filled < len(target):
-        got = os.preadv(fd, [target[filled:]], offset + filled)
-        if got == 0:
-            from .errors import CorruptCheckpointError
-
-            raise CorruptCheckpointError(
-                f"{path}: file is truncated (wanted bytes {offset}..{offset + len(target)}, file ends at {offset + filled})"
-            )
-        filled += got
-
-
 def submit_background(function):
     """Run ``function`` on a dedicated helper thread (not the I/O pool, which it must not starve)."""
     return _pool(1).submit(function)

@@ -1,18 +1,18 @@
-"""Reading and writing checkpoint metadata: DCP's ``.metadata`` and our JSON sidecars.
+"""Reading and writing checkpoint metadata: DCP's ``.metadata``, built from our JSON sidecars.
 
 ``.metadata`` stays the pickled ``torch.distributed.checkpoint.metadata.Metadata`` that torch's
 own reader expects (so frameworks' DCP loaders read our checkpoints), but we never unpickle it
 freely: ``load_dcp_metadata`` admits only DCP's metadata classes, dtypes and paths. Everything
 we add (checksums, where tensor bytes start, the structure hash) lives in one JSON sidecar per
-rank, ``__{rank}.asyncckpt.json``, which is also the rank's "my share is durable" signal.
+rank, ``__{rank}.asyncckpt.json`` (``sidecar.py``; its reader and writer are also importable from
+here, where the commit code has always found them).
 """
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -20,14 +20,10 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _Storag
 
 from .errors import CorruptCheckpointError, UnsafeMetadataError
 from .fsio import atomic_write_bytes
+from .metadata_pickle import MetadataPickleTemplate
+from .sidecar import SIDECAR_FORMAT, SIDECAR_VERSION, read_rank_sidecar, sidecar_name, write_rank_sidecar  # noqa: F401
 
-SIDECAR_FORMAT = "asyncckpt-rank"
-SIDECAR_VERSION = 1
 DCP_METADATA_FILE = ".metadata"
-
-
-def sidecar_name(rank: int) -> str:
-    return f"__{rank}.asyncckpt.json"
 
 
 _ALLOWED_GLOBALS = {
@@ -100,25 +96,7 @@ def load_dcp_metadata(checkpoint_dir: str, file_name: str = DCP_METADATA_FILE) -
     return metadata
 
 
-def write_rank_sidecar(directory: str, record: dict) -> None:
-    """Durably publish one rank's sidecar (tmp + fsync + rename): the rank's share is complete."""
-    data = json.dumps(record, separators=(",", ":")).encode()
-    atomic_write_bytes(os.path.join(directory, sidecar_name(record["rank"])), data)
-
-
-def read_rank_sidecar(directory: str, rank: int) -> dict:
-    path = os.path.join(directory, sidecar_name(rank))
-    with open(path, "rb") as f:
-        try:
-            record = json.load(f)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{path}: unreadable sidecar: {e}") from e
-    if record.get("format") != SIDECAR_FORMAT or record.get("version", 0) > SIDECAR_VERSION:
-        raise CorruptCheckpointError(f"{path}: unsupported sidecar format {record.get('format')} v{record.get('version')}")
-    return record
-
-
-_tensor_metadata_cache: dict = {}
+_tensor_part_cache: dict = {}
 
 
 def _tensor_metadata(sidecars: list[dict]) -> tuple[dict, dict]:
@@ -149,36 +127,62 @@ def _tensor_metadata(sidecars: list[dict]) -> tuple[dict, dict]:
     return state_dict_metadata, storage_data
 
 
-def build_dcp_metadata(sidecars: list[dict], checkpoint_id: str, save_id: str) -> dcp_metadata.Metadata:
-    """Merge every rank's sidecar into the one global ``Metadata`` torch's loader reads.
-
-    Replicated items that several ranks wrote (only with ``use_collectives=False``, where ranks
-    cannot agree who writes what) are recorded once. The tensor part depends only on the
-    structure every rank agreed on, so it is built once per structure and reused.
-    """
+def _tensor_part(sidecars: list[dict]) -> tuple[dict, dict, Optional[MetadataPickleTemplate]]:
+    """The tensor entries (and their pickle template), built once per structure and reused: they
+    depend only on the structure every rank agreed on. Without structure hashes (saves through
+    DCP's own API) nothing is cached and there is no template."""
     key = (tuple(record.get("structure_hash") for record in sidecars), len(sidecars))
-    if all(key[0]) and key in _tensor_metadata_cache:
-        tensors, tensor_storage = _tensor_metadata_cache[key]
-    else:
-        tensors, tensor_storage = _tensor_metadata(sidecars)
-        if all(key[0]):
-            _tensor_metadata_cache.clear()  # one structure at a time is plenty for a writer
-            _tensor_metadata_cache[key] = (tensors, tensor_storage)
-    state_dict_metadata, storage_data = dict(tensors), dict(tensor_storage)
+    cacheable = all(key[0])
+    if cacheable and key in _tensor_part_cache:
+        return _tensor_part_cache[key]
+    tensors, tensor_storage = _tensor_metadata(sidecars)
+    if not cacheable:
+        return tensors, tensor_storage, None
+    _tensor_part_cache.clear()  # one structure at a time is plenty for a writer
+    part = _tensor_part_cache[key] = (tensors, tensor_storage, MetadataPickleTemplate(tensors, tensor_storage))
+    return part
+
+
+def _object_part(sidecars: list[dict], tensors: dict) -> tuple[dict, dict, dict]:
+    """This save's planner_data and non-tensor entries (their sizes change from save to save).
+    Objects that several ranks wrote (only with ``use_collectives=False``) are recorded once."""
     planner_data: dict[str, Any] = {}
+    entries: dict[str, Any] = {}
+    storage: dict[dcp_metadata.MetadataIndex, _StorageInfo] = {}
     for record in sidecars:
         for fqn, path in record.get("planner_data", {}).items():
             planner_data.setdefault(fqn, tuple(path))
         for item in record["items"]:
-            if item["kind"] == "bytes" and item["fqn"] not in state_dict_metadata:
-                state_dict_metadata[item["fqn"]] = dcp_metadata.BytesStorageMetadata()
-                storage_data[dcp_metadata.MetadataIndex(item["fqn"])] = _StorageInfo(item["file"], item["start"], item["length"])
+            if item["kind"] == "bytes" and item["fqn"] not in tensors and item["fqn"] not in entries:
+                entries[item["fqn"]] = dcp_metadata.BytesStorageMetadata()
+                storage[dcp_metadata.MetadataIndex(item["fqn"])] = _StorageInfo(item["file"], item["start"], item["length"])
+    return planner_data, entries, storage
+
+
+def build_dcp_metadata(sidecars: list[dict], checkpoint_id: str, save_id: str) -> dcp_metadata.Metadata:
+    """Merge every rank's sidecar into the one global ``Metadata`` torch's loader reads."""
+    tensors, tensor_storage, _template = _tensor_part(sidecars)
+    planner_data, entries, storage = _object_part(sidecars, tensors)
     return dcp_metadata.Metadata(
         version=CURRENT_DCP_VERSION,
-        state_dict_metadata=state_dict_metadata,
+        state_dict_metadata={**tensors, **entries},
         planner_data=planner_data,
-        storage_data=storage_data,
+        storage_data={**tensor_storage, **storage},
         storage_meta=dcp_metadata.StorageMeta(checkpoint_id=str(checkpoint_id), save_id=save_id),
+    )
+
+
+def dcp_metadata_bytes(sidecars: list[dict], checkpoint_id: str, save_id: str) -> bytes:
+    """``pickle.dumps(build_dcp_metadata(...))``, equal after loading, but the tensor entries are
+    spliced in from the structure's template instead of being pickled again on every save."""
+    tensors, _tensor_storage, template = _tensor_part(sidecars)
+    if template is None:
+        return pickle.dumps(build_dcp_metadata(sidecars, checkpoint_id, save_id))
+    planner_data, entries, storage = _object_part(sidecars, tensors)
+    return template.render(
+        object_entries=entries, planner_data=planner_data, object_storage=storage,
+        storage_meta=dcp_metadata.StorageMeta(checkpoint_id=str(checkpoint_id), save_id=save_id),
+        version=CURRENT_DCP_VERSION,
     )
 
 

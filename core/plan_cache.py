@@ -50,6 +50,10 @@ class PlanCache:
         self.hits += 1
         return entry
 
+    def peek(self, key) -> Optional[CachedPlan]:
+        """The entry for ``key`` if cached, without counting a hit or a miss."""
+        return self._entries.get(key)
+
     def put(self, key, entry: CachedPlan) -> None:
         self._entries[key] = entry
         self._entries.move_to_end(key)

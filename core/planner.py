@@ -25,15 +25,21 @@ from torch.distributed.tensor import DTensor
 
 from .errors import StateDictMismatchError
 from .layout import RankLayout, build_layout
-from .structure import flatten_state_dict
+from .structure import flatten_state_dict, flatten_values
 
 
 class AsyncCkptSavePlanner(SavePlanner):
     """Flattening + DCP write items + byte-balanced deduplication of replicated items."""
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        self.state_dict, self.mappings = flatten_state_dict(state_dict)  # same keys as torch's flattening
+        self._nested = state_dict
+        self.state_dict = flatten_values(state_dict)  # the same keys as torch's flattening
         self.is_coordinator = is_coordinator
+
+    @property
+    def mappings(self) -> dict[str, tuple]:
+        """Each key's path in the nested state dict: needed only when a structure is planned."""
+        return flatten_state_dict(self._nested)[1]
 
     def create_local_plan(self) -> SavePlan:
         self.plan = create_default_local_save_plan(self.state_dict, self.is_coordinator)

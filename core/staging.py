@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -18,7 +19,8 @@ import torch
 from .layout import RankLayout
 
 _pinned_lock = threading.Lock()
-LARGE_COPY_BYTES = 1 << 20
+_copy_helpers: ThreadPoolExecutor | None = None
+_copy_helpers_lock = threading.Lock()
 
 
 class StagingBuffer:
@@ -38,6 +40,8 @@ class StagingBuffer:
             for s in layout.slots
         ]
         self.unique_views = [self.slot_views[i] for i in layout.unique_slots()]
+        self.copy_halves = [half for half in _balanced_halves([v.numel() * v.element_size() for v in self.unique_views]) if half]
+        self.copy_half_views = [[self.unique_views[i] for i in half] for half in self.copy_halves]
         self.pinned = False
         if pin_for_cuda:
             self._pin()
@@ -51,7 +55,7 @@ class StagingBuffer:
         self.pinned = True
 
     def close(self) -> None:
-        self.slot_views = self.unique_views = []
+        self.slot_views = self.unique_views = self.copy_half_views = []
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
             self.pinned = False
@@ -60,30 +64,79 @@ class StagingBuffer:
         os.close(self.fd)
 
 
-def copy_into(buffer: StagingBuffer, sources: Sequence[torch.Tensor], *, cuda_stream=None) -> None:
-    """Copy each source tensor into its slot (``sources`` follow ``buffer.layout.unique_slots()``).
+def _balanced_halves(sizes: list[int]) -> tuple[list[int], list[int]]:
+    """Positions split into two groups of about equal bytes (largest first, to the lighter group),
+    each kept in buffer order."""
+    halves: tuple[list[int], list[int]] = ([], [])
+    loads = [0, 0]
+    for position in sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True):
+        lighter = 0 if loads[0] <= loads[1] else 1
+        halves[lighter].append(position)
+        loads[lighter] += sizes[position]
+    return sorted(halves[0]), sorted(halves[1])
 
-    CPU tensors are copied on this thread (large copies use torch's intra-op threads). CUDA
-    tensors are copied non-blocking on ``cuda_stream`` (a side stream that first waits for the
-    producer stream, so it sees the finished optimizer step) into pinned memory; the call returns
-    once the stream has drained, so the buffer is complete when this function returns.
+
+def _helpers() -> ThreadPoolExecutor:
+    global _copy_helpers
+    with _copy_helpers_lock:
+        if _copy_helpers is None:
+            _copy_helpers = ThreadPoolExecutor(2, thread_name_prefix="asyncckpt-copy")
+        return _copy_helpers
+
+
+def _copy_group(views: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    with torch.no_grad():  # grad mode is per thread; the buffer must never join a graph
+        torch._foreach_copy_(views, sources)
+
+
+class CopyInProgress:
+    """A snapshot copy running on the two copy threads; ``wait()`` returns once it is complete."""
+
+    def __init__(self, futures: list[Future]) -> None:
+        self._futures = futures
+
+    def wait(self) -> None:
+        """Wait for every part (never return while a thread may still write into the buffer);
+        then raise the first failure, if any."""
+        errors = [f.exception() for f in self._futures]
+        for error in errors:
+            if error is not None:
+                raise error
+
+
+def start_copy(buffer: StagingBuffer, sources: Sequence[torch.Tensor]) -> CopyInProgress:
+    """Start copying CPU ``sources`` into their slots on two threads, each taking half of the
+    bytes, and return at once: the caller's thread stays free for other work meanwhile. (Torch's
+    copy kernels release the GIL, and one ``_foreach_copy_`` per thread has no per-tensor Python
+    cost, so thousands of small tensors copy nearly as fast as one large one.)"""
+    views = buffer.unique_views
+    if len(views) != len(sources):
+        raise AssertionError(f"staging {len(sources)} tensors into a layout of {len(views)} slots")
+    pool = _helpers()
+    return CopyInProgress([
+        pool.submit(_copy_group, half_views, [sources[i] for i in half])
+        for half, half_views in zip(buffer.copy_halves, buffer.copy_half_views)
+    ])
+
+
+def copy_into(buffer: StagingBuffer, sources: Sequence[torch.Tensor], *, cuda_stream=None) -> None:
+    """Copy each source tensor into its slot (``sources`` follow ``buffer.layout.unique_slots()``)
+    and return once the buffer is complete.
+
+    CPU tensors are copied as ``start_copy`` does. CUDA tensors are copied non-blocking on
+    ``cuda_stream`` (a side stream that first waits for the producer stream, so it sees the
+    finished optimizer step) into pinned memory, from the calling thread (the producer stream is
+    the calling thread's current stream); the call returns once the stream has drained.
     """
     views = buffer.unique_views
     if len(views) != len(sources):
         raise AssertionError(f"staging {len(sources)} tensors into a layout of {len(views)} slots")
-    small_views, small_sources, cuda_pairs = [], [], []
-    for view, source in zip(views, sources):
-        if source.is_cuda:
-            cuda_pairs.append((view, source))
-        elif view.numel() * view.element_size() >= LARGE_COPY_BYTES:
-            view.copy_(source)  # large: torch splits it over its intra-op threads
-        else:
-            small_views.append(view)
-            small_sources.append(source)
-    if small_views:
-        torch._foreach_copy_(small_views, small_sources)  # many small: one call, no per-tensor overhead
-    if cuda_pairs:
-        _copy_from_cuda(cuda_pairs, cuda_stream)
+    if not any(source.is_cuda for source in sources):
+        start_copy(buffer, sources).wait()
+        return
+    on_cuda = [source.is_cuda for source in sources]
+    _copy_group([v for v, cuda in zip(views, on_cuda) if not cuda], [s for s, cuda in zip(sources, on_cuda) if not cuda])
+    _copy_from_cuda([(v, s) for v, s, cuda in zip(views, sources, on_cuda) if cuda], cuda_stream)
 
 
 def _copy_from_cuda(pairs, stream) -> None:

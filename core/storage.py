@@ -17,15 +17,14 @@ from typing import Any, Optional
 from . import commit, diskio
 from .checksum import checksum
 from .errors import CheckpointTimeoutError, CheckpointWriteError, CorruptCheckpointError
+from .sidecar import ShareItems, ShareRecord
 from .fsio import atomic_write_bytes, fsync_dir
 from .layout import RankLayout
 from .metadata_io import (
-    SIDECAR_FORMAT,
-    SIDECAR_VERSION,
-    build_dcp_metadata,
+    DCP_METADATA_FILE,
+    dcp_metadata_bytes,
     read_rank_sidecar,
     sidecar_name,
-    write_dcp_metadata,
     write_rank_sidecar,
 )
 
@@ -63,60 +62,36 @@ class ShareRequest:
 
 def write_share(
     directory: str, rank: int, layout: RankLayout, image: memoryview, byte_items: list, *, direct_io: bool, io_threads: int
-) -> list[dict]:
-    """Durably write one rank's tensor image and pickled objects; return the sidecar item records."""
-    items: list[dict] = []
+) -> ShareItems:
+    """Durably write one rank's tensor image and pickled objects; return what the sidecar records."""
+    digests: list[str] = []
     if layout.slots:
-        # Checksums are computed on another thread while the image streams to disk (xxhash and
-        # the writes both release the GIL), so verification costs no time on the save path.
-        digests = diskio.submit_background(
-            lambda: {slot.start: checksum(image[slot.data_start : slot.data_start + slot.nbytes]) for slot in layout.slots}
-        )
+        # Checksums are computed on another thread while the image streams to disk (the writes
+        # release the GIL), so verification costs no time on the save path. Tied tensors share bytes.
+        def checksum_slots() -> list[str]:
+            by_start: dict[int, str] = {}
+            for slot in layout.slots:
+                if slot.start not in by_start:
+                    by_start[slot.start] = checksum(image[slot.data_start : slot.data_start + slot.nbytes])
+            return [by_start[slot.start] for slot in layout.slots]
+
+        pending = diskio.submit_background(checksum_slots)
         diskio.write_image(os.path.join(directory, layout.file_name), image, layout.size, direct=direct_io, threads=io_threads)
-        digest_of = digests.result()
-        for slot in layout.slots:
-            items.append(
-                {
-                    "kind": "tensor",
-                    "fqn": slot.fqn,
-                    "chunk_offsets": slot.chunk_offsets,
-                    "chunk_sizes": slot.chunk_sizes,
-                    "global_size": slot.global_size,
-                    "dtype": slot.dtype,
-                    "requires_grad": slot.requires_grad,
-                    "file": layout.file_name,
-                    "start": slot.start,
-                    "length": slot.length,
-                    "data_start": slot.data_start,
-                    "nbytes": slot.nbytes,
-                    "xxh3": digest_of[slot.start],
-                }
-            )
+        digests = pending.result()
+    objects: list[tuple[str, int, int, str]] = []
     if byte_items:
         name = objects_file_name(rank)
         blob, cursor = bytearray(), 0
         for fqn, data in byte_items:
-            items.append(
-                {"kind": "bytes", "fqn": fqn, "file": name, "start": cursor, "length": len(data),
-                 "data_start": cursor, "nbytes": len(data), "xxh3": checksum(data)}
-            )
+            objects.append((fqn, cursor, len(data), checksum(data)))
             blob += data
             cursor += len(data)
         diskio.write_small_file(os.path.join(directory, name), bytes(blob))
-    return items
+    return ShareItems(layout if layout.slots else None, digests, objects_file_name(rank) if byte_items else None, objects)
 
 
-def sidecar_record(req: ShareRequest, items: list[dict]) -> dict:
-    return {
-        "format": SIDECAR_FORMAT,
-        "version": SIDECAR_VERSION,
-        "save_id": req.save_id,
-        "rank": req.rank,
-        "world_size": req.world_size,
-        "structure_hash": req.structure_hash,
-        "planner_data": req.planner_data,
-        "items": items,
-    }
+def sidecar_record(req: ShareRequest, items: ShareItems) -> ShareRecord:
+    return ShareRecord(req.save_id, req.rank, req.world_size, req.structure_hash, req.planner_data, items)
 
 
 def _poll(condition, timeout: float, what: str):
@@ -190,7 +165,7 @@ def commit_share(req: ShareRequest) -> None:
         raise CheckpointWriteError(f"checkpoint {req.final_path}: ranks {stale} left sidecars of another save")
     for name, data in req.extra_files.items():
         atomic_write_bytes(os.path.join(req.staging_dir, name), data)
-    write_dcp_metadata(req.staging_dir, build_dcp_metadata(sidecars, req.final_path, req.save_id))
+    atomic_write_bytes(os.path.join(req.staging_dir, DCP_METADATA_FILE), dcp_metadata_bytes(sidecars, req.final_path, req.save_id))
     publish_with_record(req, structure_hash=req.structure_hash)
 
 

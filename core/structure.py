@@ -35,10 +35,20 @@ def _is_terminal(value: Any) -> bool:
 
 def flatten_state_dict(state_dict: Mapping) -> tuple[dict[str, Any], dict[str, tuple]]:
     """Nested dicts/lists -> {"a.b.0": value}, plus each key's path (DCP's ``planner_data``)."""
-    flat: dict[str, Any] = {}
     paths: dict[str, tuple] = {}
+    return _flatten(state_dict, paths), paths
 
-    def visit(key: str, path: tuple, value: Any) -> None:
+
+def flatten_values(state_dict: Mapping) -> dict[str, Any]:
+    """``flatten_state_dict`` without the paths: what every save needs (the paths only matter when
+    a structure is planned), and without the one tuple per key they would keep alive."""
+    return _flatten(state_dict, None)
+
+
+def _flatten(state_dict: Mapping, paths: dict[str, tuple] | None) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+
+    def visit(key: str, path: tuple | None, value: Any) -> None:
         if isinstance(value, _Tensor) or not (isinstance(value, (Mapping, list))):
             leaf = True
         else:
@@ -47,17 +57,18 @@ def flatten_state_dict(state_dict: Mapping) -> tuple[dict[str, Any], dict[str, t
             if key in flat:
                 raise ValueError(f"duplicated flatten key {key}")
             flat[key] = value
-            paths[key] = path
+            if paths is not None:
+                paths[key] = path
         elif isinstance(value, Mapping):
             for k, v in value.items():
-                visit(f"{key}.{k}", path + (str(k),), v)
+                visit(f"{key}.{k}", None if paths is None else path + (str(k),), v)
         else:
             for i, v in enumerate(value):
-                visit(f"{key}.{i}", path + (i,), v)
+                visit(f"{key}.{i}", None if paths is None else path + (i,), v)
 
     for key, value in state_dict.items():
-        visit(str(key), (str(key),), value)
-    return flat, paths
+        visit(str(key), None if paths is None else (str(key),), value)
+    return flat
 
 
 def _describe_dtensor(value: DTensor) -> tuple:
@@ -66,25 +77,36 @@ def _describe_dtensor(value: DTensor) -> tuple:
             tuple(mesh.mesh.shape), tuple(value.placements), mesh.get_coordinate() and tuple(mesh.get_coordinate()))
 
 
+_OBJECT = "object"  # describe's marker for a non-tensor value
+
+
 def describe(flat: dict[str, Any]) -> tuple:
-    """A hashable description: equal descriptions <=> the same plan and layout apply."""
+    """A hashable description: equal descriptions <=> the same plan and layout apply.
+
+    One flat tuple of atoms (keys, dtypes, flags, dimensions), not a tuple per tensor: a save
+    keeps it alive, and thousands of small container objects per save would soon cost the
+    training process a full garbage collection (~0.2 s with a few 100k objects) inside the stall.
+    Per key: ``key, "object"`` | ``key, (DTensor description)`` | ``key, dtype, is_cuda,
+    tied_to_key_or_None, ndim, *shape``; the token after the key tells which, so it is unambiguous.
+    """
     parts: list = []
-    append = parts.append
-    by_address: dict[int, tuple[str, torch.Tensor]] = {}
+    extend = parts.extend
+    first_key_at: dict[int, str] = {}
     for fqn, value in flat.items():
         if not isinstance(value, _Tensor):
-            append((fqn,))
+            extend((fqn, _OBJECT))
             continue
         if isinstance(value, DTensor):
-            append((fqn, _describe_dtensor(value)))
+            extend((fqn, _describe_dtensor(value)))
             continue
         tied = None
         address = value.data_ptr()
         if address:
-            first = by_address.setdefault(address, (fqn, value))
-            if first[0] != fqn and _same_view(first[1], value):
-                tied = first[0]
-        append((fqn, value.dtype, value.shape, value.is_cuda, tied))
+            first = first_key_at.setdefault(address, fqn)
+            if first != fqn and _same_view(flat[first], value):
+                tied = first
+        extend((fqn, value.dtype, value.is_cuda, tied, value.dim()))
+        extend(value.shape)
     return tuple(parts)
 
 
@@ -99,4 +121,13 @@ def digest(description: tuple) -> str:
 
 def tied_keys(description: tuple) -> dict[str, str]:
     """key -> the earlier key holding the very same tensor (tied weights), from ``describe``."""
-    return {part[0]: part[4] for part in description if len(part) == 5 and part[4] is not None}
+    tied, position = {}, 0
+    while position < len(description):
+        fqn, kind = description[position], description[position + 1]
+        if isinstance(kind, torch.dtype):
+            if description[position + 3] is not None:
+                tied[fqn] = description[position + 3]
+            position += 5 + description[position + 4]
+        else:
+            position += 2
+    return tied

@@ -53,8 +53,12 @@ def _blank(state):
 
 def test_snapshot_holds_call_time_values_after_mutation(tmp_path):
     state = _mutable_state()
-    expected = copy.deepcopy(state)
     with core.Checkpointer() as checkpointer:
+        # the second save of the structure copies speculatively, before the structure agreement
+        checkpointer.async_save(state, tmp_path / "first").result()
+        for value in (state["weight"], state["embed.weight"], state["bf16"], state["step"]):
+            value.add_(1)  # new values for the second save, unlike what _mutate_everything writes
+        expected = copy.deepcopy(state)
         handle = checkpointer.async_save(state, tmp_path / "ckpt")
         _mutate_everything(state)
         handle.result()
@@ -66,6 +70,31 @@ def test_snapshot_holds_call_time_values_after_mutation(tmp_path):
         assert torch.equal(loaded[key], expected[key]), key
     assert loaded["lm_head.weight"] is tied and torch.equal(tied, expected["embed.weight"])  # still tied
     assert loaded["opt"] == expected["opt"] and vars(loaded["args"]) == vars(expected["args"])
+
+
+def test_same_keys_new_structure_is_saved_right(tmp_path):
+    """A save whose keys match the last save starts copying before the structure is confirmed;
+    when shapes, dtypes or kinds changed under the same keys, that copy must be thrown away."""
+    states = [
+        {"a": torch.arange(6.0), "b": torch.ones(3, 2), "n": 1},
+        {"a": torch.arange(8.0), "b": torch.ones(3, 2) * 2, "n": 2},  # shape changed
+        {"a": torch.arange(8, dtype=torch.float64), "b": torch.ones(3, 2) * 3, "n": 3},  # dtype changed
+        {"a": "no longer a tensor", "b": torch.ones(3, 2) * 4, "n": 4},  # kind changed
+        {"a": torch.arange(8, dtype=torch.float64) * 5, "b": torch.ones(3, 2) * 5, "n": 5},  # the earlier structure again
+    ]
+    with core.Checkpointer() as checkpointer:
+        for i, state in enumerate(states):
+            checkpointer.save(state, tmp_path / f"s{i}")
+            checkpointer.save(state, tmp_path / f"t{i}")  # same structure twice: the speculative copy is used
+        for i, state in enumerate(states):
+            for name in (f"s{i}", f"t{i}"):
+                target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+                checkpointer.load(target, tmp_path / name)
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        assert torch.equal(target[key], value) and target[key].dtype == value.dtype, (name, key)
+                    else:
+                        assert target[key] == value, (name, key)
 
 
 def test_native_files_hold_call_time_values(tmp_path):
@@ -217,6 +246,41 @@ def test_overlapped_staging_guard_makes_optimizer_step_wait(tmp_path):
         assert torch.equal(loaded["model"][key], value), key
     assert torch.equal(loaded["optim"]["state"][0]["exp_avg"], expected["optim"]["state"][0]["exp_avg"])
     assert not torch.equal(model[0].weight.detach(), expected["model"]["0.weight"])  # training did move on
+
+
+def _overlapped_ddp_saves(rank, world, root):
+    """Overlapped saves on 2 ranks with DDP: each snapshot (and its structure agreement, on the
+    checkpointer's own group) runs in the background while DDP all-reduces gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    expected = []
+    with core.Checkpointer(overlap_staging=True) as checkpointer:
+        checkpointer.guard(optimizer)
+        for step in range(3):
+            model(torch.randn(4, 256)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            state = {"model": model.module.state_dict(), "optim": optimizer.state_dict(), "step": step}
+            expected.append(copy.deepcopy(state))
+            handle = checkpointer.async_save(state, f"{root}/s{step}")
+            model(torch.randn(4, 256)).sum().backward()  # all-reduces while the snapshot is taken
+            optimizer.step()  # waits for the snapshot
+            optimizer.zero_grad()
+        checkpointer.wait()
+        for step, want in enumerate(expected):
+            got = {"model": copy.deepcopy(model.module).state_dict(), "optim": copy.deepcopy(optimizer.state_dict()), "step": -1}
+            checkpointer.load(got, f"{root}/s{step}")
+            assert got["step"] == step
+            for key, value in want["model"].items():
+                assert torch.equal(got["model"][key], value), (step, key)
+            for index, entry in want["optim"]["state"].items():
+                assert torch.equal(got["optim"]["state"][index]["exp_avg_sq"], entry["exp_avg_sq"]), (step, index)
+    return "ok"
+
+
+def test_overlapped_saves_on_two_ranks_with_ddp(tmp_path):
+    assert run_on_ranks(_overlapped_ddp_saves, 2, str(tmp_path)) == ["ok", "ok"]
 
 
 def test_directory_transaction_publishes_all_or_nothing(tmp_path):

@@ -6,7 +6,6 @@ concurrently, and each test asserts on its own command's output and exit code.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ import torch
 
 from asyncckpt import core
 from asyncckpt.core.commit import COMMIT_RECORD
+from asyncckpt.core.sidecar import read_rank_sidecar
 
 STAGING_NAME = ".step_000020.asyncckpt-staging-0123abcd"
 
@@ -38,7 +38,7 @@ def cli(*args: str | os.PathLike) -> subprocess.CompletedProcess:
 
 
 def sidecar_item(checkpoint: Path, fqn: str) -> dict:
-    items = json.loads((checkpoint / "__0.asyncckpt.json").read_text())["items"]
+    items = read_rank_sidecar(str(checkpoint), 0)["items"]  # one dict per item, whatever the format version
     (item,) = [i for i in items if i["fqn"] == fqn]
     return item
 

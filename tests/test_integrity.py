@@ -1,7 +1,6 @@
 """Bad input and damaged checkpoints produce clear errors; nothing half-written is ever loaded."""
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import shutil
@@ -11,6 +10,7 @@ import torch
 
 from asyncckpt import core
 from asyncckpt.core.metadata_io import load_dcp_metadata, write_dcp_metadata
+from asyncckpt.core.sidecar import read_rank_sidecar
 
 
 @pytest.fixture()
@@ -26,8 +26,7 @@ def target():
 
 
 def _sidecar_item(path, fqn):
-    with open(os.path.join(path, "__0.asyncckpt.json")) as f:
-        return next(i for i in json.load(f)["items"] if i["fqn"] == fqn)
+    return next(i for i in read_rank_sidecar(path, 0)["items"] if i["fqn"] == fqn)
 
 
 @pytest.mark.parametrize("fqn", ["w", "big"])  # coalesced small read and zero-copy direct read
@@ -103,5 +102,6 @@ def test_saving_over_a_committed_checkpoint_replaces_it_atomically(saved):
     loaded = target()
     core.load(loaded, path)
     assert torch.equal(loaded["w"], newer["w"]) and torch.equal(loaded["big"], newer["big"]) and loaded["n"] == 4
+    core.wait()  # the replaced checkpoint is deleted after the commit is reported, before wait() returns
     leftovers = [n for n in os.listdir(os.path.dirname(path)) if n.startswith(".")]
     assert leftovers == []

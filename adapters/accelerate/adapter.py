@@ -318,6 +318,7 @@ class AsyncCheckpointing:
                 errors.append(error)
         if errors:
             raise errors[0]
+        self._checkpointer.wait()  # and the deletion of the checkpoints those saves replaced
 
     def remove(self) -> None:
         """Drain, then undo everything: hooks, the shadowed methods, the background writer."""
