@@ -35,8 +35,8 @@ class InProcessWorker:
     def __init__(self, checkpointer, profiler: cProfile.Profile) -> None:
         self.ck, self.profiler, self.seconds, self.pending = checkpointer, profiler, [], []
 
-    def submit(self, job_id, request, buffer_id=None, buffer=None) -> None:
-        self.pending.append((job_id, request, buffer))
+    def submit(self, jobs) -> None:
+        self.pending.extend((job_id, request, buffer) for job_id, request, _buffer_id, buffer in jobs)
 
     def run_pending(self) -> None:
         """Run the queued requests (after async_save returned), profiled, then complete their handles."""

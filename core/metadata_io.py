@@ -21,7 +21,9 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _Storag
 from .errors import CorruptCheckpointError, UnsafeMetadataError
 from .fsio import atomic_write_bytes
 from .metadata_pickle import MetadataPickleTemplate
-from .sidecar import SIDECAR_FORMAT, SIDECAR_VERSION, read_rank_sidecar, sidecar_name, write_rank_sidecar  # noqa: F401
+from .sidecar import (  # noqa: F401  (the commit code and tests import the sidecar API from here)
+    SIDECAR_FORMAT, SIDECAR_VERSION, Sidecar, read_rank_sidecar, read_sidecar, sidecar_name, write_rank_sidecar,
+)
 
 DCP_METADATA_FILE = ".metadata"
 
@@ -96,89 +98,98 @@ def load_dcp_metadata(checkpoint_dir: str, file_name: str = DCP_METADATA_FILE) -
     return metadata
 
 
-_tensor_part_cache: dict = {}
+_structure_part_cache: dict = {}
 
 
-def _tensor_metadata(sidecars: list[dict]) -> tuple[dict, dict]:
+def _tensor_metadata(sidecars: list[Sidecar]) -> tuple[dict, dict]:
     """state_dict_metadata and storage_data of the tensor items; replicated chunks recorded once."""
     state_dict_metadata: dict[str, Any] = {}
     storage_data: dict[dcp_metadata.MetadataIndex, _StorageInfo] = {}
     seen: set = set()
-    for record in sidecars:
-        for item in record["items"]:
-            if item["kind"] != "tensor":
+    for sidecar in sidecars:
+        t = sidecar.tensors
+        shapes = [torch.Size(shape) for shape in t.shapes]
+        for fqn, offsets, sizes, global_size, dtype, requires_grad, start, length in zip(
+            t.fqn, t.chunk_offsets, t.chunk_sizes, t.global_size, t.dtype, t.requires_grad, t.start, t.length
+        ):
+            chunk = (fqn, shapes[offsets])  # shape indices are per sidecar; compare the shapes
+            if chunk in seen:
                 continue
-            fqn, offsets = item["fqn"], tuple(item["chunk_offsets"])
-            if (fqn, offsets) in seen:
-                continue
-            seen.add((fqn, offsets))
+            seen.add(chunk)
             tensor_md = state_dict_metadata.get(fqn)
             if tensor_md is None:
                 tensor_md = state_dict_metadata[fqn] = dcp_metadata.TensorStorageMetadata(
-                    properties=dcp_metadata.TensorProperties(
-                        dtype=getattr(torch, item["dtype"]), requires_grad=item.get("requires_grad", False)
-                    ),
-                    size=torch.Size(item["global_size"]),
+                    properties=dcp_metadata.TensorProperties(dtype=getattr(torch, dtype), requires_grad=requires_grad),
+                    size=shapes[global_size],
                     chunks=[],
                 )
-            index = dcp_metadata.MetadataIndex(fqn, torch.Size(offsets), len(tensor_md.chunks))
-            tensor_md.chunks.append(dcp_metadata.ChunkStorageMetadata(torch.Size(offsets), torch.Size(item["chunk_sizes"])))
-            storage_data[index] = _StorageInfo(item["file"], item["start"], item["length"])
+            index = dcp_metadata.MetadataIndex(fqn, shapes[offsets], len(tensor_md.chunks))
+            tensor_md.chunks.append(dcp_metadata.ChunkStorageMetadata(shapes[offsets], shapes[sizes]))
+            storage_data[index] = _StorageInfo(t.file, start, length)
     return state_dict_metadata, storage_data
 
 
-def _tensor_part(sidecars: list[dict]) -> tuple[dict, dict, Optional[MetadataPickleTemplate]]:
-    """The tensor entries (and their pickle template), built once per structure and reused: they
-    depend only on the structure every rank agreed on. Without structure hashes (saves through
-    DCP's own API) nothing is cached and there is no template."""
-    key = (tuple(record.get("structure_hash") for record in sidecars), len(sidecars))
+def _planner_data(sidecars: list[Sidecar]) -> dict:
+    """DCP's flatten mapping (key -> path tuple) over every rank's keys."""
+    planner_data: dict[str, Any] = {}
+    for sidecar in sidecars:
+        for fqn, path in sidecar.planner_data().items():
+            planner_data.setdefault(fqn, tuple(path))
+    return planner_data
+
+
+def _structure_part(sidecars: list[Sidecar]) -> tuple[dict, dict, dict, Optional[MetadataPickleTemplate]]:
+    """What depends only on the structure every rank agreed on, built once per structure and
+    reused: the tensor entries (and their pickle template) and the planner_data (the keys and
+    their paths). Without structure hashes (saves through DCP's own API) nothing is cached and
+    there is no template."""
+    key = (tuple(sidecar.structure_hash for sidecar in sidecars), len(sidecars))
     cacheable = all(key[0])
-    if cacheable and key in _tensor_part_cache:
-        return _tensor_part_cache[key]
+    if cacheable and key in _structure_part_cache:
+        return _structure_part_cache[key]
     tensors, tensor_storage = _tensor_metadata(sidecars)
+    planner_data = _planner_data(sidecars)
     if not cacheable:
-        return tensors, tensor_storage, None
-    _tensor_part_cache.clear()  # one structure at a time is plenty for a writer
-    part = _tensor_part_cache[key] = (tensors, tensor_storage, MetadataPickleTemplate(tensors, tensor_storage))
+        return tensors, tensor_storage, planner_data, None
+    _structure_part_cache.clear()  # one structure at a time is plenty for a writer
+    part = _structure_part_cache[key] = (tensors, tensor_storage, planner_data, MetadataPickleTemplate(tensors, tensor_storage))
     return part
 
 
-def _object_part(sidecars: list[dict], tensors: dict) -> tuple[dict, dict, dict]:
-    """This save's planner_data and non-tensor entries (their sizes change from save to save).
-    Objects that several ranks wrote (only with ``use_collectives=False``) are recorded once."""
-    planner_data: dict[str, Any] = {}
+def _object_part(sidecars: list[Sidecar], tensors: dict) -> tuple[dict, dict]:
+    """This save's non-tensor entries (their sizes change from save to save). Objects that
+    several ranks wrote (only with ``use_collectives=False``) are recorded once."""
     entries: dict[str, Any] = {}
     storage: dict[dcp_metadata.MetadataIndex, _StorageInfo] = {}
-    for record in sidecars:
-        for fqn, path in record.get("planner_data", {}).items():
-            planner_data.setdefault(fqn, tuple(path))
-        for item in record["items"]:
-            if item["kind"] == "bytes" and item["fqn"] not in tensors and item["fqn"] not in entries:
-                entries[item["fqn"]] = dcp_metadata.BytesStorageMetadata()
-                storage[dcp_metadata.MetadataIndex(item["fqn"])] = _StorageInfo(item["file"], item["start"], item["length"])
-    return planner_data, entries, storage
+    for sidecar in sidecars:
+        o = sidecar.objects
+        for fqn, start, length in zip(o.fqn, o.start, o.length):
+            if fqn not in tensors and fqn not in entries:
+                entries[fqn] = dcp_metadata.BytesStorageMetadata()
+                storage[dcp_metadata.MetadataIndex(fqn)] = _StorageInfo(o.file, start, length)
+    return entries, storage
 
 
-def build_dcp_metadata(sidecars: list[dict], checkpoint_id: str, save_id: str) -> dcp_metadata.Metadata:
+def build_dcp_metadata(sidecars: list[Sidecar], checkpoint_id: str, save_id: str) -> dcp_metadata.Metadata:
     """Merge every rank's sidecar into the one global ``Metadata`` torch's loader reads."""
-    tensors, tensor_storage, _template = _tensor_part(sidecars)
-    planner_data, entries, storage = _object_part(sidecars, tensors)
+    tensors, tensor_storage, planner_data, _template = _structure_part(sidecars)
+    entries, storage = _object_part(sidecars, tensors)
     return dcp_metadata.Metadata(
         version=CURRENT_DCP_VERSION,
         state_dict_metadata={**tensors, **entries},
-        planner_data=planner_data,
+        planner_data=dict(planner_data),
         storage_data={**tensor_storage, **storage},
         storage_meta=dcp_metadata.StorageMeta(checkpoint_id=str(checkpoint_id), save_id=save_id),
     )
 
 
-def dcp_metadata_bytes(sidecars: list[dict], checkpoint_id: str, save_id: str) -> bytes:
+def dcp_metadata_bytes(sidecars: list[Sidecar], checkpoint_id: str, save_id: str) -> bytes:
     """``pickle.dumps(build_dcp_metadata(...))``, equal after loading, but the tensor entries are
     spliced in from the structure's template instead of being pickled again on every save."""
-    tensors, _tensor_storage, template = _tensor_part(sidecars)
+    tensors, _tensor_storage, planner_data, template = _structure_part(sidecars)
     if template is None:
         return pickle.dumps(build_dcp_metadata(sidecars, checkpoint_id, save_id))
-    planner_data, entries, storage = _object_part(sidecars, tensors)
+    entries, storage = _object_part(sidecars, tensors)
     return template.render(
         object_entries=entries, planner_data=planner_data, object_storage=storage,
         storage_meta=dcp_metadata.StorageMeta(checkpoint_id=str(checkpoint_id), save_id=save_id),

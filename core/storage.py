@@ -23,7 +23,7 @@ from .layout import RankLayout
 from .metadata_io import (
     DCP_METADATA_FILE,
     dcp_metadata_bytes,
-    read_rank_sidecar,
+    read_sidecar,
     sidecar_name,
     write_rank_sidecar,
 )
@@ -159,8 +159,8 @@ def publish_with_record(req, **record) -> None:
 def commit_share(req: ShareRequest) -> None:
     """Coordinator: wait for every rank's sidecar, then write metadata + commit record, publish."""
     wait_for_ranks(req, sidecar_name)
-    sidecars = [read_rank_sidecar(req.staging_dir, rank) for rank in range(req.world_size)]
-    stale = [s["rank"] for s in sidecars if s["save_id"] != req.save_id]
+    sidecars = [read_sidecar(req.staging_dir, rank) for rank in range(req.world_size)]
+    stale = [s.rank for s in sidecars if s.save_id != req.save_id]
     if stale:
         raise CheckpointWriteError(f"checkpoint {req.final_path}: ranks {stale} left sidecars of another save")
     for name, data in req.extra_files.items():

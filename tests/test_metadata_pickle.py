@@ -6,7 +6,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from asyncckpt import core
-from asyncckpt.core.metadata_io import build_dcp_metadata, dcp_metadata_bytes, load_dcp_metadata, read_rank_sidecar
+from asyncckpt.core.metadata_io import build_dcp_metadata, dcp_metadata_bytes, load_dcp_metadata, read_sidecar
 
 
 def _state(n_tensors: int, step: int) -> dict:
@@ -32,7 +32,7 @@ def test_template_matches_whole_pickle_across_saves(tmp_path):
         for step in (1, 7, 30):  # objects change size between saves of one structure
             path = str(tmp_path / f"step{step}")
             checkpointer.save(_state(1200, step), path)
-            sidecars = [read_rank_sidecar(path, 0)]
+            sidecars = [read_sidecar(path, 0)]
             reference = build_dcp_metadata(sidecars, path, "save-id")
             data = dcp_metadata_bytes(sidecars, path, "save-id")
             _same(pickle.loads(data), reference)
@@ -50,5 +50,5 @@ def test_template_without_tensors_or_objects(tmp_path):
     for state in ({"only": {"objects": 3}}, {"w": torch.ones(2)}):
         path = str(tmp_path / f"case{len(state)}{next(iter(state))}")
         core.save(state, path)
-        sidecars = [read_rank_sidecar(path, 0)]
+        sidecars = [read_sidecar(path, 0)]
         _same(pickle.loads(dcp_metadata_bytes(sidecars, path, "s")), build_dcp_metadata(sidecars, path, "s"))
