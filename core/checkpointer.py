@@ -48,7 +48,7 @@ from .planner import (
 from .structure import describe, tied_keys
 from .layout import IO_ALIGNMENT, RankLayout, align_up
 from .native_files import FileRequest, RemoveRequest, safetensors_image, stage_image
-from .staging import CopyInProgress, StagingBuffer, copy_into, start_copy
+from .staging import CopyInProgress, StagingBuffer, begin_copy, start_copy
 from .storage import ShareRequest, report_failure
 from .torch_file import TorchFileTemplates
 from .worker_client import Idle, WorkerClient
@@ -223,13 +223,13 @@ class Checkpointer:
                 self._in_flight.append(handle)
             self._start_staging_thread(self._prepare_and_stage, handle, prepare)
             return handle
-        handle, slot, stage, request = prepare()
+        handle, slot, begin, request = prepare()
         with self._lock:
             self._in_flight.append(handle)
         if overlap:  # the caller's own group must not be used from another thread: only the copy is overlapped
-            self._start_staging_thread(self._stage_and_submit, handle, slot, stage, request)
+            self._start_staging_thread(self._stage_and_submit, handle, slot, begin, request)
         else:
-            self._stage_and_submit(handle, slot, stage, request)
+            self._stage_and_submit(handle, slot, begin, request)
             self._raise_unreported()  # this snapshot's failure, or an older one that completed meanwhile
         return handle
 
@@ -261,14 +261,15 @@ class Checkpointer:
             objects = [(item.index.fqn, self._object_snapshots.serialize(item.index.fqn, find_state_dict_object(flat, item.index)))
                        for item in cached.byte_items]
             if speculation is not None and speculation.key == key:
-                slot, stage = speculation.slot, speculation.copy.wait
+                slot, copy = speculation.slot, speculation.copy
+                begin = lambda: copy  # noqa: E731
             else:
                 if speculation is not None:
                     speculation.abandon()
                     speculation = None
                 slot = self._free_slot(key, cached)
                 sources = _sources(flat, cached)
-                stage = lambda: copy_into(slot.buffer, sources)  # noqa: E731
+                begin = lambda: begin_copy(slot.buffer, sources)  # noqa: E731
         except BaseException:
             if speculation is not None:
                 speculation.abandon()
@@ -282,18 +283,18 @@ class Checkpointer:
             byte_items=objects, direct_io=self.direct_io, io_threads=self.io_threads, timeout=self.timeout,
             step=step, extra_files=dict(extra_files or {}) if rank == 0 else {},
         )
-        return handle, slot, stage, request
+        return handle, slot, begin, request
 
     def _prepare_and_stage(self, handle: SaveHandle, prepare) -> None:
         """Background thread of an overlapped save: the whole snapshot, then the hand-off."""
         time.sleep(0)  # hand the GIL back at once: the caller returns now, not after a 5 ms switch interval
         try:
-            _, slot, stage, request = prepare(handle=handle)
+            _, slot, begin, request = prepare(handle=handle)
         except BaseException as e:
             self._complete(handle, e if isinstance(e, CheckpointError) else
                            CheckpointWriteError(f"rank {handle.rank}: snapshot of {handle.path} failed: {type(e).__name__}: {e}"))
             return
-        self._stage_and_submit(handle, slot, stage, request)
+        self._stage_and_submit(handle, slot, begin, request)
 
     def _start_staging_thread(self, target, *args) -> None:
         self._staging_thread = threading.Thread(target=target, args=args, name="asyncckpt-stager", daemon=True)
@@ -604,15 +605,30 @@ class Checkpointer:
         slot.buffer.close()
 
     # ------------------------------------------------------------------ staging & the worker
-    def _stage_and_submit(self, handle: SaveHandle, slot: _BufferSlot, stage, request) -> None:
-        """Run ``stage()`` (the snapshot copy), then queue ``request`` on the background writer."""
+    def _stage_and_submit(self, handle: SaveHandle, slot: _BufferSlot, begin, request) -> None:
+        """Start the snapshot copy (``begin()`` returns its ``CopyInProgress``, or None when it
+        staged a file image itself), queue ``request`` on the background writer, and return once
+        the copy is complete. A rank's share goes to the writer while its copy still runs: the
+        writer streams each finished part to disk (see ``CopyProgress``)."""
+        dispatched = False
         try:
             with torch.no_grad():
-                stage()
+                copy = begin()
+            if copy is not None and isinstance(request, ShareRequest):
+                request.copy_generation = copy.generation
+                self._dispatch(handle, request, slot)
+                dispatched = True
+            if copy is not None:
+                copy.wait()
             handle._set_staged()
-            self._dispatch(handle, request, slot)
+            if not dispatched:
+                self._dispatch(handle, request, slot)
         except BaseException as e:
-            self._fail_before_writer(handle, request, CheckpointWriteError(f"rank {handle.rank}: snapshot of {handle.path} failed: {e}"))
+            error = CheckpointWriteError(f"rank {handle.rank}: snapshot of {handle.path} failed: {e}")
+            if dispatched:  # the writer sees the copy fail in the buffer and fails the save on every rank
+                self._complete(handle, error)
+            else:
+                self._fail_before_writer(handle, request, error)
 
     def _fail_before_writer(self, handle: SaveHandle, request, error: CheckpointWriteError) -> None:
         """A request that never reached the writer: fail its handle, and its save on every rank (a
@@ -674,7 +690,11 @@ class Checkpointer:
             self._complete(handle, cause)
 
     def _complete(self, handle: SaveHandle, error: Optional[BaseException]) -> None:
+        """Settle ``handle`` once: a save whose copy failed after it reached the writer is failed
+        here with the copy's error, before the writer's reply, which is then ignored."""
         with self._lock:
+            if handle.done():
+                return
             if handle.buffer_slot is not None:
                 handle.buffer_slot.user = None
             if error is not None:

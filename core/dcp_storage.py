@@ -77,7 +77,7 @@ class AsyncCkptStorageWriter(StorageWriter):
         items_in_plan = tensor_items(plan)
         copy_into(self._buffer, [planner.resolve_data(items_in_plan[i]) for i in layout.unique_slots()])
         objects = [(item.index.fqn, planner.resolve_data(item).getvalue()) for item in byte_items(plan)]
-        items = write_share(self.path, self.rank, self._buffer.layout, memoryview(self._buffer.mmap), objects,
+        items = write_share(self.path, self.rank, self._buffer.layout, memoryview(self._buffer.mmap)[: layout.buffer_size], objects,
                             direct_io=self.direct_io, io_threads=self.io_threads)
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         request = ShareRequest(self.save_id, self.path, self.path, self.rank, world_size, self.is_coordinator, "", {}, [])

@@ -11,6 +11,7 @@ import errno
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
 
 from .layout import IO_ALIGNMENT, align_up
 
@@ -49,11 +50,14 @@ def _chunks(total: int, threads: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
 
 
-def write_image(path: str, image: memoryview, size: int, *, direct: bool = True, threads: int = 2) -> bool:
+def write_image(path: str, image: memoryview, size: int, *, direct: bool = True, threads: int = 2,
+                wait_ready: Optional[Callable[[float], float]] = None) -> bool:
     """Durably write ``image[:size]`` to ``path`` (fsync'd). Returns whether O_DIRECT was used.
 
     ``image`` must be page-aligned and its length a multiple of 4096 (a ``StagingBuffer``), so
-    direct writes cover whole blocks; the file is then truncated to ``size``.
+    direct writes cover whole blocks; the file is then truncated to ``size``. With
+    ``wait_ready`` (see ``CopyProgress.waiter``) the image is still being copied: each part is
+    written as soon as it is ready, so the write overlaps the copy.
     """
     fd, used_direct = _open_for_write(path, direct)
     try:
@@ -63,18 +67,43 @@ def write_image(path: str, image: memoryview, size: int, *, direct: bool = True,
                 os.posix_fallocate(fd, 0, padded)
             except OSError:
                 pass  # not supported everywhere; only an allocation hint
-            spans = _chunks(padded, threads)
-            if len(spans) == 1 or threads <= 1:
-                for start, end in spans:
-                    _pwrite_all(fd, image[start:end], start)
+            if wait_ready is not None:
+                _write_as_ready(fd, image, padded, threads, wait_ready)
             else:
-                for future in [_pool(threads).submit(_pwrite_all, fd, image[s:e], s) for s, e in spans]:
-                    future.result()
+                spans = _chunks(padded, threads)
+                if len(spans) == 1 or threads <= 1:
+                    for start, end in spans:
+                        _pwrite_all(fd, image[start:end], start)
+                else:
+                    for future in [_pool(threads).submit(_pwrite_all, fd, image[s:e], s) for s, e in spans]:
+                        future.result()
         os.ftruncate(fd, size)
         os.fsync(fd)
     finally:
         os.close(fd)
     return used_direct
+
+
+def _write_as_ready(fd: int, image: memoryview, padded: int, threads: int, wait_ready: Callable[[float], float]) -> None:
+    """Queue writes of each newly finished part of the image (in chunks of at most
+    ``CHUNK_BYTES`` on the I/O pool) until all of it is written. Progress comes in whole pages,
+    so direct writes stay aligned."""
+    futures, written = [], 0
+    try:
+        while written < padded:
+            ready = int(min(padded, wait_ready(written)))
+            futures += [_pool(threads).submit(_pwrite_all, fd, image[start:end], start)
+                        for start, end in _spans(written, ready, CHUNK_BYTES)]
+            written = ready
+    finally:
+        errors = [future.exception() for future in futures]  # never leave a write running on a closed fd
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+def _spans(start: int, end: int, size: int) -> list[tuple[int, int]]:
+    return [(offset, min(offset + size, end)) for offset in range(start, end, size)]
 
 
 def write_small_file(path: str, data: bytes) -> None:

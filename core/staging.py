@@ -8,19 +8,26 @@ machine has handed back costs ~10x more to touch again than memory we hold (see 
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
-from .layout import RankLayout
+from .errors import CheckpointTimeoutError, CheckpointWriteError
+from .layout import IO_ALIGNMENT, RankLayout
+from .tensor_copy import copy_threads
+
+PROGRESS_BYTES = IO_ALIGNMENT  # one page after the image holds the copy's progress (``CopyProgress``)
+SEGMENTS_PER_COPY = 8  # the copy publishes progress this often, so the writer starts after 1/8 of it
+MIN_SEGMENT_BYTES = 4 << 20
 
 _pinned_lock = threading.Lock()
-_copy_helpers: ThreadPoolExecutor | None = None
-_copy_helpers_lock = threading.Lock()
 
 
 class StagingBuffer:
@@ -29,9 +36,11 @@ class StagingBuffer:
     def __init__(self, layout: RankLayout, *, pin_for_cuda: bool = False) -> None:
         self.layout = layout
         self.fd = os.memfd_create(f"asyncckpt-{os.getpid()}", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, layout.buffer_size)
-        self.mmap = mmap.mmap(self.fd, layout.buffer_size)
-        self.bytes = torch.frombuffer(self.mmap, dtype=torch.uint8)
+        os.ftruncate(self.fd, layout.buffer_size + PROGRESS_BYTES)
+        self.mmap = mmap.mmap(self.fd, layout.buffer_size + PROGRESS_BYTES)
+        self.bytes = torch.frombuffer(self.mmap, dtype=torch.uint8, count=layout.buffer_size)
+        self.progress = CopyProgress(self.mmap, layout.buffer_size)
+        self.generation = 0  # of the latest copy into this buffer, as published in ``progress``
         self.bytes.zero_()  # fault every page in now, not during the first snapshot's copy
         for offset, piece in layout.template_fill():
             self.mmap[offset : offset + len(piece)] = piece
@@ -40,8 +49,7 @@ class StagingBuffer:
             for s in layout.slots
         ]
         self.unique_views = [self.slot_views[i] for i in layout.unique_slots()]
-        self.copy_halves = [half for half in _balanced_halves([v.numel() * v.element_size() for v in self.unique_views]) if half]
-        self.copy_half_views = [[self.unique_views[i] for i in half] for half in self.copy_halves]
+        self.copy_segments = _segments(layout, self.unique_views)
         self.pinned = False
         if pin_for_cuda:
             self._pin()
@@ -55,13 +63,108 @@ class StagingBuffer:
         self.pinned = True
 
     def close(self) -> None:
-        self.slot_views = self.unique_views = self.copy_half_views = []
+        self.slot_views = self.unique_views = self.copy_segments = []
+        del self.progress
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
             self.pinned = False
         del self.bytes
         self.mmap.close()
         os.close(self.fd)
+
+
+class CopyProgress:
+    """How far the latest copy into a buffer has got, shared with the background writer so it
+    streams each finished part to disk while the rest is still being copied.
+
+    One aligned 64-bit word in the page after the image, written and read whole (a single
+    machine store or load): ``generation << 40 | finished 4 KiB pages``, or one of two markers
+    in place of the page count. The generation names the copy a write request belongs to, so the
+    writer never takes bytes of a later copy for its own. The copy threads publish after the
+    copy's locks and futures (memory barriers), so finished bytes are visible before the word."""
+
+    _PAGES_BITS = 40
+    _FAILED = (1 << 40) - 1
+    _COMPLETE = (1 << 40) - 2
+    _GENERATIONS = 1 << 22
+
+    def __init__(self, mapping, offset: int) -> None:
+        self._word = ctypes.c_int64.from_buffer(mapping, offset)
+
+    @classmethod
+    def next_generation(cls, generation: int) -> int:
+        return (generation + 1) % cls._GENERATIONS
+
+    def publish(self, generation: int, finished_bytes: int) -> None:
+        """Bytes ``[0, finished_bytes)`` of the image hold this copy's data (rounded down to pages)."""
+        self._word.value = (generation << self._PAGES_BITS) | (finished_bytes // IO_ALIGNMENT)
+
+    def complete(self, generation: int) -> None:
+        self._word.value = (generation << self._PAGES_BITS) | self._COMPLETE
+
+    def fail(self, generation: int) -> None:
+        self._word.value = (generation << self._PAGES_BITS) | self._FAILED
+
+    def finished_bytes(self, generation: int) -> float:
+        """Writer: how much of copy ``generation`` is in the image (``inf`` once complete)."""
+        word = self._word.value
+        found, pages = word >> self._PAGES_BITS, word & ((1 << self._PAGES_BITS) - 1)
+        if found != generation:
+            raise CheckpointWriteError(f"the snapshot in the staging buffer was replaced (copy {found}, not {generation})")
+        if pages == self._FAILED:
+            raise CheckpointWriteError("the snapshot copy failed in the training process")
+        return float("inf") if pages == self._COMPLETE else pages * IO_ALIGNMENT
+
+    def waiter(self, generation: int, timeout: float) -> Callable[[float], float]:
+        """``wait(done)``: block (bounded) until more than ``done`` bytes of copy ``generation``
+        are in the image; return how many. Polls with short sleeps: a copy takes tens of ms."""
+
+        def wait(done: float) -> float:
+            deadline = time.monotonic() + timeout
+            delay = 0.0002
+            while True:
+                finished = self.finished_bytes(generation)
+                if finished > done:
+                    return finished
+                if time.monotonic() > deadline:
+                    raise CheckpointTimeoutError(f"the snapshot copy did not progress for {timeout:.0f}s")
+                time.sleep(delay)
+                delay = min(2 * delay, 0.002)
+
+        return wait
+
+
+def split_image(layout: RankLayout, mapping: memoryview) -> tuple[memoryview, CopyProgress]:
+    """Writer: a staging buffer's mapping as (the image, its copy progress)."""
+    return mapping[: layout.buffer_size], CopyProgress(mapping, layout.buffer_size)
+
+
+@dataclass
+class _Segment:
+    """A run of consecutive slots copied before progress is published: ``lanes`` holds, per copy
+    thread, its share (about half the bytes) as unique-slot positions and their buffer views."""
+
+    end: int  # where the segment's last data ends in the image
+    lanes: list[tuple[list[int], list[torch.Tensor]]]
+
+
+def _segments(layout: RankLayout, views: list[torch.Tensor]) -> list[_Segment]:
+    """Unique slots in image order, cut into ~``SEGMENTS_PER_COPY`` segments of consecutive
+    bytes, each split into two byte-balanced lanes."""
+    slots = [layout.slots[i] for i in layout.unique_slots()]
+    order = sorted(range(len(views)), key=lambda i: slots[i].data_start)
+    total = sum(slot.nbytes for slot in slots)
+    target = max(MIN_SEGMENT_BYTES, -(-total // SEGMENTS_PER_COPY))
+    segments, current, size = [], [], 0
+    for position in order:
+        current.append(position)
+        size += slots[position].nbytes
+        if size >= target or position == order[-1]:
+            halves = _balanced_halves([slots[i].nbytes for i in current])
+            lanes = [([current[i] for i in half], [views[current[i]] for i in half]) for half in halves]
+            segments.append(_Segment(max(slots[i].data_start + slots[i].nbytes for i in current), lanes))
+            current, size = [], 0
+    return segments
 
 
 def _balanced_halves(sizes: list[int]) -> tuple[list[int], list[int]]:
@@ -76,23 +179,63 @@ def _balanced_halves(sizes: list[int]) -> tuple[list[int], list[int]]:
     return sorted(halves[0]), sorted(halves[1])
 
 
-def _helpers() -> ThreadPoolExecutor:
-    global _copy_helpers
-    with _copy_helpers_lock:
-        if _copy_helpers is None:
-            _copy_helpers = ThreadPoolExecutor(2, thread_name_prefix="asyncckpt-copy")
-        return _copy_helpers
-
-
 def _copy_group(views: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     with torch.no_grad():  # grad mode is per thread; the buffer must never join a graph
         torch._foreach_copy_(views, sources)
 
 
-class CopyInProgress:
-    """A snapshot copy running on the two copy threads; ``wait()`` returns once it is complete."""
+class _SegmentTracker:
+    """Publishes the copy's progress: a segment counts once both lanes finished it, and progress
+    only ever covers a prefix of finished segments."""
 
-    def __init__(self, futures: list[Future]) -> None:
+    def __init__(self, buffer: StagingBuffer, generation: int) -> None:
+        self.buffer, self.generation = buffer, generation
+        self.lock = threading.Lock()
+        self.finished_lanes = [0] * len(buffer.copy_segments)
+        self.next = 0
+        self.failed = False
+
+    def lane_finished(self, index: int) -> None:
+        with self.lock:
+            self.finished_lanes[index] += 1
+            segments = self.buffer.copy_segments
+            while self.next < len(segments) and self.finished_lanes[self.next] == len(segments[self.next].lanes):
+                self.next += 1
+            if self.failed:
+                return
+            if self.next == len(segments):
+                self.buffer.progress.complete(self.generation)
+            elif self.next:
+                self.buffer.progress.publish(self.generation, segments[self.next - 1].end)
+
+    def fail(self) -> None:
+        with self.lock:
+            self.failed = True
+            self.buffer.progress.fail(self.generation)
+
+
+def _copy_lane(tracker: _SegmentTracker, lane: int, sources: Sequence[torch.Tensor]) -> None:
+    """One copy thread's share of every segment, in image order."""
+    try:
+        for index, segment in enumerate(tracker.buffer.copy_segments):
+            if tracker.failed:
+                return
+            if lane < len(segment.lanes):
+                positions, views = segment.lanes[lane]
+                if positions:
+                    _copy_group(views, [sources[i] for i in positions])
+            tracker.lane_finished(index)
+    except BaseException:
+        tracker.fail()
+        raise
+
+
+class CopyInProgress:
+    """A snapshot copy running on the copy threads; ``wait()`` returns once it is complete.
+    ``generation`` is what the writer looks for in the buffer's ``CopyProgress``."""
+
+    def __init__(self, generation: int, futures: list[Future]) -> None:
+        self.generation = generation
         self._futures = futures
 
     def wait(self) -> None:
@@ -104,39 +247,59 @@ class CopyInProgress:
                 raise error
 
 
+def _next_copy(buffer: StagingBuffer) -> int:
+    buffer.generation = CopyProgress.next_generation(buffer.generation)
+    buffer.progress.publish(buffer.generation, 0)
+    return buffer.generation
+
+
 def start_copy(buffer: StagingBuffer, sources: Sequence[torch.Tensor]) -> CopyInProgress:
-    """Start copying CPU ``sources`` into their slots on two threads, each taking half of the
-    bytes, and return at once: the caller's thread stays free for other work meanwhile. (Torch's
-    copy kernels release the GIL, and one ``_foreach_copy_`` per thread has no per-tensor Python
-    cost, so thousands of small tensors copy nearly as fast as one large one.)"""
+    """Start copying CPU ``sources`` into their slots and return at once: the caller's thread
+    stays free for other work meanwhile, and the writer may start on finished segments. Two
+    threads take about half of each segment's bytes each (torch's copy kernels release the GIL,
+    and one ``_foreach_copy_`` per thread and segment has no per-tensor Python cost, so
+    thousands of small tensors copy nearly as fast as one large one)."""
     views = buffer.unique_views
     if len(views) != len(sources):
         raise AssertionError(f"staging {len(sources)} tensors into a layout of {len(views)} slots")
-    pool = _helpers()
-    return CopyInProgress([
-        pool.submit(_copy_group, half_views, [sources[i] for i in half])
-        for half, half_views in zip(buffer.copy_halves, buffer.copy_half_views)
-    ])
+    generation = _next_copy(buffer)
+    if not buffer.copy_segments:
+        buffer.progress.complete(generation)
+        return CopyInProgress(generation, [])
+    tracker = _SegmentTracker(buffer, generation)
+    pool = copy_threads()
+    return CopyInProgress(generation, [pool.submit(_copy_lane, tracker, lane, sources) for lane in range(2)])
 
 
-def copy_into(buffer: StagingBuffer, sources: Sequence[torch.Tensor], *, cuda_stream=None) -> None:
-    """Copy each source tensor into its slot (``sources`` follow ``buffer.layout.unique_slots()``)
-    and return once the buffer is complete.
+def begin_copy(buffer: StagingBuffer, sources: Sequence[torch.Tensor], *, cuda_stream=None) -> CopyInProgress:
+    """Start copying each source tensor into its slot (``sources`` follow
+    ``buffer.layout.unique_slots()``).
 
     CPU tensors are copied as ``start_copy`` does. CUDA tensors are copied non-blocking on
     ``cuda_stream`` (a side stream that first waits for the producer stream, so it sees the
     finished optimizer step) into pinned memory, from the calling thread (the producer stream is
-    the calling thread's current stream); the call returns once the stream has drained.
+    the calling thread's current stream); that copy is complete when this returns.
     """
     views = buffer.unique_views
     if len(views) != len(sources):
         raise AssertionError(f"staging {len(sources)} tensors into a layout of {len(views)} slots")
     if not any(source.is_cuda for source in sources):
-        start_copy(buffer, sources).wait()
-        return
-    on_cuda = [source.is_cuda for source in sources]
-    _copy_group([v for v, cuda in zip(views, on_cuda) if not cuda], [s for s, cuda in zip(sources, on_cuda) if not cuda])
-    _copy_from_cuda([(v, s) for v, s, cuda in zip(views, sources, on_cuda) if cuda], cuda_stream)
+        return start_copy(buffer, sources)
+    generation = _next_copy(buffer)
+    try:
+        on_cuda = [source.is_cuda for source in sources]
+        _copy_group([v for v, cuda in zip(views, on_cuda) if not cuda], [s for s, cuda in zip(sources, on_cuda) if not cuda])
+        _copy_from_cuda([(v, s) for v, s, cuda in zip(views, sources, on_cuda) if cuda], cuda_stream)
+    except BaseException:
+        buffer.progress.fail(generation)
+        raise
+    buffer.progress.complete(generation)
+    return CopyInProgress(generation, [])
+
+
+def copy_into(buffer: StagingBuffer, sources: Sequence[torch.Tensor], *, cuda_stream=None) -> None:
+    """``begin_copy`` and wait: the buffer is complete when this returns."""
+    begin_copy(buffer, sources, cuda_stream=cuda_stream).wait()
 
 
 def _copy_from_cuda(pairs, stream) -> None:

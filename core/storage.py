@@ -12,7 +12,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from . import commit, diskio
 from .checksum import checksum
@@ -20,6 +20,7 @@ from .errors import CheckpointTimeoutError, CheckpointWriteError, CorruptCheckpo
 from .sidecar import ShareItems, ShareRecord
 from .fsio import atomic_write_bytes, fsync_dir
 from .layout import RankLayout
+from .staging import split_image
 from .metadata_io import (
     DCP_METADATA_FILE,
     dcp_metadata_bytes,
@@ -55,28 +56,37 @@ class ShareRequest:
     timeout: float = 600.0
     step: Optional[int] = None
     extra_files: dict = field(default_factory=dict)  # name -> bytes, written by the coordinator before commit
+    copy_generation: Optional[int] = None  # the snapshot copy may still run: stream it (see CopyProgress)
 
-    def run(self, layout: RankLayout, image: memoryview) -> None:
-        run_share(self, layout, image)
+    def run(self, layout: RankLayout, mapping: memoryview) -> None:
+        image, progress = split_image(layout, mapping)
+        wait_ready = None if self.copy_generation is None else progress.waiter(self.copy_generation, self.timeout)
+        run_share(self, layout, image, wait_ready)
 
 
 def write_share(
-    directory: str, rank: int, layout: RankLayout, image: memoryview, byte_items: list, *, direct_io: bool, io_threads: int
+    directory: str, rank: int, layout: RankLayout, image: memoryview, byte_items: list, *, direct_io: bool, io_threads: int,
+    wait_ready: Optional[Callable[[float], float]] = None,
 ) -> ShareItems:
-    """Durably write one rank's tensor image and pickled objects; return what the sidecar records."""
+    """Durably write one rank's tensor image and pickled objects; return what the sidecar records.
+    With ``wait_ready`` the image is still being copied (see ``diskio.write_image``)."""
     digests: list[str] = []
     if layout.slots:
         # Checksums are computed on another thread while the image streams to disk (the writes
         # release the GIL), so verification costs no time on the save path. Tied tensors share bytes.
         def checksum_slots() -> list[str]:
             by_start: dict[int, str] = {}
+            finished = float("inf") if wait_ready is None else 0.0
+            while finished < float("inf"):  # after the copy: hashing alongside it would slow the copy down
+                finished = wait_ready(finished)
             for slot in layout.slots:
                 if slot.start not in by_start:
                     by_start[slot.start] = checksum(image[slot.data_start : slot.data_start + slot.nbytes])
             return [by_start[slot.start] for slot in layout.slots]
 
         pending = diskio.submit_background(checksum_slots)
-        diskio.write_image(os.path.join(directory, layout.file_name), image, layout.size, direct=direct_io, threads=io_threads)
+        diskio.write_image(os.path.join(directory, layout.file_name), image, layout.size, direct=direct_io,
+                           threads=io_threads, wait_ready=wait_ready)
         digests = pending.result()
     objects: list[tuple[str, int, int, str]] = []
     if byte_items:
@@ -184,12 +194,13 @@ def await_commit(req) -> None:
     _poll(committed_or_aborted, req.timeout, f"rank 0 to commit {req.final_path}")
 
 
-def run_share(req: ShareRequest, layout: RankLayout, image: memoryview) -> None:
+def run_share(req: ShareRequest, layout: RankLayout, image: memoryview,
+              wait_ready: Optional[Callable[[float], float]] = None) -> None:
     """The whole background part of a save for one rank: write, publish sidecar, commit or await."""
     try:
         os.makedirs(req.staging_dir, exist_ok=True)
         items = write_share(req.staging_dir, req.rank, layout, image, req.byte_items,
-                            direct_io=req.direct_io, io_threads=req.io_threads)
+                            direct_io=req.direct_io, io_threads=req.io_threads, wait_ready=wait_ready)
         write_rank_sidecar(req.staging_dir, sidecar_record(req, items))
     except BaseException as e:
         report_failure(req, e)

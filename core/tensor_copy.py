@@ -6,7 +6,7 @@ torch only splits a copy over its intra-op threads when the tensor is large, so:
 * large tensors (>= ``LARGE_COPY_BYTES``) go in one ``torch._foreach_copy_`` call: one call, the GIL
   released once, each copy split by torch over its threads;
 * small tensors, when there is enough of them to matter, are split by bytes into two halves copied
-  by two threads at once (the caller and one held helper thread; torch ops release the GIL), since
+  by two threads at once (the caller and one of the held copy threads; torch ops release the GIL), since
   torch copies each of them on a single thread.
 """
 from __future__ import annotations
@@ -20,17 +20,18 @@ import torch
 LARGE_COPY_BYTES = 1 << 20
 PARALLEL_SMALL_BYTES = 16 << 20  # below this, a second thread costs more than it saves
 
-_helper: Optional[ThreadPoolExecutor] = None
-_helper_lock = threading.Lock()
+_copy_threads: Optional[ThreadPoolExecutor] = None
+_copy_threads_lock = threading.Lock()
 
 
-def _helper_thread() -> ThreadPoolExecutor:
-    """One process-wide helper thread, started on first use and kept (no thread per save)."""
-    global _helper
-    with _helper_lock:
-        if _helper is None:
-            _helper = ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-copy")
-        return _helper
+def copy_threads() -> ThreadPoolExecutor:
+    """The process-wide pair of copy threads (every snapshot copy uses them), started on first
+    use and kept: no threads per save."""
+    global _copy_threads
+    with _copy_threads_lock:
+        if _copy_threads is None:
+            _copy_threads = ThreadPoolExecutor(2, thread_name_prefix="asyncckpt-copy")
+        return _copy_threads
 
 
 def copy_tensors(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
@@ -58,7 +59,7 @@ def copy_tensors(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor
     if not theirs[0]:
         torch._foreach_copy_(*mine)
         return
-    other = _helper_thread().submit(torch._foreach_copy_, *theirs)
+    other = copy_threads().submit(torch._foreach_copy_, *theirs)
     try:
         torch._foreach_copy_(*mine)
     finally:

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
 from . import commit
+from .staging import PROGRESS_BYTES
 
 _PR_SET_PDEATHSIG = 1
 
@@ -67,7 +68,7 @@ def serve(conn: Connection) -> None:
         if kind == "buffer":
             _, buffer_id, layout = message
             fd = recv_handle(conn)
-            buffers[buffer_id] = (layout, mmap.mmap(fd, layout.buffer_size))
+            buffers[buffer_id] = (layout, mmap.mmap(fd, layout.buffer_size + PROGRESS_BYTES))  # image, then CopyProgress
             os.close(fd)
         elif kind == "drop":
             # Only drop our reference: views of the mapping may outlive a failed request (its
