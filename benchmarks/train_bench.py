@@ -2,7 +2,7 @@
 """Training slowdown from checkpointing: a small transformer trained on CPU, checkpoint every N steps.
 
     .venv/bin/python benchmarks/train_bench.py [--steps 60] [--every 10] [--rounds 3] \
-        [--out benchmarks/results/train_loop.json] [--md docs/benchmarks_training.md]
+        [--out benchmarks/results/train_loop.json] [--md docs/benchmarks_training.md] [--variants ours]
 
 One process, 2 intra-op threads (the machine's cores). Each variant trains the same model from
 the same seed for ``--steps`` steps (AdamW) and checkpoints model + optimizer every ``--every``
@@ -74,6 +74,7 @@ def savers(directory: str) -> list[Saver]:
 
     return [
         Saver("none", lambda state, path: None),
+        Saver("none again (the measurement's noise)", lambda state, path: None),
         Saver("torch.save (synchronous)", torch_save),
         Saver("dcp.async_save (thread, default stager)", dcp_async, dcp_finish),
         Saver("Lightning AsyncCheckpointIO", lambda state, path: lightning_io.save_checkpoint(state, path),
@@ -157,12 +158,17 @@ def main() -> int:
     ap.add_argument("--dir", default="/work/bench-tmp/train")
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None)
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated substrings of the variant names to run (default: all); the two 'none' runs always run")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 2)
     os.makedirs(args.dir, exist_ok=True)
     variants: dict[str, dict] = {}
     loadavg_start = os.getloadavg()
     all_savers = savers(args.dir)
+    if args.variants:
+        wanted = args.variants.split(",")
+        all_savers = [s for s in all_savers if s.name.startswith("none") or any(w in s.name for w in wanted)]
     state_bytes = 0
     for round_index in range(args.rounds):
         for saver in all_savers:

@@ -14,7 +14,9 @@ import argparse
 import mmap
 import os
 import re
+import shutil
 import sys
+import time
 from collections import defaultdict
 from typing import Optional, Sequence
 
@@ -117,7 +119,7 @@ def _shape(size) -> str:
 # --------------------------------------------------------------------------------------------- ls
 def _is_checkpoint_dir(path: str, name: str) -> bool:
     """Staging dirs always count (that is what ``ls`` is for); others need checkpoint files."""
-    if commit._STAGING_RE.match(name):  # private in core; see the report on making it public
+    if commit.hidden_kind(name):
         return True
     if name.startswith(".") or not os.path.isdir(path):
         return False
@@ -130,8 +132,7 @@ def _is_checkpoint_dir(path: str, name: str) -> bool:
 
 def _step_from_name(name: str) -> Optional[int]:
     """step_000120 -> 120, checkpoint-12 -> 12; staging names are unwrapped first."""
-    staging = commit._STAGING_RE.match(name)
-    match = _TRAILING_NUMBER_RE.search(staging.group("name") if staging else name)
+    match = _TRAILING_NUMBER_RE.search(commit.hidden_name_of(name) or name)
     return int(match.group(1)) if match else None
 
 
@@ -155,8 +156,8 @@ def cmd_ls(root: str) -> int:
         when = (record or {}).get("committed_at_ns") or os.stat(path).st_mtime_ns
         status = "COMPLETE" if commit.is_complete(path) else "INCOMPLETE"
         note = ""
-        if commit._STAGING_RE.match(name):
-            note = "aborted" if commit.read_abort(path) else commit._STAGING_RE.match(name).group("kind")
+        if commit.hidden_kind(name):
+            note = "aborted" if commit.read_abort(path) else commit.hidden_kind(name)
         rows.append(((step if step is not None else -1, when, name), name, step, _tree_size(path), status, note))
     rows.sort(key=lambda row: row[0])
     width = max((len(row[1]) for row in rows), default=0)
@@ -376,6 +377,43 @@ def cmd_verify(path: str, progress: bool = True) -> int:
     return EXIT_OK
 
 
+# ------------------------------------------------------------------------------------------ clean
+def _last_touched(path: str) -> float:
+    """The newest mtime of a directory and its entries (a save in progress keeps writing them)."""
+    times = [os.stat(path).st_mtime]
+    for dirpath, _dirs, files in os.walk(path):
+        times += [os.stat(os.path.join(dirpath, name)).st_mtime for name in files]
+    return max(times)
+
+
+def cmd_clean(root: str, min_age_s: float, dry_run: bool) -> int:
+    """Delete what crashed or killed saves left under ROOT: hidden staging directories (never
+    loaded) and swapped-out old checkpoints. Only those untouched for ``min_age_s``: a save in
+    progress keeps writing into its staging directory, so the default hour spares any live job."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError as e:
+        print(f"asyncckpt clean: {root}: {e.strerror}", file=sys.stderr)
+        return EXIT_PROBLEM
+    now, freed, count = time.time(), 0, 0
+    for name in names:
+        path = os.path.join(root, name)
+        kind = commit.hidden_kind(name)
+        if kind is None or not os.path.isdir(path):
+            continue
+        age = now - _last_touched(path)
+        if age < min_age_s:
+            print(f"kept     {name}  (touched {age:.0f} s ago; a save may be writing it)")
+            continue
+        size = _tree_size(path)
+        if not dry_run:
+            shutil.rmtree(path)
+        freed, count = freed + size, count + 1
+        print(f"{'would remove' if dry_run else 'removed'}  {name}  {_human(size)}  ({kind})")
+    print(f"{'would free' if dry_run else 'freed'} {_human(freed)} in {count} director{'y' if count == 1 else 'ies'}")
+    return EXIT_OK
+
+
 # ------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncckpt", description="Inspect and verify asyncckpt checkpoints.")
@@ -387,6 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", help="recompute every checksum (exit 0 good, 1 damaged, 2 incomplete)")
     verify.add_argument("path", metavar="PATH")
     verify.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    clean = commands.add_parser("clean", help="delete hidden directories crashed saves left under ROOT")
+    clean.add_argument("root", metavar="ROOT")
+    clean.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
+                       help="only directories untouched for this long (default 3600)")
+    clean.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
     return parser
 
 
@@ -397,6 +440,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_ls(args.root)
         if args.command == "inspect":
             return cmd_inspect(args.path)
+        if args.command == "clean":
+            return cmd_clean(args.root, args.min_age, args.dry_run)
         return cmd_verify(args.path, progress=not args.no_progress)
     except BrokenPipeError:  # `asyncckpt inspect ... | head`: stop quietly, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -108,12 +108,39 @@ def publish(staging_dir: str, final_path: str) -> None:
             staging_dir = aside
         fsync_dir(parent)
         _replaced.append(staging_dir)  # now holds the replaced checkpoint
+        _replaced.extend(left_behind_replaced(final_path, keep=staging_dir))
     else:
         os.rename(staging_dir, final_path)
         fsync_dir(parent)
 
 
 _replaced: list[str] = []
+
+
+def hidden_kind(name: str) -> Optional[str]:
+    """"staging" or "replaced" for the hidden directory names of the commit protocol, else None."""
+    match = _STAGING_RE.match(name)
+    return match.group("kind") if match else None
+
+
+def hidden_name_of(name: str) -> Optional[str]:
+    """The checkpoint name a hidden directory of the commit protocol belongs to, else None."""
+    match = _STAGING_RE.match(name)
+    return match.group("name") if match else None
+
+
+def left_behind_replaced(final_path: str, keep: str) -> list[str]:
+    """Hidden directories of ``final_path`` that hold a checkpoint an earlier commit swapped out
+    (a writer killed before deleting it left them behind). They are recognised by their commit
+    record: a save in progress has none until its rename, so no rank's share is ever taken."""
+    parent, name = os.path.split(os.path.abspath(final_path))
+    found = []
+    for entry in os.listdir(parent):
+        match = _STAGING_RE.match(entry)
+        path = os.path.join(parent, entry)
+        if match and match.group("name") == name and path != keep and read_commit_record(path) is not None:
+            found.append(path)
+    return found
 
 
 def remove_replaced() -> None:

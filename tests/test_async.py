@@ -324,6 +324,26 @@ def test_retention_deletes_only_after_a_newer_commit(tmp_path):
     manager.close()
 
 
+def test_a_commit_deletes_old_checkpoints_a_killed_writer_left_beside_it(tmp_path):
+    """A writer killed between a commit and the deletion of the checkpoint it replaced leaves
+    that checkpoint under a hidden name. The next commit at the same path deletes it; a hidden
+    directory without a commit record (another rank's save in progress) is left alone."""
+    import shutil
+
+    target = tmp_path / "last"
+    with core.Checkpointer() as checkpointer:
+        checkpointer.save({"w": torch.full((1000,), 1.0)}, target)
+        shutil.copytree(target, tmp_path / ".last.asyncckpt-replaced-0ld")
+        shutil.copytree(target, tmp_path / ".last.asyncckpt-staging-1nflight")
+        os.remove(tmp_path / ".last.asyncckpt-staging-1nflight" / core.commit.COMMIT_RECORD)
+        checkpointer.save({"w": torch.full((1000,), 2.0)}, target)
+        checkpointer.wait()
+        assert sorted(os.listdir(tmp_path)) == [".last.asyncckpt-staging-1nflight", "last"]
+        loaded = {"w": torch.zeros(1000)}
+        checkpointer.load(loaded, target)
+        assert torch.equal(loaded["w"], torch.full((1000,), 2.0))
+
+
 def test_a_directory_counts_as_one_save_in_flight(tmp_path):
     with core.Checkpointer(max_in_flight=1) as checkpointer:
         checkpointer.start()

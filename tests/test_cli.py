@@ -88,7 +88,11 @@ def runs(good, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     incomplete = copy(good, damaged / "incomplete")
     (incomplete / COMMIT_RECORD).unlink()
 
+    cleaning = {kind: _leftovers(good, tmp_path_factory.mktemp(kind)) for kind in ("clean", "clean_dry_run")}
+
     commands = {
+        "clean": ("clean", cleaning["clean"]),
+        "clean_dry_run": ("clean", cleaning["clean_dry_run"], "--dry-run"),
         "ls": ("ls", listing),
         "inspect": ("inspect", good),
         "verify_good": ("verify", good),
@@ -99,6 +103,47 @@ def runs(good, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     with ThreadPoolExecutor(len(commands)) as pool:
         futures = {name: pool.submit(cli, *args) for name, args in commands.items()}
     return {name: future.result() for name, future in futures.items()}
+
+
+OLD_STAGING = ".step_000020.asyncckpt-staging-0ld"
+FRESH_STAGING = ".step_000030.asyncckpt-staging-fresh"
+OLD_REPLACED = ".step_000010.asyncckpt-replaced-0ld"
+
+
+def _leftovers(good: Path, root: Path) -> Path:
+    """A committed checkpoint plus what crashes leave: a staging dir untouched for 2 hours, a
+    swapped-out old checkpoint as old, and a staging dir a save is writing right now."""
+    copy(good, root / "step_000010")
+    two_hours_ago = os.path.getmtime(good) - 7200
+    for name, keep_record in ((OLD_STAGING, False), (OLD_REPLACED, True), (FRESH_STAGING, False)):
+        directory = copy(good, root / name)
+        if not keep_record:
+            (directory / COMMIT_RECORD).unlink()
+        if name != FRESH_STAGING:
+            for path in [directory, *directory.iterdir()]:
+                os.utime(path, (two_hours_ago, two_hours_ago))
+    return root
+
+
+def test_clean_removes_old_leftovers_and_spares_live_saves(runs):
+    result = runs["clean"]
+
+    assert result.returncode == 0, result.stderr
+    root = Path(result.args[-1])
+    assert sorted(os.listdir(root)) == sorted([FRESH_STAGING, "step_000010"])
+    assert f"removed  {OLD_STAGING}" in result.stdout and f"removed  {OLD_REPLACED}" in result.stdout
+    assert f"kept     {FRESH_STAGING}" in result.stdout
+    assert "in 2 directories" in result.stdout
+    assert core.latest_checkpoint(root) == str(root / "step_000010")
+
+
+def test_clean_dry_run_only_lists(runs):
+    result = runs["clean_dry_run"]
+
+    assert result.returncode == 0, result.stderr
+    root = Path(result.args[-2])
+    assert len(os.listdir(root)) == 4
+    assert result.stdout.count("would remove") == 2
 
 
 def test_ls_lists_complete_incomplete_and_staging_newest_last(runs):
