@@ -1522,6 +1522,15 @@ def render_md(R: dict, command: str) -> str:
                       f"{fmt(v['slowdown_x'])}x | {fmt(v['in_flight_s_per_save'], '.2f')} | {fmt(v['stall_s_per_save'], '.3f')} | "
                       f"{fmt(v['compute_lost_s_per_save'], '.2f')} | {fmt(ratio(v['compute_lost_s_per_save'], ol))} |")
                 w("")
+    w("## Framework adapters and the training loop")
+    w("")
+    w("Measured by their own scripts, each against the framework's own saving in the same run: "
+      "[Lightning](benchmarks_lightning.md) (`benchmarks/lightning_bench.py`), "
+      "[Accelerate](benchmarks_accelerate.md) (`benchmarks/accelerate_bench.py`), "
+      "[Transformers Trainer](benchmarks_hf_trainer.md) (`benchmarks/hf_trainer_bench.py`), and the training-loop "
+      "slowdown of the core against torch.save, dcp.async_save and Lightning's AsyncCheckpointIO "
+      "([training loop](benchmarks_training.md), `benchmarks/train_bench.py`).")
+    w("")
     I = R.get("interference") or {}
     if I:
         w("## Other load on the machine during each section")

@@ -274,8 +274,8 @@ def markdown(result: dict) -> str:
         "* **overhead** (the slowdown estimate that survives the machine's drifting load): each run's window wall",
         "  time / (window steps x that run's median step-to-step interval) - 1, i.e. the time the checkpoints added",
         "  on top of the run's own undisturbed step time (stalls, and steps slowed by a background writer), minus the",
-        f"  same figure for the runs without checkpoints ({100 * summary['baseline_excess']:+.1f}%: jitter); median over"
-        "  runs, per run in brackets.",
+        f"  same figure for the runs without checkpoints ({100 * summary['baseline_excess']:+.1f}%: jitter); the median"
+        " over runs minus that jitter, and in brackets each run's own figure before the jitter is subtracted.",
         "* **vs baseline run**: window wall time / the no-checkpoint run's window in the same round - 1. Only",
         "  meaningful on a quiet machine: here step times varied up to several-fold between runs (median step",
         "  column). Baseline windows: "
