@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 from base_revision import env_for_mode
+from held_memcpy import HeldMemcpy, checkpoint_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("none", "native", "asyncckpt_base", "asyncckpt")
@@ -84,22 +85,11 @@ def child(args) -> dict:
         sched.step()
         opt.zero_grad(set_to_none=False)
 
-    held = []
+    held_memcpy = HeldMemcpy()
 
     def memcpy() -> tuple[float, int, int]:
         """Copy exactly the checkpointed tensors (weights + optimizer state) into held memory."""
-        sources = list(acc.unwrap_model(model).state_dict().values())
-        sources += [v for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        nbytes = sum(t.numel() * t.element_size() for t in sources)
-        if not held:
-            held.append(torch.empty(nbytes, dtype=torch.uint8))
-            held[0].zero_()  # pre-touched
-        t0, offset = time.perf_counter(), 0
-        for t in sources:
-            n = t.numel() * t.element_size()
-            held[0][offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
-            offset += n
-        return time.perf_counter() - t0, nbytes, len(sources)
+        return held_memcpy(checkpoint_tensors(acc.unwrap_model(model), opt.optimizer))
 
     ckpt_root = os.path.join(workdir, "checkpoints")
     returned_at: dict[str, float] = {}

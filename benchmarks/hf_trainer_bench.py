@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 
 from base_revision import env_for_mode
+from held_memcpy import HeldMemcpy, checkpoint_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("none", "native", "asyncckpt_base", "asyncckpt", "asyncckpt_overlap")
@@ -105,22 +106,12 @@ def child(args) -> dict:
                               save_steps=args.every, save_total_limit=2, logging_steps=args.every, report_to=[],
                               use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0)
     trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=callbacks)
-    held = []
 
-    def memcpy():
+    held_memcpy = HeldMemcpy()
+
+    def memcpy() -> tuple[float, int, int]:
         """Copy exactly the checkpointed tensors (weights + optimizer state) into held memory."""
-        sources = list(trainer.model.state_dict().values())
-        sources += [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        nbytes = sum(t.numel() * t.element_size() for t in sources)
-        if not held:
-            held.append(torch.empty(nbytes, dtype=torch.uint8))
-            held[0].zero_()  # pre-touched
-        t0, offset = time.perf_counter(), 0
-        for t in sources:
-            n = t.numel() * t.element_size()
-            held[0][offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
-            offset += n
-        return time.perf_counter() - t0, nbytes, len(sources)
+        return held_memcpy(checkpoint_tensors(trainer.model, trainer.optimizer))
 
     stalls, save_memcpy = [], []
     inner_save = trainer._save_checkpoint  # the async one when the callback is installed (on_init_end)

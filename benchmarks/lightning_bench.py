@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from base_revision import env_for_mode
+from held_memcpy import HeldMemcpy, checkpoint_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("none", "torch", "lightning_async", "asyncckpt_base", "asyncckpt")
@@ -97,22 +98,12 @@ def child(args) -> dict:
                         plugins=plugins, num_sanity_val_steps=0)
     stalls, profile, memcpys = [], {}, []
     original_save = trainer.save_checkpoint
-    held = []
+
+    held_memcpy = HeldMemcpy()
 
     def memcpy() -> tuple[float, int, int]:
         """Copy exactly the checkpointed tensors (weights + optimizer state) into held memory."""
-        sources = list(model.state_dict().values())
-        sources += [v for s in trainer.optimizers[0].state.values() for v in s.values() if torch.is_tensor(v)]
-        nbytes = sum(t.numel() * t.element_size() for t in sources)
-        if not held:
-            held.append(torch.empty(nbytes, dtype=torch.uint8))
-            held[0].zero_()  # pre-touched
-        t0, offset = time.perf_counter(), 0
-        for t in sources:
-            n = t.numel() * t.element_size()
-            held[0][offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
-            offset += n
-        return time.perf_counter() - t0, nbytes, len(sources)
+        return held_memcpy(checkpoint_tensors(model, trainer.optimizers[0]))
 
     def timed_save(*a, **k):
         memcpys.append((trainer.global_step, memcpy()[0]))
