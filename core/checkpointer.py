@@ -8,6 +8,7 @@ synchronous ``save`` is ``async_save(...).result()``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import functools
 import io
@@ -349,13 +350,14 @@ class Checkpointer:
         return handle
 
     @staticmethod
-    def _stage_file(image, slot: "_BufferSlot") -> None:
-        """Stage a file image; the framing of a torch file is written only when the buffer's last
-        file had another structure."""
+    def _stage_file(image, slot: "_BufferSlot") -> CopyInProgress:
+        """Stage a file image (complete on return); the framing of a torch file is written only
+        when the buffer's last file had another structure."""
         in_place = image.framing is not None and slot.framing is image.framing
         slot.framing = None  # until this staging is complete
         stage_image(image, slot.buffer.bytes, framing_in_place=in_place)
         slot.framing = image.framing
+        return CopyInProgress(None, [])
 
     def save_file(self, obj: Any, path: str | os.PathLike, **options: Any) -> None:
         self.async_save_file(obj, path, **options).result()
@@ -606,24 +608,28 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ staging & the worker
     def _stage_and_submit(self, handle: SaveHandle, slot: _BufferSlot, begin, request) -> None:
-        """Start the snapshot copy (``begin()`` returns its ``CopyInProgress``, or None when it
-        staged a file image itself), queue ``request`` on the background writer, and return once
-        the copy is complete. A rank's share goes to the writer while its copy still runs: the
-        writer streams each finished part to disk (see ``CopyProgress``)."""
+        """Start the snapshot copy (``begin()`` returns its ``CopyInProgress``), queue ``request``
+        on the background writer, and return once the copy is complete. A rank's share goes to
+        the writer while its copy still runs: the writer streams each finished part to disk (see
+        ``CopyProgress``); anything else is queued once its copy is complete."""
+        streamed = isinstance(request, ShareRequest)
+        copy: Optional[CopyInProgress] = None
         dispatched = False
         try:
             with torch.no_grad():
                 copy = begin()
-            if copy is not None and isinstance(request, ShareRequest):
+            if streamed:
                 request.copy_generation = copy.generation
                 self._dispatch(handle, request, slot)
                 dispatched = True
-            if copy is not None:
-                copy.wait()
+            copy.wait()
             handle._set_staged()
-            if not dispatched:
+            if not streamed:
                 self._dispatch(handle, request, slot)
         except BaseException as e:
+            if copy is not None:  # the buffer is freed below: the copy threads must have left it
+                with contextlib.suppress(BaseException):
+                    copy.wait()
             error = CheckpointWriteError(f"rank {handle.rank}: snapshot of {handle.path} failed: {e}")
             if dispatched:  # the writer sees the copy fail in the buffer and fails the save on every rank
                 self._complete(handle, error)
@@ -747,10 +753,8 @@ class _SpeculativeCopy:
 
     def abandon(self) -> None:
         """Wait for the copy threads to leave the buffer, then free it for other saves."""
-        try:
+        with contextlib.suppress(Exception):  # a copy for a structure that changed may fail; it is discarded
             self.copy.wait()
-        except Exception:
-            pass  # a copy for a structure that changed may fail; it is discarded either way
         with self.checkpointer._lock:
             self.slot.user = None
 

@@ -136,9 +136,8 @@ def left_behind_replaced(final_path: str, keep: str) -> list[str]:
     parent, name = os.path.split(os.path.abspath(final_path))
     found = []
     for entry in os.listdir(parent):
-        match = _STAGING_RE.match(entry)
         path = os.path.join(parent, entry)
-        if match and match.group("name") == name and path != keep and read_commit_record(path) is not None:
+        if hidden_name_of(entry) == name and path != keep and read_commit_record(path) is not None:
             found.append(path)
     return found
 

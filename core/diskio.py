@@ -45,9 +45,9 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[written:], offset + written
 
 
-def _chunks(total: int, threads: int) -> list[tuple[int, int]]:
-    chunk = max(IO_ALIGNMENT, min(CHUNK_BYTES, align_up(-(-total // max(threads, 1)), IO_ALIGNMENT)))
-    return [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
+def _chunk_size(total: int, threads: int) -> int:
+    """Aligned writes of at most ``CHUNK_BYTES``, at least one per thread."""
+    return max(IO_ALIGNMENT, min(CHUNK_BYTES, align_up(-(-total // max(threads, 1)), IO_ALIGNMENT)))
 
 
 def write_image(path: str, image: memoryview, size: int, *, direct: bool = True, threads: int = 2,
@@ -67,16 +67,8 @@ def write_image(path: str, image: memoryview, size: int, *, direct: bool = True,
                 os.posix_fallocate(fd, 0, padded)
             except OSError:
                 pass  # not supported everywhere; only an allocation hint
-            if wait_ready is not None:
-                _write_as_ready(fd, image, padded, threads, wait_ready)
-            else:
-                spans = _chunks(padded, threads)
-                if len(spans) == 1 or threads <= 1:
-                    for start, end in spans:
-                        _pwrite_all(fd, image[start:end], start)
-                else:
-                    for future in [_pool(threads).submit(_pwrite_all, fd, image[s:e], s) for s, e in spans]:
-                        future.result()
+            _write_parts(fd, image, padded, _chunk_size(padded, threads), threads,
+                            wait_ready or (lambda _written: float("inf")))
         os.ftruncate(fd, size)
         os.fsync(fd)
     finally:
@@ -84,26 +76,23 @@ def write_image(path: str, image: memoryview, size: int, *, direct: bool = True,
     return used_direct
 
 
-def _write_as_ready(fd: int, image: memoryview, padded: int, threads: int, wait_ready: Callable[[float], float]) -> None:
-    """Queue writes of each newly finished part of the image (in chunks of at most
-    ``CHUNK_BYTES`` on the I/O pool) until all of it is written. Progress comes in whole pages,
-    so direct writes stay aligned."""
+def _write_parts(fd: int, image: memoryview, padded: int, chunk: int, threads: int,
+                    wait_ready: Callable[[float], float]) -> None:
+    """Write ``image[:padded]`` in chunks on the I/O pool, each part as soon as ``wait_ready``
+    says it is in the image (at once, when nothing is still copying into it). Progress comes in
+    whole pages, so direct writes stay aligned."""
     futures, written = [], 0
     try:
         while written < padded:
             ready = int(min(padded, wait_ready(written)))
-            futures += [_pool(threads).submit(_pwrite_all, fd, image[start:end], start)
-                        for start, end in _spans(written, ready, CHUNK_BYTES)]
+            futures += [_pool(max(threads, 1)).submit(_pwrite_all, fd, image[start:min(start + chunk, ready)], start)
+                        for start in range(written, ready, chunk)]
             written = ready
     finally:
         errors = [future.exception() for future in futures]  # never leave a write running on a closed fd
     for error in errors:
         if error is not None:
             raise error
-
-
-def _spans(start: int, end: int, size: int) -> list[tuple[int, int]]:
-    return [(offset, min(offset + size, end)) for offset in range(start, end, size)]
 
 
 def write_small_file(path: str, data: bytes) -> None:

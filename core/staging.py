@@ -15,7 +15,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -26,6 +26,7 @@ from .tensor_copy import copy_threads
 PROGRESS_BYTES = IO_ALIGNMENT  # one page after the image holds the copy's progress (``CopyProgress``)
 SEGMENTS_PER_COPY = 8  # the copy publishes progress this often, so the writer starts after 1/8 of it
 MIN_SEGMENT_BYTES = 4 << 20
+_LANES = 2  # copy threads per copy: each takes about half of every segment's bytes
 
 _pinned_lock = threading.Lock()
 
@@ -199,7 +200,7 @@ class _SegmentTracker:
         with self.lock:
             self.finished_lanes[index] += 1
             segments = self.buffer.copy_segments
-            while self.next < len(segments) and self.finished_lanes[self.next] == len(segments[self.next].lanes):
+            while self.next < len(segments) and self.finished_lanes[self.next] == _LANES:
                 self.next += 1
             if self.failed:
                 return
@@ -220,10 +221,9 @@ def _copy_lane(tracker: _SegmentTracker, lane: int, sources: Sequence[torch.Tens
         for index, segment in enumerate(tracker.buffer.copy_segments):
             if tracker.failed:
                 return
-            if lane < len(segment.lanes):
-                positions, views = segment.lanes[lane]
-                if positions:
-                    _copy_group(views, [sources[i] for i in positions])
+            positions, views = segment.lanes[lane]
+            if positions:
+                _copy_group(views, [sources[i] for i in positions])
             tracker.lane_finished(index)
     except BaseException:
         tracker.fail()
@@ -232,9 +232,10 @@ def _copy_lane(tracker: _SegmentTracker, lane: int, sources: Sequence[torch.Tens
 
 class CopyInProgress:
     """A snapshot copy running on the copy threads; ``wait()`` returns once it is complete.
-    ``generation`` is what the writer looks for in the buffer's ``CopyProgress``."""
+    ``generation`` is what the writer looks for in the buffer's ``CopyProgress`` (None for a
+    copy that publishes no progress: a single file's image, staged before it is written)."""
 
-    def __init__(self, generation: int, futures: list[Future]) -> None:
+    def __init__(self, generation: Optional[int], futures: list[Future]) -> None:
         self.generation = generation
         self._futures = futures
 
@@ -245,6 +246,11 @@ class CopyInProgress:
         for error in errors:
             if error is not None:
                 raise error
+
+
+def _check_sources(buffer: StagingBuffer, sources: Sequence[torch.Tensor]) -> None:
+    if len(buffer.unique_views) != len(sources):
+        raise AssertionError(f"staging {len(sources)} tensors into a layout of {len(buffer.unique_views)} slots")
 
 
 def _next_copy(buffer: StagingBuffer) -> int:
@@ -259,16 +265,14 @@ def start_copy(buffer: StagingBuffer, sources: Sequence[torch.Tensor]) -> CopyIn
     threads take about half of each segment's bytes each (torch's copy kernels release the GIL,
     and one ``_foreach_copy_`` per thread and segment has no per-tensor Python cost, so
     thousands of small tensors copy nearly as fast as one large one)."""
-    views = buffer.unique_views
-    if len(views) != len(sources):
-        raise AssertionError(f"staging {len(sources)} tensors into a layout of {len(views)} slots")
+    _check_sources(buffer, sources)
     generation = _next_copy(buffer)
     if not buffer.copy_segments:
         buffer.progress.complete(generation)
         return CopyInProgress(generation, [])
     tracker = _SegmentTracker(buffer, generation)
     pool = copy_threads()
-    return CopyInProgress(generation, [pool.submit(_copy_lane, tracker, lane, sources) for lane in range(2)])
+    return CopyInProgress(generation, [pool.submit(_copy_lane, tracker, lane, sources) for lane in range(_LANES)])
 
 
 def begin_copy(buffer: StagingBuffer, sources: Sequence[torch.Tensor], *, cuda_stream=None) -> CopyInProgress:
@@ -280,11 +284,10 @@ def begin_copy(buffer: StagingBuffer, sources: Sequence[torch.Tensor], *, cuda_s
     finished optimizer step) into pinned memory, from the calling thread (the producer stream is
     the calling thread's current stream); that copy is complete when this returns.
     """
-    views = buffer.unique_views
-    if len(views) != len(sources):
-        raise AssertionError(f"staging {len(sources)} tensors into a layout of {len(views)} slots")
     if not any(source.is_cuda for source in sources):
         return start_copy(buffer, sources)
+    _check_sources(buffer, sources)
+    views = buffer.unique_views
     generation = _next_copy(buffer)
     try:
         on_cuda = [source.is_cuda for source in sources]
