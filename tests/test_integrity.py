@@ -105,30 +105,3 @@ def test_saving_over_a_committed_checkpoint_replaces_it_atomically(saved):
     core.wait()  # the replaced checkpoint is deleted after the commit is reported, before wait() returns
     leftovers = [n for n in os.listdir(os.path.dirname(path)) if n.startswith(".")]
     assert leftovers == []
-
-
-@pytest.mark.parametrize("gil_free", [True, False])
-def test_checksums_equal_xxhash_on_both_paths(monkeypatch, gil_free):
-    """Large items are hashed through xxhash's C API without the GIL (``checksum._C``), small ones
-    and every item without that API through xxhash's Python functions: the values must agree,
-    whole and piece by piece, around the size where the paths switch."""
-    import numpy as np
-    import xxhash
-
-    from asyncckpt.core import checksum as checksums
-
-    assert checksums._C is not None, "xxhash's extension no longer exports its C API: large items hash under the GIL"
-    if not gil_free:
-        monkeypatch.setattr(checksums, "_C", None)
-    rng = np.random.default_rng(0)
-    for nbytes in (0, 1, 4097, checksums.LARGE_BYTES - 1, checksums.LARGE_BYTES, checksums.LARGE_BYTES + 13, 3_000_001):
-        data = rng.integers(0, 256, nbytes, dtype=np.uint8)
-        expected = xxhash.xxh3_64_hexdigest(data.tobytes())
-        assert checksums.checksum(data) == checksums.checksum(data.tobytes()) == expected, nbytes
-        assert checksums.checksum(memoryview(data)) == expected, nbytes
-        stream = checksums.checksum_stream()
-        for start in range(0, nbytes, 300_007):
-            stream.update(memoryview(data)[start:start + 300_007])
-        assert stream.hexdigest() == expected, nbytes
-    floats = torch.randn(1 << 18)
-    assert checksums.checksum(floats.numpy()) == xxhash.xxh3_64_hexdigest(floats.numpy().tobytes())
