@@ -324,16 +324,16 @@ def test_pretrained_model_layout_and_from_pretrained(tmp_path, shared_checkpoint
 
 
 # ---------------------------------------------------------------------- 4. resume fidelity
-def test_resume_fidelity_bitwise(tmp_path, shared_checkpointer):
+@pytest.mark.parametrize("overlap_optimizer", [True, False])  # the default, and every file snapshot in the save
+def test_resume_fidelity_bitwise(tmp_path, shared_checkpointer, overlap_optimizer):
     """N steps, killed-like stop, resume to 2N == 2N uninterrupted (weights, optimizer, schedule, RNG)."""
     options = dict(max_steps=20, save_steps=5, save_total_limit=None, logging_steps=5)
-    full = _train_toy(tmp_path / "full", callbacks=[AsyncCheckpointCallback(checkpointer=shared_checkpointer)],
-                      **options)
-    _train_toy(tmp_path / "split", callbacks=[AsyncCheckpointCallback(checkpointer=shared_checkpointer), StopAt(10)],
-               **options)
+    callback = lambda: AsyncCheckpointCallback(checkpointer=shared_checkpointer,  # noqa: E731
+                                               overlap_optimizer=overlap_optimizer)
+    full = _train_toy(tmp_path / "full", callbacks=[callback()], **options)
+    _train_toy(tmp_path / "split", callbacks=[callback(), StopAt(10)], **options)
     assert _checkpoints(tmp_path / "split") == ["checkpoint-5", "checkpoint-10"]
-    resumed = _train_toy(tmp_path / "split", callbacks=[AsyncCheckpointCallback(checkpointer=shared_checkpointer)],
-                         resume=True, **options)
+    resumed = _train_toy(tmp_path / "split", callbacks=[callback()], resume=True, **options)
     assert resumed.state.global_step == 20
     assert _equal(resumed.model.state_dict(), full.model.state_dict())
     assert _equal(resumed.optimizer.state_dict(), full.optimizer.state_dict())
@@ -342,7 +342,7 @@ def test_resume_fidelity_bitwise(tmp_path, shared_checkpointer):
 
 
 def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, shared_checkpointer, monkeypatch):
-    """overlap_optimizer: optimizer.pt is copied on a thread; the next optimizer.step() must wait for it.
+    """overlap_optimizer (the default): optimizer.pt is copied on a thread; the next optimizer.step() must wait for it.
     The thread is slowed down so that the next step always arrives first: a torn snapshot would hold the
     next step's Adam state and the resumed run would differ from the uninterrupted one."""
     from asyncckpt.adapters.hf_trainer import AsyncCheckpointSaver
@@ -355,7 +355,7 @@ def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, s
 
     monkeypatch.setattr(AsyncCheckpointSaver, "_finish", slow_finish)
     options = dict(max_steps=20, save_steps=5, save_total_limit=None, logging_steps=5)
-    overlapped = lambda: AsyncCheckpointCallback(checkpointer=shared_checkpointer, overlap_optimizer=True)  # noqa: E731
+    overlapped = lambda: AsyncCheckpointCallback(checkpointer=shared_checkpointer)  # noqa: E731
     callback = overlapped()
     full = _train_toy(tmp_path / "full", callbacks=[callback], **options)
     waits = [t.get("optimizer_step_waited_s", 0.0) for t in callback.timings[:-1]]  # the last save has no next step
@@ -368,6 +368,23 @@ def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, s
     assert _equal(resumed.optimizer.state_dict(), full.optimizer.state_dict())
     assert _equal(resumed.model.state_dict(), native.model.state_dict())
     _assert_committed(tmp_path / "split")
+
+
+def test_optimizer_snapshot_is_not_overlapped_without_step_hooks(tmp_path, caplog):
+    """Overlapping relies on torch's optimizer step pre-hook: an optimizer that is not a
+    torch.optim.Optimizer (whose steps could not be made to wait) gets its snapshot in the save."""
+    import types
+
+    callback = AsyncCheckpointCallback()
+    trainer = Trainer(model=Net(), args=_args(tmp_path / "run"), train_dataset=Toy(), callbacks=[callback])
+    saver = callback.saver
+    trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.1)
+    assert saver._may_defer_optimizer(trainer)
+    trainer.optimizer = types.SimpleNamespace(optimizer=types.SimpleNamespace(step=lambda: None))  # e.g. a wrapper
+    with caplog.at_level("WARNING", logger="asyncckpt.hf_trainer"):
+        assert not saver._may_defer_optimizer(trainer)
+    assert "is not a torch.optim.Optimizer" in caplog.text
+    assert not AsyncCheckpointCallback(overlap_optimizer=False).overlap_optimizer
 
 
 # ---------------------------------------------------------------------- 5. added later with add_callback

@@ -35,14 +35,17 @@ class AsyncCheckpointCallback(TrainerCallback):
         direct_io: write with O_DIRECT where the filesystem supports it.
         checkpointer: an ``asyncckpt.core.Checkpointer`` to use (you close it); by default the
             callback creates one when training starts and closes it when training ends.
-        overlap_optimizer: snapshot ``optimizer.pt`` (two thirds of an Adam checkpoint) in a background
-            thread while the next step's forward and backward run; the next ``optimizer.step()`` waits
-            for it. Safe because a torch optimizer's state changes only in ``step()``; the weights, RNG
-            and everything else are still snapshot before the save returns.
+        overlap_optimizer: (default on) snapshot ``optimizer.pt`` (two thirds of an Adam checkpoint) in
+            a background thread while the next step's forward and backward run; the next
+            ``optimizer.step()`` waits for it. Safe because a torch optimizer's state tensors change
+            only in ``step()`` (the parameter groups are captured at the save), and the weights, RNG
+            and everything else are still snapshot before the save returns. Turn it off if your code
+            changes the optimizer's state tensors in place between a save and the next step; with
+            an optimizer that is not a ``torch.optim.Optimizer`` (no step hooks) it is off.
     """
 
     def __init__(self, max_pending: int = 1, timeout: float = 600.0, direct_io: bool = True,
-                 checkpointer: Optional[Checkpointer] = None, overlap_optimizer: bool = False) -> None:
+                 checkpointer: Optional[Checkpointer] = None, overlap_optimizer: bool = True) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be >= 1")
         self.max_pending = max_pending

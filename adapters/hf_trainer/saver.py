@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from asyncckpt.core import Checkpointer, CheckpointError, CheckpointWriteError
@@ -77,7 +78,7 @@ class AsyncCheckpointSaver:
     """Installed on one Trainer instance; replaces its ``_save_checkpoint`` and waits where needed."""
 
     def __init__(self, trainer, *, max_pending: int, timeout: float, direct_io: bool,
-                 checkpointer: Optional[Checkpointer], overlap_optimizer: bool = False) -> None:
+                 checkpointer: Optional[Checkpointer], overlap_optimizer: bool = True) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be >= 1")
         self._trainer = weakref.ref(trainer)
@@ -94,6 +95,7 @@ class AsyncCheckpointSaver:
         self._written: list[str] = []  # our checkpoint dirs (absolute), in save order
         self._removed: set[str] = set()  # queued for deletion by our rotation
         self._fallback_warned = False
+        self._overlap_warned = False
         self.stalls: list[tuple[int, float]] = []  # (global step, seconds the training loop was blocked)
         self.timings: list[dict] = []  # per save: stall_s, and waited_s of it for an earlier checkpoint's commit
         self._originals: dict[str, Callable] = {}
@@ -152,7 +154,7 @@ class AsyncCheckpointSaver:
             final_dir = os.path.abspath(output_dir)
 
             tx = self.checkpointer().begin_directory(final_dir, step=state.global_step)
-            defer = (lambda name: name == OPTIMIZER_NAME) if self.overlap_optimizer else None
+            defer = (lambda name: name == OPTIMIZER_NAME) if self._may_defer_optimizer(trainer) else None
             with capture_into(tx, defer=defer) as cap:  # async: the Trainer's own save code, files snapshot + queued
                 trainer.save_model(cap.scratch, _internal_call=True)
 
@@ -277,6 +279,21 @@ class AsyncCheckpointSaver:
                 remaining -= 1
         self._removed.update(doomed)  # async: deleted by the writer after the commit (see _finish)
         return doomed
+
+    def _may_defer_optimizer(self, trainer) -> bool:
+        """Overlap the optimizer snapshot only if every step passes our step pre-hook: a torch
+        optimizer (the Trainer's is Accelerate's wrapper, whose ``step`` calls the wrapped one's)."""
+        if not self.overlap_optimizer:
+            return False
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return True
+        if not self._overlap_warned:
+            logger.warning("asyncckpt: %s is not a torch.optim.Optimizer, so its steps cannot be made to wait for "
+                           "an overlapped snapshot: optimizer.pt is snapshot before each save returns.",
+                           type(optimizer).__name__)
+            self._overlap_warned = True
+        return False
 
     def _supported(self, trainer) -> bool:
         unsupported = [name for name, on in (
