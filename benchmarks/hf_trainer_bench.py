@@ -189,7 +189,7 @@ def summarize(runs: list[dict], args) -> dict:
     rows = {}
     for mode in dict.fromkeys(r["mode"] for r in runs if r["mode"] != "none"):
         mine = [r for r in runs if r["mode"] == mode]
-        pairs, first, with_waits, blocked = [], [], [], []
+        pairs, first, with_waits, blocked, within = [], [], [], [], []
         for r in mine:
             pairs += [(s, m) for (step, s), m in zip(r["stalls"], r["memcpy_before_save_s"]) if step > args.every]
             step_waits = {step: w for (step, _), w in zip(r["stalls"], r["optimizer_step_waited_s"])}
@@ -199,6 +199,7 @@ def summarize(runs: list[dict], args) -> dict:
             stalled = sum(s for step, s in r["stalls"] if args.every < step < args.steps) + sum(
                 w for step, w in step_waits.items() if args.every < step < args.steps)
             blocked.append(stalled / (r["window_s"] - stalled))
+            within.append(_within_run(r, stalled, args))
         rows[mode] = {
             "runs": len(mine), "first_save_stall_s": first, "stalls_s": [s for s, _ in pairs],
             "memcpy_before_save_s": [m for _, m in pairs],
@@ -210,7 +211,7 @@ def summarize(runs: list[dict], args) -> dict:
             "optimizer_step_waited_s": [w for r in mine for w in r["optimizer_step_waited_s"]],
             "stall_plus_step_wait_median_s": statistics.median(with_waits),
             "window_s": [r["window_s"] for r in mine], "slowdown": [r["window_s"] / base - 1.0 for r in mine],
-            "blocked_in_run": blocked,
+            "blocked_in_run": blocked, "slowdown_within_run": within,
             "interference": [r["median_step_after_save_s"] / r["median_step_other_s"] - 1.0 for r in mine],
             "drain_s": [r["drain_s"] for r in mine], "median_step_s": [r["median_step_s"] for r in mine],
             "loadavg": [[r["loadavg_before"], r["loadavg_after"]] for r in mine], "files": mine[-1]["files"],
@@ -218,7 +219,18 @@ def summarize(runs: list[dict], args) -> dict:
     none = [r for r in runs if r["mode"] == "none"]
     return {"baseline_window_s": baseline, "baseline_median_step_s": [r["median_step_s"] for r in none],
             "baseline_interference": [r["median_step_after_save_s"] / r["median_step_other_s"] - 1.0 for r in none],
+            "baseline_within_run": [_within_run(r, 0.0, args) for r in none],
             "modes": rows}
+
+
+def _within_run(run: dict, stalled: float, args) -> float:
+    """What the saves cost this run at its own speed: (the window's stalls and overlapped-snapshot waits +
+    the extra time of the steps after each save over the run's other steps) / (window steps x a normal
+    step). Robust to the shared machine's drift between runs; on a run without saves it is the noise floor."""
+    after = sum(1 for step in range(args.every + 1, args.steps + 1) if (step - 1) % args.every < AFTER_SAVE_STEPS)
+    normal = run["median_step_other_s"]
+    extra = after * (run["median_step_after_save_s"] - normal)
+    return (stalled + extra) / (run["window_steps"] * normal)
 
 
 def markdown(result: dict) -> str:
@@ -245,14 +257,19 @@ def markdown(result: dict) -> str:
         f"{', '.join('%.1f s' % w for w in summary['baseline_window_s'])}; median step "
         f"{', '.join('%.2f s' % s for s in summary['baseline_median_step_s'])}): across processes, so it moves with the "
         "other jobs on the machine (load average in the last column).",
+        "* **slowdown (within run)** = (the window's stalls and overlapped-snapshot waits + the extra time of the "
+        f"{AFTER_SAVE_STEPS} steps after each save over the run's other steps) / (window steps x the run's median "
+        "other step): what the saves cost the run at its own speed (noise floor, the same on the runs without "
+        f"checkpoints: {', '.join('%+.1f%%' % (100 * x) for x in summary['baseline_within_run'])}).",
         "* **blocked** = in-run share of the window's stalls (and overlapped-snapshot waits): sum / (window - sum); "
         "**interference** = "
         f"in-run: median time of the {AFTER_SAVE_STEPS} steps after each save (writer busy) vs the other steps "
         f"(without checkpoints the same ratio is {', '.join('%+.1f%%' % (100 * x) for x in summary['baseline_interference'])}).",
         "",
         "| mode | first save stall s | stall s (median) | stall max s | + next step's wait s | memcpy s (median) "
-        "| stall / memcpy | slowdown | blocked | interference | median step s | drain at end s | load avg (before, after) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| stall / memcpy | slowdown (within run) | slowdown | blocked | interference | median step s | drain at end s "
+        "| load avg (before, after) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     names = {"native": "Trainer native `_save_checkpoint`", "asyncckpt": "**AsyncCheckpointCallback()**",
              "asyncckpt_sync": "AsyncCheckpointCallback(overlap_optimizer=False)",
@@ -264,7 +281,8 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {names[mode]} | {each(row['first_save_stall_s'], '%.2f')} | {row['stall_median_s']:.3f} | "
             f"{row['stall_max_s']:.3f} | {row['stall_plus_step_wait_median_s']:.3f} | {row['memcpy_s']:.3f} | "
-            f"{row['stall_over_memcpy']:.2f}x | {each([100 * x for x in row['slowdown']], '%+.1f%%')} | "
+            f"{row['stall_over_memcpy']:.2f}x | {each([100 * x for x in row['slowdown_within_run']], '%+.1f%%')} | "
+            f"{each([100 * x for x in row['slowdown']], '%+.1f%%')} | "
             f"{each([100 * x for x in row['blocked_in_run']], '%.1f%%')} | "
             f"{each([100 * x for x in row['interference']], '%+.1f%%')} | {each(row['median_step_s'], '%.2f')} | "
             f"{each(row['drain_s'], '%.2f')} | {'; '.join(each(pair, '%.1f') for pair in row['loadavg'])} |")
