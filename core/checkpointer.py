@@ -13,6 +13,7 @@ import datetime
 import functools
 import io
 import itertools
+import logging
 import os
 import pickle
 import sys
@@ -23,7 +24,7 @@ import weakref
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,8 @@ from .staging import CopyInProgress, StagingBuffer, begin_copy, start_copy
 from .storage import ShareRequest, report_failure
 from .torch_file import TorchFileTemplates
 from .worker_client import Idle, WorkerClient
+
+logger = logging.getLogger("asyncckpt.core")
 
 STATE_DICT = dict[str, Any]
 
@@ -484,6 +487,22 @@ class Checkpointer:
             thread.join(self.timeout)
             if thread.is_alive():
                 raise CheckpointTimeoutError(f"snapshot not finished after {self.timeout:.0f}s")
+
+    def run_staged(self, function: Callable[[], None]) -> None:
+        """Run ``function`` on the staging thread, where it overlaps what the caller does next: more
+        snapshots through this checkpointer (``tx.save_file``, then ``tx.commit()``), for state the
+        caller leaves untouched until ``wait_staged()`` (``guard`` makes optimizer steps wait). The
+        caller must not use this checkpointer before that wait either. ``function`` reports its own
+        failures (through the handles it creates); one that escapes is logged, never raised here."""
+        self.wait_staged()
+
+        def staged() -> None:
+            try:
+                function()
+            except BaseException:  # noqa: BLE001 - documented: function reports its own failures
+                logger.exception("asyncckpt: a staged snapshot failed")
+
+        self._start_staging_thread(staged)
 
     def guard(self, *optimizers: torch.optim.Optimizer) -> list:
         """Make each optimizer's ``step()`` wait for an overlapped snapshot; returns hook handles."""

@@ -7,6 +7,7 @@ the Trainer left behind: checkpoint folders, weights and optimizer state (bitwis
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import re
@@ -385,6 +386,10 @@ def test_optimizer_snapshot_is_not_overlapped_without_step_hooks(tmp_path, caplo
         assert not saver._may_defer_optimizer(trainer)
     assert "is not a torch.optim.Optimizer" in caplog.text
     assert not AsyncCheckpointCallback(overlap_optimizer=False).overlap_optimizer
+    del trainer, saver, callback  # never trained, never closed: its step hook must stay harmless
+    gc.collect()
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    optimizer.step()
 
 
 # ---------------------------------------------------------------------- 5. added later with add_callback

@@ -18,11 +18,11 @@ differences, each marked ``# async:`` below:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import shutil
-import threading
 import time
 import weakref
 from collections import deque
@@ -84,7 +84,7 @@ class AsyncCheckpointSaver:
         self._trainer = weakref.ref(trainer)
         self.max_pending = max_pending
         self.overlap_optimizer = overlap_optimizer
-        self._tail: Optional[threading.Thread] = None  # snapshots deferred to the next optimizer step, then commit
+        self._tail_running = False  # snapshots deferred to the next optimizer step, then the commit, are running
         self._tail_error: Optional[tuple[PendingCheckpoint, BaseException]] = None
         self._step_hook = None
         self.timeout = timeout
@@ -121,8 +121,13 @@ class AsyncCheckpointSaver:
             # Any optimizer step (ours is the only one that changes the state we snapshot) first
             # waits for a deferred optimizer.pt snapshot: a torch optimizer's state changes only in step().
             this = weakref.ref(self)
-            self._step_hook = register_optimizer_step_pre_hook(
-                lambda *_: this() is not None and this()._join_tail(timing=True))
+
+            def wait_for_snapshot(*_) -> None:  # must return None: torch rejects any other value
+                saver = this()
+                if saver is not None:  # a saver never closed (its Trainer discarded) waits for nothing
+                    saver._join_tail(timing=True)
+
+            self._step_hook = register_optimizer_step_pre_hook(wait_for_snapshot)
 
     def _wait_then(self, name: str) -> Callable:
         def call(*args, **kwargs):
@@ -189,9 +194,8 @@ class AsyncCheckpointSaver:
                 if args.should_save else []
             tail = (tx, cap.deferred, pending, doomed)
             if cap.deferred:  # async: the optimizer state is copied while the next forward/backward runs
-                self._tail = threading.Thread(target=self._run_tail, args=tail, name="asyncckpt-hf-snapshot",
-                                              daemon=True)
-                self._tail.start()
+                self._tail_running = True
+                self.checkpointer().run_staged(functools.partial(self._run_tail, *tail))
             else:
                 self._finish(*tail)
 
@@ -231,12 +235,11 @@ class AsyncCheckpointSaver:
 
     def _join_tail(self, timing: bool = False) -> None:
         """Wait for a deferred snapshot (the training thread must not touch the checkpointer meanwhile)."""
-        tail = self._tail
-        if tail is None:
+        if not self._tail_running:
             return
         started = time.perf_counter()
-        tail.join()
-        self._tail = None
+        self.checkpointer().wait_staged()
+        self._tail_running = False
         if timing and self.timings:
             self.timings[-1]["optimizer_step_waited_s"] = time.perf_counter() - started
 
