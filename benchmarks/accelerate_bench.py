@@ -6,14 +6,19 @@
 Modes (each in its own fresh process, same seed, same steps):
   none        no save_state() at all (the baseline)
   native      Accelerate's own save_state() (synchronous; page-cache writes, no fsync)
-  asyncckpt   the same program after ``enable_async_checkpointing(accelerator)`` (this project; durable writes)
+  asyncckpt   the same program after ``enable_async_checkpointing(accelerator)`` (this project; durable writes):
+              optimizer.bin is snapshot on a thread during the next forward/backward (``overlap_optimizer``, on
+              by default); the next optimizer.step() waits for it
+  asyncckpt_sync  ``enable_async_checkpointing(accelerator, overlap_optimizer=False)``: every file snapshot in the call
   asyncckpt_base  the same, with asyncckpt as of ``--base-rev`` (before/after in one run; see base_revision.py)
 
 Training: an MLP of ``--layers`` Linear(hidden, hidden) + ReLU (default 10 x 2048: 42 M parameters) with
 AdamW: ``save_state()`` writes model.safetensors (168 MB) + optimizer.bin (336 MB) + scheduler.bin +
 random_states_0.pkl: **504 MB** of tensors. ``ProjectConfiguration(automatic_checkpoint_naming=True,
 total_limit=2)`` (rotation on), ``save_state()`` every ``--every`` (10) steps. Steps 1..10 are warm-up:
-the save at step 10 is the *first* save (staging-buffer allocation) and is reported apart. The measured
+the save at step 10 is the *first* save (staging-buffer allocation) and is reported apart; with
+``overlap_optimizer`` its snapshot finishes in step 11, whose ``optimizer.step()`` waits for it: that wait counts
+as part of the first save, not of the window (nor of step 11's time). The measured
 window runs from the start of step 11 to the end of the last step; the save after the last step and the
 wait for its write are the "drain".
 
@@ -49,7 +54,7 @@ from base_revision import env_for_mode
 from held_memcpy import HeldMemcpy, checkpoint_tensors
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("none", "native", "asyncckpt_base", "asyncckpt")
+MODES = ("none", "native", "asyncckpt_base", "asyncckpt", "asyncckpt_sync")
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 
 
@@ -67,7 +72,19 @@ def child(args) -> dict:
     if args.mode.startswith("asyncckpt"):
         from asyncckpt.adapters.accelerate import enable_async_checkpointing
 
-        handle = enable_async_checkpointing(acc)
+        handle = enable_async_checkpointing(acc, **({"overlap_optimizer": False} if args.mode == "asyncckpt_sync" else {}))
+    step_waits: dict[int, float] = {}  # save step -> time the next optimizer.step() waited for its overlapped snapshot
+    last_save = [0]
+    if handle is not None and hasattr(handle, "_join_overlap"):
+        join = handle._join_overlap
+
+        def timed_join() -> None:  # the step pre-hook and every sync point call it
+            running, t0 = handle._overlap_running, time.perf_counter()
+            join()
+            if running:
+                step_waits[last_save[0]] = step_waits.get(last_save[0], 0.0) + time.perf_counter() - t0
+
+        handle._join_overlap = timed_join
     layers = []
     for _ in range(args.layers):
         layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
@@ -133,6 +150,7 @@ def child(args) -> dict:
             t1 = time.perf_counter()
             returned_at[name] = t1
             stalls.append((i, t1 - t0))
+            last_save[0] = i
     end_of_window = ends[args.steps]
     if args.mode != "none":  # the drain: the last save and the wait for the last write
         acc.save_state()
@@ -143,6 +161,8 @@ def child(args) -> dict:
     times = [memcpy()[0] for _ in range(4)]
     _, nbytes, n_tensors = memcpy()
 
+    first_wait = step_waits.get(args.every, 0.0)  # the first save's overlapped snapshot, waited for in the next step
+    starts[args.every + 1] += first_wait
     window = end_of_window - starts[args.every + 1] - excluded
     step_times = [ends[s] - starts[s] for s in ends if s > args.every]
     checkpoints = sorted(os.listdir(ckpt_root)) if os.path.isdir(ckpt_root) else []
@@ -170,6 +190,7 @@ def child(args) -> dict:
         "mean_step_s": statistics.mean(step_times), "step_times_s": [ends[i] - starts[i] for i in range(1, args.steps + 1)],
         "checkpoints": checkpoints, "files": files,
         "commit_latency_s": commit_latency, "profile": profile,
+        "step_waits_s": {str(k): v for k, v in step_waits.items()}, "first_save_wait_s": first_wait,
     }
 
 
@@ -243,7 +264,7 @@ def summarize(runs: list[dict], args) -> dict:
         if not mine:
             continue
         pairs = [(s, m) for r in mine for (step, s), m in zip(r["stalls"], r["memcpy_before_save_s"]) if step > args.every]
-        first = [s for r in mine for step, s in r["stalls"] if step <= args.every]
+        first = [s + r.get("first_save_wait_s", 0.0) for r in mine for step, s in r["stalls"] if step <= args.every]
         stall = statistics.median(s for s, _ in pairs)
         memcpy = statistics.median(m for _, m in pairs)
         window = statistics.mean(r["window_s"] for r in mine)
@@ -260,6 +281,8 @@ def summarize(runs: list[dict], args) -> dict:
             "drain_s": statistics.mean(r["drain_s"] for r in mine),
             "commit_latency_median_s": statistics.median(commits) if commits else None,
             "within_run": [within_run_slowdown(r, args) for r in mine],
+            "next_step_wait_median_s": statistics.median(
+                r.get("step_waits_s", {}).get(str(step), 0.0) for r in mine for step, _ in r["stalls"] if step > args.every),
             "within_run_slowdown": statistics.median(within_run_slowdown(r, args)["slowdown"] for r in mine),
             "loadavg": [[r["loadavg_before"], r["loadavg_after"]] for r in mine], "files": mine[-1]["files"],
         }
@@ -291,25 +314,29 @@ def markdown(result: dict) -> str:
         "mode); memcpy = copying the same tensors into held memory in the same process right before each save "
         "(median); stall / memcpy = median of the per-save ratios (each stall against its own memcpy); slowdown = window wall time (stalls included) vs the runs without checkpoints (baseline windows: "
         f"{', '.join('%.1f s' % w for w in summary['baseline_window_s'])}); step slowdown = median step time, saves "
-        "excluded (the background writer's interference); commit = from `save_state()` returning to `checkpoint_N` "
+        "excluded (the background writer's interference); next step's wait = time the "
+        "`optimizer.step()` after a save waited for its overlapped optimizer snapshot (median); commit = from `save_state()` returning to `checkpoint_N` "
         "appearing, durable (fsynced). slowdown (within run) = (the window's stalls + the extra time of the "
         f"{AFFECTED_STEPS} steps after each save over the run's own undisturbed step time) / (window steps x that "
         "step time), median over the mode's runs: robust to the shared machine's drift between runs (noise floor, "
         "the same computation on the runs without saves: "
         f"{', '.join('%+.1f%%' % (100 * x) for x in summary['noise_floor_within_run'])}).",
         "",
-        "| mode | first save stall s | stall s (median) | stall max s | memcpy s | stall / memcpy | slowdown (within run) "
-        "| window s | slowdown (vs none runs) | step slowdown | commit s | drain s | load avg (before, after) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | first save stall s | stall s (median) | stall max s | next step's wait s | memcpy s | stall / memcpy "
+        "| slowdown (within run) | window s | slowdown (vs none runs) | step slowdown | commit s | drain s "
+        "| load avg (before, after) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     names = {"native": "Accelerate native `save_state()`", "asyncckpt": "**`enable_async_checkpointing`**",
+             "asyncckpt_sync": "`enable_async_checkpointing(overlap_optimizer=False)`",
              "asyncckpt_base": f"`enable_async_checkpointing` at {cfg.get('base_rev')} (before)"}
     for mode, row in summary["modes"].items():
         commit = "-" if row["commit_latency_median_s"] is None else f"{row['commit_latency_median_s']:.2f}"
         loads = "; ".join(f"{a:.1f}, {b:.1f}" for a, b in row["loadavg"])
         lines.append(
             f"| {names[mode]} | {', '.join('%.2f' % s for s in row['first_save_stall_s'])} | {row['stall_median_s']:.3f} "
-            f"| {row['stall_max_s']:.3f} | {row['memcpy_s']:.3f} | {row['stall_over_memcpy']:.2f}x | "
+            f"| {row['stall_max_s']:.3f} | {row['next_step_wait_median_s']:.3f} | {row['memcpy_s']:.3f} | "
+            f"{row['stall_over_memcpy']:.2f}x | "
             f"{100 * row['within_run_slowdown']:+.1f}% | {row['window_s']:.1f} | {100 * row['slowdown']:+.1f}% | {100 * row['step_slowdown']:+.1f}% | {commit} | "
             f"{row['drain_s']:.2f} | {loads} |")
     lines += ["", "Per-save stall / memcpy: " + "; ".join(

@@ -11,6 +11,8 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from accelerate.utils import ProjectConfiguration, set_seed  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from asyncckpt.adapters.accelerate import enable_async_checkpointing  # noqa: E402
+from asyncckpt.adapters.accelerate.adapter import AsyncCheckpointing  # noqa: E402
 from asyncckpt.core import CheckpointWriteError, is_complete  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -484,6 +487,46 @@ def test_explicit_output_dir(tmp_path, handles):
     (mine / "notes.txt").write_text("keep me")
     acc.save_state(str(mine))
     assert (mine / "notes.txt").read_text() == "keep me" and "optimizer.bin" in listing(mine)
+
+
+def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, handles, monkeypatch):
+    """overlap_optimizer (the default): optimizer.bin is snapshot on a thread after save_state() returns; the
+    next optimizer.step() must wait for it. The thread is slowed down so that the step always arrives first:
+    a torn snapshot would hold the next step's Adam state."""
+    original = AsyncCheckpointing._finish_overlapped
+
+    def slow_finish(self, *args):
+        time.sleep(0.3)
+        return original(self, *args)
+
+    monkeypatch.setattr(AsyncCheckpointing, "_finish_overlapped", slow_finish)
+    acc = _fresh_accelerator(tmp_path / "p")
+    handle = enable_async_checkpointing(acc, inline_bytes=4096)  # this small model's optimizer.bin is large enough
+    handles.append(handle)
+    _, opt, step = _train_objects(acc, width=256)
+    step()
+    expected = {k: v.clone() for k, v in _flat(opt.state_dict()) if torch.is_tensor(v)}
+    path = acc.save_state()
+    assert handle._overlap_running and "optimizer.bin" in handle.last_written  # left to the staging thread
+    started = time.perf_counter()
+    step()  # optimizer.step() waits for the snapshot before changing the state
+    assert time.perf_counter() - started > 0.2
+    handle.wait()
+    saved = dict(_flat(torch.load(path / "optimizer.bin", weights_only=False)))
+    assert expected and all(torch.equal(saved[k], v) for k, v in expected.items())
+    now = dict(_flat(opt.state_dict()))
+    assert any(not torch.equal(v, now[k]) for k, v in expected.items())  # and training moved on
+    acc.load_state(str(path))  # loads natively, including the overlapped file
+    loaded = dict(_flat(opt.state_dict()))
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+
+    acc._optimizers.append(types.SimpleNamespace(optimizer=object()))  # not a torch optimizer: no step hooks
+    try:
+        assert not handle.may_overlap_optimizer()
+    finally:
+        acc._optimizers.pop()
+    assert handle.may_overlap_optimizer()
+    assert not enable_async_checkpointing(_fresh_accelerator(tmp_path / "q"), overlap_optimizer=False).may_overlap_optimizer()
 
 
 def test_failed_background_save_raises_at_next_save_state_naming_the_directory(tmp_path, handles, monkeypatch):

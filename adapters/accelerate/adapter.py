@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import accelerate.checkpointing as _acc_checkpointing
 from accelerate.state import PartialState
@@ -59,6 +60,7 @@ _RNG_PREFIX = "random_states_"
 _REPLICATED = {getattr(DistributedType, n) for n in ("MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA",
                                                      "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON")
                if hasattr(DistributedType, n)}
+_OPTIMIZER_FILE = re.compile(r"^optimizer(_\d+)?\.bin$")
 _SPREADABLE_FILE = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin)$")
 _UNSET = object()
 _enabled: "weakref.WeakKeyDictionary[Any, AsyncCheckpointing]" = weakref.WeakKeyDictionary()
@@ -75,6 +77,12 @@ class Options:
     spread_writes: under DDP (every process holds a replica), write the large files (``model*.safetensors``,
         ``optimizer*.bin``) from different processes instead of all from the main process.
     inline_bytes: files holding fewer tensor bytes than this are serialised at call time (no staging buffer).
+    overlap_optimizer: take the snapshot of the optimizer files (``optimizer*.bin``: two thirds of an Adam
+        checkpoint) on a background thread once ``save_state()`` has returned, while the next forward and
+        backward run; every ``optimizer.step()`` first waits for it. Safe because a torch optimizer's state
+        tensors change only in ``step()`` (``optimizer.state_dict()`` captured the parameter groups at the
+        call). Off if your code changes them otherwise before the next step; never used with an optimizer
+        that is not a ``torch.optim.Optimizer`` (no step hooks).
     fix_iteration: the load hook restores ``project_configuration.iteration`` (accelerate #3306).
     cleanup_stale: remove staging directories left next to ``checkpoints/`` by a killed run (main process,
         when enabled).
@@ -86,6 +94,7 @@ class Options:
     io_threads: int = 2
     spread_writes: bool = True
     inline_bytes: int = 1 << 20
+    overlap_optimizer: bool = True
     fix_iteration: bool = True
     cleanup_stale: bool = True
 
@@ -114,6 +123,7 @@ class _Save:
     remove: Any = None
     reported: bool = False  # the failure already reached the user (save_state raised)
     deferred: list = field(default_factory=list)  # large objects, staged at the end of the call
+    overlapped: list = field(default_factory=list)  # optimizer files, staged after the call (overlap_optimizer)
     written: list = field(default_factory=list)  # names this process staged
 
     def done(self) -> bool:
@@ -236,7 +246,21 @@ class _Capture:
 
     # ---- snapshot into the transaction
     def stage(self, name: str, obj: Any, fmt: str) -> None:
-        """Snapshot ``obj`` now, as the file Accelerate would have written."""
+        """Snapshot ``obj`` as the file Accelerate would have written: now, or for an optimizer file
+        with ``overlap_optimizer``, on the staging thread after the call."""
+        if fmt == "torch" and _OPTIMIZER_FILE.match(name) and self.owner.may_overlap_optimizer() \
+                and not _small(obj, self.owner.options.inline_bytes):
+            self.save_record.overlapped.append((name, obj, fmt))
+            self.save_record.written.append(name)
+            return
+        self.stage_now(name, obj, fmt)
+
+    def stage_now(self, name: str, obj: Any, fmt: str) -> None:
+        self.save_record.handles.append(self.snapshot(name, obj, fmt))
+        self.save_record.written.append(name)
+
+    def snapshot(self, name: str, obj: Any, fmt: str):
+        """Snapshot ``obj`` into the transaction as ``name``; returns the file's handle."""
         tx, inline = self.tx, self.owner.options.inline_bytes
         if fmt == "safetensors":
             if isinstance(obj, OrderedDict):
@@ -244,17 +268,13 @@ class _Capture:
             if _small(obj, inline):
                 from safetensors.torch import save as safetensors_bytes
 
-                handle = tx.write_bytes(name, safetensors_bytes(obj, metadata={"format": "pt"}))
-            else:
-                handle = tx.save_file(obj, name, format="safetensors", metadata={"format": "pt"})
-        elif _small(obj, inline):
+                return tx.write_bytes(name, safetensors_bytes(obj, metadata={"format": "pt"}))
+            return tx.save_file(obj, name, format="safetensors", metadata={"format": "pt"})
+        if _small(obj, inline):
             buffer = io.BytesIO()
             self.real_torch_save(obj, buffer)  # the exact bytes torch.save writes: that is the snapshot
-            handle = tx.write_bytes(name, buffer.getvalue())
-        else:
-            handle = tx.save_file(obj, name, format="torch")
-        self.save_record.handles.append(handle)
-        self.save_record.written.append(name)
+            return tx.write_bytes(name, buffer.getvalue())
+        return tx.save_file(obj, name, format="torch")
 
     def stage_deferred(self) -> None:
         """Large replicated files (DDP): the largest first, each to the least-loaded process. Every process
@@ -289,6 +309,9 @@ class AsyncCheckpointing:
         self.last_written: list[str] = []  # files this process staged in its latest save_state()
         self._hooks = [accelerator.register_save_state_pre_hook(self._save_hook),
                        accelerator.register_load_state_pre_hook(self._load_hook)]
+        self._overlap_running = False  # a save's optimizer snapshot and commit run on the staging thread
+        if options.overlap_optimizer:
+            self._hooks.append(register_optimizer_step_pre_hook(_waits_for_snapshot(weakref.ref(self))))
         self._originals: dict[str, Callable] = {}
         self._previous: dict[str, Any] = {}
         for name, wrapper in (("save_state", self._save_state), ("load_state", self._load_state),
@@ -347,6 +370,7 @@ class AsyncCheckpointing:
     # ------------------------------------------------------------------ save_state
     def _save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any):
         acc, pc = self.accelerator, self.accelerator.project_configuration
+        self._join_overlap()
         self._raise_finished_failures()
         self._apply_back_pressure()
         automatic = pc.automatic_checkpoint_naming
@@ -377,13 +401,46 @@ class AsyncCheckpointing:
         except BaseException as error:
             self._abandon(save, error)
             raise self._earlier_failure(error) from error
-        save.commit = tx.commit()
-        save.handles.append(save.commit)
         self.last_written = sorted(save.written)
-        if removals:
-            save.remove = self._checkpointer.async_remove(removals, only_if_complete=final_dir)
         self._pending.append(save)
+        if save.overlapped:  # the optimizer snapshot, then the commit, while the next forward/backward runs
+            self._overlap_running = True
+            self._checkpointer.run_staged(functools.partial(self._finish_overlapped, save, capture))
+        else:
+            self._commit(save)
         return Path(final_dir)
+
+    def _commit(self, save: _Save) -> None:
+        """Publish once every file is durable; then (only if that worked) the total_limit deletions."""
+        save.commit = save.tx.commit()
+        save.handles.append(save.commit)
+        if save.removals:
+            save.remove = self._checkpointer.async_remove(save.removals, only_if_complete=save.final_dir)
+
+    def _finish_overlapped(self, save: _Save, capture: "_Capture") -> None:
+        """On the staging thread: the optimizer files' snapshots, then the commit. A failure fails the
+        save on every process; it is raised, naming the directory, at the next sync point."""
+        try:
+            for name, obj, fmt in save.overlapped:
+                save.handles.append(capture.snapshot(name, obj, fmt))
+            save.overlapped = []
+            self._commit(save)
+        except BaseException as error:  # noqa: BLE001 - reported through the save's handles
+            save.overlapped = []
+            self._fail_everywhere(save, error)
+
+    def may_overlap_optimizer(self) -> bool:
+        """Whether optimizer files may be snapshot after the call: asked for, and every optimizer's
+        step passes the step pre-hook (torch optimizers; Accelerate's wrapper calls the wrapped one's)."""
+        return self.options.overlap_optimizer and all(
+            isinstance(getattr(opt, "optimizer", opt), torch.optim.Optimizer) for opt in self.accelerator._optimizers)
+
+    def _join_overlap(self) -> None:
+        """Wait for a save's background optimizer snapshot and commit call (before anything else uses the
+        checkpointer, and before the optimizer changes the state it copies)."""
+        if self._overlap_running:
+            self._checkpointer.wait_staged()
+            self._overlap_running = False
 
     def _automatic_target(self) -> tuple[str, list, Optional[str]]:
         """What Accelerate's save_state does with automatic naming, with in-flight saves counted as
@@ -421,17 +478,24 @@ class AsyncCheckpointing:
         return self._originals["save_state"](output_dir, safe_serialization=safe_serialization, **kwargs)
 
     def _abandon(self, save: _Save, error: BaseException) -> None:
-        """save_state raised half-way (a hook, a pickling error...): tell every process's writer that this
-        save failed, so nothing is published and no process waits for it until the timeout."""
+        """save_state raised half-way (a hook, a pickling error...): fail the save everywhere; the caller
+        raises the error itself."""
         save.deferred = []
+        save.reported = True
+        if self._fail_everywhere(save, error):
+            self._pending.append(save)
+
+    def _fail_everywhere(self, save: _Save, error: BaseException) -> bool:
+        """Tell every process's writer that this save failed, so nothing is published and no process
+        waits for it until the timeout. False if the writer itself is gone."""
         try:
             report_failure(save.tx._commit_request, error)
             save.commit = save.tx.commit()
             save.handles.append(save.commit)
-            save.reported = True
-            self._pending.append(save)
+            return True
         except Exception as e:  # the writer itself is gone: nothing more to tell it
             logger.debug("asyncckpt: could not abandon %s: %s", save.final_dir, e)
+            return False
 
     def _earlier_failure(self, error: BaseException) -> BaseException:
         """A core error raised inside save_state may be an *earlier* save's failure: name its directory."""
@@ -446,6 +510,7 @@ class AsyncCheckpointing:
     # ------------------------------------------------------------------ waiting
     def _settle(self, save: _Save) -> Optional[CheckpointWriteError]:
         """Wait for one save; return its failure (naming the directory), None if it was committed."""
+        self._join_overlap()
         errors = []
         for handle in save.handles:
             try:
@@ -550,6 +615,16 @@ class AsyncCheckpointing:
                     shutil.rmtree(os.path.join(project_dir, name), ignore_errors=True)
         if acc.num_processes > 1:
             acc.wait_for_everyone()
+
+
+def _waits_for_snapshot(handle: "weakref.ref[AsyncCheckpointing]") -> Callable:
+    """A global optimizer step pre-hook: every step first waits for an overlapped optimizer snapshot."""
+    def hook(*_: Any) -> None:  # must return None: torch rejects any other value
+        owner = handle()
+        if owner is not None:
+            owner._join_overlap()
+
+    return hook
 
 
 def _shadow(method: Callable, original: Callable) -> Callable:
