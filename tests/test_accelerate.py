@@ -161,7 +161,8 @@ def test_example_resumes_and_matches_native_bitwise(tmp_path):
     assert_same_state(ours / "checkpoints" / "checkpoint_3", theirs / "checkpoints" / "checkpoint_3")
 
 
-def test_resume_fidelity_n_then_2n_equals_2n_uninterrupted(tmp_path, handles):
+@pytest.mark.parametrize("options", [{}, {"overlap_optimizer": True, "inline_bytes": 512}], ids=["default", "overlap"])
+def test_resume_fidelity_n_then_2n_equals_2n_uninterrupted(tmp_path, handles, options):
     """N steps + save (async) + a new run that loads and continues to 2N == 2N steps uninterrupted (native),
     bitwise: weights, Adam state, scheduler, and the data (drawn from the global RNG, restored from the
     per-process RNG file)."""
@@ -170,7 +171,7 @@ def test_resume_fidelity_n_then_2n_equals_2n_uninterrupted(tmp_path, handles):
     def build(project, seed, adapter):
         acc = _fresh_accelerator(project, total_limit=2)
         if adapter:
-            handles.append(enable_async_checkpointing(acc))
+            handles.append(enable_async_checkpointing(acc, **options))
         _, _, step = _train_objects(acc, seed=seed)
         return acc, step
 
@@ -183,6 +184,7 @@ def test_resume_fidelity_n_then_2n_equals_2n_uninterrupted(tmp_path, handles):
     for _ in range(n):
         step()
     acc.save_state()
+    assert handles[-1]._overlap_running == bool(options)  # overlap: optimizer.bin is snapshot after the call
     acc, step = build(tmp_path / "resumed", 123, adapter=True)  # different init and RNG until load_state
     acc.load_state()
     for _ in range(n):
@@ -490,7 +492,7 @@ def test_explicit_output_dir(tmp_path, handles):
 
 
 def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, handles, monkeypatch):
-    """overlap_optimizer (the default): optimizer.bin is snapshot on a thread after save_state() returns; the
+    """overlap_optimizer=True: optimizer.bin is snapshot on a thread after save_state() returns; the
     next optimizer.step() must wait for it. The thread is slowed down so that the step always arrives first:
     a torn snapshot would hold the next step's Adam state."""
     original = AsyncCheckpointing._finish_overlapped
@@ -501,7 +503,7 @@ def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, h
 
     monkeypatch.setattr(AsyncCheckpointing, "_finish_overlapped", slow_finish)
     acc = _fresh_accelerator(tmp_path / "p")
-    handle = enable_async_checkpointing(acc, inline_bytes=4096)  # this small model's optimizer.bin is large enough
+    handle = enable_async_checkpointing(acc, inline_bytes=4096, overlap_optimizer=True)  # optimizer.bin large enough
     handles.append(handle)
     _, opt, step = _train_objects(acc, width=256)
     step()
@@ -526,7 +528,7 @@ def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, h
     finally:
         acc._optimizers.pop()
     assert handle.may_overlap_optimizer()
-    assert not enable_async_checkpointing(_fresh_accelerator(tmp_path / "q"), overlap_optimizer=False).may_overlap_optimizer()
+    assert not enable_async_checkpointing(_fresh_accelerator(tmp_path / "q")).may_overlap_optimizer()  # off by default
 
 
 def test_failed_background_save_raises_at_next_save_state_naming_the_directory(tmp_path, handles, monkeypatch):

@@ -82,7 +82,10 @@ class Options:
         backward run; every ``optimizer.step()`` first waits for it. Safe because a torch optimizer's state
         tensors change only in ``step()`` (``optimizer.state_dict()`` captured the parameter groups at the
         call). Off if your code changes them otherwise before the next step; never used with an optimizer
-        that is not a ``torch.optim.Optimizer`` (no step hooks).
+        that is not a ``torch.optim.Optimizer`` (no step hooks). Off by default: on CPU-only training
+        (benchmarks/accelerate_bench.py, 2 cores) it cut the stall to ~0.5x a memcpy but the copy during the
+        next step cost more than it saved (within-run slowdown +10-13% against +8-9%); where the state lives
+        on a GPU and the CPU idles during forward/backward, turn it on.
     fix_iteration: the load hook restores ``project_configuration.iteration`` (accelerate #3306).
     cleanup_stale: remove staging directories left next to ``checkpoints/`` by a killed run (main process,
         when enabled).
@@ -94,7 +97,7 @@ class Options:
     io_threads: int = 2
     spread_writes: bool = True
     inline_bytes: int = 1 << 20
-    overlap_optimizer: bool = True
+    overlap_optimizer: bool = False
     fix_iteration: bool = True
     cleanup_stale: bool = True
 
