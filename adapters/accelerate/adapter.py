@@ -18,8 +18,10 @@ Reads top to bottom as:
    final name only complete (commit record + atomic rename). ``total_limit`` deletions are queued behind
    the commit and skipped unless it succeeded.
 4. **When we wait.** ``load_state()``, ``end_training()``, the next ``save_state()`` once ``max_in_flight``
-   saves are pending, ``handle.wait()`` / ``remove()`` and interpreter exit. A failed background save
-   raises ``CheckpointWriteError`` naming its directory at the next ``save_state()`` (or ``wait()``).
+   saves are pending, ``handle.wait()`` / ``remove()`` and interpreter exit; with ``overlap_optimizer``,
+   every ``optimizer.step()`` waits for the optimizer snapshot left to the staging thread. A failed
+   background save raises ``CheckpointWriteError`` naming its directory at the next ``save_state()`` (or
+   ``wait()``).
 """
 from __future__ import annotations
 
