@@ -433,6 +433,22 @@ class AlignedBuffer:
         self.map.close()
 
 
+class PairedMemcpy:
+    """The stall's floor of the moment: a held memcpy of ``nbytes`` (section 1's method: one
+    ``dst.copy_(src)``, 2 threads), timed right before a rep. This machine's copy speed swings by
+    1.5-2x within a run, so a floor measured minutes away judges the stall against another machine."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+        self.dst = torch.zeros_like(self.src)
+        self()
+
+    def __call__(self) -> float:
+        t0 = now()
+        self.dst.copy_(self.src)
+        return now() - t0
+
+
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
@@ -652,19 +668,24 @@ def bench_workload(args, name: str, sd: dict, limits: dict) -> dict:
 
     def ours_async(tag):
         path = os.path.join(wdir, f"ours_core_async_save_{tag}")
+        memcpy_s = paired_memcpy()
         t0 = now()
         handle = core.async_save(sd, path)
         t1 = now()
         handle.result()
         t2 = now()
         last["ours_core_async_save"] = path
-        return {"stall_s": t1 - t0, "s": t2 - t0, "gbps": gbps(nbytes, t2 - t0)}
+        return {"stall_s": t1 - t0, "s": t2 - t0, "gbps": gbps(nbytes, t2 - t0),
+                "paired_memcpy_s": memcpy_s, "x_paired_memcpy": (t1 - t0) / memcpy_s}
 
+    paired_memcpy = PairedMemcpy(nbytes)
     log("  save ours_core_async_save (warm; stall = until async_save returned)")
     r = guarded(res["save"], "ours_core_async_save", run_peer, ours_async, reps=args.reps, settle_s=args.settle_s,
                 first=False, prepare=lambda: (remove_glob(wdir, "ours_core_async_save_"), sync_quiet()))
     if "median" in r:
-        log(f"    stall median {r['median']['stall_s']:.3f} s, total {r['median']['s']:.3f} s")
+        log(f"    stall median {r['median']['stall_s']:.3f} s, total {r['median']['s']:.3f} s, "
+            f"{r['median']['x_paired_memcpy']:.2f}x a held memcpy made right before each rep")
+    del paired_memcpy
     remove_glob(wdir, "ours_core_async_save_")
     run_save("ours_writer_dcp_save", ours_writer)
     writer_box.clear()
@@ -1089,13 +1110,15 @@ def bench_stall(args, sd: dict, limits: dict) -> dict:
         return prepare
 
     def async_peer(name: str, start: Callable[[str], Any], *, staged: Optional[Callable[[Any], None]] = None,
-                   finish: Callable[[Any], None], first=True, settle=True, reps=None, sampler=True):
+                   finish: Callable[[Any], None], first=True, settle=True, reps=None, sampler=True,
+                   paired: Optional[Callable[[], float]] = None):
         """start(path) -> token (returns after the blocking part); staged(token) waits for the snapshot;
         finish(token) waits for the write; then os.sync() for durable."""
         mem: dict[str, Any] = {}
 
         def fn(tag):
             path = os.path.join(sdir, f"{name}_{tag}")
+            memcpy_s = paired() if paired is not None else None
             s = MemSampler() if sampler else contextlib.nullcontext()
             with s:
                 t0 = now()
@@ -1110,6 +1133,8 @@ def bench_stall(args, sd: dict, limits: dict) -> dict:
                 t4 = now()
             r = {"stall_s": t1 - t0, "staged_s": t2 - t0, "total_s": t3 - t0, "durable_s": t4 - t0,
                  "durable_gbps": gbps(nbytes, t4 - t0)}
+            if memcpy_s is not None:  # this rep's stall against a held memcpy made just before it
+                r.update(paired_memcpy_s=memcpy_s, x_paired_memcpy=(t1 - t0) / memcpy_s)
             if sampler:
                 r["mem"] = s.result()
                 mem[tag] = r["mem"]
@@ -1131,9 +1156,11 @@ def bench_stall(args, sd: dict, limits: dict) -> dict:
 
     # ---- ours
     ck = Checkpointer()
+    paired_memcpy = PairedMemcpy(nbytes)
     gc.collect()
     async_peer("ours_async_save", lambda p: ck.async_save(sd, p), staged=lambda h: h.wait_staged(),
-               finish=lambda h: h.result())
+               finish=lambda h: h.result(), paired=paired_memcpy)
+    del paired_memcpy
     async_peer("ours_async_save_overlap", lambda p: ck.async_save(sd, p, overlap_staging=True),
                staged=lambda h: h.wait_staged(), finish=lambda h: h.result(), first=True)
     # compute slowdown while our write is in flight
@@ -1488,13 +1515,14 @@ def render_md(R: dict, command: str) -> str:
                     mcw = wb / (lim["memcpy_gbps"] * 1e9) if lim.get("memcpy_gbps") else None
                     rows.append(f"| {wname} ({R['workloads'][wname]['tensors']} tensors) | {fmt(v['median']['stall_s'], '.3f')} "
                                 f"({fmt(v['min']['stall_s'], '.3f')}–{fmt(v['max']['stall_s'], '.3f')}) | {fmt(mcw, '.3f')} | "
-                                f"{fmt(ratio(v['median']['stall_s'], mcw))} | {fmt((v.get('settle') or {}).get('stall_s'), '.3f')} | "
+                                f"{fmt(ratio(v['median']['stall_s'], mcw))} | {_paired_memcpy_cell(v)} | "
+                                f"{fmt((v.get('settle') or {}).get('stall_s'), '.3f')} | "
                                 f"{fmt(v['median']['s'], '.3f')} |")
             if rows:
                 w("Ours by workload (`core.async_save` on the warm default Checkpointer, section 2's states):")
                 w("")
-                w("| workload | stall s (min–max) | held memcpy s | x memcpy | after idle stall s | total s |")
-                w("|---|---|---|---|---|---|")
+                w("| workload | stall s (min–max) | held memcpy s | x memcpy | x paired memcpy (per rep) | after idle stall s | total s |")
+                w("|---|---|---|---|---|---|---|")
                 for r_ in rows:
                     w(r_)
                 w("")
@@ -1525,6 +1553,11 @@ def render_md(R: dict, command: str) -> str:
                   f"{fmt(v.get('peak_extra_tree_rss_gib'))} | {fmt(ratio(m['stall_s'], o.get('stall_s')))} | "
                   f"{fmt(ratio(m['durable_s'], o.get('durable_s')))} |")
             w("")
+            if (pe.get("ours_async_save") or {}).get("reps"):
+                w(f"`x memcpy` uses section 1's best held memcpy rate. `x paired memcpy`: each rep's stall against a held "
+                  f"memcpy of the same bytes made right before it (this machine's copy speed swings within a run); ours, "
+                  f"workload b: {_paired_memcpy_cell(pe['ours_async_save'])}.")
+                w("")
             SL = ST.get("slowdown", {})
             if SL:
                 w("## 6. Compute slowdown while a save is in flight")
@@ -1592,6 +1625,14 @@ def collect_errors(obj, path="") -> list:
     return found
 
 
+def _paired_memcpy_cell(result: dict) -> str:
+    """Median stall / paired memcpy of a peer's reps, and each rep's ratio."""
+    ratios = [r["x_paired_memcpy"] for r in result.get("reps", []) if r.get("x_paired_memcpy")]
+    if not ratios:
+        return "–"
+    return f"{fmt(statistics.median(ratios))}x ({', '.join(fmt(x) for x in ratios)})"
+
+
 def goals(R: dict) -> list:
     lim = R.get("limit_values", {})
     out = []
@@ -1630,13 +1671,17 @@ def goals(R: dict) -> list:
     o = ((ST.get("peers") or {}).get("ours_async_save") or {}).get("median") or {}
     if o.get("stall_s") and ST.get("memcpy_same_bytes_s"):
         x = o["stall_s"] / ST["memcpy_same_bytes_s"]
-        add("(b) async stall <= 1.2x held memcpy of the same bytes", f"{o['stall_s']:.3f} s = {x:.2f}x memcpy", x <= 1.2)
+        add("(b) async stall <= 1.2x held memcpy of the same bytes",
+            f"{o['stall_s']:.3f} s = {x:.2f}x memcpy; {fmt(o.get('x_paired_memcpy'))}x a held memcpy made right before "
+            "each rep (median)", x <= 1.2)
     for wname in ("large",):
         v = (((R.get("workloads", {}).get(wname) or {}).get("save") or {}).get("ours_core_async_save") or {})
         if "median" in v and lim.get("memcpy_gbps"):
             mcw = R["workloads"][wname]["bytes"] / (lim["memcpy_gbps"] * 1e9)
             x = v["median"]["stall_s"] / mcw
-            add("(a) async stall <= 1.2x held memcpy of the same bytes", f"{v['median']['stall_s']:.3f} s = {x:.2f}x memcpy", x <= 1.2)
+            add("(a) async stall <= 1.2x held memcpy of the same bytes",
+                f"{v['median']['stall_s']:.3f} s = {x:.2f}x memcpy; {fmt(v['median'].get('x_paired_memcpy'))}x a held "
+                "memcpy made right before each rep (median)", x <= 1.2)
     return out
 
 
