@@ -75,15 +75,14 @@ def child(args) -> dict:
     step_waits: dict[int, float] = {}  # save step -> time the next optimizer.step() waited for its overlapped snapshot
     last_save = [0]
     if handle is not None and hasattr(handle, "_join_overlap"):
-        join = handle._join_overlap
+        wait_staged = handle._checkpointer.wait_staged
 
-        def timed_join() -> None:  # the step pre-hook and every sync point call it
-            running, t0 = handle._overlap_running, time.perf_counter()
-            join()
-            if running:
-                step_waits[last_save[0]] = step_waits.get(last_save[0], 0.0) + time.perf_counter() - t0
+        def timed_wait() -> None:  # the adapter waits here, at its step pre-hook and its sync points
+            t0 = time.perf_counter()
+            wait_staged()
+            step_waits[last_save[0]] = step_waits.get(last_save[0], 0.0) + time.perf_counter() - t0
 
-        handle._join_overlap = timed_join
+        handle._checkpointer.wait_staged = timed_wait
     layers = []
     for _ in range(args.layers):
         layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]

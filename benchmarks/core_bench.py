@@ -435,8 +435,8 @@ class AlignedBuffer:
 
 class PairedMemcpy:
     """The stall's floor of the moment: a held memcpy of ``nbytes`` (section 1's method: one
-    ``dst.copy_(src)``, 2 threads), timed right before a rep. This machine's copy speed swings by
-    1.5-2x within a run, so a floor measured minutes away judges the stall against another machine."""
+    ``dst.copy_(src)``, torch's threads), timed right before a rep. This machine's copy speed swings
+    by 1.5-2x within a run, so a floor measured minutes away judges the stall against another machine."""
 
     def __init__(self, nbytes: int) -> None:
         self.src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
@@ -618,6 +618,7 @@ def bench_workload(args, name: str, sd: dict, limits: dict) -> dict:
         minutes earlier or later judges the save against another disk."""
         if "buffer" not in raw_box:
             raw_box["buffer"] = AlignedBuffer(-(-nbytes // 4096) * 4096)
+            raw_box["buffer"].tensor.view(torch.float32).uniform_()  # the bytes section 1 writes
         path = os.path.join(wdir, "paired_odirect.bin")
         seconds = write_file(path, raw_box["buffer"].view, direct=True, threads=2)["s"]
         os.unlink(path)

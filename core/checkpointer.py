@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.utils import _DistWrapper, find_state_dict_object, find_tensor_shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import commit
 from .dcp_storage import AsyncCkptStorageReader
@@ -776,6 +777,21 @@ class _SpeculativeCopy:
             self.copy.wait()
         with self.checkpointer._lock:
             self.slot.user = None
+
+
+def wait_before_every_step(wait: Callable[[], None]):
+    """Call the bound method ``wait`` before every torch optimizer's ``step()`` in the process (a
+    global step pre-hook), for callers that do not know which optimizers will change the state
+    they snapshot. ``wait``'s owner is held weakly: once it is collected (say, never closed) the
+    hook does nothing. The hook returns None, as torch requires. Returns the hook's handle."""
+    method = weakref.WeakMethod(wait)
+
+    def hook(*_: Any) -> None:
+        bound = method()
+        if bound is not None:
+            bound()
+
+    return register_optimizer_step_pre_hook(hook)
 
 
 def _sources(flat: dict, cached: CachedPlan) -> list[torch.Tensor]:

@@ -68,7 +68,7 @@ def write_image(path: str, image: memoryview, size: int, *, direct: bool = True,
             except OSError:
                 pass  # not supported everywhere; only an allocation hint
             _write_parts(fd, image, padded, _chunk_size(padded, threads), threads,
-                            wait_ready or (lambda _written: float("inf")))
+                         wait_ready or (lambda _written: float("inf")))
         os.ftruncate(fd, size)
         os.fsync(fd)
     finally:
@@ -77,7 +77,7 @@ def write_image(path: str, image: memoryview, size: int, *, direct: bool = True,
 
 
 def _write_parts(fd: int, image: memoryview, padded: int, chunk: int, threads: int,
-                    wait_ready: Callable[[float], float]) -> None:
+                 wait_ready: Callable[[float], float]) -> None:
     """Write ``image[:padded]`` in chunks on the I/O pool, each part as soon as ``wait_ready``
     says it is in the image (at once, when nothing is still copying into it). Progress comes in
     whole pages, so direct writes stay aligned."""

@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import accelerate.checkpointing as _acc_checkpointing
 from accelerate.state import PartialState
@@ -49,6 +48,7 @@ from accelerate.utils import DistributedType
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
 from asyncckpt.core import Checkpointer, CheckpointWriteError
+from asyncckpt.core.checkpointer import wait_before_every_step
 from asyncckpt.core.errors import CheckpointError
 from asyncckpt.core.storage import report_failure
 
@@ -256,12 +256,8 @@ class _Capture:
         if fmt == "torch" and _OPTIMIZER_FILE.match(name) and self.owner.may_overlap_optimizer() \
                 and not _small(obj, self.owner.options.inline_bytes):
             self.save_record.overlapped.append((name, obj, fmt))
-            self.save_record.written.append(name)
-            return
-        self.stage_now(name, obj, fmt)
-
-    def stage_now(self, name: str, obj: Any, fmt: str) -> None:
-        self.save_record.handles.append(self.snapshot(name, obj, fmt))
+        else:
+            self.save_record.handles.append(self.snapshot(name, obj, fmt))
         self.save_record.written.append(name)
 
     def snapshot(self, name: str, obj: Any, fmt: str):
@@ -316,7 +312,7 @@ class AsyncCheckpointing:
                        accelerator.register_load_state_pre_hook(self._load_hook)]
         self._overlap_running = False  # a save's optimizer snapshot and commit run on the staging thread
         if options.overlap_optimizer:
-            self._hooks.append(register_optimizer_step_pre_hook(_waits_for_snapshot(weakref.ref(self))))
+            self._hooks.append(wait_before_every_step(self._join_overlap))
         self._originals: dict[str, Callable] = {}
         self._previous: dict[str, Any] = {}
         for name, wrapper in (("save_state", self._save_state), ("load_state", self._load_state),
@@ -620,16 +616,6 @@ class AsyncCheckpointing:
                     shutil.rmtree(os.path.join(project_dir, name), ignore_errors=True)
         if acc.num_processes > 1:
             acc.wait_for_everyone()
-
-
-def _waits_for_snapshot(handle: "weakref.ref[AsyncCheckpointing]") -> Callable:
-    """A global optimizer step pre-hook: every step first waits for an overlapped optimizer snapshot."""
-    def hook(*_: Any) -> None:  # must return None: torch rejects any other value
-        owner = handle()
-        if owner is not None:
-            owner._join_overlap()
-
-    return hook
 
 
 def _shadow(method: Callable, original: Callable) -> Callable:

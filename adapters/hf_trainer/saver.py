@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from asyncckpt.core import Checkpointer, CheckpointError, CheckpointWriteError
+from asyncckpt.core.checkpointer import wait_before_every_step
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
@@ -120,14 +120,7 @@ class AsyncCheckpointSaver:
         if self.overlap_optimizer:
             # Any optimizer step (ours is the only one that changes the state we snapshot) first
             # waits for a deferred optimizer.pt snapshot: a torch optimizer's state changes only in step().
-            this = weakref.ref(self)
-
-            def wait_for_snapshot(*_) -> None:  # must return None: torch rejects any other value
-                saver = this()
-                if saver is not None:  # a saver never closed (its Trainer discarded) waits for nothing
-                    saver._join_tail(timing=True)
-
-            self._step_hook = register_optimizer_step_pre_hook(wait_for_snapshot)
+            self._step_hook = wait_before_every_step(self._join_tail_before_step)
 
     def _wait_then(self, name: str) -> Callable:
         def call(*args, **kwargs):
@@ -242,6 +235,9 @@ class AsyncCheckpointSaver:
         self._tail_running = False
         if timing and self.timings:
             self.timings[-1]["optimizer_step_waited_s"] = time.perf_counter() - started
+
+    def _join_tail_before_step(self) -> None:
+        self._join_tail(timing=True)
 
     def _raise_tail_error(self) -> None:
         self._join_tail()
