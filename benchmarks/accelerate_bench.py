@@ -10,6 +10,9 @@ Modes (each in its own fresh process, same seed, same steps):
   asyncckpt_overlap  ``enable_async_checkpointing(accelerator, overlap_optimizer=True)``: optimizer.bin is snapshot
               on a thread during the next forward/backward; the next optimizer.step() waits for it
   asyncckpt_base  the same, with asyncckpt as of ``--base-rev`` (before/after in one run; see base_revision.py)
+  raw_write   the floor: at each save, instead of save_state(), another process writes the same number of bytes
+              durably with O_DIRECT from memory it holds (``raw_writer.RawWriter``: no snapshot, no checksums,
+              no metadata); what is left is the cost of the disk I/O itself on these 2 cores
 
 Training: an MLP of ``--layers`` Linear(hidden, hidden) + ReLU (default 10 x 2048: 42 M parameters) with
 AdamW: ``save_state()`` writes model.safetensors (168 MB) + optimizer.bin (336 MB) + scheduler.bin +
@@ -51,9 +54,10 @@ from pathlib import Path
 
 from base_revision import env_for_mode
 from held_memcpy import HeldMemcpy, checkpoint_tensors
+from raw_writer import RawWriter
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("none", "native", "asyncckpt_base", "asyncckpt", "asyncckpt_overlap")
+MODES = ("none", "native", "asyncckpt_base", "asyncckpt", "asyncckpt_overlap", "raw_write")
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 
 
@@ -127,6 +131,16 @@ def child(args) -> dict:
 
         profiler = cProfile.Profile()
 
+    raw_writer: list[RawWriter] = []
+
+    def save() -> None:
+        if args.mode != "raw_write":
+            acc.save_state()
+            return
+        if not raw_writer:  # started at the first save, which is reported apart (the optimizer state exists)
+            raw_writer.append(RawWriter(memcpy()[1], workdir))
+        raw_writer[0].start()
+
     starts, ends, stalls, memcpys, excluded = {}, {}, [], [], 0.0
     for i in range(1, args.steps + 1):
         starts[i] = time.perf_counter()
@@ -142,7 +156,7 @@ def child(args) -> dict:
             t0 = time.perf_counter()
             if use_profiler:
                 profiler.enable()
-            acc.save_state()
+            save()
             if use_profiler:
                 profiler.disable()
             t1 = time.perf_counter()
@@ -151,9 +165,11 @@ def child(args) -> dict:
             last_save[0] = i
     end_of_window = ends[args.steps]
     if args.mode != "none":  # the drain: the last save and the wait for the last write
-        acc.save_state()
+        save()
     if handle is not None:
         handle.wait()
+    for writer in raw_writer:
+        writer.close()
     drained = time.perf_counter()
     stop.set()
     times = [memcpy()[0] for _ in range(4)]
@@ -327,7 +343,8 @@ def markdown(result: dict) -> str:
     ]
     names = {"native": "Accelerate native `save_state()`", "asyncckpt": "**`enable_async_checkpointing`**",
              "asyncckpt_overlap": "`enable_async_checkpointing(overlap_optimizer=True)`",
-             "asyncckpt_base": f"`enable_async_checkpointing` at {cfg.get('base_rev')} (before)"}
+             "asyncckpt_base": f"`enable_async_checkpointing` at {cfg.get('base_rev')} (before)",
+             "raw_write": "floor: a raw O_DIRECT write of the same bytes by another process"}
     for mode, row in summary["modes"].items():
         commit = "-" if row["commit_latency_median_s"] is None else f"{row['commit_latency_median_s']:.2f}"
         loads = "; ".join(f"{a:.1f}, {b:.1f}" for a, b in row["loadavg"])

@@ -12,6 +12,9 @@ asyncckpt_sync, none):
                  on by default); the next optimizer.step() waits for it
   asyncckpt_sync AsyncCheckpointCallback(overlap_optimizer=False): every file snapshot before the save returns
   asyncckpt_base AsyncCheckpointCallback() with asyncckpt as of ``--base-rev`` (before/after in one run)
+  raw_write      the floor: at each save, instead of checkpointing, another process writes the same number of
+                 bytes durably with O_DIRECT from memory it holds (``raw_writer.RawWriter``: no snapshot, no
+                 checksums, no metadata); what is left is the cost of the disk I/O itself on these 2 cores
 
 Training: ``LlamaForCausalLM`` from a config (no download): hidden 1024, 4 layers, MLP 2816, vocab 1024,
 untied embeddings -> 53.5 M parameters; AdamW -> the checkpoint holds 642 MB of tensors (model.safetensors
@@ -56,9 +59,10 @@ from pathlib import Path
 
 from base_revision import env_for_mode
 from held_memcpy import HeldMemcpy, checkpoint_tensors
+from raw_writer import RawWriter
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("none", "native", "asyncckpt_base", "asyncckpt", "asyncckpt_sync")
+MODES = ("none", "native", "asyncckpt_base", "asyncckpt", "asyncckpt_sync", "raw_write")
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 AFTER_SAVE_STEPS = 3
 
@@ -118,6 +122,12 @@ def child(args) -> dict:
 
     stalls, save_memcpy = [], []
     inner_save = trainer._save_checkpoint  # the async one when the callback is installed (on_init_end)
+    raw_writer: list[RawWriter] = []
+    if args.mode == "raw_write":
+        def inner_save(*a, **k):  # started at the first save, which is reported apart (the optimizer state exists)
+            if not raw_writer:
+                raw_writer.append(RawWriter(memcpy()[1], workdir))
+            raw_writer[0].start()
 
     def timed_save(*a, **k):
         measured, _, _ = memcpy()
@@ -129,6 +139,8 @@ def child(args) -> dict:
 
     trainer._save_checkpoint = timed_save
     trainer.train()
+    for writer in raw_writer:
+        writer.close()
     returned = time.perf_counter()
     times = [memcpy()[0] for _ in range(6)]
     _, nbytes, n_tensors = memcpy()
@@ -273,7 +285,8 @@ def markdown(result: dict) -> str:
     ]
     names = {"native": "Trainer native `_save_checkpoint`", "asyncckpt": "**AsyncCheckpointCallback()**",
              "asyncckpt_sync": "AsyncCheckpointCallback(overlap_optimizer=False)",
-             "asyncckpt_base": f"AsyncCheckpointCallback() at {cfg.get('base_rev')} (before)"}
+             "asyncckpt_base": f"AsyncCheckpointCallback() at {cfg.get('base_rev')} (before)",
+             "raw_write": "floor: a raw O_DIRECT write of the same bytes by another process"}
     def each(values, form):
         return ", ".join(form % v for v in values)
 
