@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import datetime
 import gc
-import io
 import json
 import math
 import mmap

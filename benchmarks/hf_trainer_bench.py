@@ -121,13 +121,15 @@ def child(args) -> dict:
         return held_memcpy(checkpoint_tensors(trainer.model, trainer.optimizer))
 
     stalls, save_memcpy = [], []
-    inner_save = trainer._save_checkpoint  # the async one when the callback is installed (on_init_end)
     raw_writer: list[RawWriter] = []
-    if args.mode == "raw_write":
-        def inner_save(*a, **k):  # started at the first save, which is reported apart (the optimizer state exists)
-            if not raw_writer:
-                raw_writer.append(RawWriter(memcpy()[1], workdir))
-            raw_writer[0].start()
+
+    def raw_save(*a, **k):  # started at the first save, which is reported apart (the optimizer state exists)
+        if not raw_writer:
+            raw_writer.append(RawWriter(memcpy()[1], workdir))
+        raw_writer[0].start()
+
+    # the async one when the callback is installed (on_init_end)
+    inner_save = raw_save if args.mode == "raw_write" else trainer._save_checkpoint
 
     def timed_save(*a, **k):
         measured, _, _ = memcpy()

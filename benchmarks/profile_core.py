@@ -21,8 +21,6 @@ import shutil
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from core_bench import make_adam, make_large, state_bytes, zeros_like_state  # noqa: E402
 

@@ -11,13 +11,12 @@ The module-level functions share one default ``Checkpointer`` (buffers, writer, 
 """
 from __future__ import annotations
 
+import importlib
 import os
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from .checkpointer import Checkpointer, SaveHandle
 from .commit import is_complete, latest_checkpoint
-from .dcp_storage import AsyncCkptStorageReader, AsyncCkptStorageWriter
 from .errors import (
     CheckpointError,
     CheckpointTimeoutError,
@@ -27,7 +26,20 @@ from .errors import (
     StateDictMismatchError,
     UnsafeMetadataError,
 )
-from .planner import AsyncCkptLoadPlanner, AsyncCkptSavePlanner
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer, SaveHandle
+    from .dcp_storage import AsyncCkptStorageReader, AsyncCkptStorageWriter
+    from .manager import CheckpointManager
+    from .planner import AsyncCkptLoadPlanner, AsyncCkptSavePlanner
+
+# The names that need torch, imported on first use: the background writer runs as
+# ``python -m asyncckpt.core.worker``, which executes this file, and must not load torch for it.
+_LAZY = {
+    "Checkpointer": "checkpointer", "SaveHandle": "checkpointer", "CheckpointManager": "manager",
+    "AsyncCkptStorageReader": "dcp_storage", "AsyncCkptStorageWriter": "dcp_storage",
+    "AsyncCkptLoadPlanner": "planner", "AsyncCkptSavePlanner": "planner",
+}
 
 __all__ = [
     "save", "async_save", "load", "latest_checkpoint", "is_complete", "wait", "default_checkpointer",
@@ -37,15 +49,17 @@ __all__ = [
     "IncompleteCheckpointError", "StateDictMismatchError", "UnsafeMetadataError",
 ]
 
-_default: Optional[Checkpointer] = None
+_default: Optional["Checkpointer"] = None
 _default_lock = threading.Lock()
 
 
-def default_checkpointer() -> Checkpointer:
+def default_checkpointer() -> "Checkpointer":
     """The process-wide Checkpointer behind the module-level functions."""
     global _default
     with _default_lock:
         if _default is None or _default._closed:
+            from .checkpointer import Checkpointer
+
             _default = Checkpointer()
         return _default
 
@@ -72,9 +86,9 @@ def wait(timeout: Optional[float] = None) -> None:
     default_checkpointer().wait(timeout)
 
 
-def __getattr__(name: str):
-    if name == "CheckpointManager":  # retention lives in its own module, imported on use
-        from .manager import CheckpointManager
-
-        return CheckpointManager
-    raise AttributeError(name)
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -50,7 +50,8 @@ from .planner import (
 )
 from .structure import describe, tied_keys
 from .layout import IO_ALIGNMENT, RankLayout, align_up
-from .native_files import FileRequest, RemoveRequest, safetensors_image, stage_image
+from .file_requests import FileRequest, RemoveRequest
+from .native_files import safetensors_image, stage_image
 from .staging import CopyInProgress, StagingBuffer, begin_copy, start_copy
 from .storage import ShareRequest, report_failure
 from .torch_file import TorchFileTemplates

@@ -26,7 +26,8 @@ from tqdm import tqdm
 from . import commit
 from .checksum import checksum
 from .errors import CheckpointError
-from .metadata_io import DCP_METADATA_FILE, check_relative_path, load_dcp_metadata, read_rank_sidecar
+from .metadata_io import DCP_METADATA_FILE, check_relative_path, load_dcp_metadata
+from .sidecar import read_rank_sidecar
 
 EXIT_OK, EXIT_PROBLEM, EXIT_INCOMPLETE = 0, 1, 2
 _SIDECAR_RE = re.compile(r"^__(\d+)\.asyncckpt\.json$")

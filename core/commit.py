@@ -8,6 +8,7 @@ directory under its final name with a commit record is complete; anything else i
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -81,6 +82,12 @@ def latest_checkpoint(root: str) -> Optional[str]:
         if best_key is None or key > best_key:
             best_key, best_path = key, path
     return best_path
+
+
+def job_token() -> str:
+    """Something every rank of one job shares without talking: torchrun's run id, else the rendezvous."""
+    token = os.environ.get("TORCHELASTIC_RUN_ID") or f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    return hashlib.blake2b(token.encode(), digest_size=4).hexdigest() if token != ":" else "local"
 
 
 def write_commit_record(staging_dir: str, record: dict) -> None:

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Optional
 from . import commit
 from .fsio import atomic_write_bytes
 from .layout import RankLayout
-from .plan_cache import _job_token
 from .errors import CheckpointWriteError
 from .storage import await_commit, error_marker_name, publish_with_record, report_failure, wait_for_ranks
 
@@ -159,4 +158,4 @@ class DirectoryTransaction:
 
 def transaction_id(world_size: int, counter: int) -> str:
     """Same on every rank without communication (one process: random)."""
-    return secrets.token_hex(8) if world_size == 1 else f"d{counter}-{_job_token()}"
+    return secrets.token_hex(8) if world_size == 1 else f"d{counter}-{commit.job_token()}"

@@ -9,56 +9,10 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from typing import Any, Optional
 
-from . import commit
 from .checkpointer import Checkpointer, SaveHandle, _rank_and_world
-from .layout import RankLayout
-
-
-def select_deletions(committed_steps: list[int], keep_last: Optional[int], keep_every: Optional[int]) -> list[int]:
-    """Steps to delete: all but the newest ``keep_last`` and multiples of ``keep_every``; never the newest."""
-    steps = sorted(committed_steps)
-    if not steps:
-        return []
-    keep = set(steps[-keep_last:]) if keep_last else set(steps)
-    if keep_every:
-        keep |= {s for s in steps if s % keep_every == 0}
-    keep.add(steps[-1])
-    return [s for s in steps if s not in keep]
-
-
-@dataclass
-class RetentionRequest:
-    """Applied by the background writer after the save of ``newest`` (queue order)."""
-
-    root: str
-    pattern: str
-    newest: str
-    keep_last: Optional[int]
-    keep_every: Optional[int]
-
-    def run(self, layout: Optional[RankLayout], image: Optional[memoryview]) -> None:
-        if not commit.is_complete(self.newest):
-            return  # the newer checkpoint failed: keep everything we have
-        committed = committed_steps(self.root, re.compile(self.pattern))
-        for step in select_deletions(list(committed), self.keep_last, self.keep_every):
-            commit.remove_checkpoint(committed[step])
-
-
-def committed_steps(root: str, pattern: re.Pattern) -> dict[int, str]:
-    """step -> path of every committed checkpoint under ``root`` whose name matches ``pattern``."""
-    found = {}
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return found
-    for name in names:
-        match = pattern.match(name)
-        if match and commit.is_complete(os.path.join(root, name)):
-            found[int(match.group(1))] = os.path.join(root, name)
-    return found
+from .retention import RetentionRequest, committed_steps
 
 
 class CheckpointManager:

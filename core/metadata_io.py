@@ -21,9 +21,7 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _Storag
 from .errors import CorruptCheckpointError, UnsafeMetadataError
 from .fsio import atomic_write_bytes
 from .metadata_pickle import MetadataPickleTemplate
-from .sidecar import (  # noqa: F401  (the commit code and tests import the sidecar API from here)
-    SIDECAR_FORMAT, SIDECAR_VERSION, Sidecar, read_rank_sidecar, read_sidecar, sidecar_name, write_rank_sidecar,
-)
+from .sidecar import Sidecar
 
 DCP_METADATA_FILE = ".metadata"
 

@@ -8,23 +8,19 @@ weights, views) are saved once, as torch.save does.
 ``safetensors``: the 8-byte header length, the JSON header, then the tensors back to back, as
 the safetensors specification lays them out.
 
-The writer then writes the image to a temporary name, fsyncs and renames it into place.
+The writer then writes the image to a temporary name, fsyncs and renames it into place
+(``file_requests.FileRequest``).
 """
 from __future__ import annotations
 
 import json
-import os
 import struct
-import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from . import diskio
-from .fsio import fsync_dir
 from .tensor_copy import copy_tensors
-from .layout import RankLayout
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -99,52 +95,3 @@ def stage_image(image: FileImage, target: torch.Tensor, *, framing_in_place: boo
         place.copy_(source, non_blocking=True)
     if cuda_pairs:
         torch.cuda.current_stream().synchronize()
-
-
-@dataclass
-class FileRequest:
-    """Write a staged single file atomically: temporary name, fsync, rename, fsync the directory."""
-
-    path: str
-    size: int
-    direct_io: bool = True
-    io_threads: int = 2
-    on_failure: Any = None  # a directory transaction's commit request, told about a failure
-
-    def run(self, layout: RankLayout, image: memoryview) -> None:
-        directory, name = os.path.split(os.path.abspath(self.path))
-        temporary = os.path.join(directory, f".{name}.asyncckpt-tmp-{uuid.uuid4().hex[:8]}")
-        try:
-            os.makedirs(directory, exist_ok=True)
-            diskio.write_image(temporary, image, self.size, direct=self.direct_io, threads=self.io_threads)
-            os.replace(temporary, self.path)
-            fsync_dir(directory)
-        except BaseException as e:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
-            if self.on_failure is not None:
-                from .storage import report_failure
-
-                report_failure(self.on_failure, e)
-            raise
-
-
-@dataclass
-class RemoveRequest:
-    """Delete files / checkpoint directories, in queue order (after the saves queued before it)."""
-
-    paths: list
-    only_if_complete: Optional[str] = None
-
-    def run(self, layout: Optional[RankLayout], image: Optional[memoryview]) -> None:
-        from .commit import is_complete, remove_checkpoint
-
-        if self.only_if_complete is not None:
-            newer = self.only_if_complete  # a directory needs its commit record; a file only exists complete
-            if not (is_complete(newer) if os.path.isdir(newer) else os.path.isfile(newer)):
-                return
-        for path in self.paths:
-            if os.path.isdir(path) and not os.path.islink(path):
-                remove_checkpoint(path)
-            elif os.path.lexists(path):
-                os.unlink(path)

@@ -7,8 +7,6 @@ wrong plan, no hang).
 """
 from __future__ import annotations
 
-import hashlib
-import os
 import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -18,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
+from . import commit
 from .layout import RankLayout
 from .structure import digest
 
@@ -74,19 +73,13 @@ class PlanCache:
         self._digests.clear()
 
 
-def _job_token() -> str:
-    """Something every rank of one job shares without talking: torchrun's run id, else the rendezvous."""
-    token = os.environ.get("TORCHELASTIC_RUN_ID") or f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
-    return hashlib.blake2b(token.encode(), digest_size=4).hexdigest() if token != ":" else "local"
-
-
 def agree_on_structure(local_hash: str, group, world_size: int, use_collectives: bool, counter: int,
                        failed: bool = False) -> tuple[tuple, str, list[int]]:
     """(cache key, save id, ranks holding an unreported failure) agreed by all ranks, in one
     all-gather of 24 bytes per rank (or none). Sharing the failure flag lets every rank raise
     together instead of one rank leaving the others waiting in a collective."""
     if world_size == 1 or not use_collectives:
-        save_id = secrets.token_hex(8) if world_size == 1 else f"n{counter}-{_job_token()}"
+        save_id = secrets.token_hex(8) if world_size == 1 else f"n{counter}-{commit.job_token()}"
         return (local_hash, world_size), save_id, []
     local = torch.tensor([int(local_hash[:15], 16), secrets.randbits(62), int(failed)], dtype=torch.int64)
     if dist.get_backend(group) == "nccl":

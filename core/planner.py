@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
@@ -21,10 +20,10 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.utils import find_state_dict_object
-from torch.distributed.tensor import DTensor
 
 from .errors import StateDictMismatchError
-from .layout import RankLayout, build_layout
+from .container import container_template
+from .layout import IO_ALIGNMENT, ITEM_ALIGNMENT, RankLayout, Slot, align_up
 from .structure import flatten_state_dict, flatten_values
 
 
@@ -86,6 +85,43 @@ def layout_for_plan(plan: SavePlan, rank: int, tied_to: dict[str, str] | None = 
              data.properties.dtype, bool(data.properties.requires_grad))
         )
     return build_layout(f"__{rank}_0.distcp", chunks, alias_of)
+
+
+def build_layout(
+    file_name: str, chunks: list[tuple[str, tuple, tuple, tuple, torch.dtype, bool]], alias_of: dict[int, int] | None = None
+) -> RankLayout:
+    """Lay out ``(fqn, chunk_offsets, chunk_sizes, global_size, dtype, requires_grad)`` chunks.
+
+    ``alias_of`` maps a chunk's position to an earlier chunk holding the very same tensor (tied
+    weights): the alias gets the same bytes in the file, so shared data is written once.
+    """
+    alias_of = alias_of or {}
+    slots = []
+    cursor = 0
+    for position, (fqn, offsets, sizes, global_size, dtype, requires_grad) in enumerate(chunks):
+        if position in alias_of:
+            original = slots[alias_of[position]]
+            slots.append(Slot(fqn, tuple(offsets), tuple(sizes), tuple(global_size), original.dtype, requires_grad,
+                              original.start, original.length, original.data_start, original.nbytes))
+            continue
+        template = container_template(dtype, tuple(sizes))
+        cursor = align_up(cursor, ITEM_ALIGNMENT)
+        slots.append(
+            Slot(
+                fqn=fqn,
+                chunk_offsets=tuple(offsets),
+                chunk_sizes=tuple(sizes),
+                global_size=tuple(global_size),
+                dtype=str(dtype).removeprefix("torch."),
+                requires_grad=requires_grad,
+                start=cursor,
+                length=template.length,
+                data_start=cursor + template.data_offset,
+                nbytes=template.nbytes,
+            )
+        )
+        cursor += template.length
+    return RankLayout(file_name, tuple(slots), cursor, max(align_up(cursor, IO_ALIGNMENT), IO_ALIGNMENT))
 
 
 def planner_data_paths(mappings: dict) -> dict:

@@ -8,22 +8,20 @@ machine has handed back costs ~10x more to touch again than memory we hold (see 
 """
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from .errors import CheckpointTimeoutError, CheckpointWriteError
-from .layout import IO_ALIGNMENT, RankLayout
+from .container import container_template
+from .copy_progress import PROGRESS_BYTES, CopyProgress
+from .layout import RankLayout
 from .tensor_copy import copy_threads
 
-PROGRESS_BYTES = IO_ALIGNMENT  # one page after the image holds the copy's progress (``CopyProgress``)
 SEGMENTS_PER_COPY = 8  # the copy publishes progress this often, so the writer starts after 1/8 of it
 MIN_SEGMENT_BYTES = 4 << 20
 _LANES = 2  # copy threads per copy: each takes about half of every segment's bytes
@@ -43,7 +41,7 @@ class StagingBuffer:
         self.progress = CopyProgress(self.mmap, layout.buffer_size)
         self.generation = 0  # of the latest copy into this buffer, as published in ``progress``
         self.bytes.zero_()  # fault every page in now, not during the first snapshot's copy
-        for offset, piece in layout.template_fill():
+        for offset, piece in _container_framing(layout):
             self.mmap[offset : offset + len(piece)] = piece
         self.slot_views = [
             self.bytes[s.data_start : s.data_start + s.nbytes].view(getattr(torch, s.dtype)).view(s.chunk_sizes)
@@ -74,72 +72,6 @@ class StagingBuffer:
         os.close(self.fd)
 
 
-class CopyProgress:
-    """How far the latest copy into a buffer has got, shared with the background writer so it
-    streams each finished part to disk while the rest is still being copied.
-
-    One aligned 64-bit word in the page after the image, written and read whole (a single
-    machine store or load): ``generation << 40 | finished 4 KiB pages``, or one of two markers
-    in place of the page count. The generation names the copy a write request belongs to, so the
-    writer never takes bytes of a later copy for its own. The copy threads publish after the
-    copy's locks and futures (memory barriers), so finished bytes are visible before the word."""
-
-    _PAGES_BITS = 40
-    _FAILED = (1 << 40) - 1
-    _COMPLETE = (1 << 40) - 2
-    _GENERATIONS = 1 << 22
-
-    def __init__(self, mapping, offset: int) -> None:
-        self._word = ctypes.c_int64.from_buffer(mapping, offset)
-
-    @classmethod
-    def next_generation(cls, generation: int) -> int:
-        return (generation + 1) % cls._GENERATIONS
-
-    def publish(self, generation: int, finished_bytes: int) -> None:
-        """Bytes ``[0, finished_bytes)`` of the image hold this copy's data (rounded down to pages)."""
-        self._word.value = (generation << self._PAGES_BITS) | (finished_bytes // IO_ALIGNMENT)
-
-    def complete(self, generation: int) -> None:
-        self._word.value = (generation << self._PAGES_BITS) | self._COMPLETE
-
-    def fail(self, generation: int) -> None:
-        self._word.value = (generation << self._PAGES_BITS) | self._FAILED
-
-    def finished_bytes(self, generation: int) -> float:
-        """Writer: how much of copy ``generation`` is in the image (``inf`` once complete)."""
-        word = self._word.value
-        found, pages = word >> self._PAGES_BITS, word & ((1 << self._PAGES_BITS) - 1)
-        if found != generation:
-            raise CheckpointWriteError(f"the snapshot in the staging buffer was replaced (copy {found}, not {generation})")
-        if pages == self._FAILED:
-            raise CheckpointWriteError("the snapshot copy failed in the training process")
-        return float("inf") if pages == self._COMPLETE else pages * IO_ALIGNMENT
-
-    def waiter(self, generation: int, timeout: float) -> Callable[[float], float]:
-        """``wait(done)``: block (bounded) until more than ``done`` bytes of copy ``generation``
-        are in the image; return how many. Polls with short sleeps: a copy takes tens of ms."""
-
-        def wait(done: float) -> float:
-            deadline = time.monotonic() + timeout
-            delay = 0.0002
-            while True:
-                finished = self.finished_bytes(generation)
-                if finished > done:
-                    return finished
-                if time.monotonic() > deadline:
-                    raise CheckpointTimeoutError(f"the snapshot copy did not progress for {timeout:.0f}s")
-                time.sleep(delay)
-                delay = min(2 * delay, 0.002)
-
-        return wait
-
-
-def split_image(layout: RankLayout, mapping: memoryview) -> tuple[memoryview, CopyProgress]:
-    """Writer: a staging buffer's mapping as (the image, its copy progress)."""
-    return mapping[: layout.buffer_size], CopyProgress(mapping, layout.buffer_size)
-
-
 @dataclass
 class _Segment:
     """A run of consecutive slots copied before progress is published: ``lanes`` holds, per copy
@@ -147,6 +79,16 @@ class _Segment:
 
     end: int  # where the segment's last data ends in the image
     lanes: list[tuple[list[int], list[torch.Tensor]]]
+
+
+def _container_framing(layout: RankLayout) -> list[tuple[int, bytes]]:
+    """(offset, bytes) pieces of container framing to write into a fresh buffer once."""
+    pieces = []
+    for slot in (layout.slots[i] for i in layout.unique_slots()):
+        template = container_template(getattr(torch, slot.dtype), slot.chunk_sizes)
+        pieces.append((slot.start, template.prefix))
+        pieces.append((slot.data_start + slot.nbytes, template.suffix))
+    return pieces
 
 
 def _segments(layout: RankLayout, views: list[torch.Tensor]) -> list[_Segment]:

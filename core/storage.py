@@ -7,27 +7,19 @@ can use them directly.
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from . import commit, diskio
 from .checksum import checksum
-from .errors import CheckpointTimeoutError, CheckpointWriteError, CorruptCheckpointError
-from .sidecar import ShareItems, ShareRecord
-from .fsio import atomic_write_bytes, fsync_dir
+from .errors import CheckpointTimeoutError, CheckpointWriteError
+from .copy_progress import split_image
+from .fsio import atomic_write_bytes
 from .layout import RankLayout
-from .staging import split_image
-from .metadata_io import (
-    DCP_METADATA_FILE,
-    dcp_metadata_bytes,
-    read_sidecar,
-    sidecar_name,
-    write_rank_sidecar,
-)
+from .sidecar import ShareItems, ShareRecord, read_sidecar, sidecar_name, write_rank_sidecar
 
 
 def objects_file_name(rank: int) -> str:
@@ -167,7 +159,13 @@ def publish_with_record(req, **record) -> None:
 
 
 def commit_share(req: ShareRequest) -> None:
-    """Coordinator: wait for every rank's sidecar, then write metadata + commit record, publish."""
+    """Coordinator: wait for every rank's sidecar, then write metadata + commit record, publish.
+
+    DCP's ``.metadata`` is made of torch's classes, so torch is imported here, on first use: a
+    writer that never coordinates a sharded save (other ranks' writers, writers of native files
+    only) never loads it (~190 MiB per process)."""
+    from .metadata_io import DCP_METADATA_FILE, dcp_metadata_bytes
+
     wait_for_ranks(req, sidecar_name)
     sidecars = [read_sidecar(req.staging_dir, rank) for rank in range(req.world_size)]
     stale = [s.rank for s in sidecars if s.save_id != req.save_id]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import io
 import os
 import signal
 import subprocess
@@ -137,6 +136,45 @@ def test_dtensor_snapshot_on_two_ranks(tmp_path):
     run_on_ranks(_dtensor_mutation, 2, str(tmp_path / "ckpt"))
 
 
+def _writer_holds_torch(checkpointer) -> bool:
+    """Whether the checkpointer's background writer has torch's library mapped."""
+    with open(f"/proc/{checkpointer._worker.process.pid}/maps") as maps:
+        return "libtorch" in maps.read()
+
+
+def test_writer_loads_torch_only_to_coordinate_a_sharded_save(tmp_path):
+    """torch costs the writer ~190 MiB of its own memory: native files, directory transactions,
+    removals and retention (all the adapters need) must not load it; rank 0's writer does when it
+    renders a sharded checkpoint's DCP metadata."""
+    manager = core.CheckpointManager(tmp_path / "managed", keep_last=1, checkpointer=core.Checkpointer())
+    ck = manager.checkpointer
+    ck.save_file({"w": torch.ones(3), "step": 2}, tmp_path / "a.pt")
+    ck.save_file({"w": torch.ones(3)}, tmp_path / "a.safetensors", format="safetensors")
+    tx = ck.begin_directory(tmp_path / "checkpoint-1", step=1)
+    tx.save_file({"w": torch.ones(3)}, "model.safetensors", format="safetensors")
+    tx.write_bytes("trainer_state.json", b"{}")
+    tx.commit().result()
+    ck.async_remove([tmp_path / "a.pt"]).result()
+    assert core.is_complete(str(tmp_path / "checkpoint-1")) and not os.path.exists(tmp_path / "a.pt")
+    assert not _writer_holds_torch(ck)
+    for step in (1, 2):  # sharded saves, then retention deleting step 1
+        manager.save(step, {"w": torch.full((4,), float(step))})
+    assert manager.steps() == [2] and _writer_holds_torch(ck)
+    manager.close()
+
+
+def _sharded_saves_without_torch_in_rank1_writer(rank, world, root):
+    with core.Checkpointer() as ck:
+        for step in range(2):
+            ck.save({"a": torch.full((1024,), float(step)), "b": torch.full((2048,), float(step)), "step": step},
+                    f"{root}/s{step}")
+        return _writer_holds_torch(ck)
+
+
+def test_only_rank0_writer_loads_torch_in_sharded_saves(tmp_path):
+    assert run_on_ranks(_sharded_saves_without_torch_in_rank1_writer, 2, str(tmp_path)) == [True, False]
+
+
 def test_back_pressure_bounds_saves_in_flight(tmp_path):
     state = {"w": torch.randn(8 << 20)}  # 32 MiB
     with core.Checkpointer(max_in_flight=1) as one:
@@ -263,7 +301,7 @@ def _overlapped_ddp_saves(rank, world, root):
             optimizer.zero_grad()
             state = {"model": model.module.state_dict(), "optim": optimizer.state_dict(), "step": step}
             expected.append(copy.deepcopy(state))
-            handle = checkpointer.async_save(state, f"{root}/s{step}")
+            checkpointer.async_save(state, f"{root}/s{step}")
             model(torch.randn(4, 256)).sum().backward()  # all-reduces while the snapshot is taken
             optimizer.step()  # waits for the snapshot
             optimizer.zero_grad()

@@ -137,7 +137,7 @@ def test_model_checkpoint_same_as_without_plugin(tmp_path, case):
             trainer, ckpt, _ = fit(root, plugin, kwargs, max_epochs=5, resume="last")
             assert trainer.global_step == 40
         runs[plugin] = (root, trainer, ckpt)
-    (sroot, strainer, sckpt), (aroot, atrainer, ackpt) = runs[False], runs[True]
+    (sroot, _, sckpt), (aroot, atrainer, ackpt) = runs[False], runs[True]
     io = atrainer.strategy.checkpoint_io
     assert isinstance(io, AsyncCkptIO)
     delta = stats_delta(before)

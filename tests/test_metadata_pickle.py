@@ -6,7 +6,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from asyncckpt import core
-from asyncckpt.core.metadata_io import build_dcp_metadata, dcp_metadata_bytes, load_dcp_metadata, read_sidecar
+from asyncckpt.core.metadata_io import build_dcp_metadata, dcp_metadata_bytes, load_dcp_metadata
+from asyncckpt.core.sidecar import read_sidecar
 
 
 def _state(n_tensors: int, step: int) -> dict:

@@ -370,7 +370,7 @@ class AsyncCheckpointing:
 
     # ------------------------------------------------------------------ save_state
     def _save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any):
-        acc, pc = self.accelerator, self.accelerator.project_configuration
+        pc = self.accelerator.project_configuration
         self._join_overlap()
         self._raise_finished_failures()
         self._apply_back_pressure()

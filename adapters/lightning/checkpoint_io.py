@@ -25,7 +25,6 @@ import fnmatch
 import io
 import os
 import sys
-import threading
 import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
