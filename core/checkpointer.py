@@ -55,7 +55,8 @@ from .native_files import safetensors_image, stage_image
 from .staging import CopyInProgress, StagingBuffer, begin_copy, start_copy
 from .storage import ShareRequest, report_failure
 from .torch_file import TorchFileTemplates
-from .worker_client import Idle, WorkerClient
+from .worker import Idle
+from .worker_client import WorkerClient
 
 logger = logging.getLogger("asyncckpt.core")
 

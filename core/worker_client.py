@@ -13,14 +13,6 @@ from typing import Callable, Optional
 from .staging import StagingBuffer
 
 
-class Idle:
-    """A request that does nothing: its reply means every earlier request, and the cleanup
-    after it, is finished (``Checkpointer.wait`` ends with one)."""
-
-    def run(self, layout, image) -> None:
-        pass
-
-
 class WorkerClient:
     """One background writer process. ``on_reply(kind, job_id, error, traceback)`` is called from
     a reader thread for each finished job, and ``on_exit(returncode)`` once if the process dies."""

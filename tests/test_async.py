@@ -155,6 +155,7 @@ def test_writer_loads_torch_only_to_coordinate_a_sharded_save(tmp_path):
     tx.write_bytes("trainer_state.json", b"{}")
     tx.commit().result()
     ck.async_remove([tmp_path / "a.pt"]).result()
+    ck.wait()
     assert core.is_complete(str(tmp_path / "checkpoint-1")) and not os.path.exists(tmp_path / "a.pt")
     assert not _writer_holds_torch(ck)
     for step in (1, 2):  # sharded saves, then retention deleting step 1

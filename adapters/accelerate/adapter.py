@@ -323,7 +323,7 @@ class AsyncCheckpointing:
             setattr(accelerator, name, _shadow(wrapper, original))
         if options.cleanup_stale:
             self._remove_stale_staging()
-        self._checkpointer.start()  # the writer starts now (it imports torch: seconds), not at the first save
+        self._checkpointer.start()  # the writer starts now, not at the first save
         _live_handles.add(self)
 
     # ------------------------------------------------------------------ public
