@@ -43,17 +43,15 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import psutil
 import torch
 
-from raw_writer import RawWriter
+from raw_writer import CHUNK, RawWriter, write_file
 
 GiB = 1 << 30
 MiB = 1 << 20
-CHUNK = 32 * MiB
 STALL_REPS = 7  # reps of our own async stalls: one slow rep in 3 (the machine's, not ours) moved the median
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -449,32 +447,6 @@ class PairedMemcpy:
         t0 = now()
         self.dst.copy_(self.src)
         return now() - t0
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def write_file(path: str, buf: memoryview, *, direct: bool, threads: int) -> dict:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-    fd = os.open(path, flags, 0o644)
-    try:
-        t0 = now()
-        spans = [(s, min(s + CHUNK, len(buf))) for s in range(0, len(buf), CHUNK)]
-        if threads <= 1:
-            for s, e in spans:
-                _pwrite_all(fd, buf[s:e], s)
-        else:
-            with ThreadPoolExecutor(threads) as ex:
-                list(ex.map(lambda se: _pwrite_all(fd, buf[se[0]:se[1]], se[0]), spans))
-        t1 = now()
-        os.fsync(fd)
-        t2 = now()
-    finally:
-        os.close(fd)
-    return {"s": t2 - t0, "write_returned_s": t1 - t0, "gbps": gbps(len(buf), t2 - t0)}
 
 
 def read_file_into(path: str, buf: memoryview) -> dict:

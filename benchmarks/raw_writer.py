@@ -27,6 +27,28 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[written:], offset + written
 
 
+def write_file(path: str, buf: memoryview, *, direct: bool, threads: int) -> dict:
+    """Write ``buf`` to ``path`` in ``CHUNK`` requests on ``threads`` threads, then fsync: the machine's
+    write limit in core_bench (section 1 and each paired rep) and each write of ``RawWriter``.
+    Returns seconds (``s``, to durable; ``write_returned_s``, before the fsync) and GB/s."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
+    try:
+        t0 = time.perf_counter()
+        spans = [(start, min(start + CHUNK, len(buf))) for start in range(0, len(buf), CHUNK)]
+        if threads <= 1:
+            for start, end in spans:
+                _pwrite_all(fd, buf[start:end], start)
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda span: _pwrite_all(fd, buf[span[0]:span[1]], span[0]), spans))
+        t1 = time.perf_counter()
+        os.fsync(fd)
+        t2 = time.perf_counter()
+    finally:
+        os.close(fd)
+    return {"s": t2 - t0, "write_returned_s": t1 - t0, "gbps": len(buf) / (t2 - t0) / 1e9}
+
+
 def _serve(conn, nbytes: int, directory: str, keep: int) -> None:
     size = -(-nbytes // ALIGN) * ALIGN
     held = mmap.mmap(-1, size)
@@ -34,22 +56,15 @@ def _serve(conn, nbytes: int, directory: str, keep: int) -> None:
     for offset in range(0, size, len(pattern)):
         held[offset:offset + len(pattern)] = pattern[:size - offset]
     view = memoryview(held)
-    pool = ThreadPoolExecutor(2)
     written: list[str] = []
     conn.send("ready")
     while (message := conn.recv()) is not None:
-        t0 = time.perf_counter()
         path = os.path.join(directory, f"raw_write_{message}.bin")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-        try:
-            list(pool.map(lambda start: _pwrite_all(fd, view[start:start + CHUNK], start), range(0, size, CHUNK)))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        seconds = write_file(path, view, direct=True, threads=2)["s"]
         written.append(path)
         while len(written) > keep:
             os.unlink(written.pop(0))
-        conn.send(time.perf_counter() - t0)
+        conn.send(seconds)
     for path in written:
         os.unlink(path)
     conn.send("stopped")

@@ -49,11 +49,11 @@ __all__ = [
     "IncompleteCheckpointError", "StateDictMismatchError", "UnsafeMetadataError",
 ]
 
-_default: Optional["Checkpointer"] = None
+_default: Optional[Checkpointer] = None
 _default_lock = threading.Lock()
 
 
-def default_checkpointer() -> "Checkpointer":
+def default_checkpointer() -> Checkpointer:
     """The process-wide Checkpointer behind the module-level functions."""
     global _default
     with _default_lock:
