@@ -36,7 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import commit
 from .dcp_storage import AsyncCkptStorageReader
 from .direct_load import paused_gc, plan_direct_load
-from .metadata_io import load_dcp_metadata
+from .metadata_io import dcp_classes, load_dcp_metadata
 from .directory import CommitDirRequest, DirectoryTransaction, transaction_id
 from .errors import CheckpointError, CheckpointTimeoutError, CheckpointWriteError
 from .plan_cache import CachedPlan, PlanCache, agree_on_structure
@@ -289,6 +289,7 @@ class Checkpointer:
             world_size=world, coordinator=rank == 0, structure_hash=str(key[0]), planner_data=cached.planner_data,
             byte_items=objects, direct_io=self.direct_io, io_threads=self.io_threads, timeout=self.timeout,
             step=step, extra_files=dict(extra_files or {}) if rank == 0 else {},
+            dcp_classes=dcp_classes() if rank == 0 else None,
         )
         return handle, slot, begin, request
 

@@ -1,30 +1,27 @@
-"""Reading and writing checkpoint metadata: DCP's ``.metadata``, built from our JSON sidecars.
+"""Reading DCP's ``.metadata`` safely, and writing it from the training process.
 
 ``.metadata`` stays the pickled ``torch.distributed.checkpoint.metadata.Metadata`` that torch's
 own reader expects (so frameworks' DCP loaders read our checkpoints), but we never unpickle it
-freely: ``load_dcp_metadata`` admits only DCP's metadata classes, dtypes and paths. Everything
-we add (checksums, where tensor bytes start, the structure hash) lives in one JSON sidecar per
-rank, ``__{rank}.asyncckpt.json`` (``sidecar.py``; its reader and writer are also importable from
-here, where the commit code has always found them).
+freely: ``load_dcp_metadata`` admits only DCP's metadata classes, dtypes and paths. Our own saves'
+``.metadata`` is written by the background writer without torch (``dcp_pickle``), from what
+``dcp_classes`` tells it about this torch; saves through DCP's API write torch's object here.
 """
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 
+from . import dcp_pickle
+from .dcp_pickle import DCP_METADATA_FILE, DcpClasses
 from .errors import CorruptCheckpointError, UnsafeMetadataError
 from .fsio import atomic_write_bytes
-from .metadata_pickle import MetadataPickleTemplate
-from .sidecar import Sidecar
-
-DCP_METADATA_FILE = ".metadata"
-
 
 _ALLOWED_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -96,103 +93,60 @@ def load_dcp_metadata(checkpoint_dir: str, file_name: str = DCP_METADATA_FILE) -
     return metadata
 
 
-_structure_part_cache: dict = {}
+def attributes(value: Any) -> Any:
+    """``value`` with every object replaced by its type and attributes, recursively: dataclass
+    equality compares declared fields only, this also sees attributes missing or extra."""
+    if isinstance(value, dict):
+        return {key: attributes(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value), [attributes(item) for item in value]
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return type(value), attributes(vars(value))
+    return value
 
 
-def _tensor_metadata(sidecars: list[Sidecar]) -> tuple[dict, dict]:
-    """state_dict_metadata and storage_data of the tensor items; replicated chunks recorded once."""
-    state_dict_metadata: dict[str, Any] = {}
-    storage_data: dict[dcp_metadata.MetadataIndex, _StorageInfo] = {}
-    seen: set = set()
-    for sidecar in sidecars:
-        t = sidecar.tensors
-        shapes = [torch.Size(shape) for shape in t.shapes]
-        for fqn, offsets, sizes, global_size, dtype, requires_grad, start, length in zip(
-            t.fqn, t.chunk_offsets, t.chunk_sizes, t.global_size, t.dtype, t.requires_grad, t.start, t.length
-        ):
-            chunk = (fqn, shapes[offsets])  # shape indices are per sidecar; compare the shapes
-            if chunk in seen:
-                continue
-            seen.add(chunk)
-            tensor_md = state_dict_metadata.get(fqn)
-            if tensor_md is None:
-                tensor_md = state_dict_metadata[fqn] = dcp_metadata.TensorStorageMetadata(
-                    properties=dcp_metadata.TensorProperties(dtype=getattr(torch, dtype), requires_grad=requires_grad),
-                    size=shapes[global_size],
-                    chunks=[],
-                )
-            index = dcp_metadata.MetadataIndex(fqn, shapes[offsets], len(tensor_md.chunks))
-            tensor_md.chunks.append(dcp_metadata.ChunkStorageMetadata(shapes[offsets], shapes[sizes]))
-            storage_data[index] = _StorageInfo(t.file, start, length)
-    return state_dict_metadata, storage_data
+@functools.lru_cache(maxsize=None)
+def dcp_classes() -> DcpClasses:
+    """What the writer needs to know of this torch's DCP metadata classes to pickle them without
+    torch (see ``dcp_pickle``), checked once per process: a small ``.metadata`` written that way
+    must load as exactly what pickling the objects torch's own constructors build loads as."""
+    def state_of(obj: Any) -> tuple:
+        return tuple(obj.__reduce_ex__(2)[2].items())
 
-
-def _planner_data(sidecars: list[Sidecar]) -> dict:
-    """DCP's flatten mapping (key -> path tuple) over every rank's keys."""
-    planner_data: dict[str, Any] = {}
-    for sidecar in sidecars:
-        for fqn, path in sidecar.planner_data().items():
-            planner_data.setdefault(fqn, tuple(path))
-    return planner_data
-
-
-def _structure_part(sidecars: list[Sidecar]) -> tuple[dict, dict, dict, Optional[MetadataPickleTemplate]]:
-    """What depends only on the structure every rank agreed on, built once per structure and
-    reused: the tensor entries (and their pickle template) and the planner_data (the keys and
-    their paths). Without structure hashes (saves through DCP's own API) nothing is cached and
-    there is no template."""
-    key = (tuple(sidecar.structure_hash for sidecar in sidecars), len(sidecars))
-    cacheable = all(key[0])
-    if cacheable and key in _structure_part_cache:
-        return _structure_part_cache[key]
-    tensors, tensor_storage = _tensor_metadata(sidecars)
-    planner_data = _planner_data(sidecars)
-    if not cacheable:
-        return tensors, tensor_storage, planner_data, None
-    _structure_part_cache.clear()  # one structure at a time is plenty for a writer
-    part = _structure_part_cache[key] = (tensors, tensor_storage, planner_data, MetadataPickleTemplate(tensors, tensor_storage))
-    return part
-
-
-def _object_part(sidecars: list[Sidecar], tensors: dict) -> tuple[dict, dict]:
-    """This save's non-tensor entries (their sizes change from save to save). Objects that
-    several ranks wrote (only with ``use_collectives=False``) are recorded once."""
-    entries: dict[str, Any] = {}
-    storage: dict[dcp_metadata.MetadataIndex, _StorageInfo] = {}
-    for sidecar in sidecars:
-        o = sidecar.objects
-        for fqn, start, length in zip(o.fqn, o.start, o.length):
-            if fqn not in tensors and fqn not in entries:
-                entries[fqn] = dcp_metadata.BytesStorageMetadata()
-                storage[dcp_metadata.MetadataIndex(fqn)] = _StorageInfo(o.file, start, length)
-    return entries, storage
-
-
-def build_dcp_metadata(sidecars: list[Sidecar], checkpoint_id: str, save_id: str) -> dcp_metadata.Metadata:
-    """Merge every rank's sidecar into the one global ``Metadata`` torch's loader reads."""
-    tensors, tensor_storage, planner_data, _template = _structure_part(sidecars)
-    entries, storage = _object_part(sidecars, tensors)
-    return dcp_metadata.Metadata(
-        version=CURRENT_DCP_VERSION,
-        state_dict_metadata={**tensors, **entries},
-        planner_data=dict(planner_data),
-        storage_data={**tensor_storage, **storage},
-        storage_meta=dcp_metadata.StorageMeta(checkpoint_id=str(checkpoint_id), save_id=save_id),
-    )
-
-
-def dcp_metadata_bytes(sidecars: list[Sidecar], checkpoint_id: str, save_id: str) -> bytes:
-    """``pickle.dumps(build_dcp_metadata(...))``, equal after loading, but the tensor entries are
-    spliced in from the structure's template instead of being pickled again on every save."""
-    tensors, _tensor_storage, planner_data, template = _structure_part(sidecars)
-    if template is None:
-        return pickle.dumps(build_dcp_metadata(sidecars, checkpoint_id, save_id))
-    entries, storage = _object_part(sidecars, tensors)
-    return template.render(
-        object_entries=entries, planner_data=planner_data, object_storage=storage,
-        storage_meta=dcp_metadata.StorageMeta(checkpoint_id=str(checkpoint_id), save_id=save_id),
+    classes = DcpClasses(
+        metadata_state=state_of(dcp_metadata.Metadata(state_dict_metadata={})),
+        storage_meta_state=state_of(dcp_metadata.StorageMeta()),
+        storage_info_state=state_of(_StorageInfo("", 0, 0)),
         version=CURRENT_DCP_VERSION,
     )
+    written = dcp_pickle.dumps(dcp_pickle.metadata(
+        classes,
+        state_dict_metadata={"w": dcp_pickle.tensor_entry("bfloat16", True, (4, 2), [((0, 0), (2, 2)), ((2, 0), (2, 2))]),
+                             "o": dcp_pickle.bytes_entry()},
+        planner_data={"w": ("w",), "o": ("o", 0)},
+        storage_data=dcp_pickle._Dict(b"", [
+            (dcp_pickle.storage_index("w", (2, 0), 1), dcp_pickle.storage_info(classes, "__0_0.distcp", 512, 64)),
+            (dcp_pickle.storage_index("o"), dcp_pickle.storage_info(classes, "__0_0.distcp", 4096, 70000)),
+        ]),
+        storage_meta=dcp_pickle.storage_meta(classes, "/ckpt", "s"),
+    ))
+    chunks = [dcp_metadata.ChunkStorageMetadata(torch.Size(o), torch.Size((2, 2))) for o in ((0, 0), (2, 0))]
+    expected = dcp_metadata.Metadata(
+        state_dict_metadata={
+            "w": dcp_metadata.TensorStorageMetadata(dcp_metadata.TensorProperties(dtype=torch.bfloat16, requires_grad=True),
+                                                    torch.Size((4, 2)), chunks),
+            "o": dcp_metadata.BytesStorageMetadata()},
+        planner_data={"w": ("w",), "o": ("o", 0)},
+        storage_data={dcp_metadata.MetadataIndex("w", (2, 0), 1): _StorageInfo("__0_0.distcp", 512, 64),
+                      dcp_metadata.MetadataIndex("o"): _StorageInfo("__0_0.distcp", 4096, 70000)},
+        storage_meta=dcp_metadata.StorageMeta(checkpoint_id="/ckpt", save_id="s"),
+        version=CURRENT_DCP_VERSION,
+    )
+    loaded = pickle.loads(written)
+    if loaded != expected or attributes(loaded) != attributes(pickle.loads(pickle.dumps(expected))):
+        raise RuntimeError(f"torch {torch.__version__}: asyncckpt cannot write this version's DCP .metadata "
+                           f"(its pickle of a sample loads as {loaded!r}, expected {expected!r})")
+    return classes
 
 
 def write_dcp_metadata(directory: str, metadata: dcp_metadata.Metadata, file_name: str = DCP_METADATA_FILE) -> None:

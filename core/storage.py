@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from . import commit, diskio
 from .checksum import checksum
+from .dcp_pickle import DCP_METADATA_FILE, DcpClasses, metadata_bytes
 from .errors import CheckpointTimeoutError, CheckpointWriteError
 from .copy_progress import split_image
 from .fsio import atomic_write_bytes
@@ -49,6 +50,7 @@ class ShareRequest:
     step: Optional[int] = None
     extra_files: dict = field(default_factory=dict)  # name -> bytes, written by the coordinator before commit
     copy_generation: Optional[int] = None  # the snapshot copy may still run: stream it (see CopyProgress)
+    dcp_classes: Optional[DcpClasses] = None  # the coordinator's: how to write DCP's .metadata without torch
 
     def run(self, layout: RankLayout, mapping: memoryview) -> None:
         image, progress = split_image(layout, mapping)
@@ -159,13 +161,7 @@ def publish_with_record(req, **record) -> None:
 
 
 def commit_share(req: ShareRequest) -> None:
-    """Coordinator: wait for every rank's sidecar, then write metadata + commit record, publish.
-
-    DCP's ``.metadata`` is made of torch's classes, so torch is imported here, on first use: a
-    writer that never coordinates a sharded save (other ranks' writers, writers of native files
-    only) never loads it (~190 MiB per process)."""
-    from .metadata_io import DCP_METADATA_FILE, dcp_metadata_bytes
-
+    """Coordinator: wait for every rank's sidecar, then write metadata + commit record, publish."""
     wait_for_ranks(req, sidecar_name)
     sidecars = [read_sidecar(req.staging_dir, rank) for rank in range(req.world_size)]
     stale = [s.rank for s in sidecars if s.save_id != req.save_id]
@@ -173,7 +169,10 @@ def commit_share(req: ShareRequest) -> None:
         raise CheckpointWriteError(f"checkpoint {req.final_path}: ranks {stale} left sidecars of another save")
     for name, data in req.extra_files.items():
         atomic_write_bytes(os.path.join(req.staging_dir, name), data)
-    atomic_write_bytes(os.path.join(req.staging_dir, DCP_METADATA_FILE), dcp_metadata_bytes(sidecars, req.final_path, req.save_id))
+    if req.dcp_classes is None:
+        raise CheckpointWriteError(f"checkpoint {req.final_path}: the coordinator's request carries no DCP metadata format")
+    metadata = metadata_bytes(sidecars, req.dcp_classes, req.final_path, req.save_id)
+    atomic_write_bytes(os.path.join(req.staging_dir, DCP_METADATA_FILE), metadata)
     publish_with_record(req, structure_hash=req.structure_hash)
 
 

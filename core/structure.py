@@ -45,29 +45,37 @@ def flatten_values(state_dict: Mapping) -> dict[str, Any]:
     return _flatten(state_dict, None)
 
 
+# Types that are leaves whatever they hold, checked by exact type first: most values of a state dict
+# are tensors, and a set lookup costs far less than isinstance checks against ``Mapping``.
+_LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, str, bool, bytes, type(None)})
+
+
+def _is_leaf(value: Any) -> bool:
+    return isinstance(value, _Tensor) or not isinstance(value, (Mapping, list)) or _is_terminal(value)
+
+
 def _flatten(state_dict: Mapping, paths: dict[str, tuple] | None) -> dict[str, Any]:
     flat: dict[str, Any] = {}
+    leaf_types = _LEAF_TYPES
 
-    def visit(key: str, path: tuple | None, value: Any) -> None:
-        if isinstance(value, _Tensor) or not (isinstance(value, (Mapping, list))):
-            leaf = True
-        else:
-            leaf = _is_terminal(value)
-        if leaf:
-            if key in flat:
-                raise ValueError(f"duplicated flatten key {key}")
-            flat[key] = value
-            if paths is not None:
-                paths[key] = path
-        elif isinstance(value, Mapping):
-            for k, v in value.items():
-                visit(f"{key}.{k}", None if paths is None else path + (str(k),), v)
-        else:
-            for i, v in enumerate(value):
-                visit(f"{key}.{i}", None if paths is None else path + (i,), v)
+    def visit(prefix: str | None, path: tuple, items, in_list: bool) -> None:
+        """The ``(name, value)`` children of the container at ``prefix``. Leaves are stored here
+        rather than in a call of their own: a Python call per tensor was most of the cost."""
+        for name, value in items:
+            key = str(name) if prefix is None else f"{prefix}.{name}"
+            child_path = None if paths is None else path + ((name,) if in_list else (str(name),))
+            if type(value) in leaf_types or _is_leaf(value):
+                if key in flat:
+                    raise ValueError(f"duplicated flatten key {key}")
+                flat[key] = value
+                if paths is not None:
+                    paths[key] = child_path
+            elif isinstance(value, Mapping):
+                visit(key, child_path, value.items(), False)
+            else:
+                visit(key, child_path, enumerate(value), True)
 
-    for key, value in state_dict.items():
-        visit(str(key), None if paths is None else (str(key),), value)
+    visit(None, (), state_dict.items(), False)
     return flat
 
 

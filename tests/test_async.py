@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from asyncckpt import core
 from dist_helper import run_on_ranks
@@ -142,10 +143,10 @@ def _writer_holds_torch(checkpointer) -> bool:
         return "libtorch" in maps.read()
 
 
-def test_writer_loads_torch_only_to_coordinate_a_sharded_save(tmp_path):
+def test_writer_never_loads_torch(tmp_path):
     """torch costs the writer ~190 MiB of its own memory: native files, directory transactions,
-    removals and retention (all the adapters need) must not load it; rank 0's writer does when it
-    renders a sharded checkpoint's DCP metadata."""
+    removals, retention and sharded saves (whose DCP metadata rank 0's writer pickles itself,
+    see dcp_pickle) must not load it."""
     manager = core.CheckpointManager(tmp_path / "managed", keep_last=1, checkpointer=core.Checkpointer())
     ck = manager.checkpointer
     ck.save_file({"w": torch.ones(3), "step": 2}, tmp_path / "a.pt")
@@ -159,12 +160,15 @@ def test_writer_loads_torch_only_to_coordinate_a_sharded_save(tmp_path):
     assert core.is_complete(str(tmp_path / "checkpoint-1")) and not os.path.exists(tmp_path / "a.pt")
     assert not _writer_holds_torch(ck)
     for step in (1, 2):  # sharded saves, then retention deleting step 1
-        manager.save(step, {"w": torch.full((4,), float(step))})
-    assert manager.steps() == [2] and _writer_holds_torch(ck)
+        manager.save(step, {"w": torch.full((4,), float(step)), "step": step})
+    assert manager.steps() == [2] and not _writer_holds_torch(ck)
+    loaded = {"w": torch.zeros(4), "step": 0}
+    dcp.load(loaded, checkpoint_id=core.latest_checkpoint(str(tmp_path / "managed")))  # torch's own reader unpickles the writer's .metadata
+    assert loaded["step"] == 2 and torch.equal(loaded["w"], torch.full((4,), 2.0))
     manager.close()
 
 
-def _sharded_saves_without_torch_in_rank1_writer(rank, world, root):
+def _sharded_saves_writers_hold_torch(rank, world, root):
     with core.Checkpointer() as ck:
         for step in range(2):
             ck.save({"a": torch.full((1024,), float(step)), "b": torch.full((2048,), float(step)), "step": step},
@@ -172,8 +176,8 @@ def _sharded_saves_without_torch_in_rank1_writer(rank, world, root):
         return _writer_holds_torch(ck)
 
 
-def test_only_rank0_writer_loads_torch_in_sharded_saves(tmp_path):
-    assert run_on_ranks(_sharded_saves_without_torch_in_rank1_writer, 2, str(tmp_path)) == [True, False]
+def test_no_writer_loads_torch_in_sharded_saves(tmp_path):
+    assert run_on_ranks(_sharded_saves_writers_hold_torch, 2, str(tmp_path)) == [False, False]
 
 
 def test_back_pressure_bounds_saves_in_flight(tmp_path):

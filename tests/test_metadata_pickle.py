@@ -1,45 +1,80 @@
-"""The per-structure ``.metadata`` template gives the same Metadata as pickling it whole."""
+"""The writer's torch-free ``.metadata`` pickle (``dcp_pickle``) loads as the Metadata torch builds."""
 import os
 import pickle
+import subprocess
+import sys
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as m
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 
 from asyncckpt import core
-from asyncckpt.core.metadata_io import build_dcp_metadata, dcp_metadata_bytes, load_dcp_metadata
+from asyncckpt.core import dcp_pickle
+from asyncckpt.core.metadata_io import attributes, dcp_classes, load_dcp_metadata
 from asyncckpt.core.sidecar import read_sidecar
 
 
 def _state(n_tensors: int, step: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     params = {f"layer{i}.weight": torch.randn(1 + i % 7, 3, generator=generator) for i in range(n_tensors)}
+    params["half"] = torch.ones(2, 2, dtype=torch.bfloat16, requires_grad=True)
     return {
         "model": params,
-        "extra": {"step": step, "name": "x" * step, "groups": [{"lr": 0.1 * step, "params": list(range(step))}]},
+        "extra": {"step": step, "name": "x" * step, "groups": [{"lr": 0.1 * step, "params": list(range(step))}],
+                  "big": 1 << 40, "neg": -5},
     }
 
 
-def _same(a, b) -> None:
+def _reference(sidecars, checkpoint_id: str, save_id: str) -> m.Metadata:
+    """The Metadata torch's own classes give for these sidecars (replicated chunks once)."""
+    entries, storage, seen = {}, {}, set()
+    for sidecar in sidecars:
+        t = sidecar.tensors
+        for fqn, offsets, sizes, global_size, dtype, requires_grad, start, length in zip(
+                t.fqn, t.chunk_offsets, t.chunk_sizes, t.global_size, t.dtype, t.requires_grad, t.start, t.length):
+            offsets, sizes = torch.Size(t.shapes[offsets]), torch.Size(t.shapes[sizes])
+            if (fqn, offsets) in seen:
+                continue
+            seen.add((fqn, offsets))
+            entry = entries.setdefault(fqn, m.TensorStorageMetadata(
+                m.TensorProperties(dtype=getattr(torch, dtype), requires_grad=requires_grad),
+                torch.Size(t.shapes[global_size]), []))
+            storage[m.MetadataIndex(fqn, offsets, len(entry.chunks))] = _StorageInfo(t.file, start, length)
+            entry.chunks.append(m.ChunkStorageMetadata(offsets, sizes))
+    for sidecar in sidecars:
+        o = sidecar.objects
+        for fqn, start, length in zip(o.fqn, o.start, o.length):
+            if fqn not in entries:
+                entries[fqn] = m.BytesStorageMetadata()
+                storage.setdefault(m.MetadataIndex(fqn), _StorageInfo(o.file, start, length))
+    planner_data = {}
+    for sidecar in sidecars:
+        for fqn, path in sidecar.planner_data().items():
+            planner_data.setdefault(fqn, tuple(path))
+    return m.Metadata(state_dict_metadata=entries, planner_data=planner_data, storage_data=storage,
+                      storage_meta=m.StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id), version=CURRENT_DCP_VERSION)
+
+
+def _same(a: m.Metadata, b: m.Metadata) -> None:
     assert a == b  # dataclass equality: every field, every entry
     keys_a = [(k.fqn, tuple(k.offset or ()), k.index) for k in a.storage_data]
     keys_b = [(k.fqn, tuple(k.offset or ()), k.index) for k in b.storage_data]
     assert keys_a == keys_b  # MetadataIndex equality ignores .index; the reader uses it
     assert list(a.state_dict_metadata) == list(b.state_dict_metadata)
+    assert attributes(a) == attributes(b)  # also attributes that are not dataclass fields
 
 
-def test_template_matches_whole_pickle_across_saves(tmp_path):
-    # 1,200 tensors: the dicts cross the pickler's 1,000-entry SETITEMS batches
+def test_written_metadata_is_what_torch_builds_across_saves(tmp_path):
+    # 1,200 tensors: more entries than one of the pickler's SETITEMS batches
     with core.Checkpointer() as checkpointer:
         for step in (1, 7, 30):  # objects change size between saves of one structure
             path = str(tmp_path / f"step{step}")
             checkpointer.save(_state(1200, step), path)
-            sidecars = [read_sidecar(path, 0)]
-            reference = build_dcp_metadata(sidecars, path, "save-id")
-            data = dcp_metadata_bytes(sidecars, path, "save-id")
-            _same(pickle.loads(data), reference)
-            _same(pickle.loads(data), pickle.loads(pickle.dumps(reference)))
-            # what the checkpoint holds is what torch's reader and ours read back
-            _same(load_dcp_metadata(path), pickle.loads(open(os.path.join(path, ".metadata"), "rb").read()))
+            written = load_dcp_metadata(path)  # our restricted unpickler admits it
+            save_id = written.storage_meta.save_id
+            _same(written, pickle.loads(pickle.dumps(_reference([read_sidecar(path, 0)], path, save_id))))
+            _same(written, pickle.loads(open(os.path.join(path, ".metadata"), "rb").read()))
             target = _state(1200, 0)
             dcp.load(target, checkpoint_id=path)  # stock FileSystemReader: plain pickle.load
             expected = _state(1200, step)
@@ -47,9 +82,24 @@ def test_template_matches_whole_pickle_across_saves(tmp_path):
             assert all(torch.equal(target["model"][k], v) for k, v in expected["model"].items())
 
 
-def test_template_without_tensors_or_objects(tmp_path):
-    for state in ({"only": {"objects": 3}}, {"w": torch.ones(2)}):
-        path = str(tmp_path / f"case{len(state)}{next(iter(state))}")
+def test_metadata_without_tensors_or_objects(tmp_path):
+    for name, state in (("objects", {"only": {"objects": 3}}), ("tensors", {"w": torch.ones(2)})):
+        path = str(tmp_path / name)
         core.save(state, path)
-        sidecars = [read_sidecar(path, 0)]
-        _same(pickle.loads(dcp_metadata_bytes(sidecars, path, "s")), build_dcp_metadata(sidecars, path, "s"))
+        written = load_dcp_metadata(path)
+        _same(written, pickle.loads(pickle.dumps(_reference([read_sidecar(path, 0)], path, written.storage_meta.save_id))))
+
+
+def test_emitter_writes_what_pickle_loads():
+    values = [0, 255, 256, 65535, 65536, -1, -(1 << 31), 1 << 31, -(1 << 70), 1.5, "é\udcff", None, True, False,
+              (), (1,), (1, 2), (1, 2, 3), (1, 2, 3, 4), [], [1, [2]], {}, {"a": {"b": (1, "c")}}]
+    for value in values:
+        assert pickle.loads(dcp_pickle.dumps(value)) == value, value
+
+
+def test_sharded_writer_does_not_import_torch(tmp_path):
+    """The module the writer renders .metadata with imports no torch (a torch import is ~190 MiB per process)."""
+    code = "import sys, asyncckpt.core.storage, asyncckpt.core.dcp_pickle; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    assert dcp_classes().version == CURRENT_DCP_VERSION
