@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime
 import functools
 import io
@@ -286,8 +287,7 @@ class Checkpointer:
         handle.buffer_slot = slot
         request = ShareRequest(
             save_id=save_id, final_path=path, staging_dir=commit.staging_dir_for(path, save_id), rank=rank,
-            world_size=world, coordinator=rank == 0, structure_hash=str(key[0]), planner_data=cached.planner_data,
-            byte_items=objects, direct_io=self.direct_io, io_threads=self.io_threads, timeout=self.timeout,
+            world_size=world, coordinator=rank == 0, structure_hash=str(key[0]), byte_items=objects, direct_io=self.direct_io, io_threads=self.io_threads, timeout=self.timeout,
             step=step, extra_files=dict(extra_files or {}) if rank == 0 else {},
             dcp_classes=dcp_classes() if rank == 0 else None,
         )
@@ -548,14 +548,14 @@ class Checkpointer:
         else:
             final = planner.create_global_plan([planner.create_local_plan()])[0][0]
         planner.finish_plan(final)
-        layout = layout_for_plan(final, rank, tied_to)
+        layout = dataclasses.replace(layout_for_plan(final, rank, tied_to), planner_data=planner_data_paths(planner.mappings))
         items = tensor_items(final)
         sources = []
         for position in layout.unique_slots():
             item = items[position]
             plain = type(planner.state_dict[item.index.fqn]) in (torch.Tensor, torch.nn.Parameter)
             sources.append((item.index.fqn, None if plain else item))  # DTensors: look up the local shard
-        return CachedPlan(final, layout, planner_data_paths(planner.mappings), sources, byte_items(final))
+        return CachedPlan(final, layout, sources, byte_items(final))
 
     def _speculate(self, flat: dict) -> Optional["_SpeculativeCopy"]:
         """Start the snapshot copy with the last save's plan before the structure is confirmed:

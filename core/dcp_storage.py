@@ -80,8 +80,8 @@ class AsyncCkptStorageWriter(StorageWriter):
         items = write_share(self.path, self.rank, self._buffer.layout, memoryview(self._buffer.mmap)[: layout.buffer_size], objects,
                             direct_io=self.direct_io, io_threads=self.io_threads)
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        request = ShareRequest(self.save_id, self.path, self.path, self.rank, world_size, self.is_coordinator, "", {}, [])
-        write_rank_sidecar(self.path, sidecar_record(request, items))
+        request = ShareRequest(self.save_id, self.path, self.path, self.rank, world_size, self.is_coordinator, "", [])
+        write_rank_sidecar(self.path, sidecar_record(request, self._buffer.layout, items))
         results = [
             WriteResult(write_item.index, length, _StorageInfo(file, start, length))
             for write_item, (file, start, length) in zip(tensor_items(plan) + byte_items(plan), items.locations())

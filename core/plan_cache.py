@@ -24,8 +24,7 @@ from .structure import digest
 @dataclass
 class CachedPlan:
     plan: SavePlan  # this rank's final plan
-    layout: RankLayout
-    planner_data: dict
+    layout: RankLayout  # with the rank's planner_data
     sources: list[tuple[str, Optional[WriteItem]]]  # per unique slot: key, and the item if a shard lookup is needed
     byte_items: list[WriteItem]
 

@@ -75,9 +75,10 @@ _STATIC_CACHE_SIZE = 4  # a few layouts (one per staging buffer in flight, a str
 
 def _static_json(layout: Optional[RankLayout], planner_data: dict) -> str:
     """``"planner_data":{…},"tensors":{…`` (left open for the checksums) for this layout, encoded
-    once per layout object: the writer keeps one layout per staging buffer across saves."""
+    once per layout object: the writer keeps one layout (with its planner_data) per staging buffer
+    across saves."""
     cached = _static_cache.get(id(layout))
-    if cached is not None and cached[0] is layout and cached[1] == planner_data:
+    if cached is not None and cached[0] is layout and cached[1] is planner_data:
         return cached[2]
     slots = layout.slots if layout is not None else ()
     table: dict[tuple, int] = {}

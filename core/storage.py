@@ -42,7 +42,6 @@ class ShareRequest:
     world_size: int
     coordinator: bool
     structure_hash: str
-    planner_data: dict
     byte_items: list  # [(fqn, bytes)]
     direct_io: bool = True
     io_threads: int = 2
@@ -94,8 +93,8 @@ def write_share(
     return ShareItems(layout if layout.slots else None, digests, objects_file_name(rank) if byte_items else None, objects)
 
 
-def sidecar_record(req: ShareRequest, items: ShareItems) -> ShareRecord:
-    return ShareRecord(req.save_id, req.rank, req.world_size, req.structure_hash, req.planner_data, items)
+def sidecar_record(req: ShareRequest, layout: RankLayout, items: ShareItems) -> ShareRecord:
+    return ShareRecord(req.save_id, req.rank, req.world_size, req.structure_hash, layout.planner_data, items)
 
 
 def _poll(condition, timeout: float, what: str):
@@ -198,7 +197,7 @@ def run_share(req: ShareRequest, layout: RankLayout, image: memoryview,
         os.makedirs(req.staging_dir, exist_ok=True)
         items = write_share(req.staging_dir, req.rank, layout, image, req.byte_items,
                             direct_io=req.direct_io, io_threads=req.io_threads, wait_ready=wait_ready)
-        write_rank_sidecar(req.staging_dir, sidecar_record(req, items))
+        write_rank_sidecar(req.staging_dir, sidecar_record(req, layout, items))
     except BaseException as e:
         report_failure(req, e)
         raise CheckpointWriteError(_failure_message(req, {"rank": req.rank, "error": f"{type(e).__name__}: {e}"})) from e
