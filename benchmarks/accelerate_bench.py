@@ -55,6 +55,7 @@ from pathlib import Path
 from base_revision import env_for_mode
 from held_memcpy import HeldMemcpy, checkpoint_tensors
 from raw_writer import RawWriter
+from within_run import AFFECTED_STEPS, within_run_slowdown
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("none", "native", "asyncckpt_base", "asyncckpt", "asyncckpt_overlap", "raw_write")
@@ -249,23 +250,13 @@ def run_mode(mode: str, args) -> dict:
 
 
 _trees: dict = {}
-AFFECTED_STEPS = 4  # steps after a save that a background write (or the kernel's writeback) may slow down
-
-
-def within_run_slowdown(run: dict, args) -> dict:
-    """Slowdown estimated inside one run, robust to the shared machine's drift over minutes: the window's
-    stalls plus the extra time of the ``AFFECTED_STEPS`` steps after each save, over the window's steps at
-    the run's own undisturbed step time (median of the other window steps). For 'none' runs the same
-    computation around the would-be save steps measures the noise floor."""
+def run_slowdown(run: dict, args) -> dict:
+    """``within_run.within_run_slowdown`` of one run: its window runs from the step after the first save
+    (step ``every``, reported apart) to the end; the save after the last step belongs to the drain."""
     times = run["step_times_s"]  # times[i - 1] = step i, the save (if any) excluded
-    saves = list(range(args.every, args.steps, args.every))
-    window = range(args.every + 1, args.steps + 1)
-    affected = {s + k for s in saves for k in range(1, AFFECTED_STEPS + 1)} & set(window)
-    base = statistics.median(times[i - 1] for i in window if i not in affected)
+    window = {i: times[i - 1] for i in range(args.every + 1, args.steps + 1)}
     stalls = sum(stall for step, stall in run["stalls"] if step > args.every)
-    extra = sum(times[i - 1] - base for i in affected)
-    return {"base_step_s": base, "stalls_s": stalls, "extra_step_time_s": extra,
-            "slowdown": (stalls + extra) / (len(window) * base)}
+    return within_run_slowdown(window, range(args.every, args.steps, args.every), stalls)
 
 
 def summarize(runs: list[dict], args) -> dict:
@@ -294,13 +285,13 @@ def summarize(runs: list[dict], args) -> dict:
             "step_slowdown": statistics.mean(r["median_step_s"] for r in mine) / base_step - 1.0,
             "drain_s": statistics.mean(r["drain_s"] for r in mine),
             "commit_latency_median_s": statistics.median(commits) if commits else None,
-            "within_run": [within_run_slowdown(r, args) for r in mine],
+            "within_run": [run_slowdown(r, args) for r in mine],
             "next_step_wait_median_s": statistics.median(
                 r.get("step_waits_s", {}).get(str(step), 0.0) for r in mine for step, _ in r["stalls"] if step > args.every),
-            "within_run_slowdown": statistics.median(within_run_slowdown(r, args)["slowdown"] for r in mine),
+            "within_run_slowdown": statistics.median(run_slowdown(r, args)["slowdown"] for r in mine),
             "loadavg": [[r["loadavg_before"], r["loadavg_after"]] for r in mine], "files": mine[-1]["files"],
         }
-    noise = [within_run_slowdown(r, args)["slowdown"] for r in runs if r["mode"] == "none"]
+    noise = [run_slowdown(r, args)["slowdown"] for r in runs if r["mode"] == "none"]
     return {"baseline_window_s": baseline, "baseline_median_step_s": [r["median_step_s"] for r in runs
                                                                      if r["mode"] == "none"],
             "noise_floor_within_run": noise, "modes": rows}
