@@ -146,7 +146,8 @@ def render(results: dict) -> str:
         "The loop time includes waiting for the last save to finish. "
         f"`within run` = the slowdown measured inside each run (`benchmarks/within_run.py`): (the saves' stalls + the "
         f"extra time of the {AFFECTED_STEPS} steps after each save over the run's other steps) / (steps x a normal step); "
-        "the drift between runs does not reach it, and the `none` rows (would-be save steps) are its noise floor. "
+        "the drift between runs does not reach it, and the `none` rows (would-be save steps) are its noise floor; the "
+        "wait for the last save's write at the end (once per run, not per save) is in the loop time only. "
         "Goal for ours: <= 5%.",
         "",
         "| variant | loop s (per round) | slowdown per round | slowdown (median) | within run, per round | "
