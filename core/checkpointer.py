@@ -287,9 +287,9 @@ class Checkpointer:
         handle.buffer_slot = slot
         request = ShareRequest(
             save_id=save_id, final_path=path, staging_dir=commit.staging_dir_for(path, save_id), rank=rank,
-            world_size=world, coordinator=rank == 0, structure_hash=str(key[0]), byte_items=objects, direct_io=self.direct_io, io_threads=self.io_threads, timeout=self.timeout,
-            step=step, extra_files=dict(extra_files or {}) if rank == 0 else {},
-            dcp_classes=dcp_classes() if rank == 0 else None,
+            world_size=world, coordinator=rank == 0, structure_hash=str(key[0]), byte_items=objects,
+            direct_io=self.direct_io, io_threads=self.io_threads, timeout=self.timeout, step=step,
+            extra_files=dict(extra_files or {}) if rank == 0 else {}, dcp_classes=dcp_classes() if rank == 0 else None,
         )
         return handle, slot, begin, request
 
