@@ -9,7 +9,10 @@ the same seed for ``--steps`` steps (AdamW) and checkpoints model + optimizer ev
 steps; the time of the whole loop (including waiting for the last save to finish) is compared
 with the same loop without checkpoints. Variants run interleaved, ``--rounds`` times, and the
 median is reported, since this machine's speed drifts over minutes. Each step is timed too, for the
-slowdown measured inside each run (``within_run.py``), which that drift does not reach.
+slowdown measured inside each run (``within_run.py``), which that drift does not reach. Before each
+run the disk settles (``settle``): the peers write through the page cache, and deleting their files
+afterwards leaves writeback and (on a ``discard`` mount) TRIM work that slowed every step of the next
+variant's run by up to 13%.
 """
 from __future__ import annotations
 
@@ -85,6 +88,12 @@ def savers(directory: str) -> list[Saver]:
         Saver("ours core.async_save, overlap_staging + guard", lambda state, path: overlapped.async_save(state, path),
               overlapped.wait, lambda optimizer: overlapped.guard(optimizer)),
     ]
+
+
+def settle(seconds: float) -> None:
+    """Let the previous run's disk work finish (dirty pages written back, deleted files trimmed)."""
+    os.sync()
+    time.sleep(seconds)
 
 
 def train(saver: Saver, args, directory: str) -> dict:
@@ -170,6 +179,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--dir", default="/work/bench-tmp/train")
+    ap.add_argument("--settle-s", type=float, default=5.0, help="idle seconds after a sync before each run")
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None)
     ap.add_argument("--variants", default=None,
@@ -189,6 +199,7 @@ def main() -> int:
             directory = os.path.join(args.dir, f"r{round_index}-{len(variants.get(saver.name, {}).get('rounds_s', []))}")
             shutil.rmtree(directory, ignore_errors=True)
             os.makedirs(directory)
+            settle(args.settle_s)
             result = train(saver, args, directory)
             shutil.rmtree(directory, ignore_errors=True)
             state_bytes = result["state_bytes"]
