@@ -11,8 +11,7 @@ with the same loop without checkpoints. Variants run interleaved, ``--rounds`` t
 median is reported, since this machine's speed drifts over minutes. Each step is timed too, for the
 slowdown measured inside each run (``within_run.py``), which that drift does not reach. Before each
 run the disk settles (``settle``): the peers write through the page cache, and deleting their files
-afterwards leaves writeback and (on a ``discard`` mount) TRIM work that slowed every step of the next
-variant's run by up to 13%.
+afterwards leaves writeback and (on a ``discard`` mount) TRIM work that the next run must not inherit.
 """
 from __future__ import annotations
 
