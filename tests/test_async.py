@@ -246,6 +246,25 @@ def test_a_stuck_rank_becomes_a_timeout_not_a_hang(tmp_path):
     assert elapsed < 20
 
 
+def _failure_behind_a_slow_rank(rank, world, root):
+    if rank == 1:
+        return "never saved"  # still writing, as far as the coordinator can tell
+    if rank == 2:  # a real EFBIG in rank 2's writer
+        os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"] = str(1 << 20)
+    with core.Checkpointer(timeout=60, use_collectives=False) as checkpointer:
+        started = time.monotonic()
+        with pytest.raises(core.CheckpointWriteError, match=r"failed on rank 2: .*(File too large|EFBIG|27)"):
+            checkpointer.save({f"big{i}": torch.randn(2 << 20) for i in range(4)}, f"{root}/bad")
+        return time.monotonic() - started
+
+
+def test_a_failed_rank_is_seen_while_an_earlier_rank_is_still_writing(tmp_path):
+    """The coordinator learns of rank 2's failure at once, not after waiting out rank 1."""
+    elapsed, _, _ = run_on_ranks(_failure_behind_a_slow_rank, 3, str(tmp_path), init_process_group=False, timeout=120)
+    assert elapsed < 20  # the timeout for rank 1 is 60 s
+    assert not core.is_complete(f"{tmp_path}/bad")
+
+
 def test_normal_exit_drains_accepted_saves(tmp_path):
     script = textwrap.dedent(f"""
         import torch
