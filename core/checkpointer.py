@@ -193,8 +193,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ public API
     def save(self, state_dict: STATE_DICT, path: str | os.PathLike, **options: Any) -> None:
-        """Save and return once the checkpoint is committed on every rank."""
-        self.async_save(state_dict, path, **options).result()
+        """Save and return once the checkpoint is committed on every rank (streamed: the caller
+        waits for the disk anyway)."""
+        self.async_save(state_dict, path, stream=True, **options).result()
 
     def async_save(
         self,
@@ -206,11 +207,17 @@ class Checkpointer:
         step: Optional[int] = None,
         extra_files: Optional[dict[str, bytes]] = None,
         overlap_staging: Optional[bool] = None,
+        stream: bool = False,
     ) -> SaveHandle:
         """Snapshot ``state_dict`` and return; the write and commit happen in the background.
 
         ``extra_files`` (name -> bytes) are written by rank 0 into the checkpoint directory
         before it is committed (e.g. a framework's own metadata file).
+
+        ``stream``: the writer writes each part of the snapshot as soon as it is copied, rather
+        than once the copy is complete. The checkpoint is durable sooner (for 1 GiB, 23-29 ms
+        sooner, 8-9%), but the writer's I/O slows the copy the caller waits for by 5-8 ms (8-19%
+        of the stall), so only ``save``, whose caller waits for the disk anyway, streams by default.
         """
         if self._closed:
             raise RuntimeError("Checkpointer is closed")
@@ -223,21 +230,22 @@ class Checkpointer:
         agreement_group = self._agreement_group(group, world, collectives)
         prepare = functools.partial(self._prepare, state_dict, path, agreement_group, collectives, rank, world, step,
                                     extra_files, speculate=not overlap)
+        submit = functools.partial(self._stage_and_submit, stream=stream)
         if overlap and (agreement_group is not group or world == 1 or not collectives):
             # The whole snapshot (flatten, describe, agree on a group of our own, copy) runs in the
             # background: the caller waits for nothing but a thread start.
             handle = SaveHandle(path, rank, self.timeout + 60)
             with self._lock:
                 self._in_flight.append(handle)
-            self._start_staging_thread(self._prepare_and_stage, handle, prepare)
+            self._start_staging_thread(self._prepare_and_stage, handle, prepare, submit)
             return handle
         handle, slot, begin, request = prepare()
         with self._lock:
             self._in_flight.append(handle)
         if overlap:  # the caller's own group must not be used from another thread: only the copy is overlapped
-            self._start_staging_thread(self._stage_and_submit, handle, slot, begin, request)
+            self._start_staging_thread(submit, handle, slot, begin, request)
         else:
-            self._stage_and_submit(handle, slot, begin, request)
+            submit(handle, slot, begin, request)
             self._raise_unreported()  # this snapshot's failure, or an older one that completed meanwhile
         return handle
 
@@ -293,7 +301,7 @@ class Checkpointer:
         )
         return handle, slot, begin, request
 
-    def _prepare_and_stage(self, handle: SaveHandle, prepare) -> None:
+    def _prepare_and_stage(self, handle: SaveHandle, prepare, submit) -> None:
         """Background thread of an overlapped save: the whole snapshot, then the hand-off."""
         time.sleep(0)  # hand the GIL back at once: the caller returns now, not after a 5 ms switch interval
         try:
@@ -302,7 +310,7 @@ class Checkpointer:
             self._complete(handle, e if isinstance(e, CheckpointError) else
                            CheckpointWriteError(f"rank {handle.rank}: snapshot of {handle.path} failed: {type(e).__name__}: {e}"))
             return
-        self._stage_and_submit(handle, slot, begin, request)
+        submit(handle, slot, begin, request)
 
     def _start_staging_thread(self, target, *args) -> None:
         self._staging_thread = threading.Thread(target=target, args=args, name="asyncckpt-stager", daemon=True)
@@ -630,12 +638,12 @@ class Checkpointer:
         slot.buffer.close()
 
     # ------------------------------------------------------------------ staging & the worker
-    def _stage_and_submit(self, handle: SaveHandle, slot: _BufferSlot, begin, request) -> None:
+    def _stage_and_submit(self, handle: SaveHandle, slot: _BufferSlot, begin, request, stream: bool = False) -> None:
         """Start the snapshot copy (``begin()`` returns its ``CopyInProgress``), queue ``request``
-        on the background writer, and return once the copy is complete. A rank's share goes to
-        the writer while its copy still runs: the writer streams each finished part to disk (see
-        ``CopyProgress``); anything else is queued once its copy is complete."""
-        streamed = isinstance(request, ShareRequest)
+        on the background writer, and return once the copy is complete. With ``stream``, a rank's
+        share goes to the writer while its copy still runs, and the writer writes each finished part
+        (see ``CopyProgress``); anything else is queued once its copy is complete."""
+        streamed = stream and isinstance(request, ShareRequest)
         copy: Optional[CopyInProgress] = None
         dispatched = False
         try:
