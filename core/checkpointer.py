@@ -215,8 +215,8 @@ class Checkpointer:
         before it is committed (e.g. a framework's own metadata file).
 
         ``stream``: the writer writes each part of the snapshot as soon as it is copied, rather
-        than once the copy is complete. The checkpoint is durable sooner (for 1 GiB, 23-29 ms
-        sooner, 8-9%), but the writer's I/O slows the copy the caller waits for by 5-8 ms (8-19%
+        than once the copy is complete. The checkpoint is durable sooner (for 1 GiB, 22-29 ms
+        sooner, 8-9%), but the writer's I/O slows the copy the caller waits for by 5-11 ms (8-28%
         of the stall), so only ``save``, whose caller waits for the disk anyway, streams by default.
         """
         if self._closed:
