@@ -58,6 +58,35 @@ def test_slow_copy_is_streamed_and_saved_exactly(tmp_path, monkeypatch):
         checkpointer.close()
 
 
+def test_progress_never_covers_a_unit_still_being_copied(tmp_path, monkeypatch):
+    """The copy threads take units in turn, so a later unit can finish before an earlier one: here
+    every other unit is slow. The writer streams the second save over the first one's bytes in the
+    same buffer; had progress covered an unfinished unit, the file would hold some of the first
+    save's values."""
+    real_copy = staging._copy_group
+    calls = []
+
+    def uneven_copy(views, sources):
+        calls.append(1)
+        time.sleep(0.06 if len(calls) % 2 else 0.0)
+        real_copy(views, sources)
+
+    checkpointer = core.Checkpointer()
+    try:
+        checkpointer.save(_state(1), tmp_path / "a")
+        segments = checkpointer._slots[0].buffer.copy_segments
+        assert len(segments) >= 4 and all(len(segment.units) >= 2 for segment in segments)
+        monkeypatch.setattr(staging, "_copy_group", uneven_copy)
+        second = _state(2)
+        checkpointer.save(second, tmp_path / "b")
+        assert len(calls) == sum(len(segment.units) for segment in segments)
+        loaded = _blank()
+        checkpointer.load(loaded, tmp_path / "b", verify=True)
+        _assert_same(loaded, second)
+    finally:
+        checkpointer.close()
+
+
 def test_copy_failing_after_the_writer_started_fails_only_that_save(tmp_path, monkeypatch):
     """The copy fails in its third segment, after the writer received the request and wrote the
     first parts: the save fails with the copy's error, nothing is published at its path, the
