@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,8 +36,8 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from core_bench import PairedMemcpy, make_adam, same_state, state_bytes, zeros_like_state  # noqa: E402
-from load_bench import HeldBuffer, cached_read, data_files, reset  # noqa: E402
+from core_bench import PairedMemcpy, git_meta, make_adam, n_tensors, same_state, state_bytes, zeros_like_state  # noqa: E402
+from load_bench import HeldBuffer, cached_read, data_files, reset, timed  # noqa: E402
 
 from asyncckpt import core  # noqa: E402
 from asyncckpt.core import commit  # noqa: E402
@@ -46,20 +45,6 @@ from asyncckpt.core.checkpointer import _resolve_stateful, _sources  # noqa: E40
 from asyncckpt.core.direct_load import paused_gc, plan_direct_load  # noqa: E402
 from asyncckpt.core.planner import AsyncCkptSavePlanner  # noqa: E402
 from asyncckpt.core.staging import start_copy  # noqa: E402
-
-
-def revision() -> str:
-    """The git revision benchmarked (``+`` if the work tree differs from it)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "../core"], cwd=here, capture_output=True, text=True).stdout
-    return head + ("+" if dirty.strip() else "")
-
-
-def timed(call) -> float:
-    t0 = time.perf_counter()
-    call()
-    return time.perf_counter() - t0
 
 
 def stall_rows(checkpointer: core.Checkpointer, state: dict, directory: str) -> tuple[dict, Callable]:
@@ -183,8 +168,6 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="floors_", dir=args.dir)
     try:
         state = make_adam(args.size_mib << 20)
-        tensors = sum(1 for v in state["model"].values()) + sum(
-            sum(isinstance(x, torch.Tensor) for x in s.values()) for s in state["optim"]["state"].values())
         with core.Checkpointer() as checkpointer:
             path = os.path.join(root, "load")
             checkpointer.save(state, path)
@@ -195,7 +178,9 @@ def main() -> None:
             load_times = rotate(rows, args.reps, prepare)
             if not same_state(target, state):
                 raise AssertionError("core.load loaded values that differ from the saved state")
-        result = {"bytes": state_bytes(state), "tensors": tensors, "reps": args.reps, "revision": revision(),
+        meta = git_meta()
+        result = {"bytes": state_bytes(state), "tensors": n_tensors(state), "reps": args.reps,
+                  "revision": meta["git_commit"][:7] + ("+" if meta["core_dirty"] else ""),
                   "date": time.strftime("%Y-%m-%d %H:%M"),
                   "torch": torch.__version__, "threads": torch.get_num_threads(),
                   "stall": summary(stall_times, "memcpy"), "load": summary(load_times, "cached read")}
