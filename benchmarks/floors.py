@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from core_bench import PairedMemcpy, git_meta, make_adam, n_tensors, same_state, state_bytes, zeros_like_state  # noqa: E402
+from harness import PairedMemcpy, git_meta, make_adam, n_tensors, same_state, state_bytes, zeros_like_state  # noqa: E402
 from load_bench import HeldBuffer, cached_read, data_files, reset, timed  # noqa: E402
 
 from asyncckpt import core  # noqa: E402

@@ -34,7 +34,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from core_bench import make_adam, make_large, non_tensors_equal, same_state, state_bytes, zeros_like_state  # noqa: E402
+from harness import make_adam, make_large, non_tensors_equal, same_state, state_bytes, zeros_like_state  # noqa: E402
 
 READ_CHUNK = 32 << 20
 

@@ -22,7 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from core_bench import make_adam, make_large, state_bytes, zeros_like_state  # noqa: E402
+from harness import make_adam, make_large, state_bytes, zeros_like_state  # noqa: E402
 
 
 class InProcessWorker:
