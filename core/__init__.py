@@ -57,7 +57,7 @@ def default_checkpointer() -> Checkpointer:
     """The process-wide Checkpointer behind the module-level functions."""
     global _default
     with _default_lock:
-        if _default is None or _default._closed:
+        if _default is None or _default.closed:
             from .checkpointer import Checkpointer
 
             _default = Checkpointer()

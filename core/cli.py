@@ -14,24 +14,21 @@ import argparse
 import mmap
 import os
 import re
-import shutil
 import sys
-import time
 from collections import defaultdict
 from typing import Optional, Sequence
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from tqdm import tqdm
 
-from . import commit
+from . import commit, leftovers, names
 from .checksum import checksum
 from .errors import CheckpointError
-from .metadata_io import DCP_METADATA_FILE, check_relative_path, load_dcp_metadata
+from .metadata_io import check_relative_path, load_dcp_metadata
+from .names import DCP_METADATA_FILE
 from .sidecar import read_rank_sidecar
 
 EXIT_OK, EXIT_PROBLEM, EXIT_INCOMPLETE = 0, 1, 2
-_SIDECAR_RE = re.compile(r"^__(\d+)\.asyncckpt\.json$")
-_DATA_FILE_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 _TRAILING_NUMBER_RE = re.compile(r"(\d+)$")
 # torch.save containers are zip files: a local file header first, the end-of-central-directory
 # record (22 bytes, no comment) last. Stock DCP loading needs both intact; our checksums cover
@@ -65,10 +62,10 @@ def _tree_size(path: str) -> int:
 def _sidecar_ranks(path: str) -> list[int]:
     """Ranks whose sidecar is present (found by name: an incomplete save may lack some)."""
     try:
-        names = os.listdir(path)
+        entries = os.listdir(path)
     except OSError:
         return []
-    return sorted(int(m.group(1)) for m in map(_SIDECAR_RE.match, names) if m)
+    return sorted(int(m.group(1)) for m in map(names.SIDECAR_PATTERN.match, entries) if m)
 
 
 def _well_formed(item: object) -> bool:
@@ -102,7 +99,7 @@ def _load_sidecars(path: str, ranks: Sequence[int], problems: list[str]) -> dict
 
 def _rank_of_file(relative_path: str) -> Optional[int]:
     """The writing rank encoded in a DCP data file name (``__{rank}_{n}.distcp``)."""
-    match = _DATA_FILE_RE.match(relative_path)
+    match = names.DATA_FILE_PATTERN.match(relative_path)
     return int(match.group(1)) if match else None
 
 
@@ -120,20 +117,21 @@ def _shape(size) -> str:
 # --------------------------------------------------------------------------------------------- ls
 def _is_checkpoint_dir(path: str, name: str) -> bool:
     """Staging dirs always count (that is what ``ls`` is for); others need checkpoint files."""
-    if commit.hidden_kind(name):
+    if names.parse_hidden(name):
         return True
     if name.startswith(".") or not os.path.isdir(path):
         return False
     try:
-        names = set(os.listdir(path))
+        entries = set(os.listdir(path))
     except OSError:
         return False
-    return bool(names & {commit.COMMIT_RECORD, DCP_METADATA_FILE}) or any(_SIDECAR_RE.match(n) for n in names)
+    return bool(entries & {names.COMMIT_RECORD, names.DCP_METADATA_FILE}) or any(map(names.SIDECAR_PATTERN.match, entries))
 
 
 def _step_from_name(name: str) -> Optional[int]:
     """step_000120 -> 120, checkpoint-12 -> 12; staging names are unwrapped first."""
-    match = _TRAILING_NUMBER_RE.search(commit.hidden_name_of(name) or name)
+    hidden = names.parse_hidden(name)
+    match = _TRAILING_NUMBER_RE.search(hidden.name if hidden else name)
     return int(match.group(1)) if match else None
 
 
@@ -141,12 +139,12 @@ def cmd_ls(root: str) -> int:
     """One line per checkpoint: name, step, size, status. Sorted by (step, time), like
     ``latest_checkpoint`` ranks them, so the last COMPLETE line is what a resume would pick."""
     try:
-        names = os.listdir(root)
+        entries = os.listdir(root)
     except OSError as e:
         print(f"asyncckpt ls: {root}: {e.strerror}", file=sys.stderr)
         return EXIT_PROBLEM
     rows = []
-    for name in names:
+    for name in entries:
         path = os.path.join(root, name)
         if not os.path.isdir(path) or not _is_checkpoint_dir(path, name):
             continue
@@ -157,8 +155,9 @@ def cmd_ls(root: str) -> int:
         when = (record or {}).get("committed_at_ns") or os.stat(path).st_mtime_ns
         status = "COMPLETE" if commit.is_complete(path) else "INCOMPLETE"
         note = ""
-        if commit.hidden_kind(name):
-            note = "aborted" if commit.read_abort(path) else commit.hidden_kind(name)
+        hidden = names.parse_hidden(name)
+        if hidden:
+            note = "aborted" if os.path.exists(os.path.join(path, names.ABORT_MARKER)) else hidden.kind
         rows.append(((step if step is not None else -1, when, name), name, step, _tree_size(path), status, note))
     rows.sort(key=lambda row: row[0])
     width = max((len(row[1]) for row in rows), default=0)
@@ -337,7 +336,7 @@ def cmd_verify(path: str, progress: bool = True) -> int:
         print(f"asyncckpt verify: {path}: not a directory", file=sys.stderr)
         return EXIT_PROBLEM
     if not commit.is_complete(path):
-        print(f"{path}: INCOMPLETE: no commit record ({commit.COMMIT_RECORD}) under a final name: the save that "
+        print(f"{path}: INCOMPLETE: no commit record ({names.COMMIT_RECORD}) under a final name: the save that "
               "wrote it did not finish (crash, failure, still running) or was not asyncckpt's. Not verified.")
         return EXIT_INCOMPLETE
     record = commit.read_commit_record(path)
@@ -379,39 +378,27 @@ def cmd_verify(path: str, progress: bool = True) -> int:
 
 
 # ------------------------------------------------------------------------------------------ clean
-def _last_touched(path: str) -> float:
-    """The newest mtime of a directory and its entries (a save in progress keeps writing them)."""
-    times = [os.stat(path).st_mtime]
-    for dirpath, _dirs, files in os.walk(path):
-        times += [os.stat(os.path.join(dirpath, name)).st_mtime for name in files]
-    return max(times)
-
-
 def cmd_clean(root: str, min_age_s: float, dry_run: bool) -> int:
-    """Delete what crashed or killed saves left under ROOT: hidden staging directories (never
-    loaded) and swapped-out old checkpoints. Only those untouched for ``min_age_s``: a save in
-    progress keeps writing into its staging directory, so the default hour spares any live job."""
-    try:
-        names = sorted(os.listdir(root))
-    except OSError as e:
-        print(f"asyncckpt clean: {root}: {e.strerror}", file=sys.stderr)
+    """Delete what crashed or killed saves left under ROOT (``leftovers``): at once what a process
+    that is gone left on this host; what was made on another host (whose writer this host cannot
+    see) only once untouched for ``min_age_s``. Never anything a live writer still uses."""
+    if not os.path.isdir(root):
+        print(f"asyncckpt clean: {root}: not a directory", file=sys.stderr)
         return EXIT_PROBLEM
-    now, freed, count = time.time(), 0, 0
-    for name in names:
-        path = os.path.join(root, name)
-        kind = commit.hidden_kind(name)
-        if kind is None or not os.path.isdir(path):
+    freed = count = 0
+    for leftover in leftovers.find(root):
+        name = os.path.basename(leftover.path)
+        if not leftovers.removable(leftover, min_age_s):
+            why = ("in use by a live writer" if leftover.alive else
+                   f"its writer cannot be checked from this host; removed once untouched for {min_age_s:.0f} s")
+            print(f"kept     {name}  ({why})")
             continue
-        age = now - _last_touched(path)
-        if age < min_age_s:
-            print(f"kept     {name}  (touched {age:.0f} s ago; a save may be writing it)")
-            continue
-        size = _tree_size(path)
+        size = _tree_size(leftover.path) if os.path.isdir(leftover.path) else os.lstat(leftover.path).st_size
         if not dry_run:
-            shutil.rmtree(path)
+            leftovers.delete(leftover.path)
         freed, count = freed + size, count + 1
-        print(f"{'would remove' if dry_run else 'removed'}  {name}  {_human(size)}  ({kind})")
-    print(f"{'would free' if dry_run else 'freed'} {_human(freed)} in {count} director{'y' if count == 1 else 'ies'}")
+        print(f"{'would remove' if dry_run else 'removed'}  {name}  {_human(size)}  ({leftover.kind} of {leftover.belongs_to})")
+    print(f"{'would free' if dry_run else 'freed'} {_human(freed)} in {count} entr{'y' if count == 1 else 'ies'}")
     return EXIT_OK
 
 
@@ -426,10 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", help="recompute every checksum (exit 0 good, 1 damaged, 2 incomplete)")
     verify.add_argument("path", metavar="PATH")
     verify.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    clean = commands.add_parser("clean", help="delete hidden directories crashed saves left under ROOT")
+    clean = commands.add_parser("clean", help="delete what crashed saves left under ROOT (never what a live save uses)")
     clean.add_argument("root", metavar="ROOT")
     clean.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
-                       help="only directories untouched for this long (default 3600)")
+                       help="leftovers whose writer cannot be checked from this host (another host) only once "
+                            "untouched for this long (default 3600); those of a process that is gone go at once")
     clean.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
     return parser
 

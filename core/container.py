@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.serialization import config as _serialization_config
 
-_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
-_LOCAL_HEADER_SIGNATURE = 0x04034B50
+LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+LOCAL_HEADER_SIGNATURE = 0x04034B50
 _template_lock = threading.Lock()
 
 
@@ -45,11 +45,11 @@ def _data_record_offset(container: bytes) -> tuple[int, int]:
     """Offset and size of the single tensor data record inside a torch.save zip."""
     with zipfile.ZipFile(io.BytesIO(container)) as archive:
         (info,) = [i for i in archive.infolist() if i.filename.split("/", 1)[-1] == "data/0"]
-    header = _LOCAL_HEADER.unpack_from(container, info.header_offset)
-    if header[0] != _LOCAL_HEADER_SIGNATURE:
+    header = LOCAL_HEADER.unpack_from(container, info.header_offset)
+    if header[0] != LOCAL_HEADER_SIGNATURE:
         raise AssertionError("unexpected zip layout in torch.save output")
     name_len, extra_len = header[9], header[10]
-    return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len, info.file_size
+    return info.header_offset + LOCAL_HEADER.size + name_len + extra_len, info.file_size
 
 
 @functools.lru_cache(maxsize=1 << 16)

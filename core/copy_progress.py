@@ -10,7 +10,7 @@ import ctypes
 import time
 from typing import Callable
 
-from .errors import CheckpointTimeoutError, CheckpointWriteError
+from .errors import CheckpointTimeoutError, CheckpointWriteError, SnapshotCopyFailed
 from .layout import IO_ALIGNMENT, RankLayout
 
 PROGRESS_BYTES = IO_ALIGNMENT  # one page after the image holds the copy's progress (``CopyProgress``)
@@ -55,7 +55,7 @@ class CopyProgress:
         if found != generation:
             raise CheckpointWriteError(f"the snapshot in the staging buffer was replaced (copy {found}, not {generation})")
         if pages == self._FAILED:
-            raise CheckpointWriteError("the snapshot copy failed in the training process")
+            raise SnapshotCopyFailed("the snapshot copy failed in the training process")
         return float("inf") if pages == self._COMPLETE else pages * IO_ALIGNMENT
 
     def waiter(self, generation: int, timeout: float) -> Callable[[float], float]:

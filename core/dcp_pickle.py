@@ -177,6 +177,11 @@ _CONTIGUOUS = _Call(_Global(_DCP, "_MEM_FORMAT_ENCODING"), (0,))
 _BYTES_ENTRY = _New(_Global(_DCP, "BytesStorageMetadata"))
 
 
+def entries(pairs: list) -> _Dict:
+    """A dict whose keys are emitted objects (a ``MetadataIndex`` cannot be a key of a dict here)."""
+    return _Dict(b"", list(pairs))
+
+
 def size(shape) -> _Call:
     """``torch.Size(shape)``."""
     return _Call(_SIZE, (tuple(shape),))

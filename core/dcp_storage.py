@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import io
 import os
-import re
 import uuid
 from itertools import repeat
 from typing import Any, Callable, NamedTuple, Optional
@@ -23,17 +22,17 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from . import commit
+from . import commit, names
 from .errors import CorruptCheckpointError
 from .metadata_io import load_dcp_metadata, write_dcp_metadata
 from .planner import byte_items, layout_for_plan, tensor_items
 from .reader import RAW_DTYPES, Span, can_read_into, group_by_file, overlapping, read_spans
 from .staging import StagingBuffer, copy_into
-from .sidecar import read_sidecar, write_rank_sidecar
-from .storage import ShareRequest, sidecar_record, write_share
+from .sidecar import ShareRecord, read_sidecar, write_rank_sidecar
+from .storage import write_share
+from .tensor_copy import CopyThreads
 
 STAGED_BYTES = 64 << 20  # temporaries of a resharding read, at most, at a time
-_SIDECAR_RE = re.compile(r"^__(\d+)\.asyncckpt\.json$")
 
 
 class AsyncCkptStorageWriter(StorageWriter):
@@ -75,13 +74,16 @@ class AsyncCkptStorageWriter(StorageWriter):
                 self._buffer.close()
             self._buffer = StagingBuffer(layout)
         items_in_plan = tensor_items(plan)
-        copy_into(self._buffer, [planner.resolve_data(items_in_plan[i]) for i in layout.unique_slots()])
+        threads = CopyThreads()
+        try:
+            copy_into(self._buffer, [planner.resolve_data(items_in_plan[i]) for i in layout.unique_slots()], threads)
+        finally:
+            threads.stop()
         objects = [(item.index.fqn, planner.resolve_data(item).getvalue()) for item in byte_items(plan)]
         items = write_share(self.path, self.rank, self._buffer.layout, memoryview(self._buffer.mmap)[: layout.buffer_size], objects,
                             direct_io=self.direct_io, io_threads=self.io_threads)
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        request = ShareRequest(self.save_id, self.path, self.path, self.rank, world_size, self.is_coordinator, "", [])
-        write_rank_sidecar(self.path, sidecar_record(request, self._buffer.layout, items))
+        write_rank_sidecar(self.path, ShareRecord(self.save_id, self.rank, world_size, "", self._buffer.layout.planner_data, items))
         results = [
             WriteResult(write_item.index, length, _StorageInfo(file, start, length))
             for write_item, (file, start, length) in zip(tensor_items(plan) + byte_items(plan), items.locations())
@@ -141,7 +143,7 @@ class AsyncCkptStorageReader(StorageReader):
         """(file, start) -> (sidecar columns, item index), for every rank sidecar present (none for plain DCP)."""
         located: dict[tuple[str, int], tuple[Any, int]] = {}
         for name in os.listdir(self.path):
-            match = _SIDECAR_RE.match(name)
+            match = names.SIDECAR_PATTERN.match(name)
             if match is None:
                 continue
             sidecar = read_sidecar(self.path, int(match.group(1)))

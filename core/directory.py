@@ -3,159 +3,185 @@
 Accelerate's ``checkpoint_N`` and the Transformers Trainer's ``checkpoint-N`` are directories of
 ordinary files (safetensors, torch.save pickles, JSON) written by one or several ranks. A
 ``DirectoryTransaction`` stages each file through the background writer into a hidden
-directory next to the final one; ``commit()`` (called by every rank) makes each rank's writer
-publish a done marker after its files, and rank 0's writer, once all markers are there, writes
-the commit record and renames the directory into place. Until then nothing matching the
-framework's name patterns exists, so its resume logic and rotation never see a partial checkpoint.
+directory (``names``); ``commit()`` (called by every rank) makes each rank's writer arrive at the
+save's barrier after its files, and rank 0's writer, once every rank arrived, writes the commit
+record and renames the directory into place. Until then nothing matching the framework's name
+patterns exists, so its resume logic and rotation never see a partial checkpoint.
+
+The files' write requests are held back until ``commit()``: a framework's save call stages
+several files one after the other, and a writer already streaming the first to disk would
+compete with the copies of the next ones for the CPU and memory bandwidth, lengthening the very
+stall it exists to shorten. Waiting for a held file releases everything held, so nothing can
+hang on it.
 """
 from __future__ import annotations
 
-import json
 import os
-import secrets
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from . import commit
-from .fsio import atomic_write_bytes
-from .layout import RankLayout
-from .errors import CheckpointWriteError
-from .storage import await_commit, error_marker_name, publish_with_record, report_failure, wait_for_ranks
+from . import commit, leftovers
+from .barrier import BarrierSpec
+from .errors import CheckpointCancelledError, CheckpointError, CheckpointWriteError
+from .file_requests import BytesRequest, FileRequest
+from .protocol import RequestContext
 
 if TYPE_CHECKING:
-    from .checkpointer import Checkpointer, SaveHandle
-
-
-def done_marker_name(rank: int) -> str:
-    return f"__{rank}.done"
-
-
-@dataclass
-class BytesRequest:
-    """Write small bytes (JSON, a pickle already taken) into the staging directory, durably."""
-
-    path: str
-    data: bytes
-    on_failure: Any = None  # the transaction's CommitDirRequest: failures are reported to its ranks
-
-    def run(self, layout: Optional[RankLayout], image: Optional[memoryview]) -> None:
-        try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            atomic_write_bytes(self.path, self.data)
-        except BaseException as e:
-            report_failure(self.on_failure, e)
-            raise
+    from .coordinator import Coordinator
+    from .file_snapshots import FileSnapshots
+    from .handles import SaveHandle
+    from .stager import Stager
 
 
 @dataclass
 class CommitDirRequest:
-    """Runs after this rank's files (queue order): mark done; rank 0 waits for all, publishes."""
+    """Runs after this rank's files (queue order): arrive; rank 0 waits for every rank, publishes."""
 
     save_id: str
     final_path: str
     staging_dir: str
     rank: int
-    world_size: int
-    coordinator: bool
     step: Optional[int]
-    timeout: float
+    barrier: BarrierSpec
+    failed: Optional[str] = None  # this rank's part failed before reaching the writer
 
-    def run(self, layout: Optional[RankLayout], image: Optional[memoryview]) -> None:
-        own_failure = commit.read_abort(self.staging_dir) or _read_json(os.path.join(self.staging_dir, error_marker_name(self.rank)))
-        if own_failure is not None:  # one of this rank's files failed (already reported to the others)
-            raise CheckpointWriteError(f"checkpoint {self.final_path} failed on rank {own_failure['rank']}: {own_failure['error']}")
+    def run(self, context: RequestContext) -> None:
+        barrier = context.barrier(self.barrier)
+        failure = self.failed or context.failure(self.barrier.key)
+        if failure is not None:  # one of this rank's files failed (the others were told)
+            barrier.fail(self.rank, failure)
+            raise CheckpointWriteError(f"rank {self.rank}: {failure}")
+        context.tidy(os.path.dirname(self.staging_dir))
         try:
-            os.makedirs(self.staging_dir, exist_ok=True)
-            atomic_write_bytes(os.path.join(self.staging_dir, done_marker_name(self.rank)), self.save_id.encode())
-            if self.coordinator:
-                wait_for_ranks(self, done_marker_name)
-                for rank in range(self.world_size):
-                    os.unlink(os.path.join(self.staging_dir, done_marker_name(rank)))
-                publish_with_record(self)
+            leftovers.claim(self.staging_dir, self.rank, context.token())
+            barrier.arrive(self.rank)
+            if self.rank != 0:
+                barrier.wait_commit()
+                return
+            barrier.wait_all()
+            replaced = commit.publish_with_record(self.staging_dir, self.final_path, {
+                "save_id": self.save_id, "world_size": self.barrier.world_size, "step": self.step})
+            barrier.committed()
         except BaseException as e:
-            report_failure(self, e)
+            barrier.fail(self.rank, f"{type(e).__name__}: {e}")
             raise
-        if not self.coordinator:
-            await_commit(self)
-
-
-def _read_json(path: str) -> Optional[dict]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
+        if replaced is not None:
+            context.after_reply(lambda: leftovers.delete(replaced, context.token()))
 
 
 class DirectoryTransaction:
-    """Files for one checkpoint directory, written in the background, published all at once.
+    """Files for one checkpoint directory, written in the background, published all at once
+    (``Checkpointer.begin_directory`` makes one). ``handle`` is the checkpoint's: it completes
+    when the directory is published on every rank, or fails with the first failure of any file
+    on any rank. Used as a context manager, an exception inside aborts the directory."""
 
-    The files' write requests are held back until ``commit()``: a framework's save call stages
-    several files one after the other, and a writer already streaming the first to disk would
-    compete with the copies of the next ones for the CPU and memory bandwidth, lengthening the
-    very stall it exists to shorten. Waiting for a held file (its handle's ``result()``, the
-    checkpointer's ``wait``/back-pressure) releases everything held, so nothing can hang on it.
-    """
-
-    def __init__(self, checkpointer: "Checkpointer", final_dir: str, rank: int, world_size: int,
-                 step: Optional[int], save_id: str, staging_parent: Optional[str] = None) -> None:
-        self._checkpointer = checkpointer
-        self.final_dir = os.path.abspath(final_dir)
-        self.rank, self.world_size, self.step, self.save_id = rank, world_size, step, save_id
-        self.staging_dir = commit.staging_dir_for(self.final_dir, save_id, staging_parent)
-        self._commit_request = CommitDirRequest(save_id, self.final_dir, self.staging_dir, rank, world_size,
-                                                rank == 0, step, checkpointer.timeout)
+    def __init__(self, *, handle: "SaveHandle", save_id: str, staging_dir: str, barrier: BarrierSpec,
+                 coordinator: "Coordinator", stager: "Stager", files: "FileSnapshots",
+                 direct_io: bool, io_threads: int) -> None:
+        self.handle = handle
+        self.final_dir, self.rank, self.step, self.save_id = handle.path, handle.rank, handle.step, save_id
+        self.staging_dir = staging_dir
+        self._barrier = barrier
+        self._coordinator, self._stager, self._files = coordinator, stager, files
+        self._direct_io, self._io_threads = direct_io, io_threads
         self._held: list[tuple["SaveHandle", Any, Any]] = []
         self._committing = False
+        self._failed: Optional[str] = None
         self._lock = threading.Lock()
 
+    def __enter__(self) -> "DirectoryTransaction":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is not None:
+            self.abort(error)
+
     def path(self, name: str) -> str:
-        """Where ``name`` is staged (for code that must write a file itself, synchronously)."""
-        os.makedirs(self.staging_dir, exist_ok=True)
+        """Where ``name`` is staged, for code that must write a file there itself (synchronously)."""
+        leftovers.claim(self.staging_dir, self.rank, leftovers.owner_token())
         return os.path.join(self.staging_dir, name)
 
     def save_file(self, obj: Any, name: str, *, format: str = "torch", metadata: Optional[dict] = None) -> "SaveHandle":
-        """Snapshot ``obj`` now; write it as ``name`` (torch.save or safetensors layout) later."""
-        return self._checkpointer._save_file(obj, os.path.join(self.staging_dir, name), format, metadata,
-                                             on_failure=self._commit_request, group=self)
+        """Snapshot ``obj`` now; write it as ``name`` (``torch.save`` or safetensors layout) later."""
+        member = self._member(name)
+        try:
+            image = self._files.image(obj, format, metadata)
+        except BaseException as e:
+            self._member_failed(member, e)
+            raise
+        slot = self._files.buffers.take_for_file(image.size, member)
+        member.when_done(lambda: self._files.buffers.give_back(slot))
+        request = FileRequest(os.path.join(self.staging_dir, name), image.size, self.rank, self._direct_io,
+                              self._io_threads, self._barrier)
+        try:
+            self._stager.take_snapshot(member, lambda: self._files.stage(image, slot), request,
+                                       lambda: self._hold(member, request, slot.buffer))
+        except CheckpointError:
+            self._member_failed(member, member.exception())
+            raise
+        return member
 
     def write_bytes(self, name: str, data: bytes) -> "SaveHandle":
         """Write small bytes (already a snapshot) as ``name``, in queue order."""
-        path = os.path.join(self.staging_dir, name)
-        return self._checkpointer._submit_unbuffered(path, BytesRequest(path, bytes(data), self._commit_request), group=self)
+        member = self._member(name)
+        member.set_staged()
+        request = BytesRequest(os.path.join(self.staging_dir, name), bytes(data), self.rank, self._barrier)
+        self._hold(member, request, None)
+        return member
 
     def commit(self) -> "SaveHandle":
-        """Every rank calls this once, after its files; the handle resolves when the directory is
-        published under its final name (or raises what failed on any rank)."""
-        handle = self._checkpointer._unbuffered_handle(self.final_dir, group=self)
+        """Every rank calls this once, after its files; returns the checkpoint's handle, which
+        completes when the directory is published (or fails with what failed on any rank)."""
         with self._lock:  # the held files and the commit reach the writer in one message
-            self._committing = True
-            self._flush([(handle, self._commit_request, None)])
-        return handle
-
-    def hold(self, handle: "SaveHandle", request: Any, slot: Any) -> bool:
-        """Keep a staged file's write request until ``commit()``/``release()``; False once committing."""
-        with self._lock:
             if self._committing:
-                return False
-            handle.held_by = self
-            self._held.append((handle, request, slot))
-            return True
+                return self.handle
+            self._committing = True
+            request = CommitDirRequest(self.save_id, self.final_dir, self.staging_dir, self.rank, self.step,
+                                       self._barrier, self._failed)
+            self.handle.set_staged()
+            self._flush([(self.handle, request, None)])
+        return self.handle
+
+    def abort(self, error: BaseException) -> None:
+        """The framework's save failed half-way (its own error is being raised): nothing is
+        published, on any rank; the failure is the caller's to report, so it is not raised again."""
+        if self._failed is None:
+            self._failed = f"{type(error).__name__}: {error}"
+        with self._lock:
+            held, self._held = self._held, []
+        for member, _request, _buffer in held:  # not worth writing any more
+            member.held_by = None
+            self._coordinator.complete(member, CheckpointCancelledError(f"asyncckpt: {member.describe()}: aborted"))
+        self.commit()
+        self.handle.observed = True
 
     def release(self) -> None:
         """Hand every held request to the writer, in the order they were made."""
         with self._lock:  # held while submitting: two releasing threads cannot reorder the queue
             self._flush([])
 
+    # ------------------------------------------------------------------ internals
+    def _member(self, name: str) -> "SaveHandle":
+        return self._coordinator.admit("member", os.path.join(self.final_dir, name), rank=self.rank,
+                                       step=self.step, label=self.handle.label, member_of=self.handle)
+
+    def _member_failed(self, member: "SaveHandle", error: BaseException) -> None:
+        if self._failed is None:
+            self._failed = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+        self._coordinator.complete(member, error)
+
+    def _hold(self, member: "SaveHandle", request: Any, buffer: Any) -> None:
+        with self._lock:
+            if self._committing:
+                self._coordinator.queue.submit([(member, request, buffer)])
+                return
+            member.held_by = self
+            self._held.append((member, request, buffer))
+
     def _flush(self, after: list) -> None:
         held, self._held = self._held, []
-        for handle, _request, _slot in held:
-            handle.held_by = None
+        for member, _request, _buffer in held:
+            member.held_by = None
         if held or after:
-            self._checkpointer._submit_held(held + after)
-
-
-def transaction_id(world_size: int, counter: int) -> str:
-    """Same on every rank without communication (one process: random)."""
-    return secrets.token_hex(8) if world_size == 1 else f"d{counter}-{commit.job_token()}"
+            self._coordinator.queue.submit(held + after)

@@ -1,61 +1,131 @@
-"""The background writer's requests for single files: write one atomically, delete files or checkpoints.
+"""The background writer's requests for single paths: write a file atomically, remove, link.
 
-Plain data the writer unpickles; kept apart from ``native_files`` (which renders the files'
-images from tensors, with torch) so that the writer does not import torch.
+Plain data the writer unpickles; kept apart from ``native_files`` (which renders files' images
+from tensors, with torch) so that the writer does not import torch.
+
+A file that belongs to a directory transaction carries that save's barrier: if it fails, the
+whole directory fails on every rank (and the directory's commit on this rank knows why).
+
+Removal is atomic: a directory is first renamed to a hidden ``removing`` name (``names``), so no
+framework, ``latest_checkpoint`` or ``asyncckpt ls`` ever sees it half-deleted, and deleted once
+the request's reply is sent; a crash in between leaves only a hidden leftover whose owner is
+gone, which the next save into that directory or ``asyncckpt clean`` removes.
 """
 from __future__ import annotations
 
 import os
-import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-from . import commit, diskio
-from .fsio import fsync_dir
-from .layout import RankLayout
-from .storage import report_failure
+from . import diskio, leftovers, names
+from .barrier import BarrierSpec
+from .fsio import atomic_write_bytes, fsync_dir
+from .protocol import RequestContext
+
+
+def fail_save(context: RequestContext, spec: Optional[BarrierSpec], rank: int, error: BaseException) -> None:
+    """A file of a multi-file save failed: the save fails on this rank and on every other."""
+    if spec is not None:
+        reason = f"{type(error).__name__}: {error}"
+        context.record_failure(spec.key, reason)
+        context.barrier(spec).fail(rank, reason)
 
 
 @dataclass
 class FileRequest:
-    """Write a staged single file atomically: temporary name, fsync, rename, fsync the directory."""
+    """Write a staged single file atomically: hidden temporary name, fsync, rename, fsync the directory."""
 
     path: str
     size: int
+    rank: int = 0
     direct_io: bool = True
     io_threads: int = 2
-    on_failure: Any = None  # a directory transaction's commit request, told about a failure
+    barrier: Optional[BarrierSpec] = None  # of the directory this file belongs to
 
-    def run(self, layout: RankLayout, image: memoryview) -> None:
-        directory, name = os.path.split(os.path.abspath(self.path))
-        temporary = os.path.join(directory, f".{name}.asyncckpt-tmp-{uuid.uuid4().hex[:8]}")
+    def run(self, context: RequestContext) -> None:
+        directory = os.path.dirname(os.path.abspath(self.path))
+        temporary = names.hidden_path(self.path, "tmp", context.token())
+        context.tidy(directory)
         try:
             os.makedirs(directory, exist_ok=True)
-            diskio.write_image(temporary, image, self.size, direct=self.direct_io, threads=self.io_threads)
+            diskio.write_image(temporary, context.image, self.size, direct=self.direct_io, threads=self.io_threads)
             os.replace(temporary, self.path)
             fsync_dir(directory)
         except BaseException as e:
-            if os.path.exists(temporary):
+            if os.path.lexists(temporary):
                 os.unlink(temporary)
-            if self.on_failure is not None:
-                report_failure(self.on_failure, e)
+            fail_save(context, self.barrier, self.rank, e)
             raise
 
 
 @dataclass
+class BytesRequest:
+    """Write small bytes (a snapshot already taken: JSON, a pickle) atomically and durably."""
+
+    path: str
+    data: bytes
+    rank: int = 0
+    barrier: Optional[BarrierSpec] = None  # of the directory this file belongs to
+
+    def run(self, context: RequestContext) -> None:
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            atomic_write_bytes(self.path, self.data)
+        except BaseException as e:
+            fail_save(context, self.barrier, self.rank, e)
+            raise
+
+
+def remove_paths(paths: list[str], context: RequestContext, hidden_parent: Optional[str] = None) -> None:
+    """Remove each path atomically: a file by unlinking it, a directory by renaming it to a hidden
+    ``removing`` name (in ``hidden_parent`` if given: a directory whose every entry a framework
+    counts) and deleting it after the reply."""
+    touched = set()
+    for path in paths:
+        parent = os.path.dirname(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            aside = names.hidden_path(path, "removing", context.token(), hidden_parent)
+            os.rename(path, aside)
+            touched.add(os.path.dirname(aside))
+            context.after_reply(lambda aside=aside: leftovers.delete(aside))
+        elif os.path.lexists(path):
+            os.unlink(path)
+        else:
+            continue
+        touched.add(parent)
+    for directory in touched:
+        fsync_dir(directory)
+
+
+@dataclass
 class RemoveRequest:
-    """Delete files / checkpoint directories, in queue order (after the saves queued before it)."""
+    """Remove files or checkpoint directories, in queue order (usually after the save that made
+    them redundant, and only if it succeeded: ``protocol.Job.after``)."""
 
     paths: list
-    only_if_complete: Optional[str] = None
+    hidden_parent: Optional[str] = None
 
-    def run(self, layout: Optional[RankLayout], image: Optional[memoryview]) -> None:
-        if self.only_if_complete is not None:
-            newer = self.only_if_complete  # a directory needs its commit record; a file only exists complete
-            if not (commit.is_complete(newer) if os.path.isdir(newer) else os.path.isfile(newer)):
-                return
-        for path in self.paths:
-            if os.path.isdir(path) and not os.path.islink(path):
-                commit.remove_checkpoint(path)
-            elif os.path.lexists(path):
-                os.unlink(path)
+    def run(self, context: RequestContext) -> None:
+        remove_paths(self.paths, context, self.hidden_parent)
+
+
+@dataclass
+class LinkRequest:
+    """Point ``linkpath`` at ``target`` with a relative symlink, replacing what is there atomically."""
+
+    target: str
+    linkpath: str
+
+    def run(self, context: RequestContext) -> None:
+        directory = os.path.dirname(self.linkpath)
+        os.makedirs(directory, exist_ok=True)
+        if os.path.isdir(self.linkpath) and not os.path.islink(self.linkpath):
+            remove_paths([self.linkpath], context)
+        temporary = names.hidden_path(self.linkpath, "link", context.token())
+        os.symlink(os.path.relpath(self.target, directory), temporary)
+        try:
+            os.replace(temporary, self.linkpath)
+        except BaseException:
+            os.unlink(temporary)
+            raise
+        fsync_dir(directory)

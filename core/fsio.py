@@ -6,6 +6,9 @@ import ctypes.util
 import errno
 import os
 
+from . import names
+from .leftovers import owner_token
+
 _RENAME_EXCHANGE = 2
 
 
@@ -20,7 +23,7 @@ def fsync_dir(path: str) -> None:
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so readers see either nothing/the old file, or all of it."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = names.hidden_path(path, "tmp", owner_token())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view = memoryview(data)

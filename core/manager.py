@@ -1,9 +1,9 @@
 """``CheckpointManager``: step-named checkpoints under one root, with retention.
 
-Retention runs in the background writer, queued right after the save that triggers it, so it
-sees that save's outcome: old checkpoints are deleted only once the newer one is committed,
+Retention runs in the background writer, queued right after the save that triggers it and run
+only if that save committed: old checkpoints are deleted only once the newer one is committed,
 never one still in flight (it is not committed yet, so it is not a candidate), and never the
-newest committed one. Only rank 0 deletes.
+newest committed one. Deletion is atomic (renamed out of the way first). Only rank 0 deletes.
 """
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import os
 import re
 from typing import Any, Optional
 
-from .checkpointer import Checkpointer, SaveHandle, _rank_and_world
-from .retention import RetentionRequest, committed_steps
+from .checkpointer import Checkpointer
+from .dist_env import rank_and_world
+from .handles import SaveHandle
+from .retention import committed_steps
 
 
 class CheckpointManager:
@@ -34,6 +36,7 @@ class CheckpointManager:
         self.prefix, self.digits = prefix, digits
         self._pattern = rf"^{re.escape(prefix)}(\d+)$"
         self.checkpointer = checkpointer or Checkpointer(**options)
+        self.retention: Optional[SaveHandle] = None  # the latest save's retention
 
     def path_for(self, step: int) -> str:
         return os.path.join(self.root, f"{self.prefix}{step:0{self.digits}d}")
@@ -47,17 +50,20 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def async_save(self, step: int, state_dict: dict, **options: Any) -> SaveHandle:
+        """Save ``step``; once it is committed, rank 0's writer applies the retention (whose
+        handle is ``self.retention``)."""
         path = self.path_for(step)
         handle = self.checkpointer.async_save(state_dict, path, step=step, **options)
-        if _rank_and_world(self.checkpointer.process_group)[0] == 0:
-            self.checkpointer._submit_unbuffered(
-                f"retention of {self.root}",
-                RetentionRequest(self.root, self._pattern, path, self.keep_last, self.keep_every),
-            )
+        if rank_and_world(self.checkpointer.process_group)[0] == 0:
+            self.retention = self.checkpointer.apply_retention(self.root, self._pattern, keep_last=self.keep_last,
+                                                               keep_every=self.keep_every, after=handle)
         return handle
 
     def save(self, step: int, state_dict: dict, **options: Any) -> None:
-        self.async_save(step, state_dict, **options).result()
+        """Save ``step`` and return once it is committed and the retention has run."""
+        self.async_save(step, state_dict, stream=True, **options).result()
+        if self.retention is not None:
+            self.retention.result()
 
     def load(self, state_dict: dict, step: Optional[int] = None, **options: Any) -> int:
         """Load ``step`` (default: the newest committed) into ``state_dict``; returns the step."""

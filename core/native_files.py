@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from .tensor_copy import copy_tensors
+from .tensor_copy import CopyThreads, copy_tensors
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -67,7 +67,7 @@ def safetensors_image(tensors: dict[str, torch.Tensor], metadata: Optional[dict[
                      [(len(prefix) + offset, source) for offset, source in copies])
 
 
-def stage_image(image: FileImage, target: torch.Tensor, *, framing_in_place: bool = False) -> None:
+def stage_image(image: FileImage, target: torch.Tensor, threads: CopyThreads, *, framing_in_place: bool = False) -> None:
     """Fill ``target`` (uint8 staging bytes) with the file image: pieces, then tensor bytes.
 
     ``framing_in_place``: ``target`` already holds ``image.framing`` (its last image had the same
@@ -90,7 +90,7 @@ def stage_image(image: FileImage, target: torch.Tensor, *, framing_in_place: boo
         else:
             cpu_targets.append(place)
             cpu_sources.append(source)
-    copy_tensors(cpu_targets, cpu_sources)
+    copy_tensors(cpu_targets, cpu_sources, threads)
     for place, source in cuda_pairs:
         place.copy_(source, non_blocking=True)
     if cuda_pairs:

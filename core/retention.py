@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import commit
-from .layout import RankLayout
+from .file_requests import remove_paths
+from .protocol import RequestContext
 
 
 def select_deletions(committed_steps: list[int], keep_last: Optional[int], keep_every: Optional[int]) -> list[int]:
@@ -28,20 +29,18 @@ def select_deletions(committed_steps: list[int], keep_last: Optional[int], keep_
 
 @dataclass
 class RetentionRequest:
-    """Applied by the background writer after the save of ``newest`` (queue order)."""
+    """Applied by the background writer right after the save of the newest checkpoint, and only
+    if it committed (``protocol.Job.after``): deletions are atomic (``file_requests.remove_paths``)."""
 
     root: str
     pattern: str
-    newest: str
     keep_last: Optional[int]
     keep_every: Optional[int]
 
-    def run(self, layout: Optional[RankLayout], image: Optional[memoryview]) -> None:
-        if not commit.is_complete(self.newest):
-            return  # the newer checkpoint failed: keep everything we have
+    def run(self, context: RequestContext) -> None:
         committed = committed_steps(self.root, re.compile(self.pattern))
-        for step in select_deletions(list(committed), self.keep_last, self.keep_every):
-            commit.remove_checkpoint(committed[step])
+        remove_paths([committed[step] for step in select_deletions(list(committed), self.keep_last, self.keep_every)],
+                     context)
 
 
 def committed_steps(root: str, pattern: re.Pattern) -> dict[int, str]:

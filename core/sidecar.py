@@ -26,6 +26,7 @@ import numpy as np
 
 from .errors import CorruptCheckpointError
 from .fsio import atomic_write_bytes
+from .names import sidecar_name
 from .layout import RankLayout
 
 SIDECAR_FORMAT = "asyncckpt-rank"
@@ -35,10 +36,6 @@ _SHAPE_FIELDS = ("chunk_offsets", "chunk_sizes", "global_size")  # indices into 
 _TENSOR_FIELDS = ("fqn",) + _SHAPE_FIELDS + ("dtype", "requires_grad", "start", "length", "data_start", "nbytes", "xxh3")
 _OBJECT_FIELDS = ("fqn", "start", "length", "xxh3")
 _INT_FIELDS = ("start", "length", "data_start", "nbytes")
-
-
-def sidecar_name(rank: int) -> str:
-    return f"__{rank}.asyncckpt.json"
 
 
 # ------------------------------------------------------------------------------------- writing

@@ -20,7 +20,7 @@ import torch
 from .container import container_template
 from .copy_progress import PROGRESS_BYTES, CopyProgress
 from .layout import RankLayout
-from .tensor_copy import copy_threads
+from .tensor_copy import CopyThreads
 
 SEGMENTS_PER_COPY = 8  # the copy publishes progress this often, so the writer starts after 1/8 of it
 MIN_SEGMENT_BYTES = 4 << 20
@@ -203,7 +203,7 @@ def _next_copy(buffer: StagingBuffer) -> int:
     return buffer.generation
 
 
-def start_copy(buffer: StagingBuffer, sources: Sequence[torch.Tensor]) -> CopyInProgress:
+def start_copy(buffer: StagingBuffer, sources: Sequence[torch.Tensor], threads: CopyThreads) -> CopyInProgress:
     """Start copying CPU ``sources`` into their slots and return at once: the caller's thread
     stays free for other work meanwhile, and the writer may start on finished segments. Two
     threads take units of ~``UNIT_BYTES`` in turn (torch's copy kernels release the GIL, and
@@ -216,11 +216,12 @@ def start_copy(buffer: StagingBuffer, sources: Sequence[torch.Tensor]) -> CopyIn
         return CopyInProgress(generation, [])
     tracker = _SegmentTracker(buffer, generation)
     units = iter([(index, unit) for index, segment in enumerate(buffer.copy_segments) for unit in segment.units])
-    pool = copy_threads()
+    pool = threads.executor()
     return CopyInProgress(generation, [pool.submit(_copy_lane, tracker, units, sources) for _ in range(_LANES)])
 
 
-def begin_copy(buffer: StagingBuffer, sources: Sequence[torch.Tensor], *, cuda_stream=None) -> CopyInProgress:
+def begin_copy(buffer: StagingBuffer, sources: Sequence[torch.Tensor], threads: CopyThreads, *,
+               cuda_stream=None) -> CopyInProgress:
     """Start copying each source tensor into its slot (``sources`` follow
     ``buffer.layout.unique_slots()``).
 
@@ -230,7 +231,7 @@ def begin_copy(buffer: StagingBuffer, sources: Sequence[torch.Tensor], *, cuda_s
     the calling thread's current stream); that copy is complete when this returns.
     """
     if not any(source.is_cuda for source in sources):
-        return start_copy(buffer, sources)
+        return start_copy(buffer, sources, threads)
     _check_sources(buffer, sources)
     views = buffer.unique_views
     generation = _next_copy(buffer)
@@ -245,9 +246,9 @@ def begin_copy(buffer: StagingBuffer, sources: Sequence[torch.Tensor], *, cuda_s
     return CopyInProgress(generation, [])
 
 
-def copy_into(buffer: StagingBuffer, sources: Sequence[torch.Tensor], *, cuda_stream=None) -> None:
+def copy_into(buffer: StagingBuffer, sources: Sequence[torch.Tensor], threads: CopyThreads, *, cuda_stream=None) -> None:
     """``begin_copy`` and wait: the buffer is complete when this returns."""
-    begin_copy(buffer, sources, cuda_stream=cuda_stream).wait()
+    begin_copy(buffer, sources, threads, cuda_stream=cuda_stream).wait()
 
 
 def _copy_from_cuda(pairs, stream) -> None:

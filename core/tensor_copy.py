@@ -6,7 +6,7 @@ torch only splits a copy over its intra-op threads when the tensor is large, so:
 * large tensors (>= ``LARGE_COPY_BYTES``) go in one ``torch._foreach_copy_`` call: one call, the GIL
   released once, each copy split by torch over its threads;
 * small tensors, when there is enough of them to matter, are split by bytes into two halves copied
-  by two threads at once (the caller and one of the held copy threads; torch ops release the GIL), since
+  by two threads at once (the caller and one of the copy threads; torch ops release the GIL), since
   torch copies each of them on a single thread.
 """
 from __future__ import annotations
@@ -20,21 +20,28 @@ import torch
 LARGE_COPY_BYTES = 1 << 20
 PARALLEL_SMALL_BYTES = 16 << 20  # below this, a second thread costs more than it saves
 
-_copy_threads: Optional[ThreadPoolExecutor] = None
-_copy_threads_lock = threading.Lock()
+class CopyThreads:
+    """A pair of copy threads, started on first use and kept until ``stop()``: no threads per
+    save, and none left once the Checkpointer owning them stops (a framework's run ended)."""
+
+    def __init__(self) -> None:
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._lock = threading.Lock()
+
+    def executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(2, thread_name_prefix="asyncckpt-copy")
+            return self._executor
+
+    def stop(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
 
 
-def copy_threads() -> ThreadPoolExecutor:
-    """The process-wide pair of copy threads (every snapshot copy uses them), started on first
-    use and kept: no threads per save."""
-    global _copy_threads
-    with _copy_threads_lock:
-        if _copy_threads is None:
-            _copy_threads = ThreadPoolExecutor(2, thread_name_prefix="asyncckpt-copy")
-        return _copy_threads
-
-
-def copy_tensors(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+def copy_tensors(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], threads: CopyThreads) -> None:
     """``targets[i].copy_(sources[i])`` for every i (same shapes, CPU); returns when all are done."""
     if len(targets) != len(sources):
         raise ValueError(f"{len(targets)} targets for {len(sources)} sources")
@@ -59,7 +66,7 @@ def copy_tensors(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor
     if not theirs[0]:
         torch._foreach_copy_(*mine)
         return
-    other = copy_threads().submit(torch._foreach_copy_, *theirs)
+    other = threads.executor().submit(torch._foreach_copy_, *theirs)
     try:
         torch._foreach_copy_(*mine)
     finally:

@@ -20,7 +20,9 @@ other record's CRC-32 is right.
 from __future__ import annotations
 
 import bisect
+import functools
 import io
+import logging
 import pickle
 import struct
 import threading
@@ -33,9 +35,12 @@ from typing import Any
 
 import torch
 
-from .container import _LOCAL_HEADER
+from .container import LOCAL_HEADER
 from .layout import ITEM_ALIGNMENT, align_up
-from .native_files import FileImage
+from .native_files import FileImage, stage_image
+from .tensor_copy import CopyThreads
+
+logger = logging.getLogger("asyncckpt.core")
 
 _PICKLE_RECORD = "data.pkl"
 _DESCRIPTOR = struct.Struct("<IIII")  # signature, CRC-32, compressed size, size (32-bit form)
@@ -255,8 +260,8 @@ def render_template(records: list[_Record], capacity: int) -> TorchFileTemplate:
         starts = {}
         for info in archive.infolist():
             sparse.seek(info.header_offset)
-            header = _LOCAL_HEADER.unpack(sparse.read(_LOCAL_HEADER.size))
-            starts[info.filename.split("/", 1)[1]] = info.header_offset + _LOCAL_HEADER.size + header[9] + header[10]
+            header = LOCAL_HEADER.unpack(sparse.read(LOCAL_HEADER.size))
+            starts[info.filename.split("/", 1)[1]] = info.header_offset + LOCAL_HEADER.size + header[9] + header[10]
         central_start = archive.start_dir
     pickle_offset = starts[_PICKLE_RECORD]
     sparse.seek(pickle_offset + capacity)
@@ -297,9 +302,27 @@ class TorchFileTemplates:
         self._max = max_templates
         self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        return len(self._templates)
+
     def image(self, obj: Any) -> FileImage:
         """The image of ``torch.save(obj)`` (loadable as such): the pickle is taken now (the
-        snapshot of every non-tensor value), the live storages are to be copied into it."""
+        snapshot of every non-tensor value), the live storages are to be copied into it.
+
+        Built from torch's internals (its zip writer, its pickler's records): where they do not
+        behave as this module expects (checked once per process on a sample, and on every
+        structure as it is rendered), the file is what a plain ``torch.save`` writes, with one
+        warning: slower (the whole file serialised in the caller), never wrong."""
+        if _templates_work():
+            try:
+                return self._templated(obj)
+            except Exception as e:  # noqa: BLE001 - the plain path below raises what is the object's fault
+                image = plain_image(obj)
+                _warn_once(f"a {type(obj).__name__} structure could not be framed once per structure ({e})")
+                return image
+        return plain_image(obj)
+
+    def _templated(self, obj: Any) -> FileImage:
         records, storages = pickle_records(obj, plain_tensors_directly=True)
         key = tuple((r.name, r.nbytes if r.payload is None else r.payload) for r in records if r.name != _PICKLE_RECORD)
         direct_ok = self._direct_pickle_ok.get(key)
@@ -320,3 +343,46 @@ class TorchFileTemplates:
                 self._direct_pickle_ok.pop(self._templates.popitem(last=False)[0], None)
         keys = [r.name.split("/", 1)[1] for r in records if r.payload is None]
         return template.image(pickled, [storages[k] for k in keys])
+
+
+def plain_image(obj: Any) -> FileImage:
+    """The file exactly as ``torch.save`` writes it (every byte serialised now)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getvalue()
+    return FileImage(len(data), [(0, data)], [])
+
+
+_warned = False
+
+
+def _warn_once(why: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        logger.warning("asyncckpt: %s with torch %s; such files are written as plain torch.save output (slower "
+                       "snapshots, same files)", why, torch.__version__)
+
+
+@functools.lru_cache(maxsize=None)
+def _templates_work() -> bool:
+    """Whether a sample file framed by this module loads (``torch.load``, weights_only and not) as
+    exactly the object it was made from, with this torch: checked once per process."""
+    sample = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "h": torch.ones(3, dtype=torch.bfloat16),
+              "strided": torch.arange(8)[::2], "tied": None, "values": [1, "x", None, 2.5], "step": 7}
+    sample["tied"] = sample["w"]
+    try:
+        image = TorchFileTemplates()._templated(sample)
+        target = torch.zeros(image.size, dtype=torch.uint8)
+        stage_image(image, target, CopyThreads())
+        for weights_only in (True, False):
+            loaded = torch.load(io.BytesIO(target.numpy().tobytes()), weights_only=weights_only)
+            same = loaded.keys() == sample.keys() and all(
+                torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype if isinstance(v, torch.Tensor) else loaded[k] == v
+                for k, v in sample.items())
+            if not same or loaded["tied"].data_ptr() != loaded["w"].data_ptr():
+                raise ValueError(f"a sample loads as {loaded!r}")
+    except Exception as e:  # noqa: BLE001 - any difference means: do not use this path
+        _warn_once(f"torch.save files cannot be framed once per structure ({type(e).__name__}: {e})")
+        return False
+    return True

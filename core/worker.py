@@ -2,13 +2,14 @@
 
 It is launched as ``python -m asyncckpt.core.worker`` (not multiprocessing's spawn, which would
 re-import the user's ``__main__`` and re-run an unguarded training script), talks over a Unix
-socket, receives staging buffers as memfd file descriptors, and runs the storage engine
-(each request's ``run``: a rank's share of a sharded save, a single file, a removal) outside the training process's GIL. It dies with its parent
-(PR_SET_PDEATHSIG), so a killed trainer never leaves an orphan writer behind.
+socket (``protocol``), receives staging buffers as memfd file descriptors, and runs each request
+outside the training process's GIL. It dies with its parent (PR_SET_PDEATHSIG), so a killed
+trainer never leaves an orphan writer behind, and it runs in a session of its own with SIGINT
+ignored: a Ctrl-C in the terminal reaches the training process, which then drains what it handed
+over (the exit drain), instead of killing the save in flight.
 
 It does not import torch (~190 MiB of private memory per process) unless it coordinates a sharded
-save, whose DCP ``.metadata`` is made of torch's classes: the modules it runs (and the package's
-``__init__``) import torch only where they need it.
+save with a torch whose DCP metadata it cannot write by itself (``storage.commit_share``).
 """
 from __future__ import annotations
 
@@ -21,19 +22,162 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
+from typing import Any, Callable, Optional
 
-from . import commit
+from . import leftovers, protocol
+from .barrier import BarrierSpec, FileBarrier
 from .copy_progress import PROGRESS_BYTES
+from .errors import CheckpointTimeoutError, CheckpointWriteError
 
 _PR_SET_PDEATHSIG = 1
+_REMEMBERED_FAILURES = 256  # saves whose failure on this rank a later request of theirs may ask about
 
 
-class Idle:
-    """A request that does nothing: its reply means every earlier request, and the cleanup
-    after it, is finished (``Checkpointer.wait`` ends with one)."""
+class Channel:
+    """The writer's end of the socket. Messages are taken in order, except the answer to a
+    barrier call, which the request waiting for it takes out of turn (the training process may
+    have queued more work meanwhile)."""
 
-    def run(self, layout, image) -> None:
-        pass
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._queued: list[tuple[tuple, Optional[int]]] = []
+
+    def _receive(self) -> tuple[tuple, Optional[int]]:
+        message = self.conn.recv()
+        fd = recv_handle(self.conn) if message[0] == protocol.BUFFER else None
+        return message, fd
+
+    def next_message(self) -> tuple[tuple, Optional[int]]:
+        """The next message (and the file descriptor a BUFFER message brings)."""
+        return self._queued.pop(0) if self._queued else self._receive()
+
+    def send(self, *message: Any) -> None:
+        self.conn.send(message)
+
+    def call_barrier(self, spec: BarrierSpec, method: str, args: tuple) -> None:
+        self.send(protocol.BARRIER_CALL, spec, method, args)
+        while True:
+            message, fd = self._receive()
+            if message[0] != protocol.BARRIER_RESULT:
+                self._queued.append((message, fd))
+                continue
+            _, error = message
+            if error is None:
+                return
+            kind, text = error
+            raise (CheckpointTimeoutError if kind == CheckpointTimeoutError.__name__ else CheckpointWriteError)(text)
+
+
+class RemoteBarrier:
+    """A ``StoreBarrier`` run by the training process, which holds the Store (see ``barrier``)."""
+
+    def __init__(self, spec: BarrierSpec, channel: Channel) -> None:
+        self.spec, self.channel = spec, channel
+
+    def __getattr__(self, method: str) -> Callable[..., None]:
+        if method not in ("arrive", "fail", "wait_all", "committed", "wait_commit"):
+            raise AttributeError(method)
+        return lambda *args: self.channel.call_barrier(self.spec, method, args)
+
+
+class Writer:
+    """The state a writer keeps across requests: mapped buffers, which jobs failed, which saves
+    failed on this rank, and the work left for after the replies (deletions, tidying)."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.buffers: dict[int, tuple[Any, mmap.mmap]] = {}
+        self.failed_jobs: set[int] = set()
+        self.failures: dict[str, str] = {}
+        self.tidying: set[str] = set()  # directories to tidy after the current batch's replies
+        self.after_replies: list[Callable[[], None]] = []
+
+    def run_jobs(self, jobs: list[protocol.Job]) -> None:
+        for job in jobs:
+            if job.after is not None and job.after in self.failed_jobs:
+                self.failed_jobs.add(job.job_id)
+                self.channel.send(protocol.CANCELLED, job.job_id)
+                continue
+            layout, mapping = self.buffers[job.buffer_id] if job.buffer_id is not None else (None, None)
+            context = _Context(self, layout, memoryview(mapping) if mapping is not None else None)
+            try:
+                job.request.run(context)
+                self.channel.send(protocol.DONE, job.job_id)
+            except BaseException as e:  # report everything; the training process decides what to raise
+                self.failed_jobs.add(job.job_id)
+                self.channel.send(protocol.FAILED, job.job_id, *protocol.error_text(e), traceback.format_exc())
+        self._after_replies()
+
+    def _after_replies(self) -> None:
+        """Work nobody waits for, done once the replies are sent: deleting what commits replaced
+        or removals renamed away, tidying leftovers; then collecting garbage. Automatic collection
+        is off in the writer: a save parses and builds tens of thousands of small objects, and a
+        full collection in the middle of one (~0.15 s with the cached metadata of a large
+        structure) delayed its commit. Freezing what survives keeps caches out of later ones."""
+        actions, self.after_replies = self.after_replies, []
+        self.tidying.clear()
+        for action in actions:
+            try:
+                action()
+            except OSError:
+                pass  # a leftover stays a leftover: the next tidy or ``asyncckpt clean`` takes it
+        gc.collect()
+        gc.freeze()
+
+
+class _Context:
+    """``protocol.RequestContext`` for one request."""
+
+    def __init__(self, writer: Writer, layout: Any, image: Optional[memoryview]) -> None:
+        self.writer, self.layout, self.image = writer, layout, image
+
+    def token(self) -> str:
+        return leftovers.owner_token()
+
+    def tidy(self, parent: str) -> None:
+        parent = os.path.abspath(parent)
+        if parent not in self.writer.tidying:
+            self.writer.tidying.add(parent)
+            self.after_reply(lambda: leftovers.clean(parent))
+
+    def barrier(self, spec: BarrierSpec):
+        return FileBarrier(spec) if spec.kind == "files" else RemoteBarrier(spec, self.writer.channel)
+
+    def after_reply(self, action: Callable[[], None]) -> None:
+        self.writer.after_replies.append(action)
+
+    def record_failure(self, save_key: str, reason: str) -> None:
+        failures = self.writer.failures
+        failures.setdefault(save_key, reason)
+        while len(failures) > _REMEMBERED_FAILURES:
+            failures.pop(next(iter(failures)))
+
+    def failure(self, save_key: str) -> Optional[str]:
+        return self.writer.failures.get(save_key)
+
+
+def serve(channel: Channel) -> None:
+    writer = Writer(channel)
+    while True:
+        try:
+            message, fd = channel.next_message()
+        except EOFError:
+            return
+        kind = message[0]
+        if kind == protocol.BUFFER:
+            _, buffer_id, layout = message
+            writer.buffers[buffer_id] = (layout, mmap.mmap(fd, layout.buffer_size + PROGRESS_BYTES))  # image, then CopyProgress
+            os.close(fd)
+        elif kind == protocol.DROP:
+            # Only drop our reference: views of the mapping may outlive a failed request (its
+            # traceback), and the mapping unmaps itself once the last of them is gone.
+            writer.buffers.pop(message[1], None)
+        elif kind == protocol.RUN:
+            writer.run_jobs(message[1])
+        elif kind == protocol.STOP:
+            channel.send(protocol.STOPPED)
+            channel.conn.close()
+            os._exit(0)  # everything is durable already; skip the interpreter's teardown
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -58,55 +202,13 @@ def _apply_test_limits() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), int(limit)))
 
 
-def _after_request() -> None:
-    """Work the trainer need not wait for, done once a request's outcome is reported: delete the
-    checkpoints it replaced, and collect garbage. Automatic collection is off in the writer: a
-    save parses and builds tens of thousands of small objects, and a full collection triggered in
-    the middle of one (~0.15 s with the cached metadata of a large structure) delayed its commit.
-    Freezing what survives keeps the caches out of every later collection."""
-    commit.remove_replaced()
-    gc.collect()
-    gc.freeze()
-
-
-def serve(conn: Connection) -> None:
-    buffers: dict[int, tuple[object, mmap.mmap]] = {}
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:
-            return
-        kind = message[0]
-        if kind == "buffer":
-            _, buffer_id, layout = message
-            fd = recv_handle(conn)
-            buffers[buffer_id] = (layout, mmap.mmap(fd, layout.buffer_size + PROGRESS_BYTES))  # image, then CopyProgress
-            os.close(fd)
-        elif kind == "drop":
-            # Only drop our reference: views of the mapping may outlive a failed request (its
-            # traceback), and the mapping unmaps itself once the last of them is gone.
-            buffers.pop(message[1], None)
-        elif kind == "run":
-            for job_id, buffer_id, request in message[1]:
-                layout, mapping = buffers[buffer_id] if buffer_id is not None else (None, None)
-                try:
-                    request.run(layout, memoryview(mapping) if mapping is not None else None)
-                    conn.send(("done", job_id, None))
-                except BaseException as e:  # report everything; the trainer decides what to raise
-                    conn.send(("failed", job_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
-            _after_request()
-        elif kind == "stop":
-            conn.send(("stopped", None, None))
-            conn.close()
-            os._exit(0)  # everything is durable already; skip torch's slow interpreter teardown
-
-
 def main() -> None:
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
     _apply_test_limits()
     gc.disable()
-    serve(Connection(fd))
+    serve(Channel(Connection(fd)))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from asyncckpt import core
-from asyncckpt.core.commit import COMMIT_RECORD
+from asyncckpt.core import leftovers, names
+from asyncckpt.core.names import COMMIT_RECORD
 from asyncckpt.core.sidecar import read_rank_sidecar
 
 STAGING_NAME = ".step_000020.asyncckpt-staging-0123abcd"
@@ -108,32 +109,48 @@ def runs(good, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
 OLD_STAGING = ".step_000020.asyncckpt-staging-0ld"
 FRESH_STAGING = ".step_000030.asyncckpt-staging-fresh"
 OLD_REPLACED = ".step_000010.asyncckpt-replaced-0ld"
+DEAD_OWNER = ".step_000040.asyncckpt-staging-dead"
+LIVE_OWNER = ".step_000050.asyncckpt-staging-live"
+
+
+def _dead_token() -> str:
+    """The owner token of a process that has exited."""
+    return subprocess.run([sys.executable, "-c", "from asyncckpt.core.leftovers import owner_token; print(owner_token())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
 
 
 def _leftovers(good: Path, root: Path) -> Path:
-    """A committed checkpoint plus what crashes leave: a staging dir untouched for 2 hours, a
-    swapped-out old checkpoint as old, and a staging dir a save is writing right now."""
+    """A committed checkpoint plus what crashes leave: without owner markers (an older version, or
+    another host), a staging dir untouched for 2 hours and one touched just now; a swapped-out old
+    checkpoint; a fresh staging dir whose writer is gone; an old one whose writer (this process) lives."""
     copy(good, root / "step_000010")
     two_hours_ago = os.path.getmtime(good) - 7200
-    for name, keep_record in ((OLD_STAGING, False), (OLD_REPLACED, True), (FRESH_STAGING, False)):
+    owners = {DEAD_OWNER: _dead_token(), LIVE_OWNER: leftovers.owner_token()}
+    for name, keep_record in ((OLD_STAGING, False), (OLD_REPLACED, True), (FRESH_STAGING, False),
+                              (DEAD_OWNER, False), (LIVE_OWNER, False)):
         directory = copy(good, root / name)
         if not keep_record:
             (directory / COMMIT_RECORD).unlink()
-        if name != FRESH_STAGING:
+        if name in owners:
+            (directory / names.owner_marker_name(0)).write_text(owners[name])
+        if name not in (FRESH_STAGING, DEAD_OWNER):
             for path in [directory, *directory.iterdir()]:
                 os.utime(path, (two_hours_ago, two_hours_ago))
     return root
 
 
-def test_clean_removes_old_leftovers_and_spares_live_saves(runs):
+def test_clean_removes_leftovers_of_dead_writers_and_spares_live_saves(runs):
+    """Owner markers decide, not age: a fresh leftover of a writer that is gone goes at once, an
+    old directory a live writer uses stays; without markers (another host) only age can tell."""
     result = runs["clean"]
 
     assert result.returncode == 0, result.stderr
     root = Path(result.args[-1])
-    assert sorted(os.listdir(root)) == sorted([FRESH_STAGING, "step_000010"])
-    assert f"removed  {OLD_STAGING}" in result.stdout and f"removed  {OLD_REPLACED}" in result.stdout
-    assert f"kept     {FRESH_STAGING}" in result.stdout
-    assert "in 2 directories" in result.stdout
+    assert sorted(os.listdir(root)) == sorted([FRESH_STAGING, LIVE_OWNER, "step_000010"])
+    for name in (OLD_STAGING, OLD_REPLACED, DEAD_OWNER):
+        assert f"removed  {name}" in result.stdout
+    assert f"kept     {FRESH_STAGING}" in result.stdout and f"kept     {LIVE_OWNER}" in result.stdout
+    assert "in 3 entries" in result.stdout
     assert core.latest_checkpoint(root) == str(root / "step_000010")
 
 
@@ -142,8 +159,8 @@ def test_clean_dry_run_only_lists(runs):
 
     assert result.returncode == 0, result.stderr
     root = Path(result.args[-2])
-    assert len(os.listdir(root)) == 4
-    assert result.stdout.count("would remove") == 2
+    assert len(os.listdir(root)) == 6
+    assert result.stdout.count("would remove") == 3
 
 
 def test_ls_lists_complete_incomplete_and_staging_newest_last(runs):

@@ -11,9 +11,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncckpt import core
-from asyncckpt.core import cli, commit
+from asyncckpt.core import cli, commit, names
 from asyncckpt.core.direct_load import plan_direct_load
-from asyncckpt.core.sidecar import read_rank_sidecar, sidecar_name
+from asyncckpt.core.names import sidecar_name
+from asyncckpt.core.sidecar import read_rank_sidecar
 from dist_helper import run_on_ranks
 
 
@@ -182,10 +183,10 @@ def test_version_1_sidecars_still_load_and_verify(saved):
     old["version"] = 1
     with open(os.path.join(path, sidecar_name(0)), "w") as f:
         json.dump(old, f)
-    with open(os.path.join(path, commit.COMMIT_RECORD)) as f:
+    with open(os.path.join(path, names.COMMIT_RECORD)) as f:
         record = json.load(f)
     record["files"][sidecar_name(0)] = os.path.getsize(os.path.join(path, sidecar_name(0)))
-    with open(os.path.join(path, commit.COMMIT_RECORD), "w") as f:
+    with open(os.path.join(path, names.COMMIT_RECORD), "w") as f:
         json.dump(record, f)  # as if that save had written the version-1 sidecar
     target = blank(state)
     assert plan_for(target, path) is not None

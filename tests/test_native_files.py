@@ -14,7 +14,7 @@ import torch
 
 from asyncckpt import core
 from asyncckpt.core.native_files import stage_image
-from asyncckpt.core.tensor_copy import PARALLEL_SMALL_BYTES, copy_tensors
+from asyncckpt.core.tensor_copy import PARALLEL_SMALL_BYTES, CopyThreads, copy_tensors
 from asyncckpt.core import torch_file
 from asyncckpt.core.torch_file import TorchFileTemplates, pickle_records
 
@@ -84,7 +84,7 @@ def test_template_file_loads_as_torch_save_across_changing_values(tmp_path, weig
             with zipfile.ZipFile(path) as archive:  # a valid zip; the CRC-32s of all but the storage records are right
                 assert archive.read("archive/data.pkl") == zipfile.ZipFile(reference).read("archive/data.pkl")
                 assert [archive.read(n) for n in archive.namelist() if "/data/" not in n]
-        assert len(checkpointer.torch_files._templates) == 1  # outgrown once, then reused
+        assert len(checkpointer.files.torch_files) == 1  # outgrown once, then reused
 
 
 def test_structures_alternating_in_one_staging_buffer(tmp_path):
@@ -97,7 +97,7 @@ def test_structures_alternating_in_one_staging_buffer(tmp_path):
                 state["n"] = round_
                 checkpointer.save_file(state, tmp_path / f"{name}.pt")
                 _assert_same(torch.load(tmp_path / f"{name}.pt", weights_only=True), state)
-        assert len([s for s in checkpointer._slots if s.key == "file"]) == 1
+        assert len([s for s in checkpointer.buffers.slots() if s.key == "file"]) == 1
 
 
 def test_tensors_mutated_after_the_call_do_not_reach_the_file(tmp_path):
@@ -152,7 +152,7 @@ def test_a_structure_the_direct_reduction_gets_wrong_is_pickled_by_torch(tmp_pat
         state["step"] = step
         image = templates.image(state)
         target = torch.zeros(image.size, dtype=torch.uint8)
-        stage_image(image, target)
+        stage_image(image, target, CopyThreads())
         _assert_same(torch.load(io.BytesIO(target.numpy().tobytes()), weights_only=True), state)
     assert list(templates._direct_pickle_ok.values()) == [False]
 
@@ -179,7 +179,7 @@ def test_files_beyond_4_gib_use_zip64_offsets(tmp_path):
 def test_stage_image_writes_strided_sources_in_their_layout():
     image = TorchFileTemplates().image({"t": torch.arange(12.0).reshape(3, 4).t()})  # a view: whole storage
     target = torch.zeros(image.size, dtype=torch.uint8)
-    stage_image(image, target)
+    stage_image(image, target, CopyThreads())
     assert torch.equal(torch.load(io.BytesIO(target.numpy().tobytes()))["t"], torch.arange(12.0).reshape(3, 4).t())
 
 
@@ -187,7 +187,7 @@ def test_copy_tensors_large_small_and_split_over_two_threads():
     sources = [torch.randn(1 << 19)] + [torch.randn(4096) for _ in range(PARALLEL_SMALL_BYTES // (4096 * 4) + 10)]
     sources += [torch.randn(5, 7).t()]  # strided
     targets = [torch.empty_like(s) for s in sources]
-    copy_tensors(targets, sources)
+    copy_tensors(targets, sources, CopyThreads())
     assert all(torch.equal(t, s) for t, s in zip(targets, sources))
 
 
@@ -226,7 +226,7 @@ def test_a_file_whose_snapshot_failed_fails_its_directory(tmp_path):
     with core.Checkpointer() as checkpointer:
         tx = checkpointer.begin_directory(tmp_path / "checkpoint-1", step=1)
         tx.save_file({"w": torch.ones(4)}, "config.pt")
-        with pytest.raises(core.CheckpointWriteError, match="snapshot of .*model.safetensors failed: copy failed"):
+        with pytest.raises(core.CheckpointWriteError, match=r"writing .*checkpoint-1/model\.safetensors \(step 1\) failed on rank 0: snapshot failed: RuntimeError: copy failed"):
             tx.save_file({"w": torch.ones(1 << 20).as_subclass(_FailsToCopy)}, "model.safetensors", format="safetensors")
         with pytest.raises(core.CheckpointWriteError, match="copy failed"):  # a commit anyway publishes nothing
             tx.commit().result()

@@ -1,0 +1,127 @@
+"""The places Lightning does not route through ``CheckpointIO``, wired to ``AsyncCkptIO``.
+
+A ``CheckpointIO`` gets no reference to its trainer or strategy, and Lightning bypasses it for
+sharded saves, for the ``-v1`` version check and for ``save_last="link"``. So that a user adds
+only ``plugins=[AsyncCkptIO()]``, these methods are replaced once per process (through
+``asyncckpt.core.patching``). Each replacement first checks that the strategy's ``checkpoint_io``
+is an ``AsyncCkptIO`` and otherwise calls the original unchanged, so trainers without the
+plugin behave exactly as before.
+
+=========================================================  =========================================
+replaced                                                   with the plugin
+=========================================================  =========================================
+``Strategy.setup_environment``                             also starts the background writer (its
+                                                           start-up overlaps the run's set-up)
+``ModelCheckpoint.file_exists``                            a checkpoint still queued counts as
+                                                           existing, one queued for removal as gone
+                                                           (the ``-v1`` counter as without plugin)
+``ModelCheckpoint._link_checkpoint``                       ``save_last="link"``: the symlink is made
+                                                           (atomically) once its target committed
+``FSDPStrategy`` / ``ModelParallelStrategy``               sharded saves go through
+``.save_checkpoint``                                       ``Checkpointer.async_save`` (+ ``meta.pt``)
+``FSDPStrategy`` / ``ModelParallelStrategy``               wait (all ranks) before loading
+``.load_checkpoint``
+``FSDPStrategy`` / ``ModelParallelStrategy.teardown``      also calls ``checkpoint_io.teardown()``,
+                                                           as other strategies do
+=========================================================  =========================================
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+from lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+
+from asyncckpt.core import patching
+
+
+def plugin_of(strategy: Any) -> Optional[Any]:
+    """The strategy's ``AsyncCkptIO``, or None (without touching the lazy ``checkpoint_io`` getter)."""
+    from .checkpoint_io import AsyncCkptIO
+
+    io = getattr(strategy, "_checkpoint_io", None)
+    return io if isinstance(io, AsyncCkptIO) else None
+
+
+def install() -> None:
+    """Replace the methods listed above (idempotent)."""
+    patching.install(Strategy, "setup_environment", _with_plugin(_start_writer))
+    patching.install(ModelCheckpoint, "file_exists", _file_exists)
+    patching.install(ModelCheckpoint, "_link_checkpoint", _link_checkpoint)
+    for strategy, model_key, sharded in ((FSDPStrategy, "model", lambda s: s._state_dict_type == "sharded"),
+                                         (ModelParallelStrategy, "state_dict", lambda s: s._save_distributed_checkpoint)):
+        patching.install(strategy, "save_checkpoint", _sharded_save(model_key, sharded))
+        patching.install(strategy, "load_checkpoint", _with_plugin(lambda io: io.checkpointer.wait(everywhere=True)))
+        patching.install(strategy, "teardown", _teardown)
+
+
+def _with_plugin(before: Callable[[Any], None]) -> Callable:
+    """A replacement that runs ``before(plugin)`` on strategies with the plugin, then the original."""
+    def make(original: Callable) -> Callable:
+        def method(self, *args: Any, **kwargs: Any) -> Any:
+            io = plugin_of(self)
+            if io is not None:
+                before(io)
+            return original(self, *args, **kwargs)
+
+        return method
+
+    return make
+
+
+def _start_writer(io: Any) -> None:
+    io.checkpointer.start()
+
+
+def _file_exists(original: Callable) -> Callable:
+    def file_exists(self, filepath, trainer) -> bool:
+        io = plugin_of(trainer.strategy)
+        if io is None:
+            return original(self, filepath, trainer)
+        local = False
+        if trainer.is_global_zero:
+            queued = io.checkpointer.will_exist(filepath)
+            local = self._fs.exists(filepath) if queued is None else queued
+        return trainer.strategy.reduce_boolean_decision(local, all=False)
+
+    return file_exists
+
+
+def _link_checkpoint(original: Callable) -> Callable:
+    def link_checkpoint(trainer, filepath: str, linkpath: str) -> None:
+        io = plugin_of(trainer.strategy)
+        if io is None:
+            return original(trainer, filepath, linkpath)
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            io.link(filepath, linkpath)
+        trainer.strategy.barrier()
+
+    return link_checkpoint
+
+
+def _sharded_save(model_key: str, is_sharded: Callable[[Any], bool]) -> Callable:
+    def make(original: Callable) -> Callable:
+        def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+            io = plugin_of(self)
+            if io is None or storage_options is not None or not is_sharded(self):
+                if io is not None:  # the original may delete a sharded directory at this path
+                    io.checkpointer.wait_for(os.path.abspath(os.fspath(filepath)))
+                return original(self, checkpoint, filepath, storage_options=storage_options)
+            io.save_sharded(self, checkpoint, filepath, model_key)
+
+        return save_checkpoint
+
+    return make
+
+
+def _teardown(original: Callable) -> Callable:
+    def teardown(self) -> None:
+        io = plugin_of(self)
+        try:
+            if io is not None:
+                io.teardown()
+        finally:
+            original(self)
+
+    return teardown

@@ -1,0 +1,57 @@
+"""What the core asks of torch.distributed: ranks, the Store, and one agreement across ranks."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("asyncckpt.core")
+
+
+def dist_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world(group: Optional[dist.ProcessGroup] = None) -> tuple[int, int]:
+    """This rank and the world size: from the process group, else from the launcher's env vars
+    (so ``use_collectives=False`` works in jobs that never initialise torch.distributed)."""
+    if dist_ready():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+_warned_no_store = False
+
+
+def default_store() -> Optional[Any]:
+    """The Store of the default process group (the rendezvous store every process group has), or
+    None without one. torch exposes it only through a private accessor; if that ever goes away,
+    the ranks meet through the filesystem instead (with a warning)."""
+    global _warned_no_store
+    if not dist_ready():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError) as e:
+        if not _warned_no_store:
+            _warned_no_store = True
+            logger.warning("asyncckpt: cannot reach torch.distributed's Store (%s); ranks meet through marker "
+                           "files on the checkpoint's filesystem instead", e)
+        return None
+
+
+def any_rank(flag: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether ``flag`` is set on any rank (a collective: every rank calls it). False without
+    torch.distributed, and while an exception is being handled (the other ranks may never come)."""
+    if not dist_ready() or dist.get_world_size(group) < 2 or sys.exc_info()[1] is not None:
+        return False
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())

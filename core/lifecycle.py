@@ -1,0 +1,49 @@
+"""Every live Checkpointer is drained when the process exits: nothing ``async_save`` accepted is lost.
+
+One drain for the whole process, for users and every adapter: an ``atexit`` handler, and a
+``multiprocessing`` finalizer for multiprocessing children (Lightning's ``ddp_spawn``), which
+leave through ``os._exit`` after their finalizers and skip ``atexit``. A failure found there has
+nobody left to raise to, so it is printed, naming its checkpoint.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import weakref
+from multiprocessing import util
+from typing import Any, Optional
+
+_live: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_registered_in: Optional[int] = None
+_drained_in: Optional[int] = None
+
+
+def track(checkpointer: Any) -> None:
+    """Drain ``checkpointer`` at exit unless it was closed before (held weakly)."""
+    global _registered_in
+    _live.add(checkpointer)
+    if _registered_in != os.getpid():  # once per process (a fork inherits the parent's atexit list, not its finalizers)
+        _registered_in = os.getpid()
+        atexit.register(drain_at_exit)
+        util.Finalize(None, drain_at_exit, exitpriority=100)
+
+
+def forget(checkpointer: Any) -> None:
+    _live.discard(checkpointer)
+
+
+def live() -> list[Any]:
+    return list(_live)
+
+
+def drain_at_exit() -> None:
+    global _drained_in
+    if _drained_in == os.getpid():
+        return
+    _drained_in = os.getpid()
+    for checkpointer in list(_live):
+        try:
+            checkpointer.close()
+        except BaseException as e:  # nothing to raise to at exit: report it
+            print(f"asyncckpt: at exit: {e}", file=sys.stderr)

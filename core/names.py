@@ -1,0 +1,129 @@
+"""Every name asyncckpt gives a file or directory on disk, and how to tell one of ours apart.
+
+A checkpoint directory holds DCP's files (``.metadata``, ``__{rank}_{n}.distcp``), our sidecars
+and our commit record. Everything in flight or on its way out lives under a *hidden* name beside
+it, ``.{name}.asyncckpt-{kind}-{token}``, which no framework's checkpoint pattern, no
+``latest_checkpoint`` and no ``asyncckpt ls`` takes for a checkpoint:
+
+========== =================================================================== ==================
+kind       what it holds                                                        token
+========== =================================================================== ==================
+staging    a checkpoint being written (its final name appears only at commit)   the save id
+replaced   a committed checkpoint an overwrite swapped out, being deleted      the save id
+removing   a checkpoint renamed out of the way, being deleted                  owner token
+tmp        a single file being written (renamed to its name when durable)      owner token
+link       a symlink being made (renamed over its name)                        owner token
+========== =================================================================== ==================
+
+The *owner token* (``leftovers.owner_token``) says which process made the entry, so that a
+leftover of a crashed process can be told from a live one without looking at its age. A staging
+directory is shared by every rank of a save, so each rank's writer leaves an owner marker in it
+instead.
+
+Kept free of torch: the background writer and the CLI use it.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+# ------------------------------------------------------------------------ inside a checkpoint
+COMMIT_RECORD = ".asyncckpt-commit.json"
+DCP_METADATA_FILE = ".metadata"
+ABORT_MARKER = "ABORTED.json"  # in a staging directory: the save failed on some rank
+
+
+def data_file_name(rank: int) -> str:
+    """A rank's tensor data (``torch.save`` containers back to back, DCP's naming)."""
+    return f"__{rank}_0.distcp"
+
+
+def objects_file_name(rank: int) -> str:
+    """A rank's pickled non-tensor values."""
+    return f"__{rank}_1.distcp"
+
+
+def sidecar_name(rank: int) -> str:
+    """A rank's sidecar: where each of its items lies, and its checksum."""
+    return f"__{rank}.asyncckpt.json"
+
+
+def done_marker_name(rank: int) -> str:
+    """In a staging directory: this rank's share is durable (file barrier)."""
+    return f"__{rank}.done"
+
+
+def error_marker_name(rank: int) -> str:
+    """In a staging directory: this rank's share failed, and why (file barrier)."""
+    return f"__{rank}.error.json"
+
+
+def owner_marker_name(rank: int) -> str:
+    """In a staging directory: the owner token of the writer writing this rank's share."""
+    return f".asyncckpt-owner-{rank}"
+
+
+SIDECAR_PATTERN = re.compile(r"^__(\d+)\.asyncckpt\.json$")
+DATA_FILE_PATTERN = re.compile(r"^__(\d+)_\d+\.distcp$")
+OWNER_MARKER_PATTERN = re.compile(r"^\.asyncckpt-owner-(\d+)$")
+COORDINATION_FILE_PATTERN = re.compile(r"^(__\d+\.(done|error\.json)|ABORTED\.json|\.asyncckpt-owner-\d+)$")
+
+
+def is_published_file(name: str) -> bool:
+    """Whether a file in a staging directory belongs to the checkpoint (listed in the commit
+    record) rather than to the coordination of its writers."""
+    if COORDINATION_FILE_PATTERN.match(name):
+        return False
+    return not name.startswith(".") or name == DCP_METADATA_FILE
+
+
+# ------------------------------------------------------------------------ beside a checkpoint
+HIDDEN_KINDS = ("staging", "replaced", "removing", "tmp", "link")
+_HIDDEN = re.compile(r"^\.(?P<name>.+)\.asyncckpt-(?P<kind>" + "|".join(HIDDEN_KINDS) + r")-(?P<token>[0-9a-zA-Z_.-]+)$")
+
+
+@dataclass(frozen=True)
+class HiddenName:
+    """A parsed hidden name: which entry it belongs to, what it is, and its token."""
+
+    name: str
+    kind: str
+    token: str
+
+
+def hidden_name(name: str, kind: str, token: str) -> str:
+    if kind not in HIDDEN_KINDS:
+        raise ValueError(f"unknown hidden kind {kind!r}")
+    return f".{name}.asyncckpt-{kind}-{token}"
+
+
+def parse_hidden(entry: str) -> Optional[HiddenName]:
+    """The parts of one of our hidden names, or None for any other name."""
+    match = _HIDDEN.match(entry)
+    return HiddenName(match["name"], match["kind"], match["token"]) if match else None
+
+
+_HIDDEN_IN_TEXT = re.compile(r"\.([^/\s'\"]+?)\.asyncckpt-(?:" + "|".join(HIDDEN_KINDS) + r")-[0-9a-zA-Z_.-]+")
+
+
+def unhide(text: str) -> str:
+    """``text`` with every hidden name replaced by the name it belongs to: messages for people
+    name the checkpoint they asked for, not where it was staged."""
+    return _HIDDEN_IN_TEXT.sub(r"\1", text)
+
+
+def is_hidden(path: str) -> bool:
+    return parse_hidden(os.path.basename(os.path.normpath(path))) is not None
+
+
+def hidden_path(path: str, kind: str, token: str, parent: Optional[str] = None) -> str:
+    """The hidden sibling of ``path`` (or its hidden name in ``parent``, which must be on the
+    same filesystem: entries move between the two by rename)."""
+    own_parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(os.path.abspath(parent) if parent else own_parent, hidden_name(name, kind, token))
+
+
+def staging_dir_for(final_path: str, save_id: str, parent: Optional[str] = None) -> str:
+    return hidden_path(final_path, "staging", save_id, parent)

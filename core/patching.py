@@ -1,0 +1,91 @@
+"""The one way adapters replace a framework's functions: recorded, reversible, scoped where it can be.
+
+Frameworks do not offer every seam an adapter needs (Lightning routes sharded saves around its
+``CheckpointIO``; Accelerate and the Trainer write their files through module-level functions),
+so the adapters replace a few functions. Every replacement goes through here:
+
+* ``install(owner, name, make)``: from now until ``restore()``, ``owner.name`` is
+  ``make(original)``. Installing the same name twice returns the first patch (idempotent). On a
+  class, descriptors (``staticmethod``) are kept; on an instance, restoring removes the
+  instance attribute again.
+* ``patched(owner, name, value)``: the same for the duration of a ``with`` block (e.g. while a
+  framework's save call runs), restored on the way out whatever happens.
+
+``installed()`` lists what is in place; ``tests/test_framework_contracts.py`` pins each
+framework function the adapters replace or copy, so an upgrade that changes one fails a named
+test instead of a user's run.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+_MISSING = object()
+_lock = threading.RLock()
+_installed: "weakref.WeakKeyDictionary[Any, dict[str, Patch]]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class Patch:
+    owner: Any
+    name: str
+    original: Any  # as found in the owner's __dict__ (_MISSING: it was not there, e.g. inherited)
+    replacement: Any
+
+    def restore(self) -> None:
+        """Put the original back, unless someone replaced our replacement meanwhile (then theirs
+        stays, and still calls ours, which still calls the original)."""
+        with _lock:
+            patches = _installed.get(self.owner, {})
+            if patches.get(self.name) is not self:
+                return
+            del patches[self.name]
+            if vars(self.owner).get(self.name) is not self.replacement:
+                return
+            if self.original is _MISSING:
+                delattr(self.owner, self.name)
+            else:
+                setattr(self.owner, self.name, self.original)
+
+
+def _callable_of(value: Any) -> Any:
+    return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+
+
+def install(owner: Any, name: str, make: Callable[[Any], Any]) -> Patch:
+    """Replace ``owner.name`` with ``make(original)`` (the original as a plain function for
+    static and class methods, bound for instance attributes inherited from the class)."""
+    with _lock:
+        existing = _installed.get(owner, {}).get(name)
+        if existing is not None:
+            return existing
+        found = vars(owner).get(name, _MISSING)
+        original = getattr(owner, name) if found is _MISSING else _callable_of(found)
+        replacement = make(original)
+        with contextlib.suppress(AttributeError):  # bound methods take no attributes
+            replacement.__asyncckpt_original__ = original
+        if isinstance(found, (staticmethod, classmethod)):
+            replacement = type(found)(replacement)
+        patch = Patch(owner, name, found, replacement)
+        setattr(owner, name, replacement)
+        _installed.setdefault(owner, {})[name] = patch
+        return patch
+
+
+@contextlib.contextmanager
+def patched(owner: Any, name: str, value: Any) -> Iterator[Any]:
+    """``owner.name`` is ``value`` inside the block (yields the original)."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield original
+    finally:
+        setattr(owner, name, original)
+
+
+def installed() -> list[Patch]:
+    with _lock:
+        return [patch for patches in _installed.values() for patch in patches.values()]
