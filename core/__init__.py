@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from .commit import is_complete, latest_checkpoint
 from .errors import (
+    CheckpointCancelledError,
     CheckpointError,
     CheckpointTimeoutError,
     CheckpointWriteError,
@@ -25,6 +26,7 @@ from .errors import (
     IncompleteCheckpointError,
     StateDictMismatchError,
     UnsafeMetadataError,
+    UnsupportedVersionError,
 )
 
 if TYPE_CHECKING:
@@ -45,8 +47,9 @@ __all__ = [
     "save", "async_save", "load", "latest_checkpoint", "is_complete", "wait", "default_checkpointer",
     "Checkpointer", "SaveHandle", "CheckpointManager",
     "AsyncCkptStorageWriter", "AsyncCkptStorageReader", "AsyncCkptSavePlanner", "AsyncCkptLoadPlanner",
-    "CheckpointError", "CheckpointTimeoutError", "CheckpointWriteError", "CorruptCheckpointError",
-    "IncompleteCheckpointError", "StateDictMismatchError", "UnsafeMetadataError",
+    "CheckpointError", "CheckpointCancelledError", "CheckpointTimeoutError", "CheckpointWriteError",
+    "CorruptCheckpointError", "IncompleteCheckpointError", "StateDictMismatchError", "UnsafeMetadataError",
+    "UnsupportedVersionError",
 ]
 
 _default: Optional[Checkpointer] = None

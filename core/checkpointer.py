@@ -203,6 +203,7 @@ class Checkpointer:
         filesystem) when a framework counts or lists every entry of the final directory's parent."""
         self._check_open()
         self.stager.wait()  # the previous directory may still be committed from the staging thread
+        self.coordinator.raise_unobserved()
         final_dir = os.path.abspath(os.fspath(final_dir))
         rank, world = rank_and_world(self.process_group)
         handle = self._admit("directory", final_dir, rank=rank, step=step, label=label)  # one checkpoint in flight
@@ -307,6 +308,11 @@ class Checkpointer:
     def wait_staged(self) -> None:
         """Block until the staging thread is done (call before mutating what it snapshots)."""
         self.stager.wait()
+
+    @property
+    def staging_busy(self) -> bool:
+        """Work was left to the staging thread (``run_staged``, overlapped saves) and not waited for yet."""
+        return self.stager.busy
 
     def guard(self, *optimizers: torch.optim.Optimizer) -> list:
         """Make each optimizer's ``step()`` wait for the staging thread; returns hook handles."""

@@ -73,9 +73,13 @@ class Coordinator:
         """Settle ``handle`` with its outcome (once; later outcomes are ignored)."""
         if error is not None and not isinstance(error, CheckpointCancelledError):
             error = self._labelled(handle, error)
-        if handle.finish(error) and error is not None and self._reportable(handle, error):
+        if not handle.finish(error) or error is None:
+            return
+        if self._reportable(handle, error):
             with self._lock:
                 self._unobserved.append(handle)
+        for dependent in handle.dependents:  # the writer cancels them too; nobody need wait for it to say so
+            self.complete(dependent, CheckpointCancelledError(dependent.cancelled_message()))
 
     def report_later(self, handle: SaveHandle) -> None:
         """A failure raised where nobody sees it (the staging thread): raise it at a sync point."""
@@ -97,9 +101,11 @@ class Coordinator:
             where, cause = f" on rank {on_rank[1]}", on_rank[2]
             rank = int(on_rank[1]) if on_rank[1].isdigit() else rank
         message = names.unhide(f"asyncckpt: {handle.describe()} failed{where}: {cause}")
+        if handle.is_checkpoint:
+            message += "; nothing was published under its name (what was there before is kept)"
         undone = [d.describe() for d in handle.dependents]
         if undone:
-            message += f" (so not done either: {'; '.join(undone)})"
+            message += f"; not done either, since they waited for it: {'; '.join(undone)}"
         return kind(message, path=handle.path, step=handle.step, rank=rank)
 
     # ------------------------------------------------------------------ waiting

@@ -143,9 +143,10 @@ class DirectoryTransaction:
             self._flush([(self.handle, request, None)])
         return self.handle
 
-    def abort(self, error: BaseException) -> None:
-        """The framework's save failed half-way (its own error is being raised): nothing is
-        published, on any rank; the failure is the caller's to report, so it is not raised again."""
+    def abort(self, error: BaseException, *, raised: bool = True) -> None:
+        """The framework's save failed half-way: nothing is published, on any rank. ``raised``: the
+        caller raises ``error`` itself, so the checkpoint's failure is not raised again; otherwise
+        (a snapshot on the staging thread) it is raised at the next sync point."""
         if self._failed is None:
             self._failed = f"{type(error).__name__}: {error}"
         with self._lock:
@@ -154,7 +155,7 @@ class DirectoryTransaction:
             member.held_by = None
             self._coordinator.complete(member, CheckpointCancelledError(f"asyncckpt: {member.describe()}: aborted"))
         self.commit()
-        self.handle.observed = True
+        self.handle.observed = raised
 
     def release(self) -> None:
         """Hand every held request to the writer, in the order they were made."""

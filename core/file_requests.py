@@ -31,6 +31,18 @@ def fail_save(context: RequestContext, spec: Optional[BarrierSpec], rank: int, e
         context.barrier(spec).fail(rank, reason)
 
 
+def settle_in(directory: str, context: RequestContext, spec: Optional[BarrierSpec], rank: int) -> None:
+    """Make ``directory`` for a file; a file of a multi-file save first claims the save's staging
+    directory (so it is never taken for a leftover while this writer lives). Tidies leftovers of
+    dead writers beside the file (or beside the staging directory) once the reply is sent."""
+    if spec is not None:
+        leftovers.claim(spec.staging_dir, rank, context.token())
+        context.tidy(os.path.dirname(spec.staging_dir))
+    else:
+        context.tidy(directory)
+    os.makedirs(directory, exist_ok=True)
+
+
 @dataclass
 class FileRequest:
     """Write a staged single file atomically: hidden temporary name, fsync, rename, fsync the directory."""
@@ -45,9 +57,8 @@ class FileRequest:
     def run(self, context: RequestContext) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))
         temporary = names.hidden_path(self.path, "tmp", context.token())
-        context.tidy(directory)
         try:
-            os.makedirs(directory, exist_ok=True)
+            settle_in(directory, context, self.barrier, self.rank)
             diskio.write_image(temporary, context.image, self.size, direct=self.direct_io, threads=self.io_threads)
             os.replace(temporary, self.path)
             fsync_dir(directory)
@@ -69,7 +80,7 @@ class BytesRequest:
 
     def run(self, context: RequestContext) -> None:
         try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            settle_in(os.path.dirname(self.path), context, self.barrier, self.rank)
             atomic_write_bytes(self.path, self.data)
         except BaseException as e:
             fail_save(context, self.barrier, self.rank, e)

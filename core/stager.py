@@ -93,6 +93,11 @@ class Stager:
         self._thread = threading.Thread(target=staged, name="asyncckpt-stager", daemon=True)
         self._thread.start()
 
+    @property
+    def busy(self) -> bool:
+        """Work was started on the staging thread and nobody has waited for it yet."""
+        return self._thread is not None
+
     def wait(self) -> None:
         """Block until what runs on the staging thread is done (call before changing its state)."""
         thread = self._thread

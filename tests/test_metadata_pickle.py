@@ -7,11 +7,12 @@ import sys
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as m
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 from asyncckpt import core
 from asyncckpt.core import dcp_pickle
-from asyncckpt.core.metadata_io import attributes, dcp_classes, load_dcp_metadata
+from asyncckpt.core import metadata_io
+from asyncckpt.core.metadata_io import attributes, dcp_classes, load_dcp_metadata, metadata_pickled_by_torch
 from asyncckpt.core.sidecar import read_sidecar
 
 
@@ -27,33 +28,8 @@ def _state(n_tensors: int, step: int) -> dict:
 
 
 def _reference(sidecars, checkpoint_id: str, save_id: str) -> m.Metadata:
-    """The Metadata torch's own classes give for these sidecars (replicated chunks once)."""
-    entries, storage, seen = {}, {}, set()
-    for sidecar in sidecars:
-        t = sidecar.tensors
-        for fqn, offsets, sizes, global_size, dtype, requires_grad, start, length in zip(
-                t.fqn, t.chunk_offsets, t.chunk_sizes, t.global_size, t.dtype, t.requires_grad, t.start, t.length):
-            offsets, sizes = torch.Size(t.shapes[offsets]), torch.Size(t.shapes[sizes])
-            if (fqn, offsets) in seen:
-                continue
-            seen.add((fqn, offsets))
-            entry = entries.setdefault(fqn, m.TensorStorageMetadata(
-                m.TensorProperties(dtype=getattr(torch, dtype), requires_grad=requires_grad),
-                torch.Size(t.shapes[global_size]), []))
-            storage[m.MetadataIndex(fqn, offsets, len(entry.chunks))] = _StorageInfo(t.file, start, length)
-            entry.chunks.append(m.ChunkStorageMetadata(offsets, sizes))
-    for sidecar in sidecars:
-        o = sidecar.objects
-        for fqn, start, length in zip(o.fqn, o.start, o.length):
-            if fqn not in entries:
-                entries[fqn] = m.BytesStorageMetadata()
-                storage.setdefault(m.MetadataIndex(fqn), _StorageInfo(o.file, start, length))
-    planner_data = {}
-    for sidecar in sidecars:
-        for fqn, path in sidecar.planner_data().items():
-            planner_data.setdefault(fqn, tuple(path))
-    return m.Metadata(state_dict_metadata=entries, planner_data=planner_data, storage_data=storage,
-                      storage_meta=m.StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id), version=CURRENT_DCP_VERSION)
+    """The Metadata torch's own constructors build from these sidecars (the writer's fallback)."""
+    return pickle.loads(metadata_pickled_by_torch(sidecars, checkpoint_id, save_id))
 
 
 def _same(a: m.Metadata, b: m.Metadata) -> None:
@@ -103,3 +79,26 @@ def test_sharded_writer_does_not_import_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     assert dcp_classes().version == CURRENT_DCP_VERSION
+
+
+def test_a_torch_whose_metadata_classes_changed_falls_back_to_its_own_pickle(tmp_path, monkeypatch, caplog):
+    """If the writer's torch-free pickle does not match this torch (checked once per process), saves
+    go on with a warning: rank 0's writer pickles torch's own objects instead, and loads are the same."""
+    def changed():
+        raise RuntimeError("its pickle of a sample loads as something else")
+
+    monkeypatch.setattr(metadata_io, "_checked_dcp_classes", changed)
+    dcp_classes.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="asyncckpt.core"):
+            assert dcp_classes() is None
+        assert "will import torch to pickle it" in caplog.text
+        path = str(tmp_path / "fallback")
+        core.save(_state(20, 3), path)
+        written = load_dcp_metadata(path)
+        _same(written, _reference([read_sidecar(path, 0)], path, written.storage_meta.save_id))
+        target = _state(20, 0)
+        dcp.load(target, checkpoint_id=path)
+        assert target["extra"] == _state(20, 3)["extra"]
+    finally:
+        dcp_classes.cache_clear()

@@ -231,3 +231,26 @@ def test_a_file_whose_snapshot_failed_fails_its_directory(tmp_path):
         with pytest.raises(core.CheckpointWriteError, match="copy failed"):  # a commit anyway publishes nothing
             tx.commit().result()
     assert not os.path.exists(tmp_path / "checkpoint-1")
+
+
+def test_torch_files_fall_back_to_plain_torch_save_where_the_fast_path_fails(tmp_path, monkeypatch, caplog):
+    """The framing rendered once per structure rests on torch internals; if they do not behave as
+    expected (checked once per process), files are plain ``torch.save`` output, with a warning."""
+    def broken(records, capacity):
+        raise AssertionError("torch's zip writer laid out data.pkl's record in an unexpected way")
+
+    monkeypatch.setattr(torch_file, "render_template", broken)
+    monkeypatch.setattr(torch_file, "_warned", False)
+    torch_file._templates_work.cache_clear()
+    try:
+        state = {"w": torch.arange(6.0).reshape(2, 3), "step": 4}
+        with caplog.at_level("WARNING", logger="asyncckpt.core"):
+            with core.Checkpointer() as checkpointer:
+                checkpointer.save_file(state, tmp_path / "plain.pt")
+        assert "plain torch.save output" in caplog.text
+        _assert_same(torch.load(tmp_path / "plain.pt", weights_only=True), state)
+        reference = io.BytesIO()
+        torch.save(state, reference)
+        assert (tmp_path / "plain.pt").read_bytes() == reference.getvalue()
+    finally:
+        torch_file._templates_work.cache_clear()

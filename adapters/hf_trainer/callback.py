@@ -6,22 +6,26 @@ A callback is handed the model, optimizer and scheduler, but not the Trainer, an
 over a save: clearing ``control.should_save`` in ``on_step_end`` misses ``save_strategy="best"``
 (decided after the evaluation) and would snapshot before that step's evaluation is recorded. So
 the callback finds its Trainer (the caller of ``on_init_end``, or of ``on_train_begin`` when added
-later) and shadows that instance's ``_save_checkpoint`` with the asynchronous one in ``saver.py``;
-the Trainer still decides when to save, evaluates first, and resumes exactly as usual.
+later) and, for the duration of each ``train()``, replaces that instance's ``_save_checkpoint`` with
+the asynchronous one in ``saver.py``; the Trainer still decides when to save, evaluates first, and
+resumes exactly as usual. When training ends, every checkpoint is committed and the background
+writer stops; the next ``train()`` starts it again.
 
 The callback is deliberately not an ``ExportableState``: the Trainer re-creates those from the
-checkpoint on resume.
+checkpoint on resume. It pickles (with its options; a copy attaches to the Trainer it is used with).
 """
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+from typing import Any, Optional
 
 from transformers import Trainer, TrainerCallback
 
-from asyncckpt.core import Checkpointer
+from asyncckpt.core import Checkpointer, versions
 
 from .saver import AsyncCheckpointSaver
+
+SUPPORTED_TRANSFORMERS = ">=5.0,<5.24"
 
 
 class AsyncCheckpointCallback(TrainerCallback):
@@ -30,69 +34,64 @@ class AsyncCheckpointCallback(TrainerCallback):
     Args:
         max_pending: checkpoints that may be uncommitted at once; a save beyond it first waits for
             the oldest. Memory: the staging buffers hold one copy of a checkpoint's data per pending
-            checkpoint (kept across saves).
+            checkpoint (kept across saves and across ``train()`` calls).
         timeout: seconds any wait on the background writer or on another rank may take.
         direct_io: write with O_DIRECT where the filesystem supports it.
         checkpointer: an ``asyncckpt.core.Checkpointer`` to use (you close it); by default the
-            callback creates one when training starts and closes it when training ends.
+            callback makes its own, whose writer runs only while the Trainer trains.
         overlap_optimizer: (default on) snapshot ``optimizer.pt`` (two thirds of an Adam checkpoint) in
             a background thread while the next step's forward and backward run; the next
             ``optimizer.step()`` waits for it. Safe because a torch optimizer's state tensors change
-            only in ``step()`` (the parameter groups are captured at the save), and the weights, RNG
-            and everything else are still snapshot before the save returns. Turn it off if your code
-            changes the optimizer's state tensors in place between a save and the next step; with
-            an optimizer that is not a ``torch.optim.Optimizer`` (no step hooks) it is off.
+            only in ``step()``; the weights, RNG and everything else are snapshot before the save
+            returns. Turn it off if your code changes the optimizer's state tensors in place between a
+            save and the next step; with an optimizer that is not a ``torch.optim.Optimizer`` it is off.
     """
 
     def __init__(self, max_pending: int = 1, timeout: float = 600.0, direct_io: bool = True,
                  checkpointer: Optional[Checkpointer] = None, overlap_optimizer: bool = True) -> None:
-        if max_pending < 1:
-            raise ValueError("max_pending must be >= 1")
-        self.max_pending = max_pending
-        self.overlap_optimizer = overlap_optimizer
-        self.timeout = timeout
-        self.direct_io = direct_io
-        self.checkpointer = checkpointer
+        versions.require("transformers", SUPPORTED_TRANSFORMERS, "transformers")
+        self.max_pending, self.timeout, self.direct_io, self.overlap_optimizer = max_pending, timeout, direct_io, overlap_optimizer
+        self.owns_checkpointer = checkpointer is None
+        self.checkpointer = checkpointer or Checkpointer(max_in_flight=max_pending, timeout=timeout, direct_io=direct_io)
         self.saver: Optional[AsyncCheckpointSaver] = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "saver": None}  # the Checkpointer pickles as its options
 
     @property
     def stalls(self) -> list[tuple[int, float]]:
         """(global step, seconds the training loop spent in each checkpoint save)."""
-        return self.saver.stalls if self.saver is not None else []
+        return [(t["step"], t["stall_s"]) for t in self.timings]
 
     @property
     def timings(self) -> list[dict]:
-        """Per save: ``step``, ``stall_s`` and ``waited_s`` (the part spent waiting for an earlier
-        checkpoint's commit because ``max_pending`` were in flight)."""
+        """Per save: ``step``, ``stall_s`` and ``optimizer_step_waited_s`` (how long the next
+        optimizer step waited for the overlapped ``optimizer.pt`` snapshot)."""
         return self.saver.timings if self.saver is not None else []
 
     # ------------------------------------------------------------------ Trainer events
-    def on_init_end(self, args, state, control, **kwargs):
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._attach(_calling_trainer(self))
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        trainer = _calling_trainer(self)
-        self._attach(trainer)  # added with trainer.add_callback(...) after __init__: attach now
-        if self.saver is not None and args.save_strategy != "no":
-            self.saver.begin_training(args.output_dir, remove_stale=args.should_save)
-
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._attach(_calling_trainer(self))  # added with trainer.add_callback(...) after __init__: attach now
         if self.saver is not None:
-            self.saver.close()  # drain (the Trainer already waited in _finalize_training), free buffers
+            self.saver.install()
+            if args.save_strategy != "no":
+                self.checkpointer.start()  # its start-up overlaps the first steps
 
-    # ------------------------------------------------------------------ wiring
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.saver is None:
+            return
+        self.saver.uninstall()
+        if self.owns_checkpointer:
+            self.checkpointer.teardown()  # every checkpoint committed; no thread or process of ours left
+        else:
+            self.checkpointer.wait()
+
     def _attach(self, trainer: Optional[Trainer]) -> None:
-        if trainer is None:
-            return
-        existing = AsyncCheckpointSaver.installed_on(trainer)
-        if existing is not None:  # already ours (e.g. on_init_end, then on_train_begin)
-            if self.saver is None:
-                self.saver = existing
-            return
-        self.saver = AsyncCheckpointSaver(trainer, max_pending=self.max_pending, timeout=self.timeout,
-                                          direct_io=self.direct_io, checkpointer=self.checkpointer,
-                                          overlap_optimizer=self.overlap_optimizer)
-        self.saver.install()
+        if trainer is not None and (self.saver is None or self.saver.trainer is not trainer):
+            self.saver = AsyncCheckpointSaver(trainer, self.checkpointer, overlap_optimizer=self.overlap_optimizer)
 
 
 def _calling_trainer(callback: TrainerCallback) -> Optional[Trainer]:

@@ -1,28 +1,26 @@
 """Run the Trainer's own save code, but hand its files to a checkpoint transaction.
 
-The Trainer's save methods (``save_model`` → ``save_pretrained`` / ``safetensors``,
+The Trainer's save methods (``save_model`` → ``save_pretrained`` / safetensors,
 ``_save_optimizer_and_scheduler``, ``_save_scaler``, ``_save_rng_state``) are called unchanged with
 a private scratch directory as their output directory. While they run, the three functions they
-write data files with are replaced by versions that, for a path inside that scratch directory,
-give the object to the transaction instead: the core snapshots it before returning (tensor bytes
-copied into a reused shared buffer, the structure pickled) and writes it in the background.
+write data files with are replaced (``asyncckpt.core.patching.patched``) by versions that, for a
+path inside that scratch directory, give the object to the transaction instead: the core
+snapshots it before returning and writes it in the background.
 
 * ``torch.save``                                 → ``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth``,
                                                     ``scaler.pt``, ``training_args.bin``
 * ``safetensors.torch.save_file``                → ``model.safetensors`` of a plain ``nn.Module``
 * ``transformers.modeling_utils.safe_save_file`` → ``model.safetensors`` / its shards (``save_pretrained``)
 
-Everything else the Trainer writes (``config.json``, ``generation_config.json``, the shard index,
-tokenizer files, ``trainer_state.json``; and any call we do not recognise, e.g. ``torch.save`` with
-extra options) lands in the scratch directory as usual; it is small, and is handed to the
-transaction as bytes when the block ends. Paths outside the scratch directory and file objects
-are passed through untouched, so nothing else in the process is affected.
+Everything else the Trainer writes (``config.json``, the shard index, tokenizer files,
+``trainer_state.json``; and any call we do not recognise, e.g. ``torch.save`` with extra options)
+lands in the scratch directory as usual; it is small, and is handed to the transaction as bytes
+when the block ends. Paths outside the scratch directory and file objects pass through untouched.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import tempfile
 import threading
 from typing import Any, Callable, Iterator, Optional
@@ -31,7 +29,9 @@ import safetensors.torch
 import torch
 import transformers.modeling_utils as modeling_utils
 
-_lock = threading.Lock()
+from asyncckpt.core import patching
+
+_lock = threading.Lock()  # one capture at a time in a process (the Trainer saves from its main thread)
 
 
 def _scratch_root() -> Optional[str]:
@@ -41,30 +41,43 @@ def _scratch_root() -> Optional[str]:
 
 
 class Capture:
-    """Collects the handles of everything given to the transaction (to report failures per folder)."""
+    """The scratch directory, and the files of it deferred for later (``defer(name)``)."""
 
-    def __init__(self, tx, defer: Optional[Callable[[str], bool]] = None) -> None:
-        self.tx = tx
-        self.scratch = os.path.realpath(tempfile.mkdtemp(prefix="asyncckpt-hf-", dir=_scratch_root()))
-        self.handles: list = []
-        self.captured: list[str] = []
-        self.defer = defer
+    def __init__(self, tx: Any, scratch: str, defer: Optional[Callable[[str], bool]]) -> None:
+        self.tx, self.scratch, self.defer = tx, scratch, defer
         self.deferred: list[tuple] = []  # (obj, name, format, metadata): the caller snapshots them later
 
     def relative(self, target: Any) -> Optional[str]:
         if not isinstance(target, (str, os.PathLike)):
             return None
         path = os.path.realpath(os.fspath(target))
-        if not path.startswith(self.scratch + os.sep):
-            return None
-        return os.path.relpath(path, self.scratch)
+        return os.path.relpath(path, self.scratch) if path.startswith(self.scratch + os.sep) else None
 
     def save_file(self, obj: Any, name: str, format: str, metadata: Optional[dict] = None) -> None:
-        self.captured.append(name)
         if self.defer is not None and self.defer(name):
             self.deferred.append((obj, name, format, metadata))
         else:
-            self.handles.append(self.tx.save_file(obj, name, format=format, metadata=metadata))
+            self.tx.save_file(obj, name, format=format, metadata=metadata)
+
+    def torch_save(self, original: Callable) -> Callable:
+        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+            name = self.relative(f)
+            if name is None or args or kwargs:  # not ours, or options we do not reproduce: written as usual
+                return original(obj, f, *args, **kwargs)
+            self.save_file(obj, name, "torch")
+            return None
+
+        return save
+
+    def safetensors_save(self, original: Callable) -> Callable:
+        def save_file(tensors: Any, filename: Any, metadata: Optional[dict] = None, *args: Any, **kwargs: Any) -> Any:
+            name = self.relative(filename)
+            if name is None or args or kwargs:
+                return original(tensors, filename, metadata, *args, **kwargs)
+            self.save_file(tensors, name, "safetensors", metadata)
+            return None
+
+        return save_file
 
     def hand_over_scratch(self) -> None:
         """Give the files written synchronously into the scratch directory to the transaction."""
@@ -72,51 +85,16 @@ class Capture:
             for file_name in sorted(files):
                 path = os.path.join(directory, file_name)
                 with open(path, "rb") as f:
-                    data = f.read()
-                self.handles.append(self.tx.write_bytes(os.path.relpath(path, self.scratch), data))
-
-    def discard_scratch(self) -> None:
-        shutil.rmtree(self.scratch, ignore_errors=True)
+                    self.tx.write_bytes(os.path.relpath(path, self.scratch), f.read())
 
 
 @contextlib.contextmanager
-def capture_into(tx, defer: Optional[Callable[[str], bool]] = None) -> Iterator[Capture]:
-    """``with capture_into(tx) as cap:`` call the Trainer's save methods with ``cap.scratch``.
-
-    Files whose name ``defer(name)`` accepts are not snapshot here but listed in ``cap.deferred``
-    (live objects: the caller must snapshot them before anything changes them)."""
-    cap = Capture(tx, defer)
-    original_torch_save = torch.save
-    original_st_save = safetensors.torch.save_file
-    original_mu_save = modeling_utils.safe_save_file
-
-    def torch_save(obj, f, *args, **kwargs):
-        name = cap.relative(f)
-        if name is None or args or kwargs:  # not ours, or options we do not reproduce: write it as usual
-            return original_torch_save(obj, f, *args, **kwargs)
-        cap.save_file(obj, name, "torch")
-
-    def safetensors_save_file(tensors, filename, metadata=None, *args, **kwargs):
-        name = cap.relative(filename)
-        if name is None or args or kwargs:
-            return original_st_save(tensors, filename, metadata, *args, **kwargs)
-        cap.save_file(tensors, name, "safetensors", metadata)
-
-    def modeling_save_file(tensors, filename, metadata=None, *args, **kwargs):
-        name = cap.relative(filename)
-        if name is None or args or kwargs:
-            return original_mu_save(tensors, filename, metadata, *args, **kwargs)
-        cap.save_file(tensors, name, "safetensors", metadata)
-
-    with _lock:  # one capture at a time in a process (the Trainer saves from its main thread)
-        torch.save = torch_save
-        safetensors.torch.save_file = safetensors_save_file
-        modeling_utils.safe_save_file = modeling_save_file
-        try:
+def capture_into(tx: Any, defer: Optional[Callable[[str], bool]] = None) -> Iterator[Capture]:
+    """``with capture_into(tx) as cap:`` call the Trainer's save methods with ``cap.scratch``."""
+    with tempfile.TemporaryDirectory(prefix="asyncckpt-hf-", dir=_scratch_root()) as scratch:
+        cap = Capture(tx, os.path.realpath(scratch), defer)
+        with _lock, patching.patched(torch, "save", cap.torch_save(torch.save)), \
+                patching.patched(safetensors.torch, "save_file", cap.safetensors_save(safetensors.torch.save_file)), \
+                patching.patched(modeling_utils, "safe_save_file", cap.safetensors_save(modeling_utils.safe_save_file)):
             yield cap
-            cap.hand_over_scratch()
-        finally:
-            torch.save = original_torch_save
-            safetensors.torch.save_file = original_st_save
-            modeling_utils.safe_save_file = original_mu_save
-            cap.discard_scratch()
+        cap.hand_over_scratch()

@@ -1,0 +1,148 @@
+"""What a framework's own test suite checks of a plugin: after a run ends nothing of ours keeps
+running, the next run works, and the framework objects holding the adapter pickle and unpickle.
+
+Each adapter, in-process, with the real framework: a run that saves; then no thread named
+``asyncckpt-*`` and no background writer process; a second run in the same process saves again; a
+pickled copy of the framework object checkpoints asynchronously too.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+
+import psutil
+import pytest
+import torch
+
+from asyncckpt.core import is_complete
+
+
+def ours_running() -> tuple[list[str], list[int]]:
+    """Threads named asyncckpt-* and writer processes of this process."""
+    threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("asyncckpt"))
+    writers = [p.pid for p in psutil.Process().children(recursive=True)
+               if any("asyncckpt.core.worker" in part for part in p.cmdline())]
+    return threads, writers
+
+
+# ---------------------------------------------------------------------- Lightning
+def test_lightning_fit_leaves_nothing_running_and_the_plugin_pickles(tmp_path):
+    L = pytest.importorskip("lightning")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from asyncckpt.adapters.lightning import AsyncCkptIO
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    x = torch.randn(64, 8)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+    def fit(io, root):
+        trainer = L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, plugins=[io],
+                            callbacks=[ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=4)])
+        trainer.fit(Tiny(), data)
+        return trainer
+
+    io = AsyncCkptIO()
+    fit(io, tmp_path / "a")
+    assert ours_running() == ([], [])
+    fit(io, tmp_path / "b")  # the next run starts the writer again
+    assert ours_running() == ([], []) and io.checkpointer.stats["file"] >= 16
+
+    copy = pickle.loads(pickle.dumps(io))
+    assert isinstance(copy, AsyncCkptIO) and copy.checkpointer is not io.checkpointer
+    fit(copy, tmp_path / "c")
+    assert copy.checkpointer.stats["file"] >= 8  # the copy saved through its own Checkpointer
+    assert torch.load(tmp_path / "c" / "last.ckpt", weights_only=False)["global_step"] == 16
+    assert ours_running() == ([], [])
+
+
+# ---------------------------------------------------------------------- Accelerate
+def test_accelerate_end_training_leaves_nothing_running_and_the_accelerator_pickles(tmp_path):
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import ProjectConfiguration
+
+    from asyncckpt.adapters.accelerate import enable_async_checkpointing
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=str(tmp_path),
+                                                                   automatic_checkpoint_naming=True))
+    handle = enable_async_checkpointing(acc)
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = acc.prepare(model, opt)
+    first = acc.save_state()
+    acc.end_training()
+    assert is_complete(str(first)) and ours_running() == ([], [])
+
+    copy = pickle.loads(pickle.dumps(acc))  # as Accelerate's own tests pickle a prepared Accelerator
+    assert copy.state.__dict__ == acc.state.__dict__
+    second = copy.save_state()
+    copy.end_training()
+    assert is_complete(str(second))  # published with a commit record: saved by the adapter, asynchronously
+    assert os.path.basename(second) == "checkpoint_1" and ours_running() == ([], [])
+    acc.save_state()  # the original goes on too (its writer starts again)
+    handle.remove()
+    assert ours_running() == ([], [])
+
+
+# ---------------------------------------------------------------------- Transformers
+def test_trainer_train_leaves_nothing_running_and_the_callbacks_pickle(tmp_path):
+    pytest.importorskip("transformers")
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
+
+    class Toy(Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            x = torch.randn(8, generator=torch.Generator().manual_seed(i))
+            return {"x": x, "labels": x.sum(0, keepdim=True)}
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(8, 1)
+
+        def forward(self, x, labels=None):
+            out = self.body(x)
+            return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+    def train(out, callbacks):
+        args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=8, max_steps=8, save_steps=4,
+                                 report_to=[], use_cpu=True, disable_tqdm=True)
+        trainer = Trainer(model=Net(), args=args, train_dataset=Toy(), callbacks=callbacks)
+        trainer.train()
+        return trainer
+
+    trainer = train(tmp_path / "a", [AsyncCheckpointCallback()])
+    assert ours_running() == ([], [])
+    assert is_complete(str(tmp_path / "a" / "checkpoint-8"))
+    trainer.train()  # again, same Trainer: its writer starts again
+    assert ours_running() == ([], [])
+
+    callbacks = pickle.loads(pickle.dumps(trainer.callback_handler.callbacks))
+    ours = [c for c in callbacks if isinstance(c, AsyncCheckpointCallback)]
+    assert len(ours) == 1 and ours[0].saver is None
+    train(tmp_path / "b", [ours[0]])
+    assert is_complete(str(tmp_path / "b" / "checkpoint-8")) and [s for s, _ in ours[0].stalls] == [4, 8]
+    assert ours_running() == ([], [])
