@@ -359,39 +359,14 @@ def _planning_entry(cfg: dict, queue) -> None:
 
 
 def _planning_body(cfg: dict) -> dict:
-    """Time each ``async_save`` and split it with timers wrapped around the Checkpointer's steps.
-
-    Only stable names are wrapped (``Checkpointer._plan`` / ``_free_slot`` / ``_submit`` and
-    ``_stage_and_submit``: the copy's wait and the hand-off to the writer, which includes
-    ``_submit``), so this survives changes inside them. What is
-    left of the call is the per-save bookkeeping every save repeats (flatten, structure
-    description + digest, agreement, plan-cache lookup, source lookup, request): "warm planning".
-    "Cold planning" = that + ``_plan`` on the first save of a structure.
+    """Time each ``async_save`` and split it with the phases its handle reports (``handle.timings``):
+    ``plan_s`` (a cold plan), ``buffer_s`` (taking or allocating the staging buffer) and ``copy_s``
+    (the copy and the hand-off to the writer). What is left of the call is the per-save
+    bookkeeping every save repeats (flatten, structure description + digest, agreement, plan-cache
+    lookup, source lookup, request): "warm planning". "Cold planning" = that + ``plan_s`` on the
+    first save of a structure.
     """
-    from collections import defaultdict
-
     from asyncckpt.core import Checkpointer
-
-    timers: dict[str, float] = defaultdict(float)
-
-    def wrap(owner, name, key):
-        original = getattr(owner, name, None)
-        if original is None:
-            return False
-
-        def timed(*a, **k):
-            t0 = now()
-            try:
-                return original(*a, **k)
-            finally:
-                timers[key] += now() - t0
-
-        setattr(owner, name, timed)
-        return True
-
-    wrapped = {"plan": wrap(Checkpointer, "_plan", "plan"), "slot": wrap(Checkpointer, "_free_slot", "slot"),
-               "submit": wrap(Checkpointer, "_submit", "submit") or wrap(Checkpointer, "_ensure_worker", "submit"),
-               "copy": wrap(Checkpointer, "_stage_and_submit", "copy")}
 
     def clear_templates():
         with contextlib.suppress(Exception):
@@ -403,23 +378,22 @@ def _planning_body(cfg: dict) -> dict:
     lo, hi = math.log(256), math.log(4096)  # 1-16 KiB fp32, random shapes
     sizes = [int(math.exp(lo + (hi - lo) * u)) for u in torch.rand(n, generator=gen).tolist()]
     sd = {"model": {f"layers.{i // 10}.p{i % 10}": torch.randn(s, generator=gen) for i, s in enumerate(sizes)}}
-    out: dict[str, Any] = {"tensors": n, "bytes": state_bytes(sd), "unique_shapes": len(set(sizes)), "wrapped": wrapped}
+    out: dict[str, Any] = {"tensors": n, "bytes": state_bytes(sd), "unique_shapes": len(set(sizes))}
     d = cfg["dir"]
     os.makedirs(d, exist_ok=True)
     counter = [0]
 
     def timed_async(ck) -> dict:
         counter[0] += 1
-        timers.clear()
         t0 = now()
         h = ck.async_save(sd, os.path.join(d, f"ck{counter[0]}"))
         ret = now() - t0
-        parts = dict(timers)
         h.result()
         total = now() - t0
         shutil.rmtree(os.path.join(d, f"ck{counter[0]}"), ignore_errors=True)
-        r = {"return_s": ret, "total_s": total, **{f"{k}_s": parts.get(k, 0.0) for k in ("plan", "slot", "submit", "copy")}}
-        r["bookkeeping_s"] = ret - r["plan_s"] - r["slot_s"] - r["copy_s"]  # the hand-off (submit) is part of copy
+        r = {"return_s": ret, "total_s": total, "plan_s": h.timings.get("plan_s", 0.0),
+             "slot_s": h.timings.get("buffer_s", 0.0), "copy_s": h.timings["copy_s"]}
+        r["bookkeeping_s"] = ret - r["plan_s"] - r["slot_s"] - r["copy_s"]  # the hand-off is part of copy
         return r
 
     # 1. a fresh Checkpointer: writer start + plan + buffer + templates, all cold

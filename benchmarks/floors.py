@@ -41,20 +41,14 @@ from load_bench import HeldBuffer, cached_read, data_files, reset, timed  # noqa
 
 from asyncckpt import core  # noqa: E402
 from asyncckpt.core import commit  # noqa: E402
-from asyncckpt.core.checkpointer import _resolve_stateful, _sources  # noqa: E402
 from asyncckpt.core.direct_load import paused_gc, plan_direct_load  # noqa: E402
-from asyncckpt.core.planner import AsyncCkptSavePlanner  # noqa: E402
 from asyncckpt.core.staging import start_copy  # noqa: E402
 
 
 def stall_rows(checkpointer: core.Checkpointer, state: dict, directory: str) -> tuple[dict, Callable]:
     """The stall's parts, on a checkpointer that already saved ``state`` (plan cached, buffer held)."""
-    planner = AsyncCkptSavePlanner()
-    planner.set_up_planner(_resolve_stateful(state), is_coordinator=True)
-    cached = checkpointer.plan_cache.peek(checkpointer._last_key)
-    slot = next(s for s in checkpointer._slots if s.key == checkpointer._last_key)
-    sources = _sources(planner.state_dict, cached)
-    views = slot.buffer.unique_views
+    buffer, sources = checkpointer.sharded.last_copy(state)
+    views = buffer.unique_views
     memcpy = PairedMemcpy(state_bytes(state))
     pending: list = []
 
@@ -71,7 +65,7 @@ def stall_rows(checkpointer: core.Checkpointer, state: dict, directory: str) -> 
 
     return {
         "memcpy": memcpy,
-        "copy engine": lambda: start_copy(slot.buffer, sources).wait(),
+        "copy engine": lambda: start_copy(buffer, sources, checkpointer.copy_threads).wait(),
         "foreach copy": foreach_copy,
         "async_save": async_save,
     }, settle

@@ -218,14 +218,15 @@ def render_md(R: dict, command: str) -> str:
             w(f"error: {P['error']}")
         else:
             w(f"{P['tensors']} fp32 tensors of 1–16 KiB ({P['unique_shapes']} distinct shapes, {P['bytes'] / 1e6:.0f} MB), "
-              "in a fresh process. Each `Checkpointer.async_save` is split by timers around `_plan` (DCP local/global plan, "
-              "dedup, layout, container templates), `_free_slot` (staging buffer), `_submit` (hand-off; starts the writer "
-              "the first time) and the snapshot copy; `bookkeeping` = the rest of the call, what every save repeats (flatten, "
-              "structure description and digest, agreement, plan-cache lookup, source lookup). Warm planning = bookkeeping "
-              "of a later save; cold planning = bookkeeping + `_plan` of the first save of the structure (writer already running).")
+              "in a fresh process. Each `Checkpointer.async_save` is split by the phases its handle reports "
+              "(`handle.timings`): `plan_s` (DCP local/global plan, dedup, layout, container templates), `buffer_s` "
+              "(staging buffer) and `copy_s` (the snapshot copy and the hand-off, which starts the writer the first "
+              "time); `bookkeeping` = the rest of the call, what every save repeats (flatten, structure description and "
+              "digest, agreement, plan-cache lookup, source lookup). Warm planning = bookkeeping of a later save; cold "
+              "planning = bookkeeping + plan of the first save of the structure (writer already running).")
             w("")
-            w("| save | returned after s | _plan s | bookkeeping s | buffer s | hand-off s | copy s | total (committed) s |")
-            w("|---|---|---|---|---|---|---|---|")
+            w("| save | returned after s | plan s | bookkeeping s | buffer s | copy + hand-off s | total (committed) s |")
+            w("|---|---|---|---|---|---|---|")
             for label, r_ in (("first save, fresh Checkpointer", P["first"]),
                               ("first save of the structure, writer running, templates cold", P["cold_plan"]),
                               ("same, templates already rendered", P.get("cold_plan_warm_templates")),
@@ -233,7 +234,7 @@ def render_md(R: dict, command: str) -> str:
                 if not r_:
                     continue
                 w(f"| {label} | {fmt(r_['return_s'], '.4f')} | {fmt(r_['plan_s'], '.4f')} | {fmt(r_['bookkeeping_s'], '.4f')} | "
-                  f"{fmt(r_['slot_s'], '.4f')} | {fmt(r_['submit_s'], '.4f')} | {fmt(r_['copy_s'], '.4f')} | {fmt(r_['total_s'], '.3f')} |")
+                  f"{fmt(r_['slot_s'], '.4f')} | {fmt(r_['copy_s'], '.4f')} | {fmt(r_['total_s'], '.3f')} |")
             w("")
             w(f"**Warm planning {fmt(P['warm_planning_s'], '.4f')} s / cold planning {fmt(P['cold_planning_s'], '.4f')} s = "
               f"{fmt(100 * P['warm_cold_planning_ratio'], '.1f')} %** (goal <= 5 %). Whole `async_save` call, later / first: "

@@ -135,7 +135,7 @@ class Checkpointer:
         def prepare(speculate: bool):
             prepared = self.sharded.prepare(state_dict, target, handle, speculate=speculate,
                                             failed_here=self.coordinator.has_unobserved,
-                                            raise_failures=self.coordinator.raise_unobserved)
+                                            raise_failures=self.coordinator.raise_unobserved, timings=handle.timings)
             handle.when_done(lambda: self.buffers.give_back(prepared.slot))
             handle.timings["prepare_s"] = time.perf_counter() - started
             return prepared

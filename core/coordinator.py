@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections import deque
 from typing import Any, Callable, Optional
 
@@ -49,7 +50,9 @@ class Coordinator:
         handle = SaveHandle(kind, path, rank=rank, timeout=self.timeout + 60, step=step, label=label, paths=paths,
                             after=after, member_of=member_of)
         if handle.is_checkpoint:
+            started = time.perf_counter()
             self.apply_back_pressure()
+            handle.timings["waited_s"] = time.perf_counter() - started
         with self._lock:
             self._in_flight.append(handle)
             if after is not None:

@@ -97,10 +97,16 @@ class DirectoryTransaction:
         if error is not None:
             self.abort(error)
 
+    def claim(self) -> str:
+        """Create the staging directory now, owned by this process, and return it: for a framework
+        that writes into it itself (synchronously), so that a crash meanwhile leaves a leftover
+        known to be dead."""
+        leftovers.claim(self.staging_dir, self.rank, leftovers.owner_token())
+        return self.staging_dir
+
     def path(self, name: str) -> str:
         """Where ``name`` is staged, for code that must write a file there itself (synchronously)."""
-        leftovers.claim(self.staging_dir, self.rank, leftovers.owner_token())
-        return os.path.join(self.staging_dir, name)
+        return os.path.join(self.claim(), name)
 
     def save_file(self, obj: Any, name: str, *, format: str = "torch", metadata: Optional[dict] = None) -> "SaveHandle":
         """Snapshot ``obj`` now; write it as ``name`` (``torch.save`` or safetensors layout) later."""

@@ -47,7 +47,9 @@ class SaveHandle:
         self.request: Any = None
         self.observed = False  # its outcome reached someone (raised, or returned by result())
         self.held_by: Any = None  # a DirectoryTransaction holding the request back until its commit
-        self.timings: dict[str, float] = {}  # seconds per phase of the caller's part (see Checkpointer)
+        # seconds the caller spent per phase: waited_s (back-pressure), prepare_s, plan_s, buffer_s
+        # (sharded saves), copy_s (the snapshot copy and the hand-over to the writer)
+        self.timings: dict[str, float] = {}
         self._future: Future = Future()
         self._staged = threading.Event()
         self.default_timeout = timeout

@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import io
 import pickle
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -29,7 +30,7 @@ from .errors import CheckpointWriteError
 from .metadata_io import dcp_classes
 from .plan_cache import CachedPlan, PlanCache, agree_on_structure
 from .planner import AsyncCkptSavePlanner, byte_items, layout_for_plan, planner_data_paths, tensor_items
-from .staging import CopyInProgress, begin_copy, start_copy
+from .staging import CopyInProgress, StagingBuffer, begin_copy, start_copy
 from .storage import ShareRequest
 from .structure import describe, tied_keys
 from .tensor_copy import CopyThreads
@@ -87,9 +88,11 @@ class ShardedSaves:
         self._side_group = None
 
     def prepare(self, state_dict: dict, target: SaveTarget, user: Any, *, speculate: bool,
-                failed_here: Callable[[], bool], raise_failures: Callable[[], None]) -> PreparedSave:
+                failed_here: Callable[[], bool], raise_failures: Callable[[], None],
+                timings: dict[str, float]) -> PreparedSave:
         """Everything before the copy (see the module docstring). ``failed_here()`` says whether this
-        rank holds a failure nobody has seen; ``raise_failures()`` raises it."""
+        rank holds a failure nobody has seen; ``raise_failures()`` raises it. ``timings`` gets
+        ``plan_s`` (a cold plan) and ``buffer_s`` (taking, or allocating, a staging buffer)."""
         planner = AsyncCkptSavePlanner()
         planner.set_up_planner(_resolve_stateful(state_dict), is_coordinator=target.rank == 0)
         flat = planner.state_dict
@@ -105,8 +108,10 @@ class ShardedSaves:
                 raise CheckpointWriteError(f"rank {target.rank}: not saving: an earlier save failed on ranks {failed_ranks}")
             cached = self.plan_cache.get(key)
             if cached is None:
+                started = time.perf_counter()
                 cached = self._plan(planner, target, tied_keys(description))
                 self.plan_cache.put(key, cached)
+                timings["plan_s"] = time.perf_counter() - started
             self._last_key = key
             objects = [(item.index.fqn, self._objects.serialize(item.index.fqn, find_state_dict_object(flat, item.index)))
                        for item in cached.byte_items]
@@ -118,7 +123,9 @@ class ShardedSaves:
                 if speculation is not None:
                     speculation.abandon()
                     speculation = None
+                started = time.perf_counter()
                 slot = self.buffers.take(key, cached.layout, user)
+                timings["buffer_s"] = time.perf_counter() - started
                 sources = _sources(flat, cached)
                 begin = lambda: begin_copy(slot.buffer, sources, self.threads)  # noqa: E731
         except BaseException:
@@ -137,6 +144,14 @@ class ShardedSaves:
             dcp_classes=dcp_classes() if coordinator else None,
         )
         return PreparedSave(slot, begin, request)
+
+    def last_copy(self, state_dict: dict) -> tuple[StagingBuffer, list[torch.Tensor]]:
+        """The staging buffer and the source tensors a save of ``state_dict`` with the last plan
+        copies: for measuring the copy on its own (``benchmarks/floors.py``)."""
+        planner = AsyncCkptSavePlanner()
+        planner.set_up_planner(_resolve_stateful(state_dict), is_coordinator=True)
+        slot = next(s for s in self.buffers.slots() if s.key == self._last_key)
+        return slot.buffer, _sources(planner.state_dict, self.plan_cache.peek(self._last_key))
 
     def _plan(self, planner: AsyncCkptSavePlanner, target: SaveTarget, tied_to: dict[str, str]) -> CachedPlan:
         if target.collectives and target.world > 1 and dist.is_initialized():

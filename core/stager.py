@@ -53,9 +53,9 @@ class Stager:
                 handed_over = True
             copy.wait()
             handle.set_staged()
-            handle.timings["copy_s"] = time.perf_counter() - started
             if not stream:
                 hand_over()
+            handle.timings["copy_s"] = time.perf_counter() - started
         except BaseException as e:
             if copy is not None:  # the buffer is freed with the handle: the copy threads must have left it
                 with contextlib.suppress(BaseException):

@@ -13,6 +13,7 @@ save with a torch whose DCP metadata it cannot write by itself (``storage.commit
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import mmap
@@ -156,13 +157,21 @@ class _Context:
         return self.writer.failures.get(save_key)
 
 
-def serve(channel: Channel) -> None:
+def serve(channel: Channel, profile_to: Optional[str] = None) -> None:
+    """Run requests until told to stop. With ``profile_to``, everything the writer runs is profiled
+    (cProfile) and the statistics are written there when it stops (``benchmarks/profile_core.py``)."""
+    profiler = None
+    if profile_to:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     writer = Writer(channel)
     while True:
         try:
             message, fd = channel.next_message()
         except EOFError:
-            return
+            message, fd = (protocol.STOP,), None
         kind = message[0]
         if kind == protocol.BUFFER:
             _, buffer_id, layout = message
@@ -175,8 +184,12 @@ def serve(channel: Channel) -> None:
         elif kind == protocol.RUN:
             writer.run_jobs(message[1])
         elif kind == protocol.STOP:
-            channel.send(protocol.STOPPED)
-            channel.conn.close()
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(profile_to)
+            with contextlib.suppress(OSError):
+                channel.send(protocol.STOPPED)
+                channel.conn.close()
             os._exit(0)  # everything is durable already; skip the interpreter's teardown
 
 
@@ -208,7 +221,7 @@ def main() -> None:
     _die_with_parent(parent_pid)
     _apply_test_limits()
     gc.disable()
-    serve(Channel(Connection(fd)))
+    serve(Channel(Connection(fd)), os.environ.get("ASYNCCKPT_WRITER_PROFILE"))
 
 
 if __name__ == "__main__":

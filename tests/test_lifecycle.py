@@ -18,16 +18,32 @@ import torch
 from asyncckpt.core import is_complete
 
 
-def ours_running() -> tuple[list[str], list[int]]:
+def _ours() -> tuple[list[str], list[int]]:
     """Threads named asyncckpt-* and writer processes of this process."""
     threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("asyncckpt"))
-    writers = [p.pid for p in psutil.Process().children(recursive=True)
-               if any("asyncckpt.core.worker" in part for part in p.cmdline())]
+    writers = sorted(p.pid for p in psutil.Process().children(recursive=True)
+                     if any("asyncckpt.core.worker" in part for part in p.cmdline()))
     return threads, writers
 
 
+@pytest.fixture
+def ours_running():
+    """What of ours runs now, beyond what ran when the test began (Checkpointers that other tests in
+    this process hold open, such as the module-level default one, may keep their writers)."""
+    before_threads, before_writers = _ours()
+
+    def since() -> tuple[list[str], list[int]]:
+        threads, writers = _ours()
+        for name in before_threads:
+            if name in threads:
+                threads.remove(name)
+        return threads, [pid for pid in writers if pid not in before_writers]
+
+    return since
+
+
 # ---------------------------------------------------------------------- Lightning
-def test_lightning_fit_leaves_nothing_running_and_the_plugin_pickles(tmp_path):
+def test_lightning_fit_leaves_nothing_running_and_the_plugin_pickles(tmp_path, ours_running):
     L = pytest.importorskip("lightning")
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
@@ -71,7 +87,7 @@ def test_lightning_fit_leaves_nothing_running_and_the_plugin_pickles(tmp_path):
 
 
 # ---------------------------------------------------------------------- Accelerate
-def test_accelerate_end_training_leaves_nothing_running_and_the_accelerator_pickles(tmp_path):
+def test_accelerate_end_training_leaves_nothing_running_and_the_accelerator_pickles(tmp_path, ours_running):
     pytest.importorskip("accelerate")
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
@@ -97,13 +113,15 @@ def test_accelerate_end_training_leaves_nothing_running_and_the_accelerator_pick
     copy.end_training()
     assert is_complete(str(second))  # published with a commit record: saved by the adapter, asynchronously
     assert os.path.basename(second) == "checkpoint_1" and ours_running() == ([], [])
-    acc.save_state()  # the original goes on too (its writer starts again)
-    handle.remove()
+    acc.project_configuration.iteration = 2  # the copy saved checkpoint_1
+    third = acc.save_state()  # the original goes on too (its writer starts again)
+    handle.remove()  # waits for it
+    assert is_complete(str(third))
     assert ours_running() == ([], [])
 
 
 # ---------------------------------------------------------------------- Transformers
-def test_trainer_train_leaves_nothing_running_and_the_callbacks_pickle(tmp_path):
+def test_trainer_train_leaves_nothing_running_and_the_callbacks_pickle(tmp_path, ours_running):
     pytest.importorskip("transformers")
     from torch.utils.data import Dataset
     from transformers import Trainer, TrainingArguments

@@ -155,7 +155,7 @@ class AsyncCheckpointing:
                                                staging_parent=hidden_parent) as tx:
             capture = Capture(self, tx)
             with capture.installed(), patching.patched(config, "automatic_checkpoint_naming", False):
-                original(acc, tx.staging_dir, safe_serialization=safe_serialization, **kwargs)
+                original(acc, tx.claim(), safe_serialization=safe_serialization, **kwargs)
             capture.stage_spread()
         self.last_written = sorted(capture.written)
         if capture.overlapped:  # the optimizer snapshot, then the commit, while the next forward/backward runs

@@ -6,8 +6,8 @@ A callback is handed the model, optimizer and scheduler, but not the Trainer, an
 over a save: clearing ``control.should_save`` in ``on_step_end`` misses ``save_strategy="best"``
 (decided after the evaluation) and would snapshot before that step's evaluation is recorded. So
 the callback finds its Trainer (the caller of ``on_init_end``, or of ``on_train_begin`` when added
-later) and, for the duration of each ``train()``, replaces that instance's ``_save_checkpoint`` with
-the asynchronous one in ``saver.py``; the Trainer still decides when to save, evaluates first, and
+later) and, until its ``train()`` ends, replaces that instance's ``_save_checkpoint`` with the
+asynchronous one in ``saver.py``; the Trainer still decides when to save, evaluates first, and
 resumes exactly as usual. When training ends, every checkpoint is committed and the background
 writer stops; the next ``train()`` starts it again.
 
@@ -72,6 +72,8 @@ class AsyncCheckpointCallback(TrainerCallback):
     # ------------------------------------------------------------------ Trainer events
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._attach(_calling_trainer(self))
+        if self.saver is not None:
+            self.saver.install()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._attach(_calling_trainer(self))  # added with trainer.add_callback(...) after __init__: attach now

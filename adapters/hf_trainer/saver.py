@@ -43,13 +43,18 @@ class AsyncCheckpointSaver:
 
     def __init__(self, trainer: Any, checkpointer: Checkpointer, *, overlap_optimizer: bool) -> None:
         self.trainer, self.checkpointer, self.overlap_optimizer = trainer, checkpointer, overlap_optimizer
-        self.timings: list[dict] = []  # per save: step, stall_s, optimizer_step_waited_s (the next step's wait)
+        # per save: step, stall_s, waited_s (of it, for an earlier checkpoint's commit), optimizer_step_waited_s
+        # (how long the next optimizer step waited for the overlapped snapshot)
+        self.timings: list[dict] = []
         self._patches: list[patching.Patch] = []
         self._step_hook = None
         self._warned: set[str] = set()
         self._staged_wait_mark = 0.0
 
     def install(self) -> None:
+        """Idempotent: the callback installs at the Trainer's construction and again at each train()."""
+        if self._patches:
+            return
         trainer = self.trainer
         self._patches = [patching.install(trainer, "_save_checkpoint", lambda original: self.save_checkpoint),
                          patching.install(trainer, "_finalize_training", lambda original: self._finalize(original))]
@@ -72,13 +77,15 @@ class AsyncCheckpointSaver:
             return type(trainer)._save_checkpoint(trainer, model, trial)
         started = time.perf_counter()
         self._record_step_wait()
+        timing = {"step": trainer.state.global_step, "waited_s": 0.0}
         try:
-            self._save(trainer, trial)
+            self._save(trainer, trial, timing)
         finally:
-            self.timings.append({"step": trainer.state.global_step, "stall_s": time.perf_counter() - started})
+            timing["stall_s"] = time.perf_counter() - started
+            self.timings.append(timing)
             self._staged_wait_mark = self.checkpointer.stager.staged_wait_s
 
-    def _save(self, trainer: Any, trial: Any) -> None:
+    def _save(self, trainer: Any, trial: Any, timing: dict) -> None:
         args, state = trainer.args, trainer.state
         checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if trainer.hp_search_backend is None and trial is None:
@@ -88,6 +95,7 @@ class AsyncCheckpointSaver:
         defer = (lambda name: name == OPTIMIZER_NAME) if self._may_defer_optimizer(trainer) else None
         with self.checkpointer.begin_directory(final_dir, step=state.global_step,
                                                label=f"global step {state.global_step}") as tx:
+            timing["waited_s"] = tx.handle.timings["waited_s"]  # for an earlier checkpoint (max_pending)
             with capture_into(tx, defer=defer) as cap:  # async: the Trainer's own save code, files snapshot + queued
                 trainer.save_model(cap.scratch, _internal_call=True)
                 if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) \

@@ -1,0 +1,146 @@
+"""Ctrl-C during training, in each adapter: saves already handed over finish and commit.
+
+A terminal's Ctrl-C sends SIGINT to the whole foreground process group. Each program runs in a
+process group of its own (as under a terminal), saves at every step and prints ``SAVED <step>``
+each time a save call returns; SIGINT goes to the group at a random moment. The background writer
+does not receive it (a session of its own), so every save that returned before the interrupt is
+committed when the process has exited, as natively every completed save is on disk; the process
+exits as it would without the adapter; and the next run resumes from the newest checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncckpt.core import is_complete, names
+
+COMMON = """
+import os, sys, torch
+mode, root = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+def model():
+    return torch.nn.Sequential(torch.nn.Linear(8, 1024), torch.nn.Linear(1024, 512), torch.nn.Linear(512, 1))
+"""
+
+PROGRAMS = {
+    "lightning": COMMON + textwrap.dedent("""
+        import lightning as L
+        from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+        from torch.utils.data import DataLoader, TensorDataset
+        from asyncckpt.adapters.lightning import AsyncCkptIO
+        class Lit(L.LightningModule):
+            def __init__(self): super().__init__(); self.net = model()
+            def training_step(self, batch, batch_idx):
+                x, y = batch; loss = torch.nn.functional.mse_loss(self.net(x), y); self.log("loss", loss); return loss
+            def configure_optimizers(self): return torch.optim.Adam(self.parameters())
+        class Report(Callback):
+            def on_train_start(self, trainer, module):
+                print(f"START {trainer.global_step}", flush=True); trainer.should_stop = mode == "resume"
+        class Saved(ModelCheckpoint):
+            def _save_checkpoint(self, trainer, filepath):
+                super()._save_checkpoint(trainer, filepath); print(f"SAVED {os.path.basename(filepath)}", flush=True)
+        x = torch.randn(1024, 8)
+        trainer = L.Trainer(max_steps=100000, accelerator="cpu", logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, plugins=[AsyncCkptIO()],
+                            callbacks=[Report(), Saved(dirpath=root, every_n_train_steps=1, save_top_k=-1,
+                                                       filename="{step}", save_last=True)])
+        trainer.fit(Lit(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=2),
+                    ckpt_path="last" if mode == "resume" else None)
+    """),
+    "accelerate": COMMON + textwrap.dedent("""
+        from accelerate import Accelerator
+        from accelerate.utils import ProjectConfiguration
+        from asyncckpt.adapters.accelerate import enable_async_checkpointing
+        acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=root, automatic_checkpoint_naming=True))
+        enable_async_checkpointing(acc)
+        net = model(); opt = torch.optim.Adam(net.parameters())
+        net, opt = acc.prepare(net, opt)
+        if mode == "resume":
+            acc.load_state()
+            print(f"START {acc.project_configuration.iteration}", flush=True)
+        for i in range(100000 if mode == "run" else 1):
+            net(torch.randn(2, 8)).square().mean().backward(); opt.step(); opt.zero_grad()
+            print(f"SAVED {os.path.basename(acc.save_state())}", flush=True)
+        acc.end_training()
+    """),
+    "hf_trainer": COMMON + textwrap.dedent("""
+        from torch.utils.data import Dataset
+        from transformers import Trainer, TrainerCallback, TrainingArguments
+        from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
+        class Toy(Dataset):
+            def __len__(self): return 100000
+            def __getitem__(self, i):
+                x = torch.randn(8, generator=torch.Generator().manual_seed(i)); return {"x": x, "labels": x.sum(0, keepdim=True)}
+        class Net(torch.nn.Module):
+            def __init__(self): super().__init__(); self.body = model()
+            def forward(self, x, labels=None):
+                out = self.body(x); return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+        class Report(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                print(f"START {state.global_step}", flush=True); control.should_training_stop = mode == "resume"
+            def on_save(self, args, state, control, **kwargs): print(f"SAVED checkpoint-{state.global_step}", flush=True)
+        args = TrainingArguments(output_dir=root, per_device_train_batch_size=2, max_steps=100000,
+                                 save_steps=1, report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no")
+        trainer = Trainer(model=Net(), args=args, train_dataset=Toy(), callbacks=[AsyncCheckpointCallback(), Report()])
+        trainer.train(resume_from_checkpoint=mode == "resume")
+    """),
+}
+NATIVE_EXIT = {"lightning": 1, "accelerate": -signal.SIGINT, "hf_trainer": -signal.SIGINT}  # Lightning: sys.exit(1)
+
+
+def _checkpoint(adapter: str, root: Path, name: str) -> Path:
+    return root / "checkpoints" / name if adapter == "accelerate" else root / name
+
+
+def _complete(adapter: str, path: Path) -> bool:
+    if adapter == "lightning":
+        import torch
+
+        return path.is_file() and "state_dict" in torch.load(path, weights_only=False)
+    return is_complete(str(path))
+
+
+@pytest.mark.parametrize("adapter", ["lightning", "accelerate", "hf_trainer"])
+def test_ctrl_c_keeps_every_save_that_returned_and_resume_continues(tmp_path, adapter):
+    pytest.importorskip({"hf_trainer": "transformers"}.get(adapter, adapter))
+    script, root = tmp_path / "train.py", tmp_path / "run"
+    script.write_text(PROGRAMS[adapter])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([sys.executable, str(script), "run", str(root)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)  # its own process group
+    saved = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("SAVED "):
+                saved.append(line.split()[1])
+                if len(saved) == 3:
+                    break
+        time.sleep(random.Random(adapter).uniform(0.0, 0.4))
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    saved += [line.split()[1] for line in out.splitlines() if line.startswith("SAVED ")]
+    assert proc.returncode == NATIVE_EXIT[adapter], err[-3000:]
+    assert "KeyboardInterrupt" in err or adapter == "lightning"
+    assert "asyncckpt" not in err, err[-3000:]  # no failed save, no writer traceback
+    for name in saved:  # every save that returned before the interrupt is committed
+        assert _complete(adapter, _checkpoint(adapter, root, name)), (name, saved)
+    parents = [root, root / "checkpoints"]  # where staging directories and temporary files are
+    assert not [e for p in parents if p.is_dir() for e in os.listdir(p) if names.parse_hidden(e)]
+
+    resumed = subprocess.run([sys.executable, str(script), "resume", str(root)], capture_output=True, text=True,
+                             env=env, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    start = int(next(line.split()[1] for line in resumed.stdout.splitlines() if line.startswith("START ")))
+    assert start > 0  # not from scratch
