@@ -99,7 +99,7 @@ def main() -> int:
     lines = [
         "# Restarting the background writer between runs",
         "",
-        f"`benchmarks/restart_bench.py` at {result['meta'].get('commit', '?')}: {state_bytes(state) / 2**20:.0f} MiB "
+        f"`benchmarks/restart_bench.py` at {result['meta'].get('git_commit', '?')[:7]}: {state_bytes(state) / 2**20:.0f} MiB "
         f"in {n_tensors(state)} tensors, {args.reps} alternating reps, medians; "
         f"load average {load_before[0]:.2f} before, {result['meta']['loadavg_after'][0]:.2f} after (2 vCPUs, shared).",
         "",

@@ -20,8 +20,8 @@ fresh one, with nothing in flight.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
-import secrets
 import time
 from collections import Counter
 from typing import Any, Callable, Iterable, Optional
@@ -29,14 +29,14 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from . import lifecycle, names
+from . import integrity, leftovers, lifecycle, names
 from .barrier import BarrierSpec
 from .buffers import BufferPool
 from .coordinator import Coordinator
 from .directory import DirectoryTransaction
 from .dist_env import any_rank, default_store, dist_ready, rank_and_world
 from .commit import job_token
-from .errors import CheckpointCancelledError, CheckpointError, CheckpointWriteError
+from .errors import CheckpointCancelledError, CheckpointError, CheckpointWriteError, CorruptCheckpointError
 from .file_requests import FileRequest, LinkRequest, RemoveRequest
 from .file_snapshots import FileSnapshots
 from .handles import SaveHandle
@@ -45,6 +45,8 @@ from .retention import RetentionRequest
 from .sharded_save import SaveTarget, ShardedSaves
 from .stager import Stager
 from .tensor_copy import CopyThreads
+
+logger = logging.getLogger("asyncckpt.core")
 
 STATE_DICT = dict[str, Any]
 _OPTIONS = ("process_group", "use_collectives", "max_in_flight", "overlap_staging", "direct_io", "io_threads",
@@ -216,11 +218,12 @@ class Checkpointer:
                                     direct_io=self.direct_io, io_threads=self.io_threads)
 
     def _directory_id(self, final_dir: str, rank: int, world: int, store: Any) -> str:
-        """The same id on every rank without a collective: random on one rank; else each rank's
-        count of directories it began at this path, kept in the Store (unique for the job, across
+        """The same id on every rank without a collective: on one rank, an owner token (random, and
+        it says whose the staging directory is, ``leftovers``); else each rank's count of
+        directories it began at this path, kept in the Store (unique for the job, across
         Checkpointers) or, without one, in this Checkpointer with the job's run id."""
         if world == 1:
-            return secrets.token_hex(8)
+            return leftovers.owner_token()
         if store is not None:
             place = hashlib.blake2b(final_dir.encode(), digest_size=6).hexdigest()
             return f"d{place}-{store.add(f'asyncckpt/seq/{place}/{rank}', 1)}"
@@ -282,20 +285,70 @@ class Checkpointer:
             raise error
 
     def wait_for(self, path: str | os.PathLike) -> None:
-        """Wait for pending work on ``path`` (a read must never see a checkpoint being written)."""
+        """Wait for pending work on ``path`` (a read must never see a checkpoint being written);
+        raise its failure if nobody has seen it."""
         self.coordinator.wait_for(os.path.abspath(os.fspath(path)))
 
     def raise_failures(self) -> None:
         """Raise (once) a failure of earlier work that nobody has seen; never waits."""
         self.coordinator.raise_unobserved()
 
-    def will_exist(self, path: str | os.PathLike) -> Optional[bool]:
-        """Whether ``path`` will exist once the queued work has run (None: nothing queued touches it)."""
-        return self.coordinator.will_exist(os.path.abspath(os.fspath(path)))
+    def will_exist(self, path: str | os.PathLike) -> bool:
+        """Whether ``path`` will exist once the queued work has run: what the last queued work on it
+        does (a save or link creates it, a removal deletes it), else whether it exists now."""
+        path = os.path.abspath(os.fspath(path))
+        queued = self.coordinator.will_exist(path)
+        return os.path.exists(path) if queued is None else queued
 
     def pending(self) -> list[SaveHandle]:
         """Checkpoints, removals and links not done yet, oldest first."""
         return self.coordinator.pending()
+
+    def checkpoints_in(self, root: str | os.PathLike, on_disk: Iterable[str | os.PathLike]) -> list[str]:
+        """The checkpoints directly under ``root`` once the queued work has run, as a framework's
+        rotation must count them: ``on_disk`` (in the framework's own order) less those queued for
+        removal, then the directories being saved there, in the order they were saved."""
+        root = os.path.abspath(os.fspath(root))
+        in_flight = [h.path for h in self.pending() if h.kind == "directory" and os.path.dirname(h.path) == root]
+        found = [p for p in map(os.path.abspath, map(os.fspath, on_disk)) if p not in in_flight]
+        return [p for p in found + in_flight if self.will_exist(p)]
+
+    # ------------------------------------------------------------------ before a framework loads a checkpoint
+    def require_intact(self, path: str | os.PathLike, *, everywhere: bool = False) -> integrity.Report:
+        """Check a checkpoint against its checksums (``integrity``) before anything is loaded from
+        it; raise ``CorruptCheckpointError`` naming the files (and keys) that are damaged. With
+        ``everywhere`` (a collective: every rank calls it), the ranks check the data files of a
+        sharded checkpoint side by side, and a problem found on any rank raises on every rank."""
+        path = os.path.abspath(os.fspath(path))
+        rank, world = rank_and_world(self.process_group) if everywhere else (0, 1)
+        error: Optional[CheckpointError] = None
+        report = None
+        try:
+            report = integrity.require_intact(path, share=(rank, world))
+        except CheckpointError as e:
+            error = e
+        if everywhere and any_rank(error is not None, self.process_group) and error is None:
+            error = CorruptCheckpointError(f"checkpoint {path} is damaged (found on another rank: its error names "
+                                           "the files)", path=path)
+        if error is not None:
+            raise error
+        return report
+
+    def newest_intact(self, candidates: list[str]) -> str:
+        """The first of ``candidates`` (the one a framework picked, then older ones) that checks out;
+        each one skipped is named in a warning. Raises the first one's error if none does."""
+        first_error: Optional[CheckpointError] = None
+        for candidate in candidates:
+            try:
+                self.require_intact(candidate)
+            except CheckpointError as e:
+                first_error = first_error or e
+                logger.warning("asyncckpt: not resuming from %s: %s", candidate, e)
+                continue
+            if candidate != candidates[0]:
+                logger.warning("asyncckpt: resuming from %s instead (the newest checkpoint that checks out)", candidate)
+            return candidate
+        raise first_error
 
     # ------------------------------------------------------------------ overlapping snapshots with training
     def run_staged(self, function: Callable[[], None]) -> None:

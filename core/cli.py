@@ -1,19 +1,20 @@
 """``asyncckpt``: look at and check checkpoints on disk without loading them.
 
-    asyncckpt ls ROOT        every checkpoint directory under ROOT (staging ones too), newest last
-    asyncckpt inspect PATH   keys, shapes, dtypes, chunks and which rank wrote them
-    asyncckpt verify PATH    recompute every checksum; exit 0 good, 1 damaged, 2 incomplete
+    asyncckpt ls ROOT        every checkpoint under ROOT, of every kind (``checkpoint_kinds``), newest last
+    asyncckpt inspect PATH   keys, shapes, dtypes (and for sharded ones chunks and writing ranks)
+    asyncckpt verify PATH    recheck a checkpoint (or every one under a directory); exit 0 good,
+                             1 damaged, 2 incomplete
+    asyncckpt clean ROOT     remove what crashed saves left (``leftovers``)
 
-The tool reads only what the format promises (see docs/FORMAT.md): the commit record, the JSON
-sidecars, and ``.metadata`` through the restricted unpickler, so pointing it at a checkpoint of
-unknown origin is as safe as loading one with asyncckpt. Tensor data is never deserialized.
+The tool reads only what the formats promise (see docs/FORMAT.md): the commit record, the JSON
+sidecars, ``.metadata`` through the restricted unpickler, safetensors headers, and torch.save
+pickles only if they hold nothing but tensors and plain values (``weights_only``), with tensors
+memory-mapped: pointing it at a checkpoint of unknown origin runs none of its code.
 """
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
-import re
 import sys
 from collections import defaultdict
 from typing import Optional, Sequence
@@ -21,19 +22,12 @@ from typing import Optional, Sequence
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from tqdm import tqdm
 
-from . import commit, leftovers, names
-from .checksum import checksum
+from . import checkpoint_kinds, commit, integrity, leftovers, names
 from .errors import CheckpointError
-from .metadata_io import check_relative_path, load_dcp_metadata
+from .metadata_io import load_dcp_metadata
 from .names import DCP_METADATA_FILE
-from .sidecar import read_rank_sidecar
 
 EXIT_OK, EXIT_PROBLEM, EXIT_INCOMPLETE = 0, 1, 2
-_TRAILING_NUMBER_RE = re.compile(r"(\d+)$")
-# torch.save containers are zip files: a local file header first, the end-of-central-directory
-# record (22 bytes, no comment) last. Stock DCP loading needs both intact; our checksums cover
-# only the tensor bytes between them, so verify checks these signatures separately.
-_ZIP_LOCAL_HEADER, _ZIP_END, _ZIP_END_SIZE = b"PK\x03\x04", b"PK\x05\x06", 22
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -59,106 +53,30 @@ def _tree_size(path: str) -> int:
     return total
 
 
-def _sidecar_ranks(path: str) -> list[int]:
-    """Ranks whose sidecar is present (found by name: an incomplete save may lack some)."""
-    try:
-        entries = os.listdir(path)
-    except OSError:
-        return []
-    return sorted(int(m.group(1)) for m in map(names.SIDECAR_PATTERN.match, entries) if m)
-
-
-def _well_formed(item: object) -> bool:
-    """Sidecars are input like any other: check the fields we index with before trusting them."""
-    return (
-        isinstance(item, dict)
-        and all(isinstance(item.get(key), str) for key in ("fqn", "file", "xxh3"))
-        and all(isinstance(item.get(key), int) and item[key] >= 0 for key in ("start", "length", "data_start", "nbytes"))
-    )
-
-
-def _load_sidecars(path: str, ranks: Sequence[int], problems: list[str]) -> dict[int, dict]:
-    """The readable, well-formed sidecars of ``ranks``; what is wrong with the others goes to ``problems``."""
-    sidecars = {}
-    for rank in ranks:
-        try:
-            sidecar = read_rank_sidecar(path, rank)
-        except FileNotFoundError:
-            problems.append(f"__{rank}.asyncckpt.json: missing: rank {rank}'s checksums are gone")
-            continue
-        except CheckpointError as e:
-            problems.append(str(e))
-            continue
-        items = sidecar.get("items")
-        if not isinstance(items, list) or not all(map(_well_formed, items)):
-            problems.append(f"__{rank}.asyncckpt.json: malformed item list")
-            continue
-        sidecars[rank] = sidecar
-    return sidecars
-
-
-def _rank_of_file(relative_path: str) -> Optional[int]:
-    """The writing rank encoded in a DCP data file name (``__{rank}_{n}.distcp``)."""
-    match = names.DATA_FILE_PATTERN.match(relative_path)
-    return int(match.group(1)) if match else None
-
-
-def _is_native_dir(path: str, record: dict) -> bool:
-    """A committed directory of a framework's own files (``DirectoryTransaction``): a commit
-    record but no DCP metadata and no sidecars, so there is nothing to checksum per item."""
-    return (DCP_METADATA_FILE not in record.get("files", {DCP_METADATA_FILE: 0})
-            and not os.path.exists(os.path.join(path, DCP_METADATA_FILE)) and not _sidecar_ranks(path))
-
-
 def _shape(size) -> str:
     return "[" + ", ".join(str(d) for d in size) + "]"
 
 
 # --------------------------------------------------------------------------------------------- ls
-def _is_checkpoint_dir(path: str, name: str) -> bool:
-    """Staging dirs always count (that is what ``ls`` is for); others need checkpoint files."""
-    if names.parse_hidden(name):
-        return True
-    if name.startswith(".") or not os.path.isdir(path):
-        return False
-    try:
-        entries = set(os.listdir(path))
-    except OSError:
-        return False
-    return bool(entries & {names.COMMIT_RECORD, names.DCP_METADATA_FILE}) or any(map(names.SIDECAR_PATTERN.match, entries))
-
-
-def _step_from_name(name: str) -> Optional[int]:
-    """step_000120 -> 120, checkpoint-12 -> 12; staging names are unwrapped first."""
-    hidden = names.parse_hidden(name)
-    match = _TRAILING_NUMBER_RE.search(hidden.name if hidden else name)
-    return int(match.group(1)) if match else None
-
-
 def cmd_ls(root: str) -> int:
-    """One line per checkpoint: name, step, size, status. Sorted by (step, time), like
-    ``latest_checkpoint`` ranks them, so the last COMPLETE line is what a resume would pick."""
+    """One line per checkpoint of any kind (``checkpoint_kinds``): name, step, size, status, kind.
+    Sorted by (step, time), like ``latest_checkpoint`` ranks them, so the last COMPLETE line is
+    what a resume picks."""
     try:
-        entries = os.listdir(root)
+        entries = checkpoint_kinds.checkpoints_under(root)
     except OSError as e:
         print(f"asyncckpt ls: {root}: {e.strerror}", file=sys.stderr)
         return EXIT_PROBLEM
     rows = []
-    for name in entries:
-        path = os.path.join(root, name)
-        if not os.path.isdir(path) or not _is_checkpoint_dir(path, name):
-            continue
-        record = commit.read_commit_record(path)
-        step = record.get("step") if record else None
-        if not isinstance(step, int):
-            step = _step_from_name(name)
-        when = (record or {}).get("committed_at_ns") or os.stat(path).st_mtime_ns
-        status = "COMPLETE" if commit.is_complete(path) else "INCOMPLETE"
-        note = ""
-        hidden = names.parse_hidden(name)
-        if hidden:
-            note = "aborted" if os.path.exists(os.path.join(path, names.ABORT_MARKER)) else hidden.kind
-        rows.append(((step if step is not None else -1, when, name), name, step, _tree_size(path), status, note))
+    for entry in entries:
+        name = os.path.basename(entry.path)
+        record = commit.read_commit_record(entry.path) if entry.kind != "file" else None
+        when = (record or {}).get("committed_at_ns") or os.lstat(entry.path).st_mtime_ns
+        size = _tree_size(entry.path) if os.path.isdir(entry.path) else os.path.getsize(entry.path)
+        note = ", ".join(part for part in (
+            entry.kind if entry.kind != "hidden" else "", entry.note, f"epoch {entry.epoch}" if entry.epoch is not None else "",
+            "no checksums" if entry.status in ("COMPLETE", "NATIVE") and not entry.checksums else "") if part)
+        rows.append(((entry.step if entry.step is not None else -1, when, name), name, entry.step, size, entry.status, note))
     rows.sort(key=lambda row: row[0])
     width = max((len(row[1]) for row in rows), default=0)
     for _key, name, step, size, status, note in rows:
@@ -171,22 +89,27 @@ def cmd_ls(root: str) -> int:
 def cmd_inspect(path: str) -> int:
     """Describe a checkpoint from ``.metadata`` (what a loader will read) plus the sidecars
     (who wrote what, exact data offsets). Works for plain DCP checkpoints too (no sidecars)."""
-    if not os.path.isdir(path):
-        print(f"asyncckpt inspect: {path}: not a directory", file=sys.stderr)
+    entry = checkpoint_kinds.classify(path) if os.path.exists(path) else None
+    if entry is None:
+        if os.path.isdir(path) and checkpoint_kinds.checkpoints_under(path):
+            print(f"{path} holds checkpoints, and is none itself:")
+            return cmd_ls(path)
+        print(f"asyncckpt inspect: {path}: not a checkpoint this tool knows (a DCP directory, a directory of "
+              f"native files, or a {'/'.join(checkpoint_kinds.NATIVE_FILE_SUFFIXES)} file)", file=sys.stderr)
         return EXIT_PROBLEM
+    if entry.kind == "file":
+        return _inspect_files(path, [path])
+    if entry.kind == "directory":
+        print(f"{path}: {entry.status}, step {'-' if entry.step is None else entry.step}")
+        return _inspect_files(path, [os.path.join(path, n) for n in sorted(os.listdir(path)) if not n.startswith(".")])
     record = commit.read_commit_record(path) or {}
     status = "COMPLETE" if commit.is_complete(path) else "INCOMPLETE"
     print(f"{path}: {status}, step {record.get('step', '-')}, world size {record.get('world_size', '?')}, "
           f"save {record.get('save_id', '?')}")
     problems: list[str] = []
-    sidecars = _load_sidecars(path, _sidecar_ranks(path), problems)
+    sidecars = integrity.load_sidecars(path, integrity.sidecar_ranks(path), problems.append)
     for message in problems:
         print(f"warning: {message}", file=sys.stderr)
-    if record and _is_native_dir(path, record):
-        print("native files (no DCP metadata):")
-        for name, size in sorted(record.get("files", {}).items()):
-            print(f"  {name}  {size} B")
-        return EXIT_OK
     try:
         metadata = load_dcp_metadata(path)
     except FileNotFoundError:
@@ -201,7 +124,7 @@ def cmd_inspect(path: str) -> int:
     totals: dict = defaultdict(lambda: {"chunks": 0, "tensor_bytes": 0, "objects": 0, "object_bytes": 0})
 
     def where(info) -> tuple[Optional[int], Optional[dict], str]:
-        rank, item = by_location.get((info.relative_path, info.offset), (_rank_of_file(info.relative_path), None))
+        rank, item = by_location.get((info.relative_path, info.offset), (integrity.rank_of_file(info.relative_path), None))
         return rank, item, f"rank {'?' if rank is None else rank}"
 
     for fqn, entry in metadata.state_dict_metadata.items():
@@ -245,135 +168,51 @@ def cmd_inspect(path: str) -> int:
     for rank in sorted(totals, key=lambda r: -1 if r is None else r):
         t = totals[rank]
         files = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
-                    if rank is not None and _rank_of_file(n) == rank)
+                    if rank is not None and integrity.rank_of_file(n) == rank)
         print(f"  rank {'?' if rank is None else rank}: {t['chunks']} tensor chunk(s) {t['tensor_bytes']} B, "
               f"{t['objects']} object(s) {t['object_bytes']} B, data files {files} B ({_human(files)})")
     return EXIT_OK
 
 
+def _inspect_files(root: str, paths: list[str]) -> int:
+    """Keys, dtypes and shapes of native files (safetensors headers; weights-only torch.save pickles)."""
+    for path in paths:
+        name = os.path.relpath(path, os.path.dirname(root) if path == root else root)
+        print(f"{name}  {os.path.getsize(path)} B")
+        if not path.endswith(checkpoint_kinds.NATIVE_FILE_SUFFIXES):
+            continue
+        tensors, note = checkpoint_kinds.describe_file(path)
+        for key, dtype, shape in tensors:
+            print(f"  {key}  {dtype}  {_shape(shape)}")
+        if note:
+            print(f"  ({note})")
+    return EXIT_OK
+
+
 # ----------------------------------------------------------------------------------------- verify
-def _report(problems: list[str], message: str) -> None:
-    problems.append(message)
-    tqdm.write(message, file=sys.stdout)  # keeps the progress bar on stderr intact
-
-
-def _check_commit_files(path: str, record: dict, data_files: set[str], problems: list[str]) -> None:
-    """Compare the commit record's file list with the disk. Missing data files are left to the
-    data pass, which can name the keys they held."""
-    for name, size in sorted(record.get("files", {}).items()):
-        full = os.path.join(path, name)
-        if not os.path.exists(full):
-            if name not in data_files:
-                _report(problems, f"{name}: missing (the commit record lists it with {size} B)")
-        elif os.path.getsize(full) != size:
-            actual = os.path.getsize(full)
-            what = "truncated" if actual < size else "grown"
-            _report(problems, f"{name}: {what}: {actual} B on disk, the commit record says {size} B")
-
-
-def _check_metadata(path: str, sidecars: dict[int, dict], problems: list[str]) -> None:
-    """Every location ``.metadata`` sends a loader to must be one a sidecar checksums."""
-    try:
-        metadata = load_dcp_metadata(path)
-    except FileNotFoundError:
-        _report(problems, f"{DCP_METADATA_FILE}: missing")
-        return
-    except CheckpointError as e:
-        _report(problems, str(e))
-        return
-    covered = {(item["file"], item["start"], item["length"]) for sc in sidecars.values() for item in sc["items"]}
-    for index, info in metadata.storage_data.items():
-        if (info.relative_path, info.offset, info.length) not in covered:
-            _report(problems, f"{DCP_METADATA_FILE}: key '{index.fqn}' points at {info.relative_path} "
-                              f"[{info.offset}, {info.offset + info.length}), which no sidecar checksums")
-
-
-def _verify_file(path: str, name: str, items: list[tuple[int, dict]], bar: tqdm, problems: list[str]) -> None:
-    """Checksum every item of one data file, mapped read-only (no copies, any file size)."""
-    try:
-        full = check_relative_path(path, name)  # sidecars are input too: never read outside PATH
-        with open(full, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-    except FileNotFoundError:
-        keys = ", ".join(sorted({item["fqn"] for _rank, item in items}))
-        _report(problems, f"{name}: missing data file (holds {len(items)} item(s): {keys})")
-        bar.update(sum(item["nbytes"] for _rank, item in items))
-        return
-    except CheckpointError as e:
-        _report(problems, str(e))
-        bar.update(sum(item["nbytes"] for _rank, item in items))
-        return
-    computed: dict[tuple[int, int], str] = {}  # tied tensors: several items, one byte range
-    try:
-        for rank, item in sorted(items, key=lambda ri: ri[1]["start"]):
-            start, end = item["start"], item["start"] + item["length"]
-            data_start, data_end = item["data_start"], item["data_start"] + item["nbytes"]
-            label = f"{name}: key '{item['fqn']}' (rank {rank})"
-            if end > size:
-                _report(problems, f"{label} bytes [{start}, {end}): beyond the end of the file ({size} B): truncated")
-            else:
-                if (data_start, data_end) not in computed:
-                    computed[data_start, data_end] = checksum(memoryview(mapping)[data_start:data_end])
-                actual = computed[data_start, data_end]
-                if actual != item["xxh3"]:
-                    _report(problems, f"{label} bytes [{data_start}, {data_end}): checksum mismatch: "
-                                      f"expected xxh3 {item['xxh3']}, found {actual}")
-                if item.get("kind") == "tensor" and (
-                    mapping[start:start + 4] != _ZIP_LOCAL_HEADER or mapping[end - _ZIP_END_SIZE:end - _ZIP_END_SIZE + 4] != _ZIP_END
-                ):
-                    _report(problems, f"{label} bytes [{start}, {end}): torch.save container framing is damaged "
-                                      "(data intact, but torch's own loader would fail)")
-            bar.update(item["nbytes"])
-    finally:
-        if size:
-            mapping.close()
-
-
 def cmd_verify(path: str, progress: bool = True) -> int:
-    """Re-check everything a load relies on; report every problem, not just the first."""
-    if not os.path.isdir(path):
-        print(f"asyncckpt verify: {path}: not a directory", file=sys.stderr)
+    """Re-check everything a load relies on (``integrity``); report every problem, not just the
+    first. A directory holding checkpoints has each of them verified."""
+    entry = checkpoint_kinds.classify(path) if os.path.exists(path) else None
+    if entry is None and os.path.isdir(path) and checkpoint_kinds.checkpoints_under(path):
+        found = [e for e in checkpoint_kinds.checkpoints_under(path) if e.kind != "hidden"]
+        return max((cmd_verify(e.path, progress) for e in sorted(found, key=lambda e: e.path)), default=EXIT_OK)
+    if entry is None:
+        print(f"asyncckpt verify: {path}: not a checkpoint this tool knows", file=sys.stderr)
         return EXIT_PROBLEM
-    if not commit.is_complete(path):
+    with tqdm(total=integrity.total_bytes(path), unit="B", unit_scale=True, unit_divisor=1024, desc="verify",
+              file=sys.stderr, disable=not progress, dynamic_ncols=True) as bar:
+        report = integrity.check(path, on_problem=lambda m: tqdm.write(m, file=sys.stdout), progress=bar.update)
+    if report.status == "INCOMPLETE":
         print(f"{path}: INCOMPLETE: no commit record ({names.COMMIT_RECORD}) under a final name: the save that "
-              "wrote it did not finish (crash, failure, still running) or was not asyncckpt's. Not verified.")
+              "wrote it did not finish (crash, failure, still running). Not verified.")
         return EXIT_INCOMPLETE
-    record = commit.read_commit_record(path)
-    problems: list[str] = []
-    if _is_native_dir(path, record):
-        _check_commit_files(path, record, set(), problems)
-        if problems:
-            print(f"{path}: FAILED: {len(problems)} problem(s)")
-            return EXIT_PROBLEM
-        print(f"{path}: OK: {len(record.get('files', {}))} native file(s) present with their committed sizes "
-              "(no per-item checksums in this kind of checkpoint)")
-        return EXIT_OK
-    world_size = record.get("world_size") or max(_sidecar_ranks(path), default=-1) + 1
-    sidecar_problems: list[str] = []
-    sidecars = _load_sidecars(path, range(world_size), sidecar_problems)
-    for message in sidecar_problems:
-        _report(problems, message)
-    for rank, sidecar in sidecars.items():
-        if record.get("save_id") and sidecar.get("save_id") != record["save_id"]:
-            _report(problems, f"__{rank}.asyncckpt.json: written by save {sidecar.get('save_id')}, "
-                              f"but the commit record is for save {record['save_id']} (stale rank share)")
-    per_file: dict[str, list[tuple[int, dict]]] = defaultdict(list)
-    for rank, sidecar in sidecars.items():
-        for item in sidecar["items"]:
-            per_file[item["file"]].append((rank, item))
-    _check_commit_files(path, record, set(per_file), problems)
-    _check_metadata(path, sidecars, problems)
-    total = sum(item["nbytes"] for items in per_file.values() for _rank, item in items)
-    count = sum(len(items) for items in per_file.values())
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=sys.stderr,
-              disable=not progress, dynamic_ncols=True) as bar:
-        for name, items in sorted(per_file.items()):
-            _verify_file(path, name, items, bar, problems)
-    if problems:
-        print(f"{path}: FAILED: {len(problems)} problem(s)")
+    if report.problems:
+        print(f"{path}: FAILED: {len(report.problems)} problem(s)")
         return EXIT_PROBLEM
-    print(f"{path}: OK: {count} item(s), {total} B of data verified across {len(sidecars)} rank(s)")
+    unverified = f"; without checksums (written natively or by an older asyncckpt): {', '.join(report.unverified)}" \
+        if report.unverified else ""
+    print(f"{path}: OK: {report.checked_files} file(s), {report.checked_bytes} B verified by checksum{unverified}")
     return EXIT_OK
 
 
@@ -406,11 +245,12 @@ def cmd_clean(root: str, min_age_s: float, dry_run: bool) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncckpt", description="Inspect and verify asyncckpt checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    ls = commands.add_parser("ls", help="list checkpoint directories under ROOT (staging ones too), newest last")
+    ls = commands.add_parser("ls", help="list the checkpoints under ROOT (every kind, leftovers too), newest last")
     ls.add_argument("root", metavar="ROOT")
     inspect = commands.add_parser("inspect", help="keys, shapes, dtypes, chunks and writing ranks of a checkpoint")
     inspect.add_argument("path", metavar="PATH")
-    verify = commands.add_parser("verify", help="recompute every checksum (exit 0 good, 1 damaged, 2 incomplete)")
+    verify = commands.add_parser("verify", help="recheck a checkpoint, or every one under a directory (exit 0 good, "
+                                                "1 damaged, 2 incomplete)")
     verify.add_argument("path", metavar="PATH")
     verify.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     clean = commands.add_parser("clean", help="delete what crashed saves left under ROOT (never what a live save uses)")

@@ -15,6 +15,7 @@ transactions submit through.
 """
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -27,6 +28,7 @@ from .handles import SaveHandle
 from .protocol import Idle
 from .writer_queue import WriterQueue
 
+logger = logging.getLogger("asyncckpt.core")
 _CREATES = ("save", "file", "directory", "link")
 _ON_RANK = re.compile(r"^rank (\S+): (.*)$", re.S)
 
@@ -76,7 +78,11 @@ class Coordinator:
         """Settle ``handle`` with its outcome (once; later outcomes are ignored)."""
         if error is not None and not isinstance(error, CheckpointCancelledError):
             error = self._labelled(handle, error)
-        if not handle.finish(error) or error is None:
+        if not handle.finish(error):
+            return
+        if error is None:
+            if handle.is_checkpoint:
+                logger.info("asyncckpt: committed %s", handle.describe().removeprefix("saving checkpoint "))
             return
         if self._reportable(handle, error):
             with self._lock:
@@ -140,10 +146,14 @@ class Coordinator:
         self.raise_unobserved()
 
     def wait_for(self, path: str) -> None:
-        """Wait for everything pending that touches ``path``; raise what nobody has observed."""
-        for handle in self.touching(path):
+        """Wait for everything pending that touches ``path``; raise a failure of it nobody has observed."""
+        touching = self.touching(path)
+        for handle in touching:
             self.settle(handle)
-        self.raise_unobserved()
+        failed = [h for h in touching if h.exception() is not None and not h.observed and self._reportable(h, h.exception())]
+        if failed:
+            failed[0].observed = True
+            raise failed[0].exception()
 
     def raise_unobserved(self) -> None:
         """Raise the first failure nobody has observed (naming any others), and forget what is done."""

@@ -16,12 +16,13 @@ hang on it.
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from . import commit, leftovers
+from . import commit, leftovers, names
 from .barrier import BarrierSpec
 from .errors import CheckpointCancelledError, CheckpointError, CheckpointWriteError
 from .file_requests import BytesRequest, FileRequest
@@ -51,23 +52,46 @@ class CommitDirRequest:
         failure = self.failed or context.failure(self.barrier.key)
         if failure is not None:  # one of this rank's files failed (the others were told)
             barrier.fail(self.rank, failure)
+            self._discard(context)
             raise CheckpointWriteError(f"rank {self.rank}: {failure}")
         context.tidy(os.path.dirname(self.staging_dir))
         try:
             leftovers.claim(self.staging_dir, self.rank, context.token())
+            with open(os.path.join(self.staging_dir, names.files_record_name(self.rank)), "w") as f:
+                json.dump({name: [c.size, c.xxh3] for name, c in context.files(self.barrier.key).items()}, f)
             barrier.arrive(self.rank)
             if self.rank != 0:
                 barrier.wait_commit()
                 return
             barrier.wait_all()
             replaced = commit.publish_with_record(self.staging_dir, self.final_path, {
-                "save_id": self.save_id, "world_size": self.barrier.world_size, "step": self.step})
+                "save_id": self.save_id, "world_size": self.barrier.world_size, "step": self.step,
+                "checksums": self._gather_checksums()})
             barrier.committed()
         except BaseException as e:
             barrier.fail(self.rank, f"{type(e).__name__}: {e}")
+            self._discard(context)
             raise
         if replaced is not None:
             context.after_reply(lambda: leftovers.delete(replaced, context.token()))
+
+    def _discard(self, context: RequestContext) -> None:
+        """A failed save alone in its staging directory takes it along (after the reply). With
+        several ranks the directory is also the others' (their barrier files, their writes still
+        under way): it stays, a leftover the next save or ``asyncckpt clean`` removes once its
+        writers are gone."""
+        if self.barrier.world_size == 1:
+            context.after_reply(lambda: leftovers.delete(self.staging_dir, context.token()))
+
+    def _gather_checksums(self) -> dict[str, dict]:
+        """Coordinator: every rank's file checksums, for the commit record (their lists go)."""
+        checksums = {}
+        for rank in range(self.barrier.world_size):
+            path = os.path.join(self.staging_dir, names.files_record_name(rank))
+            with open(path) as f:
+                checksums.update({name: {"size": size, "xxh3": xxh3} for name, (size, xxh3) in json.load(f).items()})
+            os.unlink(path)
+        return checksums
 
 
 class DirectoryTransaction:
@@ -108,8 +132,15 @@ class DirectoryTransaction:
         """Where ``name`` is staged, for code that must write a file there itself (synchronously)."""
         return os.path.join(self.claim(), name)
 
-    def save_file(self, obj: Any, name: str, *, format: str = "torch", metadata: Optional[dict] = None) -> "SaveHandle":
-        """Snapshot ``obj`` now; write it as ``name`` (``torch.save`` or safetensors layout) later."""
+    def save_file(self, obj: Any, name: str, *, format: str = "torch", metadata: Optional[dict] = None,
+                  inline_below: int = 0) -> "SaveHandle":
+        """Snapshot ``obj`` now; write it as ``name`` (``torch.save`` or safetensors layout) later.
+        An object with fewer tensor bytes than ``inline_below`` is rendered at once instead of
+        through a staging buffer."""
+        from .file_snapshots import tensor_bytes  # torch: this module is also the writer's (CommitDirRequest)
+
+        if inline_below and tensor_bytes(obj, stop_at=inline_below) < inline_below:
+            return self.write_bytes(name, self._files.render(obj, format, metadata))
         member = self._member(name)
         try:
             image = self._files.image(obj, format, metadata)

@@ -55,3 +55,17 @@ def any_rank(flag: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
     value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
+
+
+_warned_alone = False
+
+
+def warn_if_launched_as_many(framework_world_size: int, framework: str, hint: str) -> None:
+    """A launcher started several processes (``WORLD_SIZE`` > 1) but the framework runs this one as
+    if it were alone: every process then writes the same checkpoints. Warn once."""
+    global _warned_alone
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > 1 and framework_world_size == 1 and not _warned_alone:
+        _warned_alone = True
+        logger.warning("asyncckpt: this process is one of %d a launcher started (WORLD_SIZE=%d), but %s runs it as a "
+                       "single process: every process writes the same checkpoints. %s", launched, launched, framework, hint)

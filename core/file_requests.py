@@ -6,6 +6,9 @@ from tensors, with torch) so that the writer does not import torch.
 A file that belongs to a directory transaction carries that save's barrier: if it fails, the
 whole directory fails on every rank (and the directory's commit on this rank knows why).
 
+Every file written gets a checksum (``file_checksums``), hashed from the staging buffer while the
+file is written.
+
 Removal is atomic: a directory is first renamed to a hidden ``removing`` name (``names``), so no
 framework, ``latest_checkpoint`` or ``asyncckpt ls`` ever sees it half-deleted, and deleted once
 the request's reply is sent; a crash in between leaves only a hidden leftover whose owner is
@@ -17,8 +20,10 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from . import diskio, leftovers, names
+from . import diskio, file_checksums, leftovers, names
 from .barrier import BarrierSpec
+from .checksum import checksum
+from .file_checksums import FileChecksum
 from .fsio import atomic_write_bytes, fsync_dir
 from .protocol import RequestContext
 
@@ -43,6 +48,16 @@ def settle_in(directory: str, context: RequestContext, spec: Optional[BarrierSpe
     os.makedirs(directory, exist_ok=True)
 
 
+def record(context: RequestContext, path: str, spec: Optional[BarrierSpec], digest: FileChecksum,
+           temporary: str) -> None:
+    """Where a file's checksum goes: a file of a directory checkpoint to the writer's list for the
+    directory's commit record; a single file to an attribute of the file itself (``file_checksums``)."""
+    if spec is not None:
+        context.record_file(spec.key, os.path.relpath(path, spec.staging_dir), digest)
+    else:
+        file_checksums.write_record(temporary, digest)
+
+
 @dataclass
 class FileRequest:
     """Write a staged single file atomically: hidden temporary name, fsync, rename, fsync the directory."""
@@ -59,7 +74,10 @@ class FileRequest:
         temporary = names.hidden_path(self.path, "tmp", context.token())
         try:
             settle_in(directory, context, self.barrier, self.rank)
+            image = context.image[:self.size]
+            hashing = diskio.submit_background(lambda: checksum(image))  # while the file is written
             diskio.write_image(temporary, context.image, self.size, direct=self.direct_io, threads=self.io_threads)
+            record(context, self.path, self.barrier, FileChecksum(self.size, hashing.result()), temporary)
             os.replace(temporary, self.path)
             fsync_dir(directory)
         except BaseException as e:
@@ -71,16 +89,18 @@ class FileRequest:
 
 @dataclass
 class BytesRequest:
-    """Write small bytes (a snapshot already taken: JSON, a pickle) atomically and durably."""
+    """Write small bytes of a directory checkpoint (a snapshot already taken: JSON, a pickle)
+    atomically and durably."""
 
     path: str
     data: bytes
-    rank: int = 0
-    barrier: Optional[BarrierSpec] = None  # of the directory this file belongs to
+    rank: int
+    barrier: BarrierSpec  # of the directory this file belongs to
 
     def run(self, context: RequestContext) -> None:
         try:
             settle_in(os.path.dirname(self.path), context, self.barrier, self.rank)
+            record(context, self.path, self.barrier, FileChecksum(len(self.data), checksum(self.data)), "")
             atomic_write_bytes(self.path, self.data)
         except BaseException as e:
             fail_save(context, self.barrier, self.rank, e)

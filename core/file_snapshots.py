@@ -9,11 +9,38 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
+
 from .buffers import BufferPool, Slot
 from .native_files import FileImage, safetensors_image, stage_image
 from .staging import CopyInProgress
 from .tensor_copy import CopyThreads
-from .torch_file import TorchFileTemplates
+from .torch_file import TorchFileTemplates, plain_image
+
+
+_CONTAINERS = (torch.Tensor, dict, list, tuple)
+
+
+def tensor_bytes(obj: Any, stop_at: Optional[int] = None) -> int:
+    """Bytes of tensor storage reachable through dicts/lists/tuples (what torch.save would write);
+    with ``stop_at``, counting ends once that many are found (enough to choose how to save)."""
+    seen: set = set()
+    total = 0
+    pending = [(obj, 0)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            key = (storage.data_ptr(), storage.device)
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+                if stop_at is not None and total >= stop_at:
+                    return total
+        elif depth <= 8:
+            values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+            pending.extend((v, depth + 1) for v in values if isinstance(v, _CONTAINERS))  # skip scalars fast
+    return total
 
 
 class FileSnapshots:
@@ -29,6 +56,16 @@ class FileSnapshots:
         if format == "safetensors":
             return safetensors_image(obj, metadata)
         raise ValueError(f"unknown file format {format!r} (expected 'torch' or 'safetensors')")
+
+    def render(self, obj: Any, format: str, metadata: Optional[dict[str, str]]) -> bytes:
+        """The file's bytes, now: for a small file, cheaper than a staging buffer's round trip (and a
+        small ``torch.save`` file is simply what ``torch.save`` writes)."""
+        if format == "torch":
+            return plain_image(obj).pieces[0][1]
+        image = self.image(obj, format, metadata)
+        target = bytearray(image.size)
+        stage_image(image, torch.frombuffer(target, dtype=torch.uint8), self.threads)
+        return bytes(target)
 
     def stage(self, image: FileImage, slot: Slot) -> CopyInProgress:
         """Copy ``image`` into ``slot`` (complete on return); the framing of a torch file is

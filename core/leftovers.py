@@ -78,8 +78,12 @@ def owner_alive(token: str) -> Optional[bool]:
 
 def claim(staging_dir: str, rank: int, token: str) -> None:
     """Create ``staging_dir`` (if needed) with this rank's owner marker, so that nobody takes it
-    for a leftover while its writer lives."""
+    for a leftover while its writer lives; unless its name is an owner token already (the staging
+    directory of a single process's save, ``Checkpointer.begin_directory``)."""
     os.makedirs(staging_dir, exist_ok=True)
+    hidden = names.parse_hidden(os.path.basename(staging_dir))
+    if hidden is not None and _TOKEN.match(hidden.token):
+        return
     marker = os.path.join(staging_dir, names.owner_marker_name(rank))
     if not os.path.exists(marker):
         with open(marker, "w") as f:
@@ -131,7 +135,7 @@ def _judge(path: str, hidden: names.HiddenName) -> Optional[bool]:
     if hidden.kind == "replaced":  # the only copy left if a crash came between the two renames of a
         # publish without an atomic exchange: kept until its checkpoint's name is back
         return False if os.path.lexists(os.path.join(os.path.dirname(path), hidden.name)) else None
-    if hidden.kind == "staging":
+    if hidden.kind == "staging" and not _TOKEN.match(hidden.token):  # a save id shared by ranks: markers say
         return _staging_alive(path)
     return owner_alive(hidden.token)
 

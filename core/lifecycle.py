@@ -1,5 +1,7 @@
 """Every live Checkpointer is drained when the process exits: nothing ``async_save`` accepted is lost.
 
+Also: waiting, from anywhere in the process, for a path still being saved (``wait_for``).
+
 One drain for the whole process, for users and every adapter: an ``atexit`` handler, and a
 ``multiprocessing`` finalizer for multiprocessing children (Lightning's ``ddp_spawn``), which
 leave through ``os._exit`` after their finalizers and skip ``atexit``. A failure found there has
@@ -35,6 +37,13 @@ def forget(checkpointer: Any) -> None:
 
 def live() -> list[Any]:
     return list(_live)
+
+
+def wait_for(path: str) -> None:
+    """Wait for every save of ``path`` still in flight in this process (any live Checkpointer): a
+    framework reading a checkpoint through its own functions right after saving it reads it whole."""
+    for checkpointer in live():
+        checkpointer.wait_for(path)
 
 
 def drain_at_exit() -> None:

@@ -60,6 +60,11 @@ def error_marker_name(rank: int) -> str:
     return f"__{rank}.error.json"
 
 
+def files_record_name(rank: int) -> str:
+    """In a staging directory: the checksums of the files this rank wrote into a directory checkpoint."""
+    return f"__{rank}.files.json"
+
+
 def owner_marker_name(rank: int) -> str:
     """In a staging directory: the owner token of the writer writing this rank's share."""
     return f".asyncckpt-owner-{rank}"
@@ -68,7 +73,8 @@ def owner_marker_name(rank: int) -> str:
 SIDECAR_PATTERN = re.compile(r"^__(\d+)\.asyncckpt\.json$")
 DATA_FILE_PATTERN = re.compile(r"^__(\d+)_\d+\.distcp$")
 OWNER_MARKER_PATTERN = re.compile(r"^\.asyncckpt-owner-(\d+)$")
-COORDINATION_FILE_PATTERN = re.compile(r"^(__\d+\.(done|error\.json)|ABORTED\.json|\.asyncckpt-owner-\d+)$")
+FILE_CHECKSUM_PATTERN = re.compile(r"^\.(?P<name>.+)\.asyncckpt\.json$")
+COORDINATION_FILE_PATTERN = re.compile(r"^(__\d+\.(done|error\.json|files\.json)|ABORTED\.json|\.asyncckpt-owner-\d+)$")
 
 
 def is_published_file(name: str) -> bool:

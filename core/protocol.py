@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol, runtime_checkabl
 
 if TYPE_CHECKING:
     from .barrier import Barrier, BarrierSpec
+    from .file_checksums import FileChecksum
     from .layout import RankLayout
 
 BUFFER, DROP, RUN, BARRIER_RESULT, STOP = "buffer", "drop", "run", "barrier-result", "stop"
@@ -70,6 +71,13 @@ class RequestContext(Protocol):
 
     def failure(self, save_key: str) -> Optional[str]:
         """The failure recorded for ``save_key`` on this rank, if any."""
+
+    def record_file(self, save_key: str, name: str, checksum: "FileChecksum") -> None:
+        """Remember the checksum of a file this rank wrote for save ``save_key`` (a directory's
+        commit record lists them)."""
+
+    def files(self, save_key: str) -> dict[str, "FileChecksum"]:
+        """The files recorded for ``save_key`` on this rank (forgotten once asked for)."""
 
 
 @runtime_checkable

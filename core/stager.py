@@ -66,6 +66,8 @@ class Stager:
                 self.fail_everywhere(request, handle.rank, error)
             self.coordinator.complete(handle, error)
             handle.observed = True  # raised to the caller (the staging thread hands it back: ``report_later``)
+            if not isinstance(e, Exception):
+                raise  # Ctrl-C stays a KeyboardInterrupt: the save is abandoned, the user's interrupt goes on
             raise handle.exception() from e
 
     def fail_everywhere(self, request: Any, rank: int, error: BaseException) -> None:

@@ -130,4 +130,5 @@ def commit_share(req: ShareRequest) -> Optional[str]:
         metadata = metadata_pickled_by_torch(sidecars, req.final_path, req.save_id)
     atomic_write_bytes(os.path.join(req.staging_dir, names.DCP_METADATA_FILE), metadata)
     return commit.publish_with_record(req.staging_dir, req.final_path, {
-        "save_id": req.save_id, "world_size": req.world_size, "step": req.step, "structure_hash": req.structure_hash})
+        "save_id": req.save_id, "world_size": req.world_size, "step": req.step, "structure_hash": req.structure_hash,
+        "checksums": {name: {"size": len(data), "xxh3": checksum(data)} for name, data in req.extra_files.items()}})

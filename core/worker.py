@@ -31,7 +31,7 @@ from .copy_progress import PROGRESS_BYTES
 from .errors import CheckpointTimeoutError, CheckpointWriteError
 
 _PR_SET_PDEATHSIG = 1
-_REMEMBERED_FAILURES = 256  # saves whose failure on this rank a later request of theirs may ask about
+_REMEMBERED_FAILURES = 256  # saves whose failure (or files) on this rank a later request of theirs may ask about
 
 
 class Channel:
@@ -90,6 +90,7 @@ class Writer:
         self.buffers: dict[int, tuple[Any, mmap.mmap]] = {}
         self.failed_jobs: set[int] = set()
         self.failures: dict[str, str] = {}
+        self.files: dict[str, dict[str, Any]] = {}  # save key -> name -> FileChecksum, until its commit
         self.tidying: set[str] = set()  # directories to tidy after the current batch's replies
         self.after_replies: list[Callable[[], None]] = []
 
@@ -155,6 +156,15 @@ class _Context:
 
     def failure(self, save_key: str) -> Optional[str]:
         return self.writer.failures.get(save_key)
+
+    def record_file(self, save_key: str, name: str, checksum: Any) -> None:
+        files = self.writer.files
+        files.setdefault(save_key, {})[name] = checksum
+        while len(files) > _REMEMBERED_FAILURES:  # saves begun and never committed
+            files.pop(next(iter(files)))
+
+    def files(self, save_key: str) -> dict[str, Any]:
+        return self.writer.files.pop(save_key, {})
 
 
 def serve(channel: Channel, profile_to: Optional[str] = None) -> None:

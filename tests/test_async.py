@@ -429,3 +429,26 @@ def test_killed_worker_fails_a_pending_single_file_save(tmp_path):
             handle.result(timeout=30)
         checkpointer.save_file({"w": torch.ones(3)}, tmp_path / "model.pt")
     assert torch.equal(torch.load(tmp_path / "model.pt")["w"], torch.ones(3))
+
+
+def test_a_removal_queued_behind_a_failed_save_is_not_done(tmp_path):
+    """Nothing is deleted on the strength of a save that did not commit, and the save's error says
+    what it cancelled."""
+    with core.Checkpointer() as checkpointer:
+        checkpointer.save({"w": torch.ones(1000)}, tmp_path / "old")
+        os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"] = str(1 << 20)
+        try:
+            checkpointer.teardown()  # the next writer starts with the limit
+            failing = checkpointer.async_save({"w": torch.zeros(1 << 20)}, tmp_path / "new", step=2)  # 4 MiB
+            removal = checkpointer.remove([tmp_path / "old"], after=failing)
+            with pytest.raises(core.CheckpointWriteError) as info:
+                failing.result()
+        finally:
+            del os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"]
+        message = str(info.value)
+        assert message.startswith(f"asyncckpt: saving checkpoint {tmp_path / 'new'} (step 2) failed on rank 0: ")
+        assert f"not done either, since they waited for it: removing {tmp_path / 'old'}" in message
+        with pytest.raises(core.CheckpointCancelledError):
+            removal.result()
+        checkpointer.wait()  # reported once: nothing left to raise
+    assert core.is_complete(str(tmp_path / "old")) and not os.path.exists(tmp_path / "new")

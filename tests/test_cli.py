@@ -90,6 +90,7 @@ def runs(good, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     (incomplete / COMMIT_RECORD).unlink()
 
     cleaning = {kind: _leftovers(good, tmp_path_factory.mktemp(kind)) for kind in ("clean", "clean_dry_run")}
+    native = _native_kinds(tmp_path_factory.mktemp("native"))
 
     commands = {
         "clean": ("clean", cleaning["clean"]),
@@ -100,10 +101,72 @@ def runs(good, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         "verify_flipped": ("verify", flipped, "--no-progress"),
         "verify_truncated": ("verify", truncated, "--no-progress"),
         "verify_incomplete": ("verify", incomplete),
+        "ls_native": ("ls", native),
+        "inspect_file": ("inspect", native / "epoch=1-step=15.ckpt"),
+        "inspect_directory": ("inspect", native / "checkpoint_2"),
+        "inspect_root": ("inspect", native),
+        "verify_native_root": ("verify", native, "--no-progress"),
+        "verify_flipped_file": ("verify", native / "damaged" / "epoch=0-step=5.ckpt", "--no-progress"),
+        "verify_damaged_directory": ("verify", native / "damaged" / "checkpoint_1", "--no-progress"),
     }
     with ThreadPoolExecutor(len(commands)) as pool:
         futures = {name: pool.submit(cli, *args) for name, args in commands.items()}
     return {name: future.result() for name, future in futures.items()}
+
+
+def _native_kinds(root: Path) -> Path:
+    """What the adapters write, through the same core calls: a Lightning ``.ckpt`` file, an
+    Accelerate ``checkpoint_N`` directory; a directory a framework wrote without asyncckpt; and, in
+    ``damaged/``, a file and a directory with a flipped byte."""
+    state = state_dict()
+    with core.Checkpointer() as checkpointer:
+        for directory in (root, root / "damaged"):
+            directory.mkdir(exist_ok=True)
+            checkpointer.save_file({"state_dict": state["model"], "global_step": 15, "epoch": 1},
+                                   directory / ("epoch=1-step=15.ckpt" if directory == root else "epoch=0-step=5.ckpt"))
+            with checkpointer.begin_directory(directory / ("checkpoint_2" if directory == root else "checkpoint_1"),
+                                              step=2) as tx:
+                tx.save_file(state["model"], "model.safetensors", format="safetensors", metadata={"format": "pt"})
+                tx.save_file(state["optim"], "optimizer.bin")
+                tx.commit().result()
+    (root / "native_run").mkdir()
+    torch.save(state["optim"], root / "native_run" / "optimizer.bin")  # e.g. Accelerate without the adapter
+    flip_byte(root / "damaged" / "epoch=0-step=5.ckpt", os.path.getsize(root / "damaged" / "epoch=0-step=5.ckpt") // 2)
+    flip_byte(root / "damaged" / "checkpoint_1" / "optimizer.bin", 100)
+    return root
+
+
+def test_ls_lists_every_kind_and_marks_those_without_checksums(runs):
+    result = runs["ls_native"]
+
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()}
+    assert set(rows) == {"epoch=1-step=15.ckpt", "checkpoint_2", "native_run"}
+    assert rows["epoch=1-step=15.ckpt"].split()[1] == "15" and "(file, epoch 1)" in rows["epoch=1-step=15.ckpt"]
+    assert " COMPLETE  (directory)" in rows["checkpoint_2"]
+    assert " NATIVE " in rows["native_run"] and "no checksums" in rows["native_run"]
+
+
+def test_inspect_lists_keys_of_native_files_and_of_a_root(runs):
+    file, directory, root = runs["inspect_file"], runs["inspect_directory"], runs["inspect_root"]
+
+    assert file.returncode == 0, file.stderr
+    assert "  state_dict.weight  float32  [16, 8]" in file.stdout and "  state_dict.bias  bfloat16  [8]" in file.stdout
+    assert directory.returncode == 0, directory.stderr
+    assert "model.safetensors" in directory.stdout and "  weight  F32  [16, 8]" in directory.stdout
+    assert "  step  int64  []" in directory.stdout  # optimizer.bin, a weights-only pickle
+    assert root.returncode == 0 and "holds checkpoints, and is none itself" in root.stdout
+    assert "INCOMPLETE" not in root.stdout
+
+
+def test_verify_checks_native_files_by_checksum(runs):
+    good, file, directory = runs["verify_native_root"], runs["verify_flipped_file"], runs["verify_damaged_directory"]
+
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "checkpoint_2: OK: 2 file(s)" in good.stdout and "epoch=1-step=15.ckpt: OK: 1 file(s)" in good.stdout
+    assert "native_run: OK: 0 file(s), 0 B verified by checksum; without checksums" in good.stdout
+    assert file.returncode == 1 and "epoch=0-step=5.ckpt: checksum mismatch: expected xxh3 " in file.stdout
+    assert directory.returncode == 1 and "optimizer.bin: checksum mismatch" in directory.stdout
 
 
 OLD_STAGING = ".step_000020.asyncckpt-staging-0ld"
@@ -172,7 +235,7 @@ def test_ls_lists_complete_incomplete_and_staging_newest_last(runs):
     assert [row[1] for row in rows] == ["3", "10", "20", "30"]
     assert [row[3] for row in rows] == ["KiB"] * 4  # total size, e.g. "10.1 KiB"
     assert [row[4] for row in rows] == ["COMPLETE", "COMPLETE", "INCOMPLETE", "INCOMPLETE"]
-    assert rows[2][5:] == ["(staging)"] and len(rows[3]) == 5
+    assert [" ".join(row[5:]) for row in rows] == ["(sharded)", "(sharded)", "(staging)", "(sharded, no commit record)"]
 
 
 def test_inspect_shows_keys_shapes_dtypes_chunks_and_ranks(runs, good):
@@ -191,11 +254,14 @@ def test_inspect_shows_keys_shapes_dtypes_chunks_and_ranks(runs, good):
     assert any(line.startswith("  rank 0: 3 tensor chunk(s) 536 B, 2 object(s)") for line in lines)
 
 
-def test_verify_passes_on_a_good_checkpoint(runs):
+def test_verify_passes_on_a_good_checkpoint(runs, good):
     result = runs["verify_good"]
 
+    items = read_rank_sidecar(str(good), 0)["items"]
+    checksummed = sum(item["nbytes"] for item in items)  # tensors' bytes and objects' pickles
+    files = len({item["file"] for item in items})
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "OK: 5 item(s), " in result.stdout
+    assert result.stdout.strip().endswith(f": OK: {files} file(s), {checksummed} B verified by checksum")
     assert "verify: 100%" in result.stderr  # the tqdm progress bar goes to stderr only
 
 

@@ -67,6 +67,9 @@ RELIED_ON = {  # framework function -> the parameters the adapters pass or accep
     "lightning.pytorch.strategies.fsdp:FSDPStrategy.load_checkpoint": "(self, checkpoint_path, weights_only)",
     "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy.load_checkpoint": "(self, checkpoint_path, weights_only)",
     "lightning.pytorch.strategies.fsdp:FSDPStrategy.teardown": "(self)",
+    "lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector._parse_ckpt_path": (
+        "(self, state_fn, ckpt_path, model_provided, model_connected)"),
+    "lightning.pytorch.core.saving:pl_load": "(path_or_url, map_location, weights_only)",
     "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy.teardown": "(self)",
     "accelerate.accelerator:Accelerator.load_state": "(self, input_dir, load_kwargs, **load_model_func_kwargs)",
     "accelerate.accelerator:Accelerator.end_training": "(self)",
@@ -76,6 +79,7 @@ RELIED_ON = {  # framework function -> the parameters the adapters pass or accep
     "transformers.trainer:Trainer._save_rng_state": "(self, output_dir)",
     "transformers.trainer:Trainer._get_output_dir": "(self, trial)",
     "transformers.trainer:Trainer.store_flos": "(self)",
+    "transformers.trainer:Trainer.train": "(self, resume_from_checkpoint, trial, ignore_keys_for_eval)",
     "transformers.trainer:Trainer._push_from_checkpoint": "(self, checkpoint_folder)",
     "transformers.trainer_utils:sort_checkpoints": "(output_dir, checkpoint_prefix, use_mtime, best_model_checkpoint)",
     "transformers.modeling_utils:safe_save_file": "(tensors, filename, metadata)",

@@ -463,3 +463,50 @@ def test_shared_example_twice_bitwise(tmp_path):
     assert listing(tmp_path / "async" / "ckpts") == listing(tmp_path / "sync" / "ckpts")
     for name in listing(tmp_path / "sync" / "ckpts"):
         assert same(contents(tmp_path / "async" / "ckpts" / name), contents(tmp_path / "sync" / "ckpts" / name))
+
+
+# ---------------------------------------------------------------------- LightningCLI
+CLI_SCRIPT = textwrap.dedent('''
+    import sys, torch, lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringModel, BoringDataModule
+
+    class Report(Callback):
+        def on_fit_end(self, trainer, module):
+            io = trainer.strategy.checkpoint_io
+            print(f"PLUGIN {type(io).__module__}.{type(io).__name__} max_in_flight={getattr(io, 'max_in_flight', None)}")
+
+    if __name__ == "__main__":
+        defaults = {"max_steps": 2, "accelerator": "cpu", "enable_progress_bar": False, "callbacks": [Report()],
+                    "default_root_dir": sys.argv[1]}
+        if "--spec-default" in sys.argv:  # the documented form: a class_path/init_args spec, not an instance
+            sys.argv.remove("--spec-default")
+            defaults["plugins"] = [{"class_path": "asyncckpt.adapters.lightning.AsyncCkptIO",
+                                    "init_args": {"max_in_flight": 3}}]
+        LightningCLI(BoringModel, BoringDataModule, trainer_defaults=defaults, args=sys.argv[2:])
+''')
+
+
+def test_lightning_cli_config_records_the_plugin_and_reads_it_back(tmp_path):
+    """LightningCLI writes the plugin into config.yaml as its class and init arguments, and a run
+    from that config gets the same plugin; ``--trainer.plugins=...`` selects it on the command line."""
+    pytest.importorskip("jsonargparse")
+    script = tmp_path / "cli.py"
+    script.write_text(CLI_SCRIPT)
+
+    def run(*args):
+        proc = subprocess.run([PYTHON, str(script), str(tmp_path / "run"), *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=180, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "Unable to serialize" not in proc.stderr + proc.stdout
+        return proc.stdout
+
+    assert "PLUGIN asyncckpt.adapters.lightning.checkpoint_io.AsyncCkptIO max_in_flight=3" in run("fit", "--spec-default")
+    configs = list((tmp_path / "run").rglob("config.yaml"))
+    assert len(configs) == 1
+    text = configs[0].read_text()
+    assert "class_path: asyncckpt.adapters.lightning.AsyncCkptIO" in text and "max_in_flight: 3" in text
+    assert "max_in_flight=3" in run("fit", "--config", str(configs[0]), "--trainer.default_root_dir", str(tmp_path / "again"))
+    assert "max_in_flight=2" in run("fit", "--trainer.plugins=asyncckpt.adapters.lightning.AsyncCkptIO",
+                                    "--trainer.default_root_dir", str(tmp_path / "cli"))

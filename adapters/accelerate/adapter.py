@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 from accelerate import Accelerator
 
-from asyncckpt.core import Checkpointer, is_complete, lifecycle, patching, versions
+from asyncckpt.core import Checkpointer, dist_env, is_complete, lifecycle, patching, versions
 
 from .capture import Capture
 
@@ -62,6 +62,11 @@ class Options:
         costs more than it saves (docs/benchmarks_accelerate.md); where the state lives on a GPU and the CPU
         idles during forward/backward, turn it on.
     fix_iteration: ``load_state`` restores ``project_configuration.iteration`` (accelerate #3306).
+    verify_on_resume: ``load_state`` checks the checkpoint against its checksums before loading anything
+        (``asyncckpt.core.integrity``); a damaged one raises ``CorruptCheckpointError`` naming the file.
+        Checkpoints written without asyncckpt load unchecked.
+    resume_from_intact: when ``load_state()`` picks the newest ``checkpoint_N`` itself and it is damaged, load
+        the newest one that checks out instead, with a warning naming the one skipped.
     """
 
     max_in_flight: int = 1
@@ -72,6 +77,8 @@ class Options:
     inline_bytes: int = 1 << 20
     overlap_optimizer: bool = False
     fix_iteration: bool = True
+    verify_on_resume: bool = True
+    resume_from_intact: bool = False
 
 
 def enable_async_checkpointing(accelerator: Accelerator, **options: Any) -> "AsyncCheckpointing":
@@ -94,6 +101,8 @@ class AsyncCheckpointing:
                                          direct_io=options.direct_io, io_threads=options.io_threads)
         self.last_written: list[str] = []  # files this process staged in its latest save_state()
         self._attach()
+        dist_env.warn_if_launched_as_many(accelerator.num_processes, "Accelerate", "Launch with `accelerate launch` "
+                                          "(or torchrun with the process group set up) so that they train together.")
         self.checkpointer.start()  # the writer starts now, not at the first save
 
     def _attach(self) -> None:
@@ -181,9 +190,7 @@ class AsyncCheckpointing:
         acc, config = self.accelerator, self.accelerator.project_configuration
         root = os.path.abspath(os.path.join(acc.project_dir, "checkpoints"))
         os.makedirs(root, exist_ok=True)
-        in_flight = {h.path for h in self.checkpointer.pending() if h.kind == "directory" and os.path.dirname(h.path) == root}
-        entries = {os.path.join(root, name) for name in os.listdir(root)} | in_flight
-        entries = [path for path in entries if self.checkpointer.will_exist(path) is not False]
+        entries = self.checkpointer.checkpoints_in(root, [os.path.join(root, name) for name in os.listdir(root)])
         removals = []
         if config.total_limit is not None and len(entries) + 1 > config.total_limit and acc.is_main_process:
             numbered = sorted((int(m[0]), p) for p in entries if (m := _ACCELERATE_NUMBER.findall(p)))
@@ -207,14 +214,32 @@ class AsyncCheckpointing:
         return original(self.accelerator, output_dir, safe_serialization=safe_serialization, **kwargs)
 
     # ------------------------------------------------------------------ load_state, end_training
-    def load_state(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+    def load_state(self, original: Callable, input_dir: Optional[str] = None, *args: Any, **kwargs: Any) -> Any:
         """Before Accelerate picks the newest checkpoint_N, every save of this process (through any
-        Accelerator) must be committed; afterwards, fix ``iteration`` (accelerate #3306)."""
+        Accelerator) must be committed; the checkpoint is checked before anything is loaded from it;
+        afterwards, fix ``iteration`` (accelerate #3306)."""
         for checkpointer in lifecycle.live():
             checkpointer.wait()
-        result = original(self.accelerator, *args, **kwargs)
+        if self.options.verify_on_resume:
+            input_dir = self._intact(input_dir)
+        result = original(self.accelerator, input_dir, *args, **kwargs)
         self._fix_iteration()
         return result
+
+    def _intact(self, input_dir: Optional[str]) -> Optional[str]:
+        acc = self.accelerator
+        if input_dir is not None:
+            self.checkpointer.require_intact(input_dir)
+            return input_dir
+        if not (acc.project_configuration.automatic_checkpoint_naming and acc.project_dir):
+            return None  # Accelerate raises its own error for this
+        root = os.path.join(acc.project_dir, "checkpoints")
+        newest_first = sorted((os.path.join(root, name) for name in os.listdir(root)),
+                              key=lambda p: int(_ACCELERATE_NUMBER.findall(p)[0]), reverse=True)
+        if self.options.resume_from_intact:
+            return self.checkpointer.newest_intact(newest_first)
+        self.checkpointer.require_intact(newest_first[0])
+        return newest_first[0]
 
     def end_training(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
         """The run ended: wait for every save, stop the background writer (it starts again if needed)."""

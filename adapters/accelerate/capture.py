@@ -1,9 +1,10 @@
 """The files of one ``save_state()`` call, captured as Accelerate writes them and snapshot into a transaction.
 
-``save_state`` writes every file through two module globals of ``accelerate.checkpointing``: ``save``
-(models, optimizers, schedulers, samplers, custom objects) and ``torch.save`` (RNG, GradScaler, stateful
-dataloaders). For the duration of the call both are replaced (``asyncckpt.core.patching.patched``) by
-functions that, for a path inside the transaction's staging directory, snapshot the object now: large
+``save_state`` writes every file through two names in ``accelerate.checkpointing``: ``save`` (models,
+optimizers, schedulers, samplers, custom objects) and ``torch.save`` (RNG, GradScaler, stateful
+dataloaders). For the duration of the call both are replaced there (``asyncckpt.core.patching.patched``)
+by functions that, for a path inside the transaction's staging directory, snapshot the object now (any
+other path is passed to the original): large
 states into the core's reused shared-memory buffers (``tx.save_file``), small ones serialised on the spot
 (``tx.write_bytes``). Which process writes what is Accelerate's own rule, except that under DDP the large
 replicated files can be spread over the processes (``Options.spread_writes``).
@@ -22,9 +23,9 @@ import torch
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 from accelerate.utils.other import clean_state_dict_for_safetensors
-from safetensors.torch import save as safetensors_bytes
 
 from asyncckpt.core import patching
+from asyncckpt.core.file_snapshots import tensor_bytes
 
 if TYPE_CHECKING:
     from .adapter import AsyncCheckpointing
@@ -36,34 +37,10 @@ _REPLICATED = {getattr(DistributedType, n) for n in ("MULTI_CPU", "MULTI_GPU", "
                if hasattr(DistributedType, n)}
 _OPTIMIZER_FILE = re.compile(r"^optimizer(_\d+)?\.bin$")
 _SPREADABLE_FILE = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin)$")
-_CONTAINERS = (torch.Tensor, dict, list, tuple)
-
-
-def tensor_bytes(obj: Any, stop_at: Optional[int] = None) -> int:
-    """Bytes of tensor storage reachable through dicts/lists/tuples (what torch.save would write);
-    with ``stop_at``, counting ends once that many are found (enough to choose how to save)."""
-    seen: set = set()
-    total = 0
-    pending = [(obj, 0)]
-    while pending:
-        value, depth = pending.pop()
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            key = (storage.data_ptr(), storage.device)
-            if key not in seen:
-                seen.add(key)
-                total += storage.nbytes()
-                if stop_at is not None and total >= stop_at:
-                    return total
-        elif depth <= 8:
-            values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-            pending.extend((v, depth + 1) for v in values if isinstance(v, _CONTAINERS))  # skip scalars fast
-    return total
-
-
-class _TorchWithCapturedSave:
-    """Stands in for the ``torch`` module inside ``accelerate.checkpointing`` during a save: everything
-    is torch's, except ``save``."""
+class _TorchSavingInto:
+    """Stands in for the ``torch`` module inside ``accelerate.checkpointing`` during a save (its
+    ``torch.save`` calls: RNG, GradScaler, dataloader state), and only there: the FSDP and DeepSpeed
+    save functions write their own files with the real one."""
 
     def __init__(self, real: Any, save: Callable) -> None:
         self._real, self.save = real, save
@@ -86,9 +63,9 @@ class Capture:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["Capture"]:
-        torch_module = accelerate_checkpointing.torch
+        torch_module = accelerate_checkpointing.torch  # only accelerate.checkpointing's: FSDP/DeepSpeed code
         with patching.patched(accelerate_checkpointing, "save", self.capture_save), \
-                patching.patched(accelerate_checkpointing, "torch", _TorchWithCapturedSave(torch_module, self.capture_torch_save)):
+                patching.patched(accelerate_checkpointing, "torch", _TorchSavingInto(torch_module, self.capture_torch_save)):
             yield self
 
     # ---- which process writes what
@@ -155,19 +132,10 @@ class Capture:
         return tensor_bytes(obj, stop_at=self.options.inline_bytes) < self.options.inline_bytes
 
     def snapshot(self, name: str, obj: Any, fmt: str) -> None:
-        if fmt == "safetensors":
-            if isinstance(obj, OrderedDict):
-                obj = clean_state_dict_for_safetensors(obj)  # before the snapshot: tied weights stay one tensor
-            if self._small(obj):
-                self.tx.write_bytes(name, safetensors_bytes(obj, metadata={"format": "pt"}))
-            else:
-                self.tx.save_file(obj, name, format="safetensors", metadata={"format": "pt"})
-        elif self._small(obj):
-            buffer = io.BytesIO()
-            self.real_torch_save(obj, buffer)  # the exact bytes torch.save writes: that is the snapshot
-            self.tx.write_bytes(name, buffer.getvalue())
-        else:
-            self.tx.save_file(obj, name, format="torch")
+        if fmt == "safetensors" and isinstance(obj, OrderedDict):
+            obj = clean_state_dict_for_safetensors(obj)  # before the snapshot: tied weights stay one tensor
+        self.tx.save_file(obj, name, format=fmt, metadata={"format": "pt"} if fmt == "safetensors" else None,
+                          inline_below=self.options.inline_bytes)
 
     def stage_spread(self) -> None:
         """Large replicated files (DDP): the largest first, each to the least-loaded process. Every process

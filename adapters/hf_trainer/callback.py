@@ -17,11 +17,12 @@ checkpoint on resume. It pickles (with its options; a copy attaches to the Train
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+import os
+from typing import Any, Callable, Optional
 
-from transformers import Trainer, TrainerCallback
+from transformers import PreTrainedModel, Trainer, TrainerCallback
 
-from asyncckpt.core import Checkpointer, versions
+from asyncckpt.core import Checkpointer, dist_env, lifecycle, patching, versions
 
 from .saver import AsyncCheckpointSaver
 
@@ -45,12 +46,21 @@ class AsyncCheckpointCallback(TrainerCallback):
             only in ``step()``; the weights, RNG and everything else are snapshot before the save
             returns. Turn it off if your code changes the optimizer's state tensors in place between a
             save and the next step; with an optimizer that is not a ``torch.optim.Optimizer`` it is off.
+        verify_on_resume: ``train(resume_from_checkpoint=...)`` and ``load_best_model_at_end`` check the
+            checkpoint against its checksums before loading anything (``asyncckpt.core.integrity``); a
+            damaged one raises ``CorruptCheckpointError`` naming the file. Checkpoints written without
+            asyncckpt load unchecked. (The callback must be given to the Trainer's constructor for this.)
+        resume_from_intact: with ``resume_from_checkpoint=True``, a damaged newest checkpoint gives way
+            to the newest that checks out, with a warning naming the one skipped.
     """
 
     def __init__(self, max_pending: int = 1, timeout: float = 600.0, direct_io: bool = True,
-                 checkpointer: Optional[Checkpointer] = None, overlap_optimizer: bool = True) -> None:
+                 checkpointer: Optional[Checkpointer] = None, overlap_optimizer: bool = True,
+                 verify_on_resume: bool = True, resume_from_intact: bool = False) -> None:
         versions.require("transformers", SUPPORTED_TRANSFORMERS, "transformers")
+        patching.install(PreTrainedModel, "from_pretrained", _waiting_from_pretrained)
         self.max_pending, self.timeout, self.direct_io, self.overlap_optimizer = max_pending, timeout, direct_io, overlap_optimizer
+        self.verify_on_resume, self.resume_from_intact = verify_on_resume, resume_from_intact
         self.owns_checkpointer = checkpointer is None
         self.checkpointer = checkpointer or Checkpointer(max_in_flight=max_pending, timeout=timeout, direct_io=direct_io)
         self.saver: Optional[AsyncCheckpointSaver] = None
@@ -59,14 +69,10 @@ class AsyncCheckpointCallback(TrainerCallback):
         return {**self.__dict__, "saver": None}  # the Checkpointer pickles as its options
 
     @property
-    def stalls(self) -> list[tuple[int, float]]:
-        """(global step, seconds the training loop spent in each checkpoint save)."""
-        return [(t["step"], t["stall_s"]) for t in self.timings]
-
-    @property
     def timings(self) -> list[dict]:
-        """Per save: ``step``, ``stall_s`` and ``optimizer_step_waited_s`` (how long the next
-        optimizer step waited for the overlapped ``optimizer.pt`` snapshot)."""
+        """Per save: ``step``, ``stall_s`` (seconds the training loop spent in it), ``waited_s`` (of
+        it, for an earlier checkpoint's commit: ``max_pending``) and ``optimizer_step_waited_s`` (how
+        long the next optimizer step waited for the overlapped ``optimizer.pt`` snapshot)."""
         return self.saver.timings if self.saver is not None else []
 
     # ------------------------------------------------------------------ Trainer events
@@ -77,6 +83,8 @@ class AsyncCheckpointCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._attach(_calling_trainer(self))  # added with trainer.add_callback(...) after __init__: attach now
+        dist_env.warn_if_launched_as_many(args.world_size, "the Trainer", "Without GPUs, give the training script "
+                                          "--use_cpu (TrainingArguments(use_cpu=True)) so that they train together.")
         if self.saver is not None:
             self.saver.install()
             if args.save_strategy != "no":
@@ -93,7 +101,18 @@ class AsyncCheckpointCallback(TrainerCallback):
 
     def _attach(self, trainer: Optional[Trainer]) -> None:
         if trainer is not None and (self.saver is None or self.saver.trainer is not trainer):
-            self.saver = AsyncCheckpointSaver(trainer, self.checkpointer, overlap_optimizer=self.overlap_optimizer)
+            self.saver = AsyncCheckpointSaver(trainer, self.checkpointer, overlap_optimizer=self.overlap_optimizer,
+                                              verify_on_resume=self.verify_on_resume, resume_from_intact=self.resume_from_intact)
+
+
+def _waiting_from_pretrained(original: Callable) -> Callable:
+    """``from_pretrained`` of a ``checkpoint-N`` still being saved in this process waits for it."""
+    def from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(pretrained_model_name_or_path, (str, os.PathLike)):
+            lifecycle.wait_for(os.path.abspath(os.fspath(pretrained_model_name_or_path)))
+        return original(cls, pretrained_model_name_or_path, *args, **kwargs)
+
+    return from_pretrained
 
 
 def _calling_trainer(callback: TrainerCallback) -> Optional[Trainer]:

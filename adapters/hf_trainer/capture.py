@@ -20,6 +20,7 @@ when the block ends. Paths outside the scratch directory and file objects pass t
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 import threading
@@ -89,11 +90,29 @@ class Capture:
 
 
 @contextlib.contextmanager
+def _log_lines_naming(scratch: str, final: str) -> Iterator[None]:
+    """Log lines name the checkpoint folder, not the scratch directory ("Saving model checkpoint to ...")."""
+    make_record = logging.getLogRecordFactory()
+
+    def naming(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make_record(*args, **kwargs)
+        if isinstance(record.msg, str):
+            record.msg = record.msg.replace(scratch, final)
+        return record
+
+    logging.setLogRecordFactory(naming)
+    try:
+        yield
+    finally:
+        logging.setLogRecordFactory(make_record)
+
+
+@contextlib.contextmanager
 def capture_into(tx: Any, defer: Optional[Callable[[str], bool]] = None) -> Iterator[Capture]:
     """``with capture_into(tx) as cap:`` call the Trainer's save methods with ``cap.scratch``."""
     with tempfile.TemporaryDirectory(prefix="asyncckpt-hf-", dir=_scratch_root()) as scratch:
         cap = Capture(tx, os.path.realpath(scratch), defer)
-        with _lock, patching.patched(torch, "save", cap.torch_save(torch.save)), \
+        with _lock, _log_lines_naming(cap.scratch, tx.final_dir), patching.patched(torch, "save", cap.torch_save(torch.save)), \
                 patching.patched(safetensors.torch, "save_file", cap.safetensors_save(safetensors.torch.save_file)), \
                 patching.patched(modeling_utils, "safe_save_file", cap.safetensors_save(modeling_utils.safe_save_file)):
             yield cap

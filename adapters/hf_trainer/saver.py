@@ -16,58 +16,52 @@ by ``tests/test_framework_contracts.py``) does, with these differences, each mar
 """
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import time
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
+from transformers.trainer import OPTIMIZER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint, sort_checkpoints
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
 from asyncckpt.core import Checkpointer, patching
 
 from .capture import capture_into
 
-logger = logging.getLogger("asyncckpt.hf_trainer")
-
-TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
-OPTIMIZER_NAME = "optimizer.pt"  # transformers.trainer.OPTIMIZER_NAME
-
 
 class AsyncCheckpointSaver:
     """Installed on one Trainer for its ``train()`` calls: replaces ``_save_checkpoint`` and
     ``_finalize_training`` on that instance (not its class)."""
 
-    def __init__(self, trainer: Any, checkpointer: Checkpointer, *, overlap_optimizer: bool) -> None:
+    def __init__(self, trainer: Any, checkpointer: Checkpointer, *, overlap_optimizer: bool, verify_on_resume: bool,
+                 resume_from_intact: bool) -> None:
         self.trainer, self.checkpointer, self.overlap_optimizer = trainer, checkpointer, overlap_optimizer
+        self.verify_on_resume, self.resume_from_intact = verify_on_resume, resume_from_intact
+        if verify_on_resume:  # for the trainer's lifetime: every train() may resume
+            patching.install(trainer, "train", self._resuming_intact)
         # per save: step, stall_s, waited_s (of it, for an earlier checkpoint's commit), optimizer_step_waited_s
         # (how long the next optimizer step waited for the overlapped snapshot)
         self.timings: list[dict] = []
-        self._patches: list[patching.Patch] = []
-        self._step_hook = None
-        self._warned: set[str] = set()
+        self._undo: list[Callable[[], None]] = []  # what install() did, undone by uninstall()
         self._staged_wait_mark = 0.0
 
     def install(self) -> None:
         """Idempotent: the callback installs at the Trainer's construction and again at each train()."""
-        if self._patches:
+        if self._undo:
             return
-        trainer = self.trainer
-        self._patches = [patching.install(trainer, "_save_checkpoint", lambda original: self.save_checkpoint),
-                         patching.install(trainer, "_finalize_training", lambda original: self._finalize(original))]
+        self._undo = [patching.install(self.trainer, "_save_checkpoint", lambda original: self.save_checkpoint).restore,
+                      patching.install(self.trainer, "_finalize_training", self._finalize).restore]
         if self.overlap_optimizer:  # any optimizer step first waits for an overlapped optimizer.pt snapshot
-            self._step_hook = self.checkpointer.guard_every_optimizer()
+            self._undo.append(self.checkpointer.guard_every_optimizer().remove)
 
     def uninstall(self) -> None:
-        for patch in self._patches:
-            patch.restore()
-        self._patches = []
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
+        for undo in self._undo:
+            undo()
+        self._undo = []
 
     # ------------------------------------------------------------------ the save
     def save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -76,7 +70,8 @@ class AsyncCheckpointSaver:
             self.checkpointer.wait()
             return type(trainer)._save_checkpoint(trainer, model, trial)
         started = time.perf_counter()
-        self._record_step_wait()
+        if self.timings:  # how long the optimizer step after the last save waited for its overlapped snapshot
+            self.timings[-1]["optimizer_step_waited_s"] = self.checkpointer.stager.staged_wait_s - self._staged_wait_mark
         timing = {"step": trainer.state.global_step, "waited_s": 0.0}
         try:
             self._save(trainer, trial, timing)
@@ -101,7 +96,7 @@ class AsyncCheckpointSaver:
                 if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) \
                         and state.best_global_step:
                     best_dir = os.path.abspath(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}"))
-                    if best_dir == final_dir or self._will_exist(best_dir):  # async: in flight counts as existing
+                    if best_dir == final_dir or self.checkpointer.will_exist(best_dir):  # async: in flight counts as existing
                         state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
                 if not args.save_only_model:
                     trainer._save_optimizer_and_scheduler(cap.scratch)
@@ -140,42 +135,43 @@ class AsyncCheckpointSaver:
         if doomed:
             self.checkpointer.remove(doomed, after=handle)
 
-    def _will_exist(self, path: str) -> bool:
-        queued = self.checkpointer.will_exist(path)
-        return os.path.exists(path) if queued is None else queued
-
     def _rotation(self, run_dir: str, save_total_limit: Optional[int], best: Optional[str], newest: str) -> list[str]:
-        """``rotate_checkpoints`` over what will exist once the writer is done: the folders to delete.
-
-        Order: the checkpoints on disk in the Trainer's own order (by mtime), then those in flight in
-        the order they were saved; so the newest is the one just saved, as with native ``use_mtime=True``.
-        """
+        """``rotate_checkpoints`` over what will exist once the writer is done: the folders to delete,
+        oldest first (the Trainer's own order by mtime, then those in flight as saved), never the
+        newest nor the best."""
         if save_total_limit is None or save_total_limit <= 0:
             return []
-        run_dir = os.path.abspath(run_dir)
-        in_flight = [h.path for h in self.checkpointer.pending()
-                     if h.kind == "directory" and os.path.dirname(h.path) == run_dir]
-        found = [os.path.abspath(p) for p in sort_checkpoints(run_dir, use_mtime=True)]
-        checkpoints = [p for p in [p for p in found if p not in in_flight] + in_flight
-                       if self.checkpointer.will_exist(p) is not False]
-        if len(checkpoints) <= save_total_limit:
-            return []
-        protected = {newest} | ({os.path.abspath(best)} if best is not None else set())
-        remaining, doomed = len(checkpoints), []
-        for checkpoint in checkpoints:
-            if remaining <= max(save_total_limit, len(protected)):
-                break
-            if checkpoint not in protected:
-                doomed.append(checkpoint)
-                remaining -= 1
-        return doomed
+        checkpoints = self.checkpointer.checkpoints_in(run_dir, sort_checkpoints(run_dir, use_mtime=True))
+        protected = {newest, os.path.abspath(best) if best else newest} & set(checkpoints)
+        excess = len(checkpoints) - max(save_total_limit, len(protected))
+        return [p for p in checkpoints if p not in protected][:max(0, excess)]
 
     # ------------------------------------------------------------------ the end of training
+    def _resuming_intact(self, original: Callable) -> Callable:
+        """``train(resume_from_checkpoint=...)``: the checkpoint is checked before anything is loaded
+        from it; with ``True`` and ``resume_from_intact``, a damaged newest one gives way to the
+        newest that checks out."""
+        def train(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+            last = resume_from_checkpoint is True and get_last_checkpoint(self.trainer.args.output_dir)
+            if last:  # the Trainer would pick it
+                older = [p for p in reversed(sort_checkpoints(self.trainer.args.output_dir)) if p != last]
+                resume_from_checkpoint = self.checkpointer.newest_intact([last, *older]) if self.resume_from_intact \
+                    else self.checkpointer.require_intact(last).path
+            elif resume_from_checkpoint and resume_from_checkpoint is not True:
+                self.checkpointer.require_intact(resume_from_checkpoint)
+            return original(resume_from_checkpoint, *args, **kwargs)
+
+        return train
+
     def _finalize(self, original: Callable) -> Callable:
-        """Every save committed before the best model is loaded back; the Trainer's own deletions of
-        checkpoint folders there (``save_total_limit=1``) are atomic."""
+        """Every save committed before the best model is loaded back (and checked, with
+        ``verify_on_resume``); the Trainer's own deletions of checkpoint folders there
+        (``save_total_limit=1``) are atomic."""
         def finalize_training(*args: Any, **kwargs: Any) -> Any:
             self.checkpointer.wait()
+            best = self.trainer.state.best_model_checkpoint
+            if self.verify_on_resume and self.trainer.args.load_best_model_at_end and best:
+                self.checkpointer.require_intact(best)
             with patching.patched(shutil, "rmtree", self._atomic_rmtree(shutil.rmtree)):
                 return original(*args, **kwargs)
 
@@ -201,8 +197,9 @@ class AsyncCheckpointSaver:
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         if isinstance(optimizer, torch.optim.Optimizer):
             return True
-        self._warn_once(f"asyncckpt: {type(optimizer).__name__} is not a torch.optim.Optimizer, so its steps cannot be "
-                        "made to wait for an overlapped snapshot: optimizer.pt is snapshot before each save returns.")
+        warnings.warn(f"asyncckpt: {type(optimizer).__name__} is not a torch.optim.Optimizer, so its steps cannot be "
+                        "made to wait for an overlapped snapshot: optimizer.pt is snapshot before each save returns.", RuntimeWarning,
+                      stacklevel=2)
         return False
 
     def _supported(self, trainer: Any) -> bool:
@@ -213,16 +210,6 @@ class AsyncCheckpointSaver:
             ("SageMaker MP", is_sagemaker_mp_enabled()),
         ) if on]
         if unsupported:
-            self._warn_once(f"asyncckpt: {unsupported[0]} checkpoints are saved synchronously by the Trainer itself "
-                            "(asynchronous saving covers single-process and DDP training).")
+            warnings.warn(f"asyncckpt: {unsupported[0]} checkpoints are saved synchronously by the Trainer itself "
+                          "(asynchronous saving covers single-process and DDP training).", RuntimeWarning, stacklevel=2)
         return not unsupported
-
-    def _warn_once(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
-            logger.warning(message)
-
-    def _record_step_wait(self) -> None:
-        """How long the optimizer step after the last save waited for its overlapped snapshot."""
-        if self.timings:
-            self.timings[-1]["optimizer_step_waited_s"] = self.checkpointer.stager.staged_wait_s - self._staged_wait_mark

@@ -22,6 +22,7 @@ A save that failed in the background raises at the next save, removal, load or t
 from __future__ import annotations
 
 import fnmatch
+import glob
 import io
 import os
 import sys
@@ -57,22 +58,30 @@ class AsyncCkptIO(CheckpointIO):
         sync_patterns: file-name patterns (``fnmatch``) saved synchronously; default the SLURM
             requeue checkpoint ``hpc_ckpt_*`` (the job is requeued right after that save returns).
         sync_on_exception: save synchronously while an exception is being handled.
+        verify_on_resume: check a checkpoint against its checksums before Lightning loads it
+            (``asyncckpt.core.integrity``); a damaged one raises ``CorruptCheckpointError`` naming the
+            file (and, in a sharded checkpoint, the key). Files written without asyncckpt load unchecked.
+        resume_from_intact: when Lightning picked the checkpoint itself (``ckpt_path="last"``,
+            ``"best"``, ``"hpc"``) and it is damaged, resume from the newest other checkpoint in its
+            directory that checks out, with a warning naming the one skipped.
     """
 
     def __init__(self, *, max_in_flight: int = 2, timeout: float = 600.0, direct_io: bool = True,
                  io_threads: int = 2, sync_patterns: tuple[str, ...] = ("hpc_ckpt_*",),
-                 sync_on_exception: bool = True) -> None:
+                 sync_on_exception: bool = True, verify_on_resume: bool = True, resume_from_intact: bool = False) -> None:
         versions.require("lightning", SUPPORTED_LIGHTNING, "lightning")
         super().__init__()
         self.max_in_flight, self.timeout, self.direct_io, self.io_threads = max_in_flight, timeout, direct_io, io_threads
         self.sync_patterns, self.sync_on_exception = tuple(sync_patterns), sync_on_exception
+        self.verify_on_resume, self.resume_from_intact = verify_on_resume, resume_from_intact
+        self.picked_by_lightning: Optional[str] = None  # the path Lightning resolved "last"/"best"/"hpc" to
         self.checkpointer = Checkpointer(max_in_flight=max_in_flight, timeout=timeout, direct_io=direct_io,
                                          io_threads=io_threads)
         self._last_save: Optional[SaveHandle] = None  # removals wait for it
         integration.install()
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_last_save": None}  # the Checkpointer pickles as its options
+        return {**self.__dict__, "_last_save": None, "picked_by_lightning": None}  # the Checkpointer: its options
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -97,8 +106,11 @@ class AsyncCkptIO(CheckpointIO):
 
     def load_checkpoint(self, path: _PATH, map_location: Optional[Callable] = lambda storage, loc: storage,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Wait for pending writes (on every rank under DDP), then load like ``TorchCheckpointIO``."""
+        """Wait for pending writes (on every rank under DDP), check the file, then load like ``TorchCheckpointIO``."""
         self.checkpointer.wait(everywhere=True)
+        if self.verify_on_resume and _is_local(path):
+            path = self.intact(path, lambda: sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(path)), "*.ckpt")),
+                                                    key=os.path.getmtime, reverse=True))
         return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: _PATH) -> None:
@@ -143,6 +155,15 @@ class AsyncCkptIO(CheckpointIO):
             meta = {"meta.pt": buffer.getvalue()}
         step, label = _step_and_label(checkpoint)
         self._saved(self.checkpointer.async_save(converted, path, step=step, label=label, extra_files=meta), path)
+
+    def intact(self, path: _PATH, older: Callable[[], list[str]], everywhere: bool = False) -> str:
+        """``path`` once it checked out; or, when Lightning picked it and it is damaged, the newest of
+        ``older()`` that does (``resume_from_intact``)."""
+        path = os.path.abspath(os.fspath(path))
+        if self.resume_from_intact and path == self.picked_by_lightning:
+            return self.checkpointer.newest_intact([path] + [p for p in older() if os.path.realpath(p) != os.path.realpath(path)])
+        self.checkpointer.require_intact(path, everywhere=everywhere)
+        return path
 
     def _saved(self, handle: SaveHandle, path: str) -> None:
         self._last_save = handle

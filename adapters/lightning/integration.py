@@ -19,10 +19,14 @@ replaced                                                   with the plugin
                                                            (atomically) once its target committed
 ``FSDPStrategy`` / ``ModelParallelStrategy``               sharded saves go through
 ``.save_checkpoint``                                       ``Checkpointer.async_save`` (+ ``meta.pt``)
-``FSDPStrategy`` / ``ModelParallelStrategy``               wait (all ranks) before loading
-``.load_checkpoint``
+``FSDPStrategy`` / ``ModelParallelStrategy``               wait (all ranks), check a sharded
+``.load_checkpoint``                                       checkpoint (each rank its share), load
+``_CheckpointConnector._parse_ckpt_path``                  note which checkpoint Lightning picked
+                                                           ("last", "best"): ``resume_from_intact``
 ``FSDPStrategy`` / ``ModelParallelStrategy.teardown``      also calls ``checkpoint_io.teardown()``,
                                                            as other strategies do
+``lightning.pytorch.core.saving.pl_load``                  ``load_from_checkpoint`` of a path still
+                                                           being saved in this process waits for it
 =========================================================  =========================================
 """
 from __future__ import annotations
@@ -31,9 +35,11 @@ import os
 from typing import Any, Callable, Optional
 
 from lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
+from lightning.pytorch.core import saving
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
-from asyncckpt.core import patching
+from asyncckpt.core import lifecycle, patching
 
 
 def plugin_of(strategy: Any) -> Optional[Any]:
@@ -49,10 +55,12 @@ def install() -> None:
     patching.install(Strategy, "setup_environment", _with_plugin(_start_writer))
     patching.install(ModelCheckpoint, "file_exists", _file_exists)
     patching.install(ModelCheckpoint, "_link_checkpoint", _link_checkpoint)
+    patching.install(saving, "pl_load", _waiting_load)
+    patching.install(_CheckpointConnector, "_parse_ckpt_path", _noting_the_pick)
     for strategy, model_key, sharded in ((FSDPStrategy, "model", lambda s: s._state_dict_type == "sharded"),
                                          (ModelParallelStrategy, "state_dict", lambda s: s._save_distributed_checkpoint)):
         patching.install(strategy, "save_checkpoint", _sharded_save(model_key, sharded))
-        patching.install(strategy, "load_checkpoint", _with_plugin(lambda io: io.checkpointer.wait(everywhere=True)))
+        patching.install(strategy, "load_checkpoint", _sharded_load)
         patching.install(strategy, "teardown", _teardown)
 
 
@@ -74,15 +82,21 @@ def _start_writer(io: Any) -> None:
     io.checkpointer.start()
 
 
+def _waiting_load(original: Callable) -> Callable:
+    def pl_load(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(path_or_url, (str, os.PathLike)) and "://" not in str(path_or_url):
+            lifecycle.wait_for(os.path.abspath(os.fspath(path_or_url)))
+        return original(path_or_url, *args, **kwargs)
+
+    return pl_load
+
+
 def _file_exists(original: Callable) -> Callable:
     def file_exists(self, filepath, trainer) -> bool:
         io = plugin_of(trainer.strategy)
         if io is None:
             return original(self, filepath, trainer)
-        local = False
-        if trainer.is_global_zero:
-            queued = io.checkpointer.will_exist(filepath)
-            local = self._fs.exists(filepath) if queued is None else queued
+        local = trainer.is_global_zero and io.checkpointer.will_exist(filepath)
         return trainer.strategy.reduce_boolean_decision(local, all=False)
 
     return file_exists
@@ -113,6 +127,32 @@ def _sharded_save(model_key: str, is_sharded: Callable[[Any], bool]) -> Callable
         return save_checkpoint
 
     return make
+
+
+def _sharded_load(original: Callable) -> Callable:
+    def load_checkpoint(self, checkpoint_path, *args: Any, **kwargs: Any) -> Any:
+        io = plugin_of(self)
+        if io is not None:
+            io.checkpointer.wait(everywhere=True)
+            if io.verify_on_resume and os.path.isdir(checkpoint_path):  # a single file: the plugin's load checks it
+                checkpoint_path = io.intact(checkpoint_path, lambda: [], everywhere=True)
+        return original(self, checkpoint_path, *args, **kwargs)
+
+    return load_checkpoint
+
+
+def _noting_the_pick(original: Callable) -> Callable:
+    """Which checkpoint Lightning chose itself ("last", "best", "hpc"): only then may a damaged one
+    be replaced by an older intact one (``resume_from_intact``)."""
+    def parse_ckpt_path(self, state_fn, ckpt_path, *args: Any, **kwargs: Any) -> Any:
+        resolved = original(self, state_fn, ckpt_path, *args, **kwargs)
+        io = plugin_of(self.trainer.strategy)
+        if io is not None:
+            picked = ckpt_path in ("last", "best", "hpc", "registry") and resolved
+            io.picked_by_lightning = os.path.abspath(os.fspath(resolved)) if picked else None
+        return resolved
+
+    return parse_ckpt_path
 
 
 def _teardown(original: Callable) -> Callable:
