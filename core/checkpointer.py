@@ -42,7 +42,7 @@ from .file_snapshots import FileSnapshots
 from .handles import SaveHandle
 from .loading import load_checkpoint
 from .retention import RetentionRequest
-from .sharded_save import SaveTarget, ShardedSaves
+from .sharded_save import ShardedSaves
 from .stager import Stager
 from .tensor_copy import CopyThreads
 
@@ -125,13 +125,11 @@ class Checkpointer:
         path = os.path.abspath(os.fspath(path))
         group = process_group if process_group is not None else self.process_group
         collectives = (self.use_collectives if use_collectives is None else use_collectives) and dist_ready()
-        rank, world = rank_and_world(group)
         overlap = self.overlap_staging if overlap_staging is None else overlap_staging
         self.stager.wait()  # one snapshot at a time: saves agree on their structures in call order
-        agreement = self.sharded.agreement_group(group, world, collectives)
-        target = SaveTarget(path, agreement, collectives, rank, world, self._store() if collectives else None,
-                            step, extra_files)
-        handle = self._admit("save", path, rank=rank, step=step, label=label)
+        target = self.sharded.target(path, group, collectives, self._store, step=step, extra_files=extra_files)
+        world, agreement = target.world, target.group
+        handle = self._admit("save", path, rank=target.rank, step=step, label=label)
         started = time.perf_counter()
 
         def prepare(speculate: bool):
@@ -213,8 +211,15 @@ class Checkpointer:
         save_id = self._directory_id(final_dir, rank, world, store)
         staging_dir = names.staging_dir_for(final_dir, save_id, os.fspath(staging_parent) if staging_parent else None)
         barrier = BarrierSpec("store" if store is not None else "files", save_id, world, staging_dir, final_dir, self.timeout)
+        collectives = self.use_collectives and dist_ready()
+
+        def sharded_target(path: str, group: Optional[dist.ProcessGroup], **details: Any):
+            return self.sharded.target(path, group if group is not None else self.process_group, collectives,
+                                       self._store, **details)
+
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
                                     coordinator=self.coordinator, stager=self.stager, files=self.files,
+                                    sharded=self.sharded, sharded_target=sharded_target,
                                     direct_io=self.direct_io, io_threads=self.io_threads)
 
     def _directory_id(self, final_dir: str, rank: int, world: int, store: Any) -> str:

@@ -92,11 +92,19 @@ def uncommit(path: str) -> None:
 
 
 def publish_with_record(staging_dir: str, final_path: str, record: dict) -> Optional[str]:
-    """Coordinator: write the commit record (listing the checkpoint's files and sizes), rename
-    into place (``publish``), then drop the writers' owner markers (until the rename they tell
-    any cleaner that this staging directory is in use)."""
-    files = {entry: os.path.getsize(os.path.join(staging_dir, entry))
-             for entry in sorted(os.listdir(staging_dir)) if names.is_published_file(entry)}
+    """Coordinator: write the commit record (listing the checkpoint's files and sizes, those in
+    subdirectories by their relative paths), rename into place (``publish``), then drop the
+    writers' owner markers (until the rename they tell any cleaner that this staging directory
+    is in use)."""
+    files = {}
+    for directory, subdirectories, entries in os.walk(staging_dir):
+        subdirectories.sort()
+        for entry in sorted(entries):
+            if names.is_published_file(entry):
+                path = os.path.join(directory, entry)
+                files[os.path.relpath(path, staging_dir)] = os.path.getsize(path)
+        if directory != staging_dir:
+            fsync_dir(directory)  # the entries of files written into it
     write_commit_record(staging_dir, {"files": files, **record})
     replaced = publish(staging_dir, final_path)
     for entry in os.listdir(final_path):

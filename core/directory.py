@@ -20,7 +20,7 @@ import json
 import os
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import commit, leftovers, names
 from .barrier import BarrierSpec
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .coordinator import Coordinator
     from .file_snapshots import FileSnapshots
     from .handles import SaveHandle
+    from .sharded_save import SaveTarget, ShardedSaves
     from .stager import Stager
 
 
@@ -101,13 +102,14 @@ class DirectoryTransaction:
     on any rank. Used as a context manager, an exception inside aborts the directory."""
 
     def __init__(self, *, handle: "SaveHandle", save_id: str, staging_dir: str, barrier: BarrierSpec,
-                 coordinator: "Coordinator", stager: "Stager", files: "FileSnapshots",
-                 direct_io: bool, io_threads: int) -> None:
+                 coordinator: "Coordinator", stager: "Stager", files: "FileSnapshots", sharded: "ShardedSaves",
+                 sharded_target: Callable[..., "SaveTarget"], direct_io: bool, io_threads: int) -> None:
         self.handle = handle
         self.final_dir, self.rank, self.step, self.save_id = handle.path, handle.rank, handle.step, save_id
         self.staging_dir = staging_dir
         self._barrier = barrier
         self._coordinator, self._stager, self._files = coordinator, stager, files
+        self._sharded, self._sharded_target = sharded, sharded_target
         self._direct_io, self._io_threads = direct_io, io_threads
         self._held: list[tuple["SaveHandle", Any, Any]] = []
         self._committing = False
@@ -154,6 +156,31 @@ class DirectoryTransaction:
         try:
             self._stager.take_snapshot(member, lambda: self._files.stage(image, slot), request,
                                        lambda: self._hold(member, request, slot.buffer))
+        except CheckpointError:
+            self._member_failed(member, member.exception())
+            raise
+        return member
+
+    def save_sharded(self, state_dict: dict, name: str, *, process_group: Any = None) -> "SaveHandle":
+        """Snapshot ``state_dict`` now, as ``torch.distributed.checkpoint.save`` would save it into
+        the subdirectory ``name`` (a collective over ``process_group``: every rank calls it, in the
+        same order); each rank writes its shard in the background, rank 0 DCP's ``.metadata``, and
+        the directory's commit publishes it with the rest. ``dcp.load`` reads it as DCP's own."""
+        member = self._member(name)
+        try:
+            target = self._sharded_target(os.path.join(self.final_dir, name), process_group, step=self.step,
+                                          staging_dir=os.path.join(self.staging_dir, name),
+                                          directory_barrier=self._barrier)
+            prepared = self._sharded.prepare(state_dict, target, member, speculate=False,
+                                             failed_here=self._coordinator.has_unobserved,
+                                             raise_failures=self._coordinator.raise_unobserved, timings=member.timings)
+        except BaseException as e:
+            self._member_failed(member, e)
+            raise
+        member.when_done(lambda: self._sharded.buffers.give_back(prepared.slot))
+        try:
+            self._stager.take_snapshot(member, prepared.begin, prepared.request,
+                                       lambda: self._hold(member, prepared.request, prepared.slot.buffer))
         except CheckpointError:
             self._member_failed(member, member.exception())
             raise

@@ -7,7 +7,8 @@ kind           what is checked
 sharded        every item's bytes against its xxh3 in the rank sidecars, the torch.save container
                framing around each tensor, that ``.metadata`` points only at checksummed bytes, the
                commit record's file list and sizes, extra files by their checksums
-directory      every file the commit record lists: present, its size, its xxh3 (``"checksums"``)
+directory      every file the commit record lists: present, its size, its xxh3 (``"checksums"``); a
+               DCP subdirectory in it (a framework's FSDP shards) as a sharded checkpoint
 file           its size and xxh3 in the record beside it (``file_checksums``)
 =============  =================================================================================
 
@@ -77,13 +78,34 @@ def check(path: str, *, on_problem: Callable[[str], None] = lambda message: None
         report.unverified = sorted(os.listdir(path))
     elif entry.kind == "directory":
         record = commit.read_commit_record(path)
-        for name, size in sorted(record.get("files", {}).items()):
+        files, sharded = _split_sharded_parts(record.get("files", {}))
+        for name, size in sorted(files.items()):
             expected = record.get("checksums", {}).get(name)
             _check_file(os.path.join(path, name), name, FileChecksum(expected["size"], expected["xxh3"]) if expected else None,
                         report, problem, progress, size)
+        for subdirectory, part_files in sorted(sharded.items()):
+            _check_sharded(os.path.join(path, subdirectory), {"files": part_files}, report,
+                           lambda message, prefix=subdirectory: problem(f"{prefix}/{message}"),
+                           progress or (lambda n: None), share)
     else:
-        _check_sharded(path, report, problem, progress or (lambda n: None), share)
+        _check_sharded(path, commit.read_commit_record(path), report, problem, progress or (lambda n: None), share)
     return report
+
+
+def _split_sharded_parts(files: dict[str, int]) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """A directory checkpoint's files: those checked one by one, and its DCP subdirectories (a
+    framework's FSDP shards, ``DirectoryTransaction.save_sharded``), each checked item by item."""
+    sharded_dirs = {os.path.dirname(name) for name in files
+                    if os.path.dirname(name) and os.path.basename(name) == names.DCP_METADATA_FILE}
+    plain: dict[str, int] = {}
+    sharded: dict[str, dict[str, int]] = {subdirectory: {} for subdirectory in sharded_dirs}
+    for name, size in files.items():
+        subdirectory = os.path.dirname(name)
+        if subdirectory in sharded:
+            sharded[subdirectory][os.path.basename(name)] = size
+        else:
+            plain[name] = size
+    return plain, sharded
 
 
 def total_bytes(path: str) -> int:
@@ -96,11 +118,15 @@ def total_bytes(path: str) -> int:
         return record.size if record else 0
     record = commit.read_commit_record(path)
     extra = sum(expected["size"] for expected in record.get("checksums", {}).values())
-    if entry.kind == "directory":
-        return extra
+    parts = [os.path.join(path, subdirectory) for subdirectory in _split_sharded_parts(record.get("files", {}))[1]] \
+        if entry.kind == "directory" else [path]
+    return extra + sum(_item_bytes(part, record if part == path else {}) for part in parts)
+
+
+def _item_bytes(path: str, record: dict) -> int:
     world_size = record.get("world_size") or max(sidecar_ranks(path), default=-1) + 1
     sidecars = load_sidecars(path, range(world_size), lambda message: None)
-    return extra + sum(item["nbytes"] for sidecar in sidecars.values() for item in sidecar["items"])
+    return sum(item["nbytes"] for sidecar in sidecars.values() for item in sidecar["items"])
 
 
 def require_intact(path: str, share: tuple[int, int] = (0, 1)) -> Report:
@@ -177,9 +203,8 @@ def load_sidecars(path: str, ranks: Sequence[int], problem: Callable[[str], None
     return sidecars
 
 
-def _check_sharded(path: str, report: Report, problem: Callable[[str], None], progress: Progress,
+def _check_sharded(path: str, record: dict, report: Report, problem: Callable[[str], None], progress: Progress,
                    share: tuple[int, int]) -> None:
-    record = commit.read_commit_record(path)
     world_size = record.get("world_size") or max(sidecar_ranks(path), default=-1) + 1
     sidecars = load_sidecars(path, range(world_size), problem)
     for rank, sidecar in sidecars.items():

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper, find_state_dict_obj
 from . import names
 from .barrier import BarrierSpec
 from .buffers import BufferPool, Slot
+from .dist_env import rank_and_world
 from .errors import CheckpointWriteError
 from .metadata_io import dcp_classes
 from .plan_cache import CachedPlan, PlanCache, agree_on_structure
@@ -57,6 +58,10 @@ class SaveTarget:
     store: Any  # the torch.distributed Store the ranks meet in (None: they meet through files)
     step: Optional[int] = None
     extra_files: Optional[dict[str, bytes]] = None
+    # A part of a directory checkpoint (``DirectoryTransaction.save_sharded``): written into this
+    # subdirectory of the directory's staging directory, and published with the directory.
+    staging_dir: Optional[str] = None
+    directory_barrier: Optional[BarrierSpec] = None
 
 
 class ShardedSaves:
@@ -80,6 +85,14 @@ class ShardedSaves:
         if self._side_group is None:
             self._side_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
         return self._side_group
+
+    def target(self, path: str, group: Optional[dist.ProcessGroup], collectives: bool, store: Callable[[], Any],
+               **details: Any) -> SaveTarget:
+        """Where and how a save of ``path`` on ``group`` goes (``details``: the other ``SaveTarget`` fields)."""
+        rank, world = rank_and_world(group)
+        collectives = collectives and world > 1
+        return SaveTarget(path, self.agreement_group(group, world, collectives), collectives, rank, world,
+                          store() if collectives else None, **details)
 
     def close(self) -> None:
         """Give up the agreement group (its threads); the next save creates it again."""
@@ -132,7 +145,7 @@ class ShardedSaves:
             if speculation is not None:
                 speculation.abandon()
             raise
-        staging_dir = names.staging_dir_for(target.path, save_id)
+        staging_dir = target.staging_dir or names.staging_dir_for(target.path, save_id)
         coordinator = target.rank == 0
         kind = "store" if target.store is not None and target.collectives and target.world > 1 else "files"
         request = ShareRequest(
@@ -141,7 +154,7 @@ class ShardedSaves:
             barrier=BarrierSpec(kind, save_id, target.world, staging_dir, target.path, self.timeout),
             direct_io=self.direct_io, io_threads=self.io_threads, step=target.step,
             extra_files=dict(target.extra_files or {}) if coordinator else {},
-            dcp_classes=dcp_classes() if coordinator else None,
+            dcp_classes=dcp_classes() if coordinator else None, directory_barrier=target.directory_barrier,
         )
         return PreparedSave(slot, begin, request)
 

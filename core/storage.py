@@ -16,6 +16,7 @@ from .checksum import checksum
 from .copy_progress import split_image
 from .dcp_pickle import DcpClasses, metadata_bytes
 from .errors import CheckpointWriteError, SnapshotCopyFailed
+from .file_requests import fail_save
 from .fsio import atomic_write_bytes
 from .layout import RankLayout
 from .leftovers import claim
@@ -42,16 +43,24 @@ class ShareRequest:
     extra_files: dict = field(default_factory=dict)  # name -> bytes, written by the coordinator before commit
     copy_generation: Optional[int] = None  # the snapshot copy may still run: stream it (see CopyProgress)
     dcp_classes: Optional[DcpClasses] = None  # the coordinator's: how to write DCP's .metadata without torch
+    # Set for a DCP directory inside a directory checkpoint: the directory's barrier, which this
+    # share's failure fails; the directory's own commit publishes it (no commit of its own).
+    directory_barrier: Optional[BarrierSpec] = None
 
     def run(self, context: RequestContext) -> None:
         """The whole background part of a save for one rank: write the share and its sidecar,
-        arrive at the barrier; then commit (rank 0) or wait for the commit."""
+        arrive at the barrier; then commit (rank 0) or wait for the commit. Inside a directory
+        checkpoint: rank 0 writes ``.metadata`` once every share is durable, and the directory's
+        commit, queued behind, publishes it all."""
         image, progress = split_image(context.layout, context.image)
         wait_ready = None if self.copy_generation is None else progress.waiter(self.copy_generation, self.barrier.timeout)
         barrier = context.barrier(self.barrier)
-        context.tidy(os.path.dirname(self.staging_dir))
         try:
-            claim(self.staging_dir, self.rank, context.token())
+            if self.directory_barrier is None:
+                context.tidy(os.path.dirname(self.staging_dir))
+                claim(self.staging_dir, self.rank, context.token())
+            else:
+                os.makedirs(self.staging_dir, exist_ok=True)
             items = write_share(self.staging_dir, self.rank, context.layout, image, self.byte_items,
                                 direct_io=self.direct_io, io_threads=self.io_threads, wait_ready=wait_ready)
             write_rank_sidecar(self.staging_dir, ShareRecord(self.save_id, self.rank, self.world_size, self.structure_hash,
@@ -60,18 +69,25 @@ class ShareRequest:
         except BaseException as e:
             reason = f"{type(e).__name__}: {e}"
             barrier.fail(self.rank, reason)
+            fail_save(context, self.directory_barrier, self.rank, e)
             if isinstance(e, SnapshotCopyFailed):
                 raise
             raise CheckpointWriteError(f"rank {self.rank}: {reason}") from e
         if not self.coordinator:
-            barrier.wait_commit()
+            if self.directory_barrier is None:
+                barrier.wait_commit()
             return
         try:
             barrier.wait_all()
+            if self.directory_barrier is not None:
+                write_metadata(self)
+                remove_coordination_files(self.staging_dir)
+                return
             replaced = commit_share(self)
             barrier.committed()
         except BaseException as e:
             barrier.fail(self.rank, f"{type(e).__name__}: {e}")
+            fail_save(context, self.directory_barrier, self.rank, e)
             raise
         if replaced is not None:
             context.after_reply(lambda: leftovers.delete(replaced, context.token()))
@@ -116,6 +132,22 @@ def write_share(
 def commit_share(req: ShareRequest) -> Optional[str]:
     """Coordinator, once every rank's share is durable: DCP's ``.metadata`` from the sidecars,
     the commit record, publish. Returns where a checkpoint it replaced now is."""
+    write_metadata(req)
+    return commit.publish_with_record(req.staging_dir, req.final_path, {
+        "save_id": req.save_id, "world_size": req.world_size, "step": req.step, "structure_hash": req.structure_hash,
+        "checksums": {name: {"size": len(data), "xxh3": checksum(data)} for name, data in req.extra_files.items()}})
+
+
+def remove_coordination_files(directory: str) -> None:
+    """What the ranks met by (file barrier), once the coordinator no longer needs it."""
+    for entry in os.listdir(directory):
+        if names.COORDINATION_FILE_PATTERN.match(entry):
+            os.unlink(os.path.join(directory, entry))
+
+
+def write_metadata(req: ShareRequest) -> None:
+    """Coordinator, once every rank's share is durable: the extra files and DCP's ``.metadata``,
+    built from the sidecars."""
     sidecars = [read_sidecar(req.staging_dir, rank) for rank in range(req.world_size)]
     stale = [s.rank for s in sidecars if s.save_id != req.save_id]
     if stale:
@@ -129,6 +161,3 @@ def commit_share(req: ShareRequest) -> Optional[str]:
 
         metadata = metadata_pickled_by_torch(sidecars, req.final_path, req.save_id)
     atomic_write_bytes(os.path.join(req.staging_dir, names.DCP_METADATA_FILE), metadata)
-    return commit.publish_with_record(req.staging_dir, req.final_path, {
-        "save_id": req.save_id, "world_size": req.world_size, "step": req.step, "structure_hash": req.structure_hash,
-        "checksums": {name: {"size": len(data), "xxh3": checksum(data)} for name, data in req.extra_files.items()}})

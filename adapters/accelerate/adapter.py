@@ -8,8 +8,10 @@ Reads top to bottom as:
    ``AsyncCheckpointing`` (picklable: a copy checkpoints asynchronously too), any other behaves natively.
 2. **What we snapshot.** ``save_state`` writes every file through two module globals of
    ``accelerate.checkpointing``: ``save`` and ``torch.save``; during our call they capture each object
-   and snapshot it now (``capture.py``). File names and formats are Accelerate's own, so ``load_state()``
-   reads them with or without the adapter.
+   and snapshot it now (``capture.py``); under FSDP, ``save_fsdp_model`` / ``save_fsdp_optimizer``'s
+   ``torch.distributed.checkpoint.save`` becomes a sharded snapshot (``asyncckpt.core.dcp_capture``).
+   File names and formats are Accelerate's own, so ``load_state()`` reads them with or without the
+   adapter. DeepSpeed and Megatron-LM write their own files, synchronously (with a warning).
 3. **Which core call.** One ``Checkpointer.begin_directory`` per save. Accelerate writes into the
    transaction's staging directory (automatic naming is off for the duration of the call; we name the
    directory and apply ``total_limit`` as Accelerate does, counting checkpoints in flight). The staging
@@ -25,12 +27,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from asyncckpt.core import Checkpointer, dist_env, is_complete, lifecycle, patching, versions
 
@@ -148,6 +152,9 @@ class AsyncCheckpointing:
     def save_state(self, original: Callable, output_dir: Optional[str] = None, safe_serialization: bool = True,
                    **kwargs: Any) -> Any:
         acc, config = self.accelerator, self.accelerator.project_configuration
+        if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+            warnings.warn(f"asyncckpt: {acc.distributed_type.value} writes its model and optimizer files itself, "
+                          "synchronously; the checkpoint is still published only complete", RuntimeWarning, stacklevel=3)
         self.checkpointer.wait_staged()  # the last save's overlapped snapshot first
         self.checkpointer.raise_failures()
         automatic = config.automatic_checkpoint_naming

@@ -2,12 +2,14 @@
 
 ``save_state`` writes every file through two names in ``accelerate.checkpointing``: ``save`` (models,
 optimizers, schedulers, samplers, custom objects) and ``torch.save`` (RNG, GradScaler, stateful
-dataloaders). For the duration of the call both are replaced there (``asyncckpt.core.patching.patched``)
-by functions that, for a path inside the transaction's staging directory, snapshot the object now (any
-other path is passed to the original): large
-states into the core's reused shared-memory buffers (``tx.save_file``), small ones serialised on the spot
-(``tx.write_bytes``). Which process writes what is Accelerate's own rule, except that under DDP the large
-replicated files can be spread over the processes (``Options.spread_writes``).
+dataloaders); under FSDP, ``accelerate.utils.fsdp_utils`` writes sharded state with
+``torch.distributed.checkpoint.save`` and full state dicts with ``torch.save``. For the duration of
+the call these are replaced (``asyncckpt.core.patching.patched``, ``asyncckpt.core.dcp_capture``)
+by functions that, for a path inside the transaction's staging directory, snapshot the object now
+(any other path is passed to the original): large states into the core's reused shared-memory
+buffers (``tx.save_file``, ``tx.save_sharded``), small ones serialised on the spot
+(``tx.write_bytes``). Which process writes what is Accelerate's own rule, except that under DDP the
+large replicated files can be spread over the processes (``Options.spread_writes``).
 """
 from __future__ import annotations
 
@@ -19,12 +21,14 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import accelerate.checkpointing as accelerate_checkpointing
+import accelerate.utils.fsdp_utils as fsdp_utils
 import torch
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
 from asyncckpt.core import patching
+from asyncckpt.core.dcp_capture import capturing_dcp_saves
 from asyncckpt.core.file_snapshots import tensor_bytes
 
 if TYPE_CHECKING:
@@ -38,9 +42,9 @@ _REPLICATED = {getattr(DistributedType, n) for n in ("MULTI_CPU", "MULTI_GPU", "
 _OPTIMIZER_FILE = re.compile(r"^optimizer(_\d+)?\.bin$")
 _SPREADABLE_FILE = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin)$")
 class _TorchSavingInto:
-    """Stands in for the ``torch`` module inside ``accelerate.checkpointing`` during a save (its
-    ``torch.save`` calls: RNG, GradScaler, dataloader state), and only there: the FSDP and DeepSpeed
-    save functions write their own files with the real one."""
+    """Stands in for the ``torch`` module inside ``accelerate.checkpointing`` (RNG, GradScaler,
+    dataloader state) and ``accelerate.utils.fsdp_utils`` (FSDP's full state dicts, gathered on the
+    main process) during a save, and only there: other code keeps the real one."""
 
     def __init__(self, real: Any, save: Callable) -> None:
         self._real, self.save = real, save
@@ -63,9 +67,10 @@ class Capture:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["Capture"]:
-        torch_module = accelerate_checkpointing.torch  # only accelerate.checkpointing's: FSDP/DeepSpeed code
+        torch_in = lambda module: _TorchSavingInto(module.torch, self.capture_torch_save)  # noqa: E731
         with patching.patched(accelerate_checkpointing, "save", self.capture_save), \
-                patching.patched(accelerate_checkpointing, "torch", _TorchSavingInto(torch_module, self.capture_torch_save)):
+                patching.patched(accelerate_checkpointing, "torch", torch_in(accelerate_checkpointing)), \
+                patching.patched(fsdp_utils, "torch", torch_in(fsdp_utils)), capturing_dcp_saves(self.tx):
             yield self
 
     # ---- which process writes what

@@ -11,6 +11,8 @@ snapshots it before returning and writes it in the background.
                                                     ``scaler.pt``, ``training_args.bin``
 * ``safetensors.torch.save_file``                → ``model.safetensors`` of a plain ``nn.Module``
 * ``transformers.modeling_utils.safe_save_file`` → ``model.safetensors`` / its shards (``save_pretrained``)
+* ``torch.distributed.checkpoint.save``          → FSDP's sharded ``pytorch_model_fsdp_0/``, ``optimizer_0/``
+                                                    (``asyncckpt.core.dcp_capture``)
 
 Everything else the Trainer writes (``config.json``, the shard index, tokenizer files,
 ``trainer_state.json``; and any call we do not recognise, e.g. ``torch.save`` with extra options)
@@ -31,6 +33,7 @@ import torch
 import transformers.modeling_utils as modeling_utils
 
 from asyncckpt.core import patching
+from asyncckpt.core.dcp_capture import capturing_dcp_saves
 
 _lock = threading.Lock()  # one capture at a time in a process (the Trainer saves from its main thread)
 
@@ -114,6 +117,7 @@ def capture_into(tx: Any, defer: Optional[Callable[[str], bool]] = None) -> Iter
         cap = Capture(tx, os.path.realpath(scratch), defer)
         with _lock, _log_lines_naming(cap.scratch, tx.final_dir), patching.patched(torch, "save", cap.torch_save(torch.save)), \
                 patching.patched(safetensors.torch, "save_file", cap.safetensors_save(safetensors.torch.save_file)), \
-                patching.patched(modeling_utils, "safe_save_file", cap.safetensors_save(modeling_utils.safe_save_file)):
+                patching.patched(modeling_utils, "safe_save_file", cap.safetensors_save(modeling_utils.safe_save_file)), \
+                capturing_dcp_saves(tx, root=cap.scratch):
             yield cap
         cap.hand_over_scratch()

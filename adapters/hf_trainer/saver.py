@@ -205,11 +205,11 @@ class AsyncCheckpointSaver:
     def _supported(self, trainer: Any) -> bool:
         unsupported = [name for name, on in (
             ("DeepSpeed", trainer.is_deepspeed_enabled),
-            ("FSDP", trainer.is_fsdp_enabled or getattr(trainer, "is_fsdp_xla_enabled", False)),
+            ("XLA FSDP", getattr(trainer, "is_fsdp_xla_enabled", False)),
             ("XLA", is_torch_xla_available()),
             ("SageMaker MP", is_sagemaker_mp_enabled()),
         ) if on]
         if unsupported:
             warnings.warn(f"asyncckpt: {unsupported[0]} checkpoints are saved synchronously by the Trainer itself "
-                          "(asynchronous saving covers single-process and DDP training).", RuntimeWarning, stacklevel=2)
+                          "(asynchronous saving covers single-process, DDP and FSDP training).", RuntimeWarning, stacklevel=2)
         return not unsupported
