@@ -52,8 +52,11 @@ class Entry:
     checksums: bool = False  # carries checksums to verify it by (written by asyncckpt, since they exist)
 
 
-def classify(path: str) -> Optional[Entry]:
-    """What ``path`` is, or None if it is no checkpoint (any file named explicitly counts as one)."""
+def classify(path: str, *, read_step: bool = True) -> Optional[Entry]:
+    """What ``path`` is, or None if it is no checkpoint (any file named explicitly counts as one).
+    ``read_step``: a file whose name holds no step (Lightning's ``last.ckpt``) has it read from its
+    content, which unpickles the file's whole structure (seconds for thousands of tensors): only
+    for listings, not for checks."""
     name = os.path.basename(os.path.normpath(path))
     hidden = names.parse_hidden(name)
     if hidden is not None:
@@ -61,7 +64,8 @@ def classify(path: str) -> Optional[Entry]:
         return Entry(path, "hidden", "INCOMPLETE", _step_from_name(hidden.name), None, "aborted" if aborted else hidden.kind)
     if os.path.isfile(path):
         note = f"-> {os.readlink(path)}" if os.path.islink(path) else ""
-        return Entry(path, "file", "COMPLETE", *_step_and_epoch_of_file(path, name), note,
+        step_and_epoch = _step_and_epoch_of_file(path, name) if read_step else (_step_from_name(name), None)
+        return Entry(path, "file", "COMPLETE", *step_and_epoch, note,
                      file_checksums.read_record(path) is not None)
     if not os.path.isdir(path):
         return None
@@ -85,9 +89,10 @@ def classify(path: str) -> Optional[Entry]:
     return None
 
 
-def checkpoints_under(root: str) -> list[Entry]:
-    """Every checkpoint (and leftover of ours) directly under ``root``."""
-    found = [classify(os.path.join(root, name)) for name in os.listdir(root) if _may_be_checkpoint(root, name)]
+def checkpoints_under(root: str, *, read_step: bool = True) -> list[Entry]:
+    """Every checkpoint (and leftover of ours) directly under ``root`` (``read_step``: see ``classify``)."""
+    found = [classify(os.path.join(root, name), read_step=read_step) for name in os.listdir(root)
+             if _may_be_checkpoint(root, name)]
     return [entry for entry in found if entry is not None]
 
 

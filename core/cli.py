@@ -193,9 +193,9 @@ def _inspect_files(root: str, paths: list[str]) -> int:
 def cmd_verify(path: str, progress: bool = True) -> int:
     """Re-check everything a load relies on (``integrity``); report every problem, not just the
     first. A directory holding checkpoints has each of them verified."""
-    entry = checkpoint_kinds.classify(path) if os.path.exists(path) else None
-    if entry is None and os.path.isdir(path) and checkpoint_kinds.checkpoints_under(path):
-        found = [e for e in checkpoint_kinds.checkpoints_under(path) if e.kind != "hidden"]
+    entry = checkpoint_kinds.classify(path, read_step=False) if os.path.exists(path) else None
+    if entry is None and os.path.isdir(path) and checkpoint_kinds.checkpoints_under(path, read_step=False):
+        found = [e for e in checkpoint_kinds.checkpoints_under(path, read_step=False) if e.kind != "hidden"]
         return max((cmd_verify(e.path, progress) for e in sorted(found, key=lambda e: e.path)), default=EXIT_OK)
     if entry is None:
         print(f"asyncckpt verify: {path}: not a checkpoint this tool knows", file=sys.stderr)

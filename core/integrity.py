@@ -61,7 +61,7 @@ def check(path: str, *, on_problem: Callable[[str], None] = lambda message: None
     """Check the checkpoint at ``path``; ``on_problem`` hears each problem as it is found. With
     ``share=(index, count)``, only the data files of the ranks ``index, index + count, ...`` of a
     sharded checkpoint are read (the ranks of a job check their shares side by side)."""
-    entry = checkpoint_kinds.classify(path)
+    entry = checkpoint_kinds.classify(path, read_step=False)
     if entry is None:
         raise FileNotFoundError(f"{path}: not a checkpoint (a file, or a sharded or native checkpoint directory)")
     report = Report(path, entry.kind, entry.status)
@@ -110,7 +110,7 @@ def _split_sharded_parts(files: dict[str, int]) -> tuple[dict[str, int], dict[st
 
 def total_bytes(path: str) -> int:
     """What ``check`` will checksum, in bytes (the total of its ``progress`` calls, for a progress bar)."""
-    entry = checkpoint_kinds.classify(path)
+    entry = checkpoint_kinds.classify(path, read_step=False)
     if entry is None or entry.status != "COMPLETE" and entry.kind != "file":
         return 0
     if entry.kind == "file":
