@@ -14,7 +14,7 @@ import os
 import sys
 import weakref
 from multiprocessing import util
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _registered_in: Optional[int] = None
@@ -44,6 +44,19 @@ def wait_for(path: str) -> None:
     framework reading a checkpoint through its own functions right after saving it reads it whole."""
     for checkpointer in live():
         checkpointer.wait_for(path)
+
+
+def waiting_reader(original: Callable, *, path_at: int = 0) -> Callable:
+    """``original``, a framework's reader of a checkpoint (its positional argument ``path_at`` the
+    path), made to wait first for a save of that path still in flight in this process (``wait_for``).
+    URLs pass through."""
+    def read(*args: Any, **kwargs: Any) -> Any:
+        path = args[path_at] if len(args) > path_at else None
+        if isinstance(path, (str, os.PathLike)) and "://" not in str(path):
+            wait_for(os.path.abspath(os.fspath(path)))
+        return original(*args, **kwargs)
+
+    return read
 
 
 def drain_at_exit() -> None:

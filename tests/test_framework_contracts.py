@@ -154,3 +154,22 @@ def test_an_unsupported_framework_version_is_refused_at_construction(monkeypatch
         AsyncCkptIO()
     with pytest.raises(UnsupportedVersionError, match="not installed"):
         versions.require("no-such-framework", ">=1", "lightning")
+
+
+FROM_PRETRAINED_READERS = [  # made to wait for a checkpoint-N in flight: the path must stay their first argument
+    "transformers.modeling_utils:PreTrainedModel.from_pretrained",
+    "transformers.configuration_utils:PreTrainedConfig.from_pretrained",
+    "transformers.tokenization_utils_base:PreTrainedTokenizerBase.from_pretrained",
+    "transformers.models.auto.auto_factory:_BaseAutoModelClass.from_pretrained",
+    "transformers.models.auto.configuration_auto:AutoConfig.from_pretrained",
+    "transformers.models.auto.tokenization_auto:AutoTokenizer.from_pretrained",
+    "transformers.models.auto.processing_auto:AutoProcessor.from_pretrained",
+]
+
+
+@pytest.mark.parametrize("target", FROM_PRETRAINED_READERS)
+def test_from_pretrained_takes_the_path_first(target):
+    pytest.importorskip("transformers")
+    owner, name = _import(target)
+    assert isinstance(vars(owner)[name], classmethod), target
+    assert list(inspect.signature(_original(owner, name)).parameters)[:2] == ["cls", "pretrained_model_name_or_path"]

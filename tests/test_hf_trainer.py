@@ -31,6 +31,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 from transformers.trainer_callback import ExportableState  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
+from dist_helper import free_port  # noqa: E402
+
 from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback  # noqa: E402
 from asyncckpt.core import Checkpointer, CheckpointWriteError, is_complete  # noqa: E402
 
@@ -298,8 +300,19 @@ def test_pretrained_model_layout_and_from_pretrained(tmp_path, shared_checkpoint
         trainer.train()
         return trainer
 
+    class ReadAtOnce(TrainerCallback):  # e.g. an evaluation of each checkpoint as soon as it is saved
+        def __init__(self):
+            self.pending, self.same = [], []
+
+        def on_save(self, args, state, control, model=None, **kwargs):
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            self.pending.append(folder in {h.path for h in shared_checkpointer.pending()})
+            self.same.append(_equal(AutoModelForCausalLM.from_pretrained(folder).state_dict(), model.state_dict()))
+
     native = train(tmp_path / "native", [])
-    ours = train(tmp_path / "async", [AsyncCheckpointCallback(checkpointer=shared_checkpointer)])
+    reader = ReadAtOnce()
+    ours = train(tmp_path / "async", [AsyncCheckpointCallback(checkpointer=shared_checkpointer), reader])
+    assert reader.same == [True, True] and any(reader.pending)  # from_pretrained waited for the write in flight
     checkpoint, native_checkpoint = tmp_path / "async" / "checkpoint-12", tmp_path / "native" / "checkpoint-12"
     _assert_committed(tmp_path / "async")
     files = _files(checkpoint)
@@ -583,3 +596,38 @@ def test_kill9_during_save_then_resume_from_last_complete(tmp_path):
     assert f"BEGIN {step - 2}" in resumed and f"DONE {step + 4}" in resumed, resumed
     assert _checkpoints(out) == [f"checkpoint-{step + 2}", f"checkpoint-{step + 4}"]
     _assert_committed(out)  # the killed run's staging folder was cleaned up at train begin
+
+
+ALONE_PROGRAM = """
+import sys, torch
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainingArguments
+from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
+class Toy(Dataset):
+    def __len__(self): return 8
+    def __getitem__(self, i):
+        x = torch.randn(4, generator=torch.Generator().manual_seed(i)); return {"x": x, "labels": x.sum(0, keepdim=True)}
+class Net(torch.nn.Module):
+    def __init__(self): super().__init__(); self.lin = torch.nn.Linear(4, 1)
+    def forward(self, x, labels=None):
+        out = self.lin(x); return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+args = TrainingArguments(output_dir=sys.argv[1], max_steps=1, save_steps=1, report_to=[], disable_tqdm=True)
+print("WORLD", args.world_size, flush=True)
+Trainer(model=Net(), args=args, train_dataset=Toy(), callbacks=[AsyncCheckpointCallback()]).train()
+"""
+
+
+def test_processes_that_each_train_alone_are_warned_once(tmp_path):
+    """torchrun without --use_cpu on a machine without GPUs: every Trainer process believes it is
+    alone, so all of them write the same checkpoints. Each says so, once."""
+    script = tmp_path / "train.py"
+    script.write_text(ALONE_PROGRAM)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(script), str(tmp_path / "run")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("WORLD 1") == 2  # each process alone
+    warning = "but the Trainer runs it as a single process: every process writes the same checkpoints"
+    assert proc.stderr.count(warning) == 2, proc.stderr[-3000:]  # once per process
+    assert "--use_cpu" in proc.stderr

@@ -171,6 +171,23 @@ def test_resume_best_and_load_from_checkpoint(tmp_path):
     assert trainer2.global_step == 24 and best_step > 0
 
 
+def test_a_manual_save_read_at_once_waits_for_its_write(tmp_path):
+    """``trainer.save_checkpoint(p)`` then Lightning's own readers of ``p`` at once (``load_from_checkpoint``,
+    ``trainer.validate(ckpt_path=p)``): the save is still being written, and each read waits for it."""
+    plugin = AsyncCkptIO()
+    trainer = L.Trainer(max_steps=2, plugins=[plugin], **QUIET)
+    trainer.fit(TinyModule(ballast=16 << 20), data())  # 64 MiB of ballast: its write takes a while
+    path = tmp_path / "manual.ckpt"
+    trainer.save_checkpoint(path)
+    in_flight = [h.path for h in plugin.checkpointer.pending()]
+    model = TinyModule.load_from_checkpoint(path)
+    assert in_flight == [str(path)]  # the read came while the write was pending
+    assert same(model.state_dict(), trainer.lightning_module.state_dict())
+    trainer.save_checkpoint(tmp_path / "again.ckpt")
+    trainer.validate(TinyModule(ballast=16 << 20), data(16), ckpt_path=tmp_path / "again.ckpt", verbose=False)
+    plugin.teardown()
+
+
 def test_resume_fidelity_bitwise(tmp_path):
     """N steps + resume to 2N with the plugin == 2N uninterrupted: weights and optimizer state."""
     kwargs = dict(save_last=True, every_n_epochs=1, save_top_k=0)

@@ -16,11 +16,14 @@ checkpoint on resume. It pickles (with its options; a copy attaches to the Train
 """
 from __future__ import annotations
 
+import functools
 import inspect
-import os
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers import (AutoConfig, AutoProcessor, AutoTokenizer, PreTrainedConfig, PreTrainedModel, Trainer,
+                          TrainerCallback)
+from transformers.models.auto.auto_factory import _BaseAutoModelClass
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from asyncckpt.core import Checkpointer, dist_env, lifecycle, patching, versions
 
@@ -58,7 +61,9 @@ class AsyncCheckpointCallback(TrainerCallback):
                  checkpointer: Optional[Checkpointer] = None, overlap_optimizer: bool = True,
                  verify_on_resume: bool = True, resume_from_intact: bool = False) -> None:
         versions.require("transformers", SUPPORTED_TRANSFORMERS, "transformers")
-        patching.install(PreTrainedModel, "from_pretrained", _waiting_from_pretrained)
+        for reader in (PreTrainedModel, PreTrainedConfig, PreTrainedTokenizerBase, _BaseAutoModelClass, AutoConfig,
+                       AutoTokenizer, AutoProcessor):  # from_pretrained of a checkpoint-N being written waits for it
+            patching.install(reader, "from_pretrained", functools.partial(lifecycle.waiting_reader, path_at=1))
         self.max_pending, self.timeout, self.direct_io, self.overlap_optimizer = max_pending, timeout, direct_io, overlap_optimizer
         self.verify_on_resume, self.resume_from_intact = verify_on_resume, resume_from_intact
         self.owns_checkpointer = checkpointer is None
@@ -103,16 +108,6 @@ class AsyncCheckpointCallback(TrainerCallback):
         if trainer is not None and (self.saver is None or self.saver.trainer is not trainer):
             self.saver = AsyncCheckpointSaver(trainer, self.checkpointer, overlap_optimizer=self.overlap_optimizer,
                                               verify_on_resume=self.verify_on_resume, resume_from_intact=self.resume_from_intact)
-
-
-def _waiting_from_pretrained(original: Callable) -> Callable:
-    """``from_pretrained`` of a ``checkpoint-N`` still being saved in this process waits for it."""
-    def from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(pretrained_model_name_or_path, (str, os.PathLike)):
-            lifecycle.wait_for(os.path.abspath(os.fspath(pretrained_model_name_or_path)))
-        return original(cls, pretrained_model_name_or_path, *args, **kwargs)
-
-    return from_pretrained
 
 
 def _calling_trainer(callback: TrainerCallback) -> Optional[Trainer]:

@@ -55,7 +55,7 @@ def install() -> None:
     patching.install(Strategy, "setup_environment", _with_plugin(_start_writer))
     patching.install(ModelCheckpoint, "file_exists", _file_exists)
     patching.install(ModelCheckpoint, "_link_checkpoint", _link_checkpoint)
-    patching.install(saving, "pl_load", _waiting_load)
+    patching.install(saving, "pl_load", lifecycle.waiting_reader)
     patching.install(_CheckpointConnector, "_parse_ckpt_path", _noting_the_pick)
     for strategy, model_key, sharded in ((FSDPStrategy, "model", lambda s: s._state_dict_type == "sharded"),
                                          (ModelParallelStrategy, "state_dict", lambda s: s._save_distributed_checkpoint)):
@@ -80,15 +80,6 @@ def _with_plugin(before: Callable[[Any], None]) -> Callable:
 
 def _start_writer(io: Any) -> None:
     io.checkpointer.start()
-
-
-def _waiting_load(original: Callable) -> Callable:
-    def pl_load(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(path_or_url, (str, os.PathLike)) and "://" not in str(path_or_url):
-            lifecycle.wait_for(os.path.abspath(os.fspath(path_or_url)))
-        return original(path_or_url, *args, **kwargs)
-
-    return pl_load
 
 
 def _file_exists(original: Callable) -> Callable:
