@@ -617,6 +617,7 @@ Trainer(model=Net(), args=args, train_dataset=Toy(), callbacks=[AsyncCheckpointC
 """
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs, torchrun's processes train together")
 def test_processes_that_each_train_alone_are_warned_once(tmp_path):
     """torchrun without --use_cpu on a machine without GPUs: every Trainer process believes it is
     alone, so all of them write the same checkpoints. Each says so, once."""
