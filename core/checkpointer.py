@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from . import integrity, leftovers, lifecycle, names
+from . import integrity, leftovers, lifecycle, locations, names
+from . import object_store as object_store_module
 from .barrier import BarrierSpec
 from .buffers import BufferPool
 from .coordinator import Coordinator
@@ -38,9 +39,11 @@ from .dist_env import any_rank, default_store, dist_ready, rank_and_world
 from .commit import job_token
 from .errors import CheckpointCancelledError, CheckpointError, CheckpointWriteError, CorruptCheckpointError
 from .file_requests import FileRequest, LinkRequest, RemoveRequest
+from .object_checkpoints import ObjectFileRequest, ObjectRemoveRequest
 from .file_snapshots import FileSnapshots
 from .handles import SaveHandle
 from .loading import load_checkpoint
+from .object_store import ObjectStoreOptions
 from .retention import RetentionRequest
 from .sharded_save import SaveTarget, ShardedSaves
 from .stager import Stager
@@ -50,7 +53,7 @@ logger = logging.getLogger("asyncckpt.core")
 
 STATE_DICT = dict[str, Any]
 _OPTIONS = ("process_group", "use_collectives", "max_in_flight", "overlap_staging", "direct_io", "io_threads",
-            "timeout", "verify")
+            "timeout", "verify", "object_store")
 
 
 class Checkpointer:
@@ -69,12 +72,18 @@ class Checkpointer:
         io_threads: parallel writer/reader threads per rank.
         timeout: bound on every wait (peers, commit, back-pressure), in seconds.
         verify: check checksums on load.
+        object_store: how to reach and use an object store for ``s3://...`` (any fsspec URL) paths:
+            ``storage_options``, multipart part size, parallel requests. Also used by this process's
+            reads of URLs (``object_store.configure``). Default: fsspec's defaults and the environment.
     """
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None, use_collectives: bool = True,
                  max_in_flight: int = 1, overlap_staging: bool = False, direct_io: bool = True, io_threads: int = 2,
-                 timeout: float = 600.0, verify: bool = True) -> None:
+                 timeout: float = 600.0, verify: bool = True, object_store: Optional[ObjectStoreOptions] = None) -> None:
         self.process_group, self.use_collectives = process_group, use_collectives
+        self.object_store = object_store
+        if object_store is not None:
+            object_store_module.configure(object_store)
         self.max_in_flight, self.overlap_staging = max_in_flight, overlap_staging
         self.direct_io, self.io_threads, self.timeout, self.verify = direct_io, io_threads, timeout, verify
         self.coordinator = Coordinator(max_in_flight=max_in_flight, timeout=timeout, store=self._store)
@@ -122,7 +131,7 @@ class Checkpointer:
         anyway, streams by default (figures in docs/DESIGN.md).
         """
         self._check_open()
-        path = os.path.abspath(os.fspath(path))
+        path = locations.normalize(path)
         group = process_group if process_group is not None else self.process_group
         collectives = (self.use_collectives if use_collectives is None else use_collectives) and dist_ready()
         rank, world = rank_and_world(group)
@@ -130,7 +139,8 @@ class Checkpointer:
         self.stager.wait()  # one snapshot at a time: saves agree on their structures in call order
         agreement = self.sharded.agreement_group(group, world, collectives)
         target = SaveTarget(path, agreement, collectives, rank, world, self._store() if collectives else None,
-                            step, extra_files)
+                            step, extra_files, self.object_store)
+        target.barrier_kind()  # refuses what cannot work (several ranks on a URL without a Store) before anything starts
         handle = self._admit("save", path, rank=rank, step=step, label=label)
         started = time.perf_counter()
 
@@ -163,7 +173,7 @@ class Checkpointer:
              strict: bool = True, verify: Optional[bool] = None, use_collectives: Optional[bool] = None) -> None:
         """Load a committed checkpoint into ``state_dict`` in place, resharding as needed (``loading``).
         Waits for a save of ``path`` still in flight first."""
-        path = os.path.abspath(os.fspath(path))
+        path = locations.normalize(path)
         self.wait_for(path)
         load_checkpoint(state_dict, path, group=process_group if process_group is not None else self.process_group,
                         collectives=self.use_collectives if use_collectives is None else use_collectives,
@@ -181,13 +191,14 @@ class Checkpointer:
         submission order, so repeated saves to one path keep their order.
         """
         self._check_open()
-        path = os.path.abspath(os.fspath(path))
+        path = locations.normalize(path)
         self.coordinator.raise_unobserved()
         image = self.files.image(obj, format, metadata)
         handle = self._admit("file", path, rank=rank_and_world(self.process_group)[0], step=step, label=label)
         slot = self.buffers.take_for_file(image.size, handle)
         handle.when_done(lambda: self.buffers.give_back(slot))
-        request = FileRequest(path, image.size, handle.rank, self.direct_io, self.io_threads)
+        request = (ObjectFileRequest(path, image.size, handle.rank, self.object_store) if locations.is_url(path)
+                   else FileRequest(path, image.size, handle.rank, self.direct_io, self.io_threads))
         self.stager.take_snapshot(handle, lambda: self.files.stage(image, slot), request,
                                   lambda: self.coordinator.queue.submit([(handle, request, slot.buffer)]))
         return handle
@@ -237,8 +248,13 @@ class Checkpointer:
         before; with ``after``, only if that save succeeded. A directory is renamed out of every
         name a framework looks at first (into ``hidden_parent`` if given, on the same filesystem),
         then deleted once the writer has replied."""
-        paths = tuple(os.path.abspath(os.fspath(p)) for p in paths)
-        request = RemoveRequest(list(paths), os.path.abspath(os.fspath(hidden_parent)) if hidden_parent else None)
+        paths = tuple(locations.normalize(p) for p in paths)
+        if any(map(locations.is_url, paths)):
+            if not all(map(locations.is_url, paths)):
+                raise ValueError(f"remove() takes local paths or URLs, not both at once: {paths}")
+            request = ObjectRemoveRequest(list(paths), self.object_store)
+        else:
+            request = RemoveRequest(list(paths), os.path.abspath(os.fspath(hidden_parent)) if hidden_parent else None)
         return self._queue_after("remove", ", ".join(paths), request, after, paths=paths)
 
     def link(self, target: str | os.PathLike, linkpath: str | os.PathLike, *,
@@ -252,8 +268,9 @@ class Checkpointer:
                         keep_every: Optional[int], after: Optional[SaveHandle] = None) -> SaveHandle:
         """Delete the committed checkpoints under ``root`` (names matching ``pattern``, group 1 the
         step) that ``retention.select_deletions`` does not keep; with ``after``, only if that save succeeded."""
-        root = os.path.abspath(os.fspath(root))
-        return self._queue_after("retention", root, RetentionRequest(root, pattern, keep_last, keep_every), after)
+        root = locations.normalize(root)
+        return self._queue_after("retention", root, RetentionRequest(root, pattern, keep_last, keep_every, self.object_store),
+                                 after)
 
     def _queue_after(self, kind: str, path: str, request: Any, after: Optional[SaveHandle], **details: Any) -> SaveHandle:
         self._check_open()
@@ -287,7 +304,7 @@ class Checkpointer:
     def wait_for(self, path: str | os.PathLike) -> None:
         """Wait for pending work on ``path`` (a read must never see a checkpoint being written);
         raise its failure if nobody has seen it."""
-        self.coordinator.wait_for(os.path.abspath(os.fspath(path)))
+        self.coordinator.wait_for(locations.normalize(path))
 
     def raise_failures(self) -> None:
         """Raise (once) a failure of earlier work that nobody has seen; never waits."""
@@ -296,9 +313,9 @@ class Checkpointer:
     def will_exist(self, path: str | os.PathLike) -> bool:
         """Whether ``path`` will exist once the queued work has run: what the last queued work on it
         does (a save or link creates it, a removal deletes it), else whether it exists now."""
-        path = os.path.abspath(os.fspath(path))
+        path = locations.normalize(path)
         queued = self.coordinator.will_exist(path)
-        return os.path.exists(path) if queued is None else queued
+        return locations.exists(path) if queued is None else queued
 
     def pending(self) -> list[SaveHandle]:
         """Checkpoints, removals and links not done yet, oldest first."""
@@ -319,7 +336,7 @@ class Checkpointer:
         it; raise ``CorruptCheckpointError`` naming the files (and keys) that are damaged. With
         ``everywhere`` (a collective: every rank calls it), the ranks check the data files of a
         sharded checkpoint side by side, and a problem found on any rank raises on every rank."""
-        path = os.path.abspath(os.fspath(path))
+        path = locations.normalize(path)
         rank, world = rank_and_world(self.process_group) if everywhere else (0, 1)
         error: Optional[CheckpointError] = None
         report = None
