@@ -194,13 +194,19 @@ class ObjectStore:
         found = found or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         return found or "the default endpoint"
 
+    _READS = ("read", "look up", "list", "list uploads in")
+
     def _error(self, what: str, url: str, error: BaseException) -> BaseException:
-        if isinstance(error, (FileNotFoundError, FileExistsError, ObjectStoreError)):
+        """``error`` as raised to our callers: absent objects (on reads) and existing ones (on
+        create-only puts) as they are; everything else an ``ObjectStoreError`` naming the place."""
+        if isinstance(error, (FileExistsError, CheckpointError)) or (isinstance(error, FileNotFoundError) and what in self._READS):
             return error
         bucket, _ = self.bucket_and_key(url)
         kind = type(error).__name__
         text = str(error) or kind
-        if kind in ("NoCredentialsError", "PartialCredentialsError"):
+        if isinstance(error, FileNotFoundError):
+            text = f"the bucket does not exist ({text})"
+        elif kind in ("NoCredentialsError", "PartialCredentialsError"):
             text = (f"no credentials ({text}): give them in storage_options (key/secret) or the environment "
                     "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)")
         elif isinstance(error, PermissionError):

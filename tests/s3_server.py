@@ -18,15 +18,20 @@ _buckets = itertools.count()
 
 
 class S3Server:
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         from moto.server import ThreadedMotoServer
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
         self.server.start()
         host, port = self.server.get_host_and_port()
         self.endpoint = f"http://{host}:{port}"
         self.port = port
+
+    @classmethod
+    def on_port(cls, port: int) -> "S3Server":
+        """A server again where a stopped one was (moto keeps its buckets in this process)."""
+        return cls(port)
 
     def env(self) -> dict[str, str]:
         return {**_ENV, "AWS_ENDPOINT_URL": self.endpoint}
