@@ -443,7 +443,10 @@ class Checkpointer:
 
     def _admit(self, kind: str, path: str, **details: Any) -> SaveHandle:
         self.stats[kind] += 1
-        return self.coordinator.admit(kind, path, **details)
+        handle = self.coordinator.admit(kind, path, **details)
+        for url in filter(locations.is_url, handle.paths):  # the writer changed it: this process's listings are stale
+            handle.when_done(lambda url=url: object_store_module.forget_listings(url))
+        return handle
 
     def _foreground(self, handle: SaveHandle, step: Callable[[], Any]) -> Any:
         """Run part of a save in the caller: what it raises is the caller's to see (not raised

@@ -2,22 +2,17 @@
 
 What they read is what ``object_checkpoints`` promises: commit objects from one delimited listing
 of the root (never the data objects of other checkpoints), a single file's checksum from its
-object metadata, owner markers for leftovers. ``verify`` of a checkpoint prefix copies its objects
-(those the commit record lists, and the sidecars) into a temporary directory and checks that copy
-with ``integrity``, exactly as a local checkpoint is checked: every byte has to be read anyway,
-and a copy under the same names is the same checkpoint. ``inspect`` is local-only for now.
+object metadata, owner markers for leftovers; ``verify`` is ``object_integrity``. ``inspect`` is
+local-only for now.
 """
 from __future__ import annotations
 
-import os
 import posixpath
 import sys
-import tempfile
 import time
 from typing import Callable
 
-from . import checkpoint_kinds, file_checksums, integrity, names
-from .checksum import checksum
+from . import checkpoint_kinds, file_checksums, names, object_integrity
 from .object_checkpoints import committed_under, delete_leftover, leftovers_under, removable
 from .object_store import ObjectStoreError, store_for
 
@@ -61,54 +56,21 @@ def cmd_ls(root: str, human: Callable[[int], str]) -> int:
 
 
 def cmd_verify(url: str) -> int:
-    """Check a checkpoint prefix (a copy of it, see the module docstring) or a single-file object."""
-    url = url.rstrip("/")
-    store = store_for(url)
+    """Check a checkpoint prefix or a single-file object (``object_integrity``)."""
     try:
-        store.info(url)  # an object (a prefix is not one)
-        return _verify_file(url)
+        report = object_integrity.check(url.rstrip("/"), on_problem=print)
     except FileNotFoundError:
-        pass
-    from .commit import read_commit_record
-
-    record = read_commit_record(url)
-    if record is None:
-        if store.exists(url):
-            print(f"{url}: INCOMPLETE: no commit object ({names.COMMIT_RECORD}): the save that wrote it did not "
-                  "finish (crash, failure, still running). Not verified.")
-            return EXIT_INCOMPLETE
         print(f"asyncckpt verify: {url}: not a checkpoint this tool knows", file=sys.stderr)
         return EXIT_PROBLEM
-    wanted = sorted(set(record.get("files", {})) | {names.COMMIT_RECORD} | {
-        names.sidecar_name(rank) for rank in range(record.get("world_size") or 0)})
-    with tempfile.TemporaryDirectory(prefix="asyncckpt-verify-") as parent:
-        copy = os.path.join(parent, posixpath.basename(url))
-        os.makedirs(copy)
-        for name, body in zip(wanted, store.get_many([posixpath.join(url, name) for name in wanted])):
-            if body is not None:
-                with open(os.path.join(copy, name), "wb") as f:
-                    f.write(body)
-        report = integrity.check(copy, on_problem=lambda message: print(message.replace(copy, url)))
+    if report.status == "INCOMPLETE":
+        print(f"{url}: INCOMPLETE: no commit object ({names.COMMIT_RECORD}): the save that wrote it did not "
+              "finish (crash, failure, still running). Not verified.")
+        return EXIT_INCOMPLETE
     if report.problems:
         print(f"{url}: FAILED: {len(report.problems)} problem(s)")
         return EXIT_PROBLEM
-    print(f"{url}: OK: {report.checked_files} file(s), {report.checked_bytes} B verified by checksum")
-    return EXIT_OK
-
-
-def _verify_file(url: str) -> int:
-    expected = file_checksums.read_record(url)
-    data = store_for(url).get(url)
-    if expected is None:
-        print(f"{url}: OK: {len(data)} B, without a checksum (written natively or by an older asyncckpt)")
-        return EXIT_OK
-    found = checksum(data) if len(data) == expected.size else None
-    if found != expected.xxh3:
-        what = f"{len(data)} B, {expected.size} B when written" if found is None else \
-            f"checksum mismatch: expected xxh3 {expected.xxh3}, found {found}"
-        print(f"{url}: FAILED: {what}")
-        return EXIT_PROBLEM
-    print(f"{url}: OK: 1 file(s), {expected.size} B verified by checksum")
+    unverified = f"; without checksums: {', '.join(report.unverified)}" if report.unverified else ""
+    print(f"{url}: OK: {report.checked_files} file(s), {report.checked_bytes} B verified by checksum{unverified}")
     return EXIT_OK
 
 

@@ -111,6 +111,15 @@ def store_for(url: str, options: Optional[ObjectStoreOptions] = None) -> "Object
         return store
 
 
+def forget_listings(url: str) -> None:
+    """This process's fsspec caches of ``url`` and its parents are out of date (the background
+    writer, another process, changed it). fsspec keeps one filesystem instance per set of options,
+    so this also refreshes what the framework sees through fsspec (Lightning's ``ModelCheckpoint``
+    lists its directory to find ``last.ckpt``)."""
+    store = store_for(url)
+    store.fs.invalidate_cache(store.path(url))
+
+
 @dataclass
 class Entry:
     """One name directly under a listed prefix."""
