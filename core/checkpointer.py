@@ -43,6 +43,7 @@ from .object_checkpoints import ObjectFileRequest, ObjectRemoveRequest
 from .file_snapshots import FileSnapshots
 from .handles import SaveHandle
 from .loading import load_checkpoint
+from .mirror import MirrorRequest
 from .object_store import ObjectStoreOptions
 from .retention import RetentionRequest
 from .sharded_save import SaveTarget, ShardedSaves
@@ -271,6 +272,15 @@ class Checkpointer:
         root = locations.normalize(root)
         return self._queue_after("retention", root, RetentionRequest(root, pattern, keep_last, keep_every, self.object_store),
                                  after)
+
+    def mirror(self, path: str | os.PathLike, url: str, *, after: Optional[SaveHandle] = None) -> SaveHandle:
+        """Copy the committed checkpoint ``path`` (a directory, or a single file) to the object-store
+        ``url`` and commit it there, in the background, after everything queued before; with ``after``,
+        only if that save succeeded (``mirror``; ``mirror.restore`` brings one back)."""
+        path, url = locations.normalize(path), locations.normalize(url)
+        if not locations.is_url(url):
+            raise ValueError(f"mirror() copies to an object-store URL, not to {url}")
+        return self._queue_after("mirror", url, MirrorRequest(path, url, self.object_store), after)
 
     def _queue_after(self, kind: str, path: str, request: Any, after: Optional[SaveHandle], **details: Any) -> SaveHandle:
         self._check_open()

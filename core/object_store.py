@@ -335,6 +335,15 @@ class ObjectStore:
         if ranges:
             self._run("read", ranges[0][0], run)
 
+    def download(self, url: str, local_path: str) -> None:
+        """Copy the object ``url`` into the local file ``local_path``, durably (fsynced)."""
+        self._run("read", url, lambda: self.fs._get_file(self.path(url), local_path))
+        fd = os.open(local_path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def info(self, url: str) -> dict:
         """The object's size and (S3) user metadata; FileNotFoundError if absent."""
         path = self.path(url)

@@ -240,3 +240,33 @@ def test_kill_9_mid_upload_is_invisible_and_clean_removes_it(s3_root, capsys):
     assert leftovers_under(root) == []
     assert store_for(root).incomplete_uploads(root) == []
     assert core.latest_checkpoint(root) == latest
+
+
+# ------------------------------------------------------------------------------ mirrors of local checkpoints
+def test_mirror_of_committed_directory_and_restore(s3_root, tmp_path):
+    from asyncckpt.core import mirror
+
+    local_root, url_root = tmp_path / "checkpoints", f"{s3_root}/mirror"
+    with core.Checkpointer() as checkpointer:
+        for step in (1, 2):
+            with checkpointer.begin_directory(local_root / f"checkpoint_{step}", step=step) as tx:
+                tx.save_file({"w": torch.full((1 << 20,), float(step))}, "model.bin")
+                tx.write_bytes("state.json", json.dumps({"step": step}).encode())
+                saved = tx.commit()
+            checkpointer.mirror(local_root / f"checkpoint_{step}", f"{url_root}/checkpoint_{step}", after=saved)
+        failed = checkpointer.begin_directory(local_root / "checkpoint_3", step=3)
+        failed.abort(RuntimeError("the framework's save failed"))
+        cancelled = checkpointer.mirror(local_root / "checkpoint_3", f"{url_root}/checkpoint_3", after=failed.handle)
+        checkpointer.wait()
+    assert cancelled.exception() is not None  # nothing is mirrored for a save that did not commit
+    assert core.latest_checkpoint(url_root) == f"{url_root}/checkpoint_2"
+    assert cli.main(["verify", "--no-progress", f"{url_root}/checkpoint_2"]) == cli.EXIT_OK
+    local_record = json.loads((local_root / "checkpoint_2" / ".asyncckpt-commit.json").read_bytes())
+    assert json.loads(store_for(url_root).get(f"{url_root}/checkpoint_2/.asyncckpt-commit.json")) == local_record
+
+    restored_root = tmp_path / "elsewhere"  # a new machine: no local copy
+    restored = mirror.restore_latest(url_root, str(restored_root))
+    assert restored == str(restored_root / "checkpoint_2") and core.is_complete(restored)
+    assert core.Checkpointer().require_intact(restored).checked_files == 2
+    assert torch.load(os.path.join(restored, "model.bin"))["w"][0] == 2.0
+    assert sorted(os.listdir(restored_root)) == ["checkpoint_2"]  # published by rename: no staging left
