@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 from accelerate import Accelerator
 
-from asyncckpt.core import Checkpointer, dist_env, is_complete, lifecycle, patching, versions
+from asyncckpt.core import Checkpointer, dist_env, is_complete, lifecycle, mirror, patching, versions
 
 from .capture import Capture
 
@@ -67,6 +67,9 @@ class Options:
         Checkpoints written without asyncckpt load unchecked.
     resume_from_intact: when ``load_state()`` picks the newest ``checkpoint_N`` itself and it is damaged, load
         the newest one that checks out instead, with a warning naming the one skipped.
+    mirror_to: an object-store URL (``s3://bucket/run``): the main process copies each committed ``checkpoint_N``
+        there in the background (``Checkpointer.mirror``), and ``load_state()`` with no local ``checkpoint_N``
+        restores the newest from there first (docs/object_store.md).
     """
 
     max_in_flight: int = 1
@@ -79,6 +82,7 @@ class Options:
     fix_iteration: bool = True
     verify_on_resume: bool = True
     resume_from_intact: bool = False
+    mirror_to: Optional[str] = None
 
 
 def enable_async_checkpointing(accelerator: Accelerator, **options: Any) -> "AsyncCheckpointing":
@@ -181,6 +185,8 @@ class AsyncCheckpointing:
             tx.abort(error, raised=False)
             return
         handle = tx.commit()
+        if self.options.mirror_to and self.accelerator.is_main_process:
+            self.checkpointer.mirror(tx.final_dir, f"{self.options.mirror_to}/{os.path.basename(tx.final_dir)}", after=handle)
         if removals:
             self.checkpointer.remove(removals, after=handle, hidden_parent=hidden_parent)
 
@@ -220,6 +226,10 @@ class AsyncCheckpointing:
         afterwards, fix ``iteration`` (accelerate #3306)."""
         for checkpointer in lifecycle.live():
             checkpointer.wait()
+        if self.options.mirror_to and input_dir is None and self.accelerator.project_dir:
+            if self.accelerator.is_local_main_process:  # no shared filesystem assumed: one restore per node
+                mirror.restore_latest(self.options.mirror_to, os.path.join(self.accelerator.project_dir, "checkpoints"))
+            self.accelerator.wait_for_everyone()
         if self.options.verify_on_resume:
             input_dir = self._intact(input_dir)
         result = original(self.accelerator, input_dir, *args, **kwargs)

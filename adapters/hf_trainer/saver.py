@@ -28,7 +28,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint, sort_checkpoints
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
-from asyncckpt.core import Checkpointer, patching
+from asyncckpt.core import Checkpointer, mirror, patching
 
 from .capture import capture_into
 
@@ -38,10 +38,10 @@ class AsyncCheckpointSaver:
     ``_finalize_training`` on that instance (not its class)."""
 
     def __init__(self, trainer: Any, checkpointer: Checkpointer, *, overlap_optimizer: bool, verify_on_resume: bool,
-                 resume_from_intact: bool) -> None:
+                 resume_from_intact: bool, mirror_to: Optional[str] = None) -> None:
         self.trainer, self.checkpointer, self.overlap_optimizer = trainer, checkpointer, overlap_optimizer
-        self.verify_on_resume, self.resume_from_intact = verify_on_resume, resume_from_intact
-        if verify_on_resume:  # for the trainer's lifetime: every train() may resume
+        self.verify_on_resume, self.resume_from_intact, self.mirror_to = verify_on_resume, resume_from_intact, mirror_to
+        if verify_on_resume or mirror_to:  # for the trainer's lifetime: every train() may resume
             patching.install(trainer, "train", self._resuming_intact)
         # per save: step, stall_s, waited_s (of it, for an earlier checkpoint's commit), optimizer_step_waited_s
         # (how long the next optimizer step waited for the overlapped snapshot)
@@ -132,6 +132,8 @@ class AsyncCheckpointSaver:
             tx.abort(error, raised=False)
             return
         handle = tx.commit()
+        if self.mirror_to and self.trainer.is_world_process_zero():
+            self.checkpointer.mirror(tx.final_dir, f"{self.mirror_to}/{os.path.basename(tx.final_dir)}", after=handle)
         if doomed:
             self.checkpointer.remove(doomed, after=handle)
 
@@ -152,12 +154,17 @@ class AsyncCheckpointSaver:
         from it; with ``True`` and ``resume_from_intact``, a damaged newest one gives way to the
         newest that checks out."""
         def train(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-            last = resume_from_checkpoint is True and get_last_checkpoint(self.trainer.args.output_dir)
-            if last:  # the Trainer would pick it
-                older = [p for p in reversed(sort_checkpoints(self.trainer.args.output_dir)) if p != last]
+            output_dir = self.trainer.args.output_dir
+            if resume_from_checkpoint is True and self.mirror_to and not get_last_checkpoint(output_dir):
+                if self.trainer.is_local_process_zero():  # nothing local: the newest mirrored one, one copy per node
+                    mirror.restore_latest(self.mirror_to, output_dir)
+                self.trainer.accelerator.wait_for_everyone()
+            last = resume_from_checkpoint is True and get_last_checkpoint(output_dir)
+            if last and self.verify_on_resume:  # the Trainer would pick it
+                older = [p for p in reversed(sort_checkpoints(output_dir)) if p != last]
                 resume_from_checkpoint = self.checkpointer.newest_intact([last, *older]) if self.resume_from_intact \
                     else self.checkpointer.require_intact(last).path
-            elif resume_from_checkpoint and resume_from_checkpoint is not True:
+            elif resume_from_checkpoint and resume_from_checkpoint is not True and self.verify_on_resume:
                 self.checkpointer.require_intact(resume_from_checkpoint)
             return original(resume_from_checkpoint, *args, **kwargs)
 
