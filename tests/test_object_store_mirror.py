@@ -1,5 +1,6 @@
-"""Mirrors to object storage from the adapters (a real S3 server): Accelerate's ``mirror_to`` and the Trainer's
-background, and a run on a machine without the local copy resumes from the bucket (a real S3 server)."""
+"""Mirrors to object storage from the adapters, against a real S3 server: with ``mirror_to="s3://..."`` each
+committed checkpoint of Accelerate / the Trainer is copied to the bucket in the background, and a run on a machine
+without the local copy resumes from the bucket."""
 from __future__ import annotations
 
 import shutil
