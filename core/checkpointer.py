@@ -74,8 +74,8 @@ class Checkpointer:
         timeout: bound on every wait (peers, commit, back-pressure), in seconds.
         verify: check checksums on load.
         object_store: how to reach and use an object store for ``s3://...`` (any fsspec URL) paths:
-            ``storage_options``, multipart part size, parallel requests. Also used by this process's
-            reads of URLs (``object_store.configure``). Default: fsspec's defaults and the environment.
+            ``storage_options``, multipart part size, parallel requests; for its writer and for its loads
+            and checks. Default: ``object_store.configure``'s, else fsspec's defaults and the environment.
     """
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None, use_collectives: bool = True,
@@ -83,8 +83,6 @@ class Checkpointer:
                  timeout: float = 600.0, verify: bool = True, object_store: Optional[ObjectStoreOptions] = None) -> None:
         self.process_group, self.use_collectives = process_group, use_collectives
         self.object_store = object_store
-        if object_store is not None:
-            object_store_module.configure(object_store)
         self.max_in_flight, self.overlap_staging = max_in_flight, overlap_staging
         self.direct_io, self.io_threads, self.timeout, self.verify = direct_io, io_threads, timeout, verify
         self.coordinator = Coordinator(max_in_flight=max_in_flight, timeout=timeout, store=self._store)
@@ -176,9 +174,10 @@ class Checkpointer:
         Waits for a save of ``path`` still in flight first."""
         path = locations.normalize(path)
         self.wait_for(path)
-        load_checkpoint(state_dict, path, group=process_group if process_group is not None else self.process_group,
-                        collectives=self.use_collectives if use_collectives is None else use_collectives,
-                        strict=strict, verify=self.verify if verify is None else verify, io_threads=self.io_threads)
+        with object_store_module.using(self.object_store):
+            load_checkpoint(state_dict, path, group=process_group if process_group is not None else self.process_group,
+                            collectives=self.use_collectives if use_collectives is None else use_collectives,
+                            strict=strict, verify=self.verify if verify is None else verify, io_threads=self.io_threads)
 
     # ------------------------------------------------------------------ native files and directories
     def async_save_file(self, obj: Any, path: str | os.PathLike, *, format: str = "torch",
@@ -198,7 +197,7 @@ class Checkpointer:
         handle = self._admit("file", path, rank=rank_and_world(self.process_group)[0], step=step, label=label)
         slot = self.buffers.take_for_file(image.size, handle)
         handle.when_done(lambda: self.buffers.give_back(slot))
-        request = (ObjectFileRequest(path, image.size, handle.rank, self.object_store) if locations.is_url(path)
+        request = (ObjectFileRequest(path, image.size, self.object_store) if locations.is_url(path)
                    else FileRequest(path, image.size, handle.rank, self.direct_io, self.io_threads))
         self.stager.take_snapshot(handle, lambda: self.files.stage(image, slot), request,
                                   lambda: self.coordinator.queue.submit([(handle, request, slot.buffer)]))
@@ -325,7 +324,10 @@ class Checkpointer:
         does (a save or link creates it, a removal deletes it), else whether it exists now."""
         path = locations.normalize(path)
         queued = self.coordinator.will_exist(path)
-        return locations.exists(path) if queued is None else queued
+        if queued is not None:
+            return queued
+        with object_store_module.using(self.object_store):
+            return locations.exists(path)
 
     def pending(self) -> list[SaveHandle]:
         """Checkpoints, removals and links not done yet, oldest first."""
@@ -351,7 +353,8 @@ class Checkpointer:
         error: Optional[CheckpointError] = None
         report = None
         try:
-            report = integrity.require_intact(path, share=(rank, world))
+            with object_store_module.using(self.object_store):
+                report = integrity.require_intact(path, share=(rank, world))
         except CheckpointError as e:
             error = e
         if everywhere and any_rank(error is not None, self.process_group) and error is None:
@@ -455,7 +458,7 @@ class Checkpointer:
         self.stats[kind] += 1
         handle = self.coordinator.admit(kind, path, **details)
         for url in filter(locations.is_url, handle.paths):  # the writer changed it: this process's listings are stale
-            handle.when_done(lambda url=url: object_store_module.forget_listings(url))
+            handle.when_done(lambda url=url: object_store_module.forget_listings(url, self.object_store))
         return handle
 
     def _foreground(self, handle: SaveHandle, step: Callable[[], Any]) -> Any:

@@ -34,10 +34,6 @@ def basename(path: str) -> str:
     return posixpath.basename(path.rstrip("/")) if is_url(path) else os.path.basename(path)
 
 
-def parent(path: str) -> str:
-    return posixpath.dirname(path.rstrip("/")) if is_url(path) else os.path.dirname(path)
-
-
 def read_bytes(path: str) -> bytes:
     """The whole content of a small file or object; FileNotFoundError if there is none."""
     if is_url(path):

@@ -15,6 +15,7 @@ from . import locations
 from .checkpointer import Checkpointer
 from .dist_env import rank_and_world
 from .handles import SaveHandle
+from .object_store import using
 from .retention import committed_steps
 
 
@@ -44,7 +45,8 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
-        return sorted(committed_steps(self.root, re.compile(self._pattern)))
+        with using(self.checkpointer.object_store):
+            return sorted(committed_steps(self.root, re.compile(self._pattern)))
 
     def latest(self) -> Optional[int]:
         steps = self.steps()

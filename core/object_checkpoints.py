@@ -47,10 +47,6 @@ CHECKSUM_METADATA = "asyncckpt-checksum"  # user metadata of a single-file objec
 REMOVING_MARKER = ".asyncckpt-removing"  # under a prefix being removed: garbage, whoever wrote it
 
 
-def _store(url: str, options: Optional[ObjectStoreOptions]) -> ObjectStore:
-    return store_for(url, options)
-
-
 # ----------------------------------------------------------------------------------- saving
 @dataclass
 class ObjectDestination:
@@ -62,7 +58,7 @@ class ObjectDestination:
 
     @property
     def store(self) -> ObjectStore:
-        return _store(self.directory, self.options)
+        return store_for(self.directory, self.options)
 
     def _url(self, name: str) -> str:
         return posixpath.join(self.directory, name)
@@ -108,11 +104,10 @@ class ObjectFileRequest:
 
     path: str
     size: int
-    rank: int = 0
     options: Optional[ObjectStoreOptions] = None
 
     def run(self, context: RequestContext) -> None:
-        store = _store(self.path, self.options)
+        store = store_for(self.path, self.options)
         image = context.image[:self.size]
         digest = FileChecksum(self.size, checksum(image))  # before the upload: S3 takes metadata up front
         parent, name = posixpath.split(self.path)
@@ -126,7 +121,7 @@ class ObjectFileRequest:
 
 def read_file_checksum(url: str) -> Optional[FileChecksum]:
     """The checksum a single-file object carries, or None (written without asyncckpt)."""
-    body = _store(url, None).user_metadata(url).get(CHECKSUM_METADATA)
+    body = store_for(url, None).user_metadata(url).get(CHECKSUM_METADATA)
     return parse_record(body.encode()) if body else None
 
 
@@ -134,7 +129,7 @@ def read_file_checksum(url: str) -> Optional[FileChecksum]:
 def committed_under(root: str, options: Optional[ObjectStoreOptions] = None) -> Iterator[tuple[str, Optional[dict]]]:
     """``(url, commit record or None)`` of every checkpoint name directly under ``root`` (one
     delimited listing, then the candidates' commit objects, fetched side by side)."""
-    store = _store(root, options)
+    store = store_for(root, options)
     try:
         entries = store.list(root.rstrip("/"))
     except FileNotFoundError:
@@ -160,7 +155,7 @@ def _parse_commit(body: Optional[bytes]) -> Optional[dict]:
 def remove(url: str, options: Optional[ObjectStoreOptions] = None) -> None:
     """Remove a checkpoint (prefix) or a single-file object: for a prefix, first mark it as being
     removed and delete its commit object (gone from every listing at once), then everything else."""
-    store = _store(url, options)
+    store = store_for(url, options)
     commit_url = posixpath.join(url, names.COMMIT_RECORD)
     if store.exists(commit_url) or not _is_object(store, url):
         store.put(posixpath.join(url, REMOVING_MARKER), b"")
@@ -202,14 +197,10 @@ class ObjectLeftover:
     modified: float
     size: int = 0
 
-    def describe(self) -> str:
-        state = {True: "in use", False: "left by a process that is gone", None: "owner unknown (another host?)"}
-        return f"{self.kind} of {self.belongs_to}: {self.url} ({state[self.alive]})"
-
 
 def leftovers_under(root: str, options: Optional[ObjectStoreOptions] = None) -> list[ObjectLeftover]:
     """Uncommitted prefixes, single-file markers and incomplete uploads directly under ``root``."""
-    store = _store(root, options)
+    store = store_for(root, options)
     try:
         entries = store.list(root)
     except FileNotFoundError:
@@ -266,7 +257,7 @@ def removable(leftover: ObjectLeftover, unknown_older_than: Optional[float]) -> 
 
 
 def delete_leftover(leftover: ObjectLeftover, options: Optional[ObjectStoreOptions] = None) -> None:
-    store = _store(leftover.url, options)
+    store = store_for(leftover.url, options)
     if leftover.kind == "uncommitted":
         for upload in store.incomplete_uploads(leftover.url):
             store.abort_upload(upload)

@@ -33,13 +33,15 @@ Kept free of torch: the background writer imports it (fsspec only when a URL is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional
 
-from .errors import CheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
 
 DEFAULT_PART_BYTES = 32 << 20
 DEFAULT_CONCURRENCY = 8
@@ -77,6 +79,7 @@ class ObjectStoreOptions:
 
 
 _configured: dict[str, ObjectStoreOptions] = {}
+_in_use: ContextVar[Optional[ObjectStoreOptions]] = ContextVar("asyncckpt_object_store", default=None)
 _stores: dict[tuple[str, str], "ObjectStore"] = {}
 _lock = threading.Lock()
 
@@ -92,7 +95,23 @@ def configure(options: Optional[ObjectStoreOptions], prefix: str = "") -> None:
             _configured[prefix] = options
 
 
+@contextlib.contextmanager
+def using(options: Optional[ObjectStoreOptions]):
+    """Within the block (this thread or task), URLs are reached with ``options`` (a Checkpointer's,
+    for its loads and checks); None changes nothing."""
+    token = _in_use.set(options) if options is not None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _in_use.reset(token)
+
+
 def options_for(url: str) -> ObjectStoreOptions:
+    """The options in ``using``, else those ``configure``d for the longest matching prefix, else the defaults."""
+    current = _in_use.get()
+    if current is not None:
+        return current
     with _lock:
         matches = [prefix for prefix in _configured if url.startswith(prefix)]
         return _configured[max(matches, key=len)] if matches else ObjectStoreOptions()
@@ -111,12 +130,12 @@ def store_for(url: str, options: Optional[ObjectStoreOptions] = None) -> "Object
         return store
 
 
-def forget_listings(url: str) -> None:
+def forget_listings(url: str, options: Optional[ObjectStoreOptions] = None) -> None:
     """This process's fsspec caches of ``url`` and its parents are out of date (the background
     writer, another process, changed it). fsspec keeps one filesystem instance per set of options,
     so this also refreshes what the framework sees through fsspec (Lightning's ``ModelCheckpoint``
     lists its directory to find ``last.ckpt``)."""
-    store = store_for(url)
+    store = store_for(url, options)
     store.fs.invalidate_cache(store.path(url))
 
 
@@ -197,11 +216,10 @@ class ObjectStore:
         return bucket, key
 
     def endpoint(self) -> str:
-        client = getattr(self.fs, "s3", None)
-        found = getattr(getattr(client, "meta", None), "endpoint_url", None)
-        found = found or (getattr(self.fs, "client_kwargs", None) or {}).get("endpoint_url")
+        """The endpoint as configured (storage_options, then the environment): for messages."""
+        found = (getattr(self.fs, "client_kwargs", None) or {}).get("endpoint_url")
         found = found or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        return found or "the default endpoint"
+        return found or f"the default endpoint of {self.protocol}://"
 
     _READS = ("read", "look up", "list", "list uploads in")
 
@@ -304,14 +322,8 @@ class ObjectStore:
             except FileNotFoundError:
                 pass
 
-        async def run() -> None:
-            window = _Window(self.options.concurrency)
-            for index in range(len(urls)):
-                await window.add(fetch(index))
-            await window.drain()
-
         if urls:
-            self._run("read", urls[0], run)
+            self._run("read", urls[0], lambda: self._each(fetch, len(urls)))
         return results
 
     def read_ranges(self, ranges: list[tuple[str, int, int]], consume: Callable[[int, bytes], None]) -> None:
@@ -321,19 +333,18 @@ class ObjectStore:
             url, start, end = ranges[index]
             data = await self.fs._cat_file(self.path(url), start=start, end=end)
             if len(data) != end - start:
-                from .errors import CorruptCheckpointError
-
                 raise CorruptCheckpointError(f"{url}: object is truncated (wanted bytes {start}..{end}, got {len(data)})")
             consume(index, data)
 
-        async def run() -> None:
-            window = _Window(self.options.concurrency)
-            for index in range(len(ranges)):
-                await window.add(fetch(index))
-            await window.drain()
-
         if ranges:
-            self._run("read", ranges[0][0], run)
+            self._run("read", ranges[0][0], lambda: self._each(fetch, len(ranges)))
+
+    async def _each(self, fetch: Callable[[int], Awaitable], count: int) -> None:
+        """``fetch(0) .. fetch(count - 1)``, ``concurrency`` in flight; the first failure stops the rest."""
+        window = _Window(self.options.concurrency)
+        for index in range(count):
+            await window.add(fetch(index))
+        await window.drain()
 
     def download(self, url: str, local_path: str) -> None:
         """Copy the object ``url`` into the local file ``local_path``, durably (fsynced)."""
@@ -347,7 +358,8 @@ class ObjectStore:
     def info(self, url: str) -> dict:
         """The object's size and (S3) user metadata; FileNotFoundError if absent."""
         path = self.path(url)
-        found = self._run("look up", url, lambda: self.fs._info(path, refresh=True) if self.is_s3 else self.fs._info(path))
+        self.fs.invalidate_cache(path)  # another process (a writer) may have changed it
+        found = self._run("look up", url, lambda: self.fs._info(path))
         if found.get("type") == "directory":
             raise FileNotFoundError(url)
         return found

@@ -1,5 +1,6 @@
 """A real S3 server on 127.0.0.1 for the object-store tests: moto's threaded server (an HTTP S3 API
-with multipart uploads and conditional puts), started once per test module that asks for it.
+with multipart uploads and conditional puts), started once per test session, when a test first asks
+for it (one endpoint per process: fsspec keeps one client per set of options, as in real use).
 
 ``s3_server`` (a pytest fixture) points the AWS environment (credentials, endpoint, region) at it,
 so that fsspec/s3fs everywhere (our writer processes, Lightning's ``get_filesystem``) reach it
@@ -52,7 +53,7 @@ def _client_env() -> dict:
             "region_name": _ENV["AWS_DEFAULT_REGION"]}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def s3_server():
     saved = {key: os.environ.get(key) for key in list(_ENV) + ["AWS_ENDPOINT_URL"]}
     server = S3Server()

@@ -12,7 +12,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from asyncckpt.adapters.lightning import AsyncCkptIO  # noqa: E402
 from asyncckpt.core import file_checksums  # noqa: E402
 from asyncckpt.core.object_store import store_for  # noqa: E402
-from s3_server import s3_root, s3_server  # noqa: E402,F401 - fixtures
 from test_lightning import QUIET, TinyModule, data  # noqa: E402
 
 

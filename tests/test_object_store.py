@@ -24,7 +24,7 @@ from asyncckpt.core import cli, file_checksums
 from asyncckpt.core.object_checkpoints import leftovers_under
 from asyncckpt.core.object_store import ObjectStoreError, ObjectStoreOptions, store_for
 from dist_helper import run_on_ranks
-from s3_server import S3Server, s3_root, s3_server  # noqa: F401 - fixtures
+from s3_server import S3Server
 
 HERE = os.path.dirname(__file__)
 

@@ -11,7 +11,6 @@ import torch
 pytest.importorskip("accelerate")
 from asyncckpt.adapters.accelerate import enable_async_checkpointing  # noqa: E402
 from asyncckpt import core  # noqa: E402
-from s3_server import s3_root, s3_server  # noqa: E402,F401 - fixtures
 from test_accelerate import _fresh_accelerator, _train_objects, handles, listing  # noqa: E402,F401
 
 
