@@ -38,7 +38,7 @@ POLL_MAX_DELAY = 0.005
 class BarrierSpec:
     """One save's meeting point, as plain data: the requests of every rank carry the same one."""
 
-    kind: str  # "files" or "store"
+    kind: str  # "files", "store", or "solo" (one rank saving to an object store)
     key: str  # the save's id, the same on every rank and unique in the job
     world_size: int
     staging_dir: str
@@ -227,10 +227,34 @@ class StoreBarrier:
         self._wait("final", lambda: _no_commit_error(self.spec))
 
 
+class SoloBarrier:
+    """A save of one rank where no marker files can go (an object-store URL): nobody to wait for."""
+
+    def __init__(self, spec: BarrierSpec) -> None:
+        self.spec = spec
+
+    def arrive(self, rank: int) -> None:
+        pass
+
+    def fail(self, rank: int, reason: str) -> None:
+        pass
+
+    def wait_all(self) -> None:
+        pass
+
+    def committed(self) -> None:
+        pass
+
+    def wait_commit(self) -> None:
+        pass
+
+
 def local_barrier(spec: BarrierSpec, store: Optional[Any] = None) -> Barrier:
     """The barrier of ``spec`` in a process that can reach it directly."""
     if spec.kind == "files":
         return FileBarrier(spec)
+    if spec.kind == "solo":
+        return SoloBarrier(spec)
     if store is None:
         raise CheckpointWriteError("its ranks meet in the torch.distributed Store, which this process cannot reach")
     return StoreBarrier(store, spec)

@@ -61,10 +61,10 @@ def classify(path: str, *, read_step: bool = True) -> Optional[Entry]:
     hidden = names.parse_hidden(name)
     if hidden is not None:
         aborted = os.path.exists(os.path.join(path, names.ABORT_MARKER))
-        return Entry(path, "hidden", "INCOMPLETE", _step_from_name(hidden.name), None, "aborted" if aborted else hidden.kind)
+        return Entry(path, "hidden", "INCOMPLETE", step_from_name(hidden.name), None, "aborted" if aborted else hidden.kind)
     if os.path.isfile(path):
         note = f"-> {os.readlink(path)}" if os.path.islink(path) else ""
-        step_and_epoch = _step_and_epoch_of_file(path, name) if read_step else (_step_from_name(name), None)
+        step_and_epoch = _step_and_epoch_of_file(path, name) if read_step else (step_from_name(name), None)
         return Entry(path, "file", "COMPLETE", *step_and_epoch, note,
                      file_checksums.read_record(path) is not None)
     if not os.path.isdir(path):
@@ -74,7 +74,7 @@ def classify(path: str, *, read_step: bool = True) -> Optional[Entry]:
     except OSError:
         return None
     record = commit.read_commit_record(path)
-    step = record.get("step") if record and isinstance(record.get("step"), int) else _step_from_name(name)
+    step = record.get("step") if record and isinstance(record.get("step"), int) else step_from_name(name)
     sharded = names.DCP_METADATA_FILE in entries or any(map(names.SIDECAR_PATTERN.match, entries)) or (
         record is not None and names.DCP_METADATA_FILE in record.get("files", {}))
     if record is not None:
@@ -103,14 +103,14 @@ def _may_be_checkpoint(root: str, name: str) -> bool:
     return not name.startswith(".") and (name.endswith(NATIVE_FILE_SUFFIXES) or not os.path.isfile(os.path.join(root, name)))
 
 
-def _step_from_name(name: str) -> Optional[int]:
+def step_from_name(name: str) -> Optional[int]:
     """step_000120 -> 120, checkpoint-12 -> 12, epoch=1-step=15.ckpt -> 15."""
     match = _STEP_IN_NAME.search(name) or _TRAILING_NUMBER.search(os.path.splitext(name)[0])
     return int(match.group(1)) if match else None
 
 
 def _step_and_epoch_of_file(path: str, name: str) -> tuple[Optional[int], Optional[int]]:
-    step, epoch = _step_from_name(name), _EPOCH_IN_NAME.search(name)
+    step, epoch = step_from_name(name), _EPOCH_IN_NAME.search(name)
     if step is not None:
         return step, int(epoch.group(1)) if epoch else None
     content = load_weights_only(path)  # e.g. last.ckpt: Lightning records them inside

@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from . import integrity, leftovers, lifecycle, names
+from . import integrity, leftovers, lifecycle, locations, names
+from . import object_store as object_store_module
 from .barrier import BarrierSpec
 from .buffers import BufferPool
 from .coordinator import Coordinator
@@ -38,9 +39,12 @@ from .dist_env import any_rank, default_store, dist_ready, rank_and_world
 from .commit import job_token
 from .errors import CheckpointCancelledError, CheckpointError, CheckpointWriteError, CorruptCheckpointError
 from .file_requests import FileRequest, LinkRequest, RemoveRequest
+from .object_checkpoints import ObjectFileRequest, ObjectRemoveRequest
 from .file_snapshots import FileSnapshots
 from .handles import SaveHandle
 from .loading import load_checkpoint
+from .mirror import MirrorRequest, restore_latest
+from .object_store import ObjectStoreOptions
 from .retention import RetentionRequest
 from .sharded_save import ShardedSaves
 from .stager import Stager
@@ -50,7 +54,7 @@ logger = logging.getLogger("asyncckpt.core")
 
 STATE_DICT = dict[str, Any]
 _OPTIONS = ("process_group", "use_collectives", "max_in_flight", "overlap_staging", "direct_io", "io_threads",
-            "timeout", "verify")
+            "timeout", "verify", "object_store")
 
 
 class Checkpointer:
@@ -69,12 +73,16 @@ class Checkpointer:
         io_threads: parallel writer/reader threads per rank.
         timeout: bound on every wait (peers, commit, back-pressure), in seconds.
         verify: check checksums on load.
+        object_store: how to reach and use an object store for ``s3://...`` (any fsspec URL) paths:
+            ``storage_options``, multipart part size, parallel requests; for its writer and for its loads
+            and checks. Default: ``object_store.configure``'s, else fsspec's defaults and the environment.
     """
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None, use_collectives: bool = True,
                  max_in_flight: int = 1, overlap_staging: bool = False, direct_io: bool = True, io_threads: int = 2,
-                 timeout: float = 600.0, verify: bool = True) -> None:
+                 timeout: float = 600.0, verify: bool = True, object_store: Optional[ObjectStoreOptions] = None) -> None:
         self.process_group, self.use_collectives = process_group, use_collectives
+        self.object_store = object_store
         self.max_in_flight, self.overlap_staging = max_in_flight, overlap_staging
         self.direct_io, self.io_threads, self.timeout, self.verify = direct_io, io_threads, timeout, verify
         self.coordinator = Coordinator(max_in_flight=max_in_flight, timeout=timeout, store=self._store)
@@ -122,12 +130,14 @@ class Checkpointer:
         anyway, streams by default (figures in docs/DESIGN.md).
         """
         self._check_open()
-        path = os.path.abspath(os.fspath(path))
+        path = locations.normalize(path)
         group = process_group if process_group is not None else self.process_group
         collectives = (self.use_collectives if use_collectives is None else use_collectives) and dist_ready()
         overlap = self.overlap_staging if overlap_staging is None else overlap_staging
         self.stager.wait()  # one snapshot at a time: saves agree on their structures in call order
-        target = self.sharded.target(path, group, collectives, self._store, step=step, extra_files=extra_files)
+        target = self.sharded.target(path, group, collectives, self._store, step=step, extra_files=extra_files,
+                                     object_store=self.object_store)
+        target.barrier_kind()  # refuses what cannot work (several ranks on a URL without a Store) before anything starts
         world, agreement = target.world, target.group
         handle = self._admit("save", path, rank=target.rank, step=step, label=label)
         started = time.perf_counter()
@@ -161,11 +171,12 @@ class Checkpointer:
              strict: bool = True, verify: Optional[bool] = None, use_collectives: Optional[bool] = None) -> None:
         """Load a committed checkpoint into ``state_dict`` in place, resharding as needed (``loading``).
         Waits for a save of ``path`` still in flight first."""
-        path = os.path.abspath(os.fspath(path))
+        path = locations.normalize(path)
         self.wait_for(path)
-        load_checkpoint(state_dict, path, group=process_group if process_group is not None else self.process_group,
-                        collectives=self.use_collectives if use_collectives is None else use_collectives,
-                        strict=strict, verify=self.verify if verify is None else verify, io_threads=self.io_threads)
+        with object_store_module.using(self.object_store):
+            load_checkpoint(state_dict, path, group=process_group if process_group is not None else self.process_group,
+                            collectives=self.use_collectives if use_collectives is None else use_collectives,
+                            strict=strict, verify=self.verify if verify is None else verify, io_threads=self.io_threads)
 
     # ------------------------------------------------------------------ native files and directories
     def async_save_file(self, obj: Any, path: str | os.PathLike, *, format: str = "torch",
@@ -179,13 +190,14 @@ class Checkpointer:
         submission order, so repeated saves to one path keep their order.
         """
         self._check_open()
-        path = os.path.abspath(os.fspath(path))
+        path = locations.normalize(path)
         self.coordinator.raise_unobserved()
         image = self.files.image(obj, format, metadata)
         handle = self._admit("file", path, rank=rank_and_world(self.process_group)[0], step=step, label=label)
         slot = self.buffers.take_for_file(image.size, handle)
         handle.when_done(lambda: self.buffers.give_back(slot))
-        request = FileRequest(path, image.size, handle.rank, self.direct_io, self.io_threads)
+        request = (ObjectFileRequest(path, image.size, self.object_store) if locations.is_url(path)
+                   else FileRequest(path, image.size, handle.rank, self.direct_io, self.io_threads))
         self.stager.take_snapshot(handle, lambda: self.files.stage(image, slot), request,
                                   lambda: self.coordinator.queue.submit([(handle, request, slot.buffer)]))
         return handle
@@ -219,7 +231,7 @@ class Checkpointer:
 
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
                                     coordinator=self.coordinator, stager=self.stager, files=self.files,
-                                    sharded=self.sharded, sharded_target=sharded_target,
+                                    sharded=self.sharded, sharded_target=sharded_target, mirror=self.mirror,
                                     direct_io=self.direct_io, io_threads=self.io_threads)
 
     def _directory_id(self, final_dir: str, rank: int, world: int, store: Any) -> str:
@@ -242,8 +254,13 @@ class Checkpointer:
         before; with ``after``, only if that save succeeded. A directory is renamed out of every
         name a framework looks at first (into ``hidden_parent`` if given, on the same filesystem),
         then deleted once the writer has replied."""
-        paths = tuple(os.path.abspath(os.fspath(p)) for p in paths)
-        request = RemoveRequest(list(paths), os.path.abspath(os.fspath(hidden_parent)) if hidden_parent else None)
+        paths = tuple(locations.normalize(p) for p in paths)
+        if any(map(locations.is_url, paths)):
+            if not all(map(locations.is_url, paths)):
+                raise ValueError(f"remove() takes local paths or URLs, not both at once: {paths}")
+            request = ObjectRemoveRequest(list(paths), self.object_store)
+        else:
+            request = RemoveRequest(list(paths), os.path.abspath(os.fspath(hidden_parent)) if hidden_parent else None)
         return self._queue_after("remove", ", ".join(paths), request, after, paths=paths)
 
     def link(self, target: str | os.PathLike, linkpath: str | os.PathLike, *,
@@ -257,8 +274,29 @@ class Checkpointer:
                         keep_every: Optional[int], after: Optional[SaveHandle] = None) -> SaveHandle:
         """Delete the committed checkpoints under ``root`` (names matching ``pattern``, group 1 the
         step) that ``retention.select_deletions`` does not keep; with ``after``, only if that save succeeded."""
-        root = os.path.abspath(os.fspath(root))
-        return self._queue_after("retention", root, RetentionRequest(root, pattern, keep_last, keep_every), after)
+        root = locations.normalize(root)
+        return self._queue_after("retention", root, RetentionRequest(root, pattern, keep_last, keep_every, self.object_store),
+                                 after)
+
+    def mirror(self, path: str | os.PathLike, url: str, *, after: Optional[SaveHandle] = None) -> SaveHandle:
+        """Copy the committed checkpoint ``path`` (a directory, or a single file) to the object-store
+        ``url`` and commit it there, in the background, after everything queued before; with ``after``,
+        only if that save succeeded (``mirror``; ``mirror.restore`` brings one back)."""
+        path, url = locations.normalize(path), locations.normalize(url)
+        if not locations.is_url(url):
+            raise ValueError(f"mirror() copies to an object-store URL, not to {url}")
+        return self._queue_after("mirror", url, MirrorRequest(path, url, self.object_store), after)
+
+    def restore_mirrored(self, url_root: str, local_root: str) -> Optional[str]:
+        """Before a resume: the newest committed checkpoint under ``url_root`` (``mirror``) restored
+        under ``local_root`` unless a copy is there. A collective when torch.distributed runs: no
+        shared filesystem is assumed, so one process per node (``LOCAL_RANK`` 0) downloads while the
+        others wait for it. Returns the local path, or None if the mirror holds none."""
+        with object_store_module.using(self.object_store):
+            restored = restore_latest(url_root, local_root) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
+        if dist_ready() and rank_and_world(self.process_group)[1] > 1:
+            dist.barrier(group=self.process_group)
+        return restored
 
     def _queue_after(self, kind: str, path: str, request: Any, after: Optional[SaveHandle], **details: Any) -> SaveHandle:
         self._check_open()
@@ -292,7 +330,7 @@ class Checkpointer:
     def wait_for(self, path: str | os.PathLike) -> None:
         """Wait for pending work on ``path`` (a read must never see a checkpoint being written);
         raise its failure if nobody has seen it."""
-        self.coordinator.wait_for(os.path.abspath(os.fspath(path)))
+        self.coordinator.wait_for(locations.normalize(path))
 
     def raise_failures(self) -> None:
         """Raise (once) a failure of earlier work that nobody has seen; never waits."""
@@ -301,9 +339,12 @@ class Checkpointer:
     def will_exist(self, path: str | os.PathLike) -> bool:
         """Whether ``path`` will exist once the queued work has run: what the last queued work on it
         does (a save or link creates it, a removal deletes it), else whether it exists now."""
-        path = os.path.abspath(os.fspath(path))
+        path = locations.normalize(path)
         queued = self.coordinator.will_exist(path)
-        return os.path.exists(path) if queued is None else queued
+        if queued is not None:
+            return queued
+        with object_store_module.using(self.object_store):
+            return locations.exists(path)
 
     def pending(self) -> list[SaveHandle]:
         """Checkpoints, removals and links not done yet, oldest first."""
@@ -324,12 +365,13 @@ class Checkpointer:
         it; raise ``CorruptCheckpointError`` naming the files (and keys) that are damaged. With
         ``everywhere`` (a collective: every rank calls it), the ranks check the data files of a
         sharded checkpoint side by side, and a problem found on any rank raises on every rank."""
-        path = os.path.abspath(os.fspath(path))
+        path = locations.normalize(path)
         rank, world = rank_and_world(self.process_group) if everywhere else (0, 1)
         error: Optional[CheckpointError] = None
         report = None
         try:
-            report = integrity.require_intact(path, share=(rank, world))
+            with object_store_module.using(self.object_store):
+                report = integrity.require_intact(path, share=(rank, world))
         except CheckpointError as e:
             error = e
         if everywhere and any_rank(error is not None, self.process_group) and error is None:
@@ -431,7 +473,10 @@ class Checkpointer:
 
     def _admit(self, kind: str, path: str, **details: Any) -> SaveHandle:
         self.stats[kind] += 1
-        return self.coordinator.admit(kind, path, **details)
+        handle = self.coordinator.admit(kind, path, **details)
+        for url in filter(locations.is_url, handle.paths):  # the writer changed it: this process's listings are stale
+            handle.when_done(lambda url=url: object_store_module.forget_listings(url, self.object_store))
+        return handle
 
     def _foreground(self, handle: SaveHandle, step: Callable[[], Any]) -> Any:
         """Run part of a save in the caller: what it raises is the caller's to see (not raised

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from tqdm import tqdm
 
-from . import checkpoint_kinds, commit, integrity, leftovers, names
+from . import checkpoint_kinds, commit, integrity, leftovers, locations, names, object_cli
 from .errors import CheckpointError
 from .metadata_io import load_dcp_metadata
 from .names import DCP_METADATA_FILE
@@ -62,6 +62,8 @@ def cmd_ls(root: str) -> int:
     """One line per checkpoint of any kind (``checkpoint_kinds``): name, step, size, status, kind.
     Sorted by (step, time), like ``latest_checkpoint`` ranks them, so the last COMPLETE line is
     what a resume picks."""
+    if locations.is_url(root):
+        return object_cli.cmd_ls(root, _human)
     try:
         entries = checkpoint_kinds.checkpoints_under(root)
     except OSError as e:
@@ -89,6 +91,10 @@ def cmd_ls(root: str) -> int:
 def cmd_inspect(path: str) -> int:
     """Describe a checkpoint from ``.metadata`` (what a loader will read) plus the sidecars
     (who wrote what, exact data offsets). Works for plain DCP checkpoints too (no sidecars)."""
+    if locations.is_url(path):
+        print(f"asyncckpt inspect: {path}: URLs are not supported by inspect yet (ls, verify and clean take them)",
+              file=sys.stderr)
+        return EXIT_PROBLEM
     entry = checkpoint_kinds.classify(path) if os.path.exists(path) else None
     if entry is None:
         if os.path.isdir(path) and checkpoint_kinds.checkpoints_under(path):
@@ -193,6 +199,8 @@ def _inspect_files(root: str, paths: list[str]) -> int:
 def cmd_verify(path: str, progress: bool = True) -> int:
     """Re-check everything a load relies on (``integrity``); report every problem, not just the
     first. A directory holding checkpoints has each of them verified."""
+    if locations.is_url(path):
+        return object_cli.cmd_verify(path)
     entry = checkpoint_kinds.classify(path, read_step=False) if os.path.exists(path) else None
     if entry is None and os.path.isdir(path) and checkpoint_kinds.checkpoints_under(path, read_step=False):
         found = [e for e in checkpoint_kinds.checkpoints_under(path, read_step=False) if e.kind != "hidden"]
@@ -221,6 +229,8 @@ def cmd_clean(root: str, min_age_s: float, dry_run: bool) -> int:
     """Delete what crashed or killed saves left under ROOT (``leftovers``): at once what a process
     that is gone left on this host; what was made on another host (whose writer this host cannot
     see) only once untouched for ``min_age_s``. Never anything a live writer still uses."""
+    if locations.is_url(root):
+        return object_cli.cmd_clean(root, min_age_s, dry_run, _human)
     if not os.path.isdir(root):
         print(f"asyncckpt clean: {root}: not a directory", file=sys.stderr)
         return EXIT_PROBLEM

@@ -14,7 +14,7 @@ import os
 import time
 from typing import Optional
 
-from . import names
+from . import locations, names
 from .errors import IncompleteCheckpointError
 from .fsio import atomic_write_bytes, exchange_paths, fsync_dir
 
@@ -23,9 +23,10 @@ COMMIT_VERSION = 1
 
 
 def read_commit_record(path: str) -> Optional[dict]:
+    """The commit record of the checkpoint at ``path`` (a directory, or an object-store prefix
+    whose commit object it is), or None."""
     try:
-        with open(os.path.join(path, names.COMMIT_RECORD), "rb") as f:
-            record = json.load(f)
+        record = json.loads(locations.read_bytes(locations.join(path, names.COMMIT_RECORD)))
     except (FileNotFoundError, NotADirectoryError, ValueError):
         return None
     if not isinstance(record, dict) or record.get("format") != COMMIT_FORMAT or record.get("version", 0) > COMMIT_VERSION:
@@ -40,7 +41,7 @@ def is_complete(path: str) -> bool:
 
 def require_complete(path: str) -> dict:
     """The commit record of ``path``; raises a clear error if it is missing or was never committed."""
-    if not os.path.exists(path):
+    if not locations.exists(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     record = read_commit_record(path)
     if record is None or names.is_hidden(path):
@@ -52,16 +53,19 @@ def require_complete(path: str) -> dict:
 
 def latest_checkpoint(root: str) -> Optional[str]:
     """The newest complete checkpoint directly under ``root`` (by step, then commit time), or None."""
-    try:
-        entries = os.listdir(root)
-    except FileNotFoundError:
-        return None
+    if locations.is_url(root):
+        from .object_checkpoints import committed_under
+
+        found = committed_under(root)
+    else:
+        try:
+            entries = os.listdir(root)
+        except FileNotFoundError:
+            return None
+        found = ((os.path.join(root, entry), read_commit_record(os.path.join(root, entry)))
+                 for entry in entries if not entry.startswith("."))
     best_key, best_path = None, None
-    for entry in entries:
-        if entry.startswith("."):
-            continue
-        path = os.path.join(root, entry)
-        record = read_commit_record(path)
+    for path, record in found:
         if record is None:
             continue
         step = record.get("step")
@@ -77,9 +81,14 @@ def job_token() -> str:
     return hashlib.blake2b(token.encode(), digest_size=4).hexdigest() if token != ":" else "local"
 
 
-def write_commit_record(directory: str, record: dict) -> None:
+def commit_record_bytes(record: dict) -> bytes:
+    """The commit record document: ``record`` with the format, version and commit time added."""
     body = {"format": COMMIT_FORMAT, "version": COMMIT_VERSION, "committed_at_ns": time.time_ns(), **record}
-    atomic_write_bytes(os.path.join(directory, names.COMMIT_RECORD), json.dumps(body, indent=1).encode())
+    return json.dumps(body, indent=1).encode()
+
+
+def write_commit_record(directory: str, record: dict) -> None:
+    atomic_write_bytes(os.path.join(directory, names.COMMIT_RECORD), commit_record_bytes(record))
 
 
 def uncommit(path: str) -> None:

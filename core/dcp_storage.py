@@ -22,14 +22,14 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from . import commit, names
+from . import commit, locations, names
 from .errors import CorruptCheckpointError
 from .metadata_io import load_dcp_metadata, write_dcp_metadata
 from .planner import byte_items, layout_for_plan, tensor_items
 from .reader import RAW_DTYPES, Span, can_read_into, group_by_file, overlapping, read_spans
 from .staging import StagingBuffer, copy_into
 from .sidecar import ShareRecord, read_sidecar, write_rank_sidecar
-from .storage import write_share
+from .storage import LocalDestination, write_share
 from .tensor_copy import CopyThreads
 
 STAGED_BYTES = 64 << 20  # temporaries of a resharding read, at most, at a time
@@ -80,8 +80,8 @@ class AsyncCkptStorageWriter(StorageWriter):
         finally:
             threads.stop()
         objects = [(item.index.fqn, planner.resolve_data(item).getvalue()) for item in byte_items(plan)]
-        items = write_share(self.path, self.rank, self._buffer.layout, memoryview(self._buffer.mmap)[: layout.buffer_size], objects,
-                            direct_io=self.direct_io, io_threads=self.io_threads)
+        items = write_share(LocalDestination(self.path, self.path, self.direct_io, self.io_threads), self.rank,
+                            self._buffer.layout, memoryview(self._buffer.mmap)[: layout.buffer_size], objects)
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         write_rank_sidecar(self.path, ShareRecord(self.save_id, self.rank, world_size, "", self._buffer.layout.planner_data, items))
         results = [
@@ -142,7 +142,7 @@ class AsyncCkptStorageReader(StorageReader):
     def _load_sidecars(self) -> dict[tuple[str, int], tuple[Any, int]]:
         """(file, start) -> (sidecar columns, item index), for every rank sidecar present (none for plain DCP)."""
         located: dict[tuple[str, int], tuple[Any, int]] = {}
-        for name in os.listdir(self.path):
+        for name in locations.list_names(self.path):
             match = names.SIDECAR_PATTERN.match(name)
             if match is None:
                 continue

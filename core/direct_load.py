@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import io
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -29,6 +28,7 @@ import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.stateful import Stateful
 
+from . import locations
 from .metadata_io import DCP_METADATA_FILE, check_relative_path
 from .reader import RAW_DTYPES, FileSpans, Span, can_read_into, overlapping, read_spans
 from .sidecar import Sidecar, read_sidecar, sidecar_name
@@ -83,7 +83,7 @@ def committed_sidecars(root: str, record: dict) -> Optional[list[Sidecar]]:
     if not isinstance(files, dict) or not isinstance(world_size, int) or world_size < 1:
         return None  # e.g. a reduced record of a save through DCP's own API
     try:
-        if os.stat(os.path.join(root, DCP_METADATA_FILE)).st_size != files.get(DCP_METADATA_FILE):
+        if locations.size_of(locations.join(root, DCP_METADATA_FILE)) != files.get(DCP_METADATA_FILE):
             return None  # replaced or damaged since the commit: let the checked path deal with it
         sidecars = [read_sidecar(root, rank) for rank in range(world_size) if sidecar_name(rank) in files]
     except FileNotFoundError:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -103,13 +104,14 @@ class DirectoryTransaction:
 
     def __init__(self, *, handle: "SaveHandle", save_id: str, staging_dir: str, barrier: BarrierSpec,
                  coordinator: "Coordinator", stager: "Stager", files: "FileSnapshots", sharded: "ShardedSaves",
-                 sharded_target: Callable[..., "SaveTarget"], direct_io: bool, io_threads: int) -> None:
+                 sharded_target: Callable[..., "SaveTarget"], mirror: Callable[..., "SaveHandle"], direct_io: bool,
+                 io_threads: int) -> None:
         self.handle = handle
         self.final_dir, self.rank, self.step, self.save_id = handle.path, handle.rank, handle.step, save_id
         self.staging_dir = staging_dir
         self._barrier = barrier
         self._coordinator, self._stager, self._files = coordinator, stager, files
-        self._sharded, self._sharded_target = sharded, sharded_target
+        self._sharded, self._sharded_target, self._mirror = sharded, sharded_target, mirror
         self._direct_io, self._io_threads = direct_io, io_threads
         self._held: list[tuple["SaveHandle", Any, Any]] = []
         self._committing = False
@@ -194,9 +196,11 @@ class DirectoryTransaction:
         self._hold(member, request, None)
         return member
 
-    def commit(self) -> "SaveHandle":
+    def commit(self, *, mirror_to: Optional[str] = None) -> "SaveHandle":
         """Every rank calls this once, after its files; returns the checkpoint's handle, which
-        completes when the directory is published (or fails with what failed on any rank)."""
+        completes when the directory is published (or fails with what failed on any rank). With
+        ``mirror_to`` (an object-store URL root), rank 0 then copies the committed directory to
+        ``mirror_to/<its name>`` in the background (``Checkpointer.mirror``)."""
         with self._lock:  # the held files and the commit reach the writer in one message
             if self._committing:
                 return self.handle
@@ -205,6 +209,8 @@ class DirectoryTransaction:
                                        self._barrier, self._failed)
             self.handle.set_staged()
             self._flush([(self.handle, request, None)])
+        if mirror_to and self.rank == 0:
+            self._mirror(self.final_dir, posixpath.join(mirror_to, os.path.basename(self.final_dir)), after=self.handle)
         return self.handle
 
     def abort(self, error: BaseException, *, raised: bool = True) -> None:

@@ -28,6 +28,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from . import locations
 from .checksum import checksum_stream
 
 ATTRIBUTE = "user.asyncckpt.checksum"
@@ -44,12 +45,27 @@ class FileChecksum:
     xxh3: str
 
 
+def record_body(checksum: FileChecksum) -> str:
+    """The checksum record as stored (an extended attribute; an object's user metadata)."""
+    return json.dumps({"format": RECORD_FORMAT, "version": RECORD_VERSION, "size": checksum.size, "xxh3": checksum.xxh3})
+
+
+def parse_record(body: bytes) -> Optional[FileChecksum]:
+    """A stored checksum record, or None if it is not one."""
+    try:
+        record = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT or not isinstance(record.get("size"), int):
+        return None
+    return FileChecksum(record["size"], str(record.get("xxh3")))
+
+
 def write_record(temporary: str, checksum: FileChecksum) -> None:
     """Attach ``checksum`` to the written (not yet renamed) file ``temporary``, durably."""
     global _warned_unsupported
-    body = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "size": checksum.size, "xxh3": checksum.xxh3}
     try:
-        os.setxattr(temporary, ATTRIBUTE, json.dumps(body).encode())
+        os.setxattr(temporary, ATTRIBUTE, record_body(checksum).encode())
     except OSError as e:
         if e.errno not in _UNSUPPORTED:
             raise
@@ -69,17 +85,17 @@ def write_record(temporary: str, checksum: FileChecksum) -> None:
 def read_record(path: str) -> Optional[FileChecksum]:
     """The checksum attached to the file at ``path`` (following a symlink to the file it names), or
     None: none attached (written without asyncckpt, or copied without extended attributes)."""
+    if locations.is_url(path):
+        from .object_checkpoints import read_file_checksum
+
+        return read_file_checksum(path)
     try:
-        body = json.loads(os.getxattr(path, ATTRIBUTE))
+        body = os.getxattr(path, ATTRIBUTE)
     except OSError as e:
         if e.errno in _UNSUPPORTED or e.errno in (errno.ENODATA, errno.ENOENT):
             return None
         raise
-    except ValueError:
-        return None
-    if not isinstance(body, dict) or body.get("format") != RECORD_FORMAT or not isinstance(body.get("size"), int):
-        return None
-    return FileChecksum(body["size"], str(body.get("xxh3")))
+    return parse_record(body)
 
 
 def problem(path: str, expected: FileChecksum, progress: Optional[Callable[[int], None]] = None) -> Optional[str]:

@@ -18,6 +18,7 @@ from .errors import CheckpointTimeoutError
 _VERBS = {
     "save": "saving checkpoint", "file": "saving checkpoint", "directory": "saving checkpoint",
     "member": "writing", "remove": "removing", "link": "linking", "retention": "applying retention in",
+    "mirror": "mirroring to",
     "idle": "waiting for",
 }
 CHECKPOINT_KINDS = ("save", "file", "directory")

@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from . import checkpoint_kinds, commit, file_checksums, names
+from . import checkpoint_kinds, commit, file_checksums, locations, names
 from .checksum import checksum
 from .errors import CheckpointError, CorruptCheckpointError
 from .file_checksums import FileChecksum
@@ -60,7 +60,12 @@ def check(path: str, *, on_problem: Callable[[str], None] = lambda message: None
           progress: Optional[Progress] = None, share: tuple[int, int] = (0, 1)) -> Report:
     """Check the checkpoint at ``path``; ``on_problem`` hears each problem as it is found. With
     ``share=(index, count)``, only the data files of the ranks ``index, index + count, ...`` of a
-    sharded checkpoint are read (the ranks of a job check their shares side by side)."""
+    sharded checkpoint are read (the ranks of a job check their shares side by side). A URL is
+    checked by ``object_integrity`` (whole, whatever ``share`` says)."""
+    if locations.is_url(path):
+        from .object_integrity import check as check_object
+
+        return check_object(path, on_problem=on_problem)
     entry = checkpoint_kinds.classify(path, read_step=False)
     if entry is None:
         raise FileNotFoundError(f"{path}: not a checkpoint (a file, or a sharded or native checkpoint directory)")

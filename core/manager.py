@@ -11,9 +11,11 @@ import os
 import re
 from typing import Any, Optional
 
+from . import locations
 from .checkpointer import Checkpointer
 from .dist_env import rank_and_world
 from .handles import SaveHandle
+from .object_store import using
 from .retention import committed_steps
 
 
@@ -31,7 +33,7 @@ class CheckpointManager:
                  **options: Any) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 (the newest committed checkpoint is always kept)")
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = locations.normalize(root)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.prefix, self.digits = prefix, digits
         self._pattern = rf"^{re.escape(prefix)}(\d+)$"
@@ -39,11 +41,12 @@ class CheckpointManager:
         self.retention: Optional[SaveHandle] = None  # the latest save's retention
 
     def path_for(self, step: int) -> str:
-        return os.path.join(self.root, f"{self.prefix}{step:0{self.digits}d}")
+        return locations.join(self.root, f"{self.prefix}{step:0{self.digits}d}")
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
-        return sorted(committed_steps(self.root, re.compile(self._pattern)))
+        with using(self.checkpointer.object_store):
+            return sorted(committed_steps(self.root, re.compile(self._pattern)))
 
     def latest(self) -> Optional[int]:
         steps = self.steps()

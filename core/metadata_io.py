@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 
-from . import dcp_pickle
+from . import dcp_pickle, locations
 from .dcp_pickle import DCP_METADATA_FILE, DcpClasses
 from .errors import CorruptCheckpointError, UnsafeMetadataError
 from .fsio import atomic_write_bytes
@@ -79,10 +79,13 @@ def check_relative_path(root: str, relative_path: str) -> str:
 
 
 def load_dcp_metadata(checkpoint_dir: str, file_name: str = DCP_METADATA_FILE) -> dcp_metadata.Metadata:
-    path = os.path.join(checkpoint_dir, file_name)
+    path = locations.join(checkpoint_dir, file_name)
     try:
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f, path).load()
+        if locations.is_url(path):
+            metadata = _MetadataUnpickler(io.BytesIO(locations.read_bytes(path)), path).load()
+        else:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f, path).load()
     except FileNotFoundError:
         raise
     except UnsafeMetadataError:

@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional, Union
 import numpy as np
 import torch
 
-from . import diskio
+from . import diskio, locations
 from .checksum import checksum, checksum_stream
 from .errors import CorruptCheckpointError
 
@@ -222,8 +222,13 @@ def read_spans(root: str, files: list[FileSpans], *, threads: int) -> None:
     """Read every span of every file into its target, verifying checksums where given.
 
     Raises ``CorruptCheckpointError`` naming the file (and key) for a missing or truncated data
-    file or a checksum mismatch; targets read before the failure keep their new bytes.
+    file or a checksum mismatch; targets read before the failure keep their new bytes. A URL
+    ``root`` is read from its object store (``object_reader``).
     """
+    if locations.is_url(root):
+        from .object_reader import read_object_spans
+
+        return read_object_spans(root, files)
     opened: list[int] = []
     try:
         large: list = []

@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-from . import commit
+from . import commit, locations
 from .file_requests import remove_paths
 from .protocol import RequestContext
 
@@ -36,22 +36,34 @@ class RetentionRequest:
     pattern: str
     keep_last: Optional[int]
     keep_every: Optional[int]
+    object_store: Any = None  # ObjectStoreOptions, for a URL root
 
     def run(self, context: RequestContext) -> None:
         committed = committed_steps(self.root, re.compile(self.pattern))
-        remove_paths([committed[step] for step in select_deletions(list(committed), self.keep_last, self.keep_every)],
-                     context)
+        doomed = [committed[step] for step in select_deletions(list(committed), self.keep_last, self.keep_every)]
+        if locations.is_url(self.root):
+            from .object_checkpoints import ObjectRemoveRequest
+
+            ObjectRemoveRequest(doomed, self.object_store).run(context)
+        else:
+            remove_paths(doomed, context)
 
 
 def committed_steps(root: str, pattern: re.Pattern) -> dict[int, str]:
-    """step -> path of every committed checkpoint under ``root`` whose name matches ``pattern``."""
+    """step -> path of every committed checkpoint under ``root`` whose name matches ``pattern``
+    (for a URL, from the commit objects of one delimited listing)."""
+    if locations.is_url(root):
+        from .object_checkpoints import committed_under
+
+        candidates = [(path, record is not None) for path, record in committed_under(root)]
+    else:
+        try:
+            candidates = [(os.path.join(root, name), None) for name in os.listdir(root)]
+        except FileNotFoundError:
+            return {}
     found = {}
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return found
-    for name in names:
-        match = pattern.match(name)
-        if match and commit.is_complete(os.path.join(root, name)):
-            found[int(match.group(1))] = os.path.join(root, name)
+    for path, committed in candidates:
+        match = pattern.match(locations.basename(path))
+        if match and (committed if committed is not None else commit.is_complete(path)):
+            found[int(match.group(1))] = path
     return found

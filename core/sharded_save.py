@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.utils import _DistWrapper, find_state_dict_object, find_tensor_shard
 
-from . import names
+from . import locations, names
 from .barrier import BarrierSpec
 from .buffers import BufferPool, Slot
 from .dist_env import rank_and_world
@@ -58,10 +58,23 @@ class SaveTarget:
     store: Any  # the torch.distributed Store the ranks meet in (None: they meet through files)
     step: Optional[int] = None
     extra_files: Optional[dict[str, bytes]] = None
+    object_store: Any = None  # ObjectStoreOptions for a URL path
     # A part of a directory checkpoint (``DirectoryTransaction.save_sharded``): written into this
     # subdirectory of the directory's staging directory, and published with the directory.
     staging_dir: Optional[str] = None
     directory_barrier: Optional[BarrierSpec] = None
+
+    def barrier_kind(self) -> str:
+        """How its ranks meet: the Store whenever there is one to meet in; else marker files in the
+        staging directory, or, for a URL (no directory to share), nothing to meet (one rank)."""
+        if self.store is not None and self.collectives and self.world > 1:
+            return "store"
+        if locations.is_url(self.path):
+            if self.world > 1:
+                raise CheckpointWriteError(f"saving {self.path} on {self.world} ranks needs torch.distributed (its "
+                                           "ranks meet in its Store; use_collectives=False has no place to meet)")
+            return "solo"
+        return "files"
 
 
 class ShardedSaves:
@@ -145,16 +158,20 @@ class ShardedSaves:
             if speculation is not None:
                 speculation.abandon()
             raise
-        staging_dir = target.staging_dir or names.staging_dir_for(target.path, save_id)
+        if locations.is_url(target.path):
+            staging_dir = target.path
+        else:
+            staging_dir = target.staging_dir or names.staging_dir_for(target.path, save_id)
         coordinator = target.rank == 0
-        kind = "store" if target.store is not None and target.collectives and target.world > 1 else "files"
+        kind = target.barrier_kind()
         request = ShareRequest(
             save_id=save_id, final_path=target.path, staging_dir=staging_dir, rank=target.rank,
             world_size=target.world, coordinator=coordinator, structure_hash=str(key[0]), byte_items=objects,
             barrier=BarrierSpec(kind, save_id, target.world, staging_dir, target.path, self.timeout),
             direct_io=self.direct_io, io_threads=self.io_threads, step=target.step,
             extra_files=dict(target.extra_files or {}) if coordinator else {},
-            dcp_classes=dcp_classes() if coordinator else None, directory_barrier=target.directory_barrier,
+            dcp_classes=dcp_classes() if coordinator else None, object_store=target.object_store,
+            directory_barrier=target.directory_barrier,
         )
         return PreparedSave(slot, begin, request)
 

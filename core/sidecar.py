@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from . import locations
 from .errors import CorruptCheckpointError
 from .fsio import atomic_write_bytes
 from .names import sidecar_name
@@ -284,9 +285,8 @@ def _columns_from_v1(path: str, record: dict) -> tuple[dict, dict, dict]:
 
 def read_sidecar(directory: str, rank: int) -> Sidecar:
     """Parse and check the sidecar of ``rank`` (version 1 or 2). FileNotFoundError if absent."""
-    path = os.path.join(directory, sidecar_name(rank))
-    with open(path, "rb") as f:
-        data = f.read()
+    path = locations.join(directory, sidecar_name(rank))
+    data = locations.read_bytes(path)
     try:
         record = json.loads(data)
     except ValueError as e:

@@ -3,14 +3,18 @@
 ``ShareRequest`` runs in the background writer (our own pipeline); ``write_share`` also runs
 behind ``AsyncCkptStorageWriter``, which implements torch.distributed.checkpoint's StorageWriter
 so that ``dcp.save`` can use it directly.
+
+Where the files go is a ``Destination``: a local staging directory renamed into place at the
+commit (``LocalDestination``), or an object-store prefix made visible by a create-only commit
+object (``object_checkpoints.ObjectDestination``, for URLs). The steps of a save are the same.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
-from . import commit, diskio, leftovers, names
+from . import commit, diskio, leftovers, locations, names
 from .barrier import BarrierSpec
 from .checksum import checksum
 from .copy_progress import split_image
@@ -21,7 +25,66 @@ from .fsio import atomic_write_bytes
 from .layout import RankLayout
 from .leftovers import claim
 from .protocol import RequestContext
-from .sidecar import ShareItems, ShareRecord, read_sidecar, write_rank_sidecar
+from .sidecar import ShareItems, ShareRecord, encode_sidecar, read_sidecar
+
+
+class Destination(Protocol):
+    """Where the files of one save go, and how the save becomes visible."""
+
+    directory: str  # where its files are written (read back at the commit)
+
+    def claim(self, rank: int, token: str) -> None:
+        """This rank's writer uses it now (an owner marker: no cleaner takes it for a leftover)."""
+
+    def tidy(self, context: RequestContext) -> None:
+        """Leftovers of dead writers beside it go after the reply."""
+
+    def write_image(self, name: str, image: memoryview, size: int, wait_ready: Optional[Callable[[float], float]]) -> None:
+        """Durably write ``image[:size]`` as ``name`` (see ``diskio.write_image``)."""
+
+    def write_small(self, name: str, data: bytes) -> None:
+        """Durably write small bytes as ``name``."""
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        """Durably write ``name`` so that readers see all of it or nothing."""
+
+    def publish(self, record: dict) -> Optional[str]:
+        """Coordinator: make the checkpoint visible with its commit record; returns what an overwrite
+        replaced, to ``delete`` once the commit is reported."""
+
+    def delete(self, replaced: str, token: str) -> None: ...
+
+
+@dataclass
+class LocalDestination:
+    """A hidden staging directory beside the final path, renamed into place at the commit."""
+
+    directory: str
+    final_path: str
+    direct_io: bool = True
+    io_threads: int = 2
+
+    def claim(self, rank: int, token: str) -> None:
+        claim(self.directory, rank, token)
+
+    def tidy(self, context: RequestContext) -> None:
+        context.tidy(os.path.dirname(self.directory))
+
+    def write_image(self, name: str, image: memoryview, size: int, wait_ready: Optional[Callable[[float], float]]) -> None:
+        diskio.write_image(os.path.join(self.directory, name), image, size, direct=self.direct_io,
+                           threads=self.io_threads, wait_ready=wait_ready)
+
+    def write_small(self, name: str, data: bytes) -> None:
+        diskio.write_small_file(os.path.join(self.directory, name), data)
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        atomic_write_bytes(os.path.join(self.directory, name), data)
+
+    def publish(self, record: dict) -> Optional[str]:
+        return commit.publish_with_record(self.directory, self.final_path, record)
+
+    def delete(self, replaced: str, token: str) -> None:
+        leftovers.delete(replaced, token)
 
 
 @dataclass
@@ -43,9 +106,17 @@ class ShareRequest:
     extra_files: dict = field(default_factory=dict)  # name -> bytes, written by the coordinator before commit
     copy_generation: Optional[int] = None  # the snapshot copy may still run: stream it (see CopyProgress)
     dcp_classes: Optional[DcpClasses] = None  # the coordinator's: how to write DCP's .metadata without torch
+    object_store: Any = None  # ObjectStoreOptions when ``final_path`` is a URL
     # Set for a DCP directory inside a directory checkpoint: the directory's barrier, which this
     # share's failure fails; the directory's own commit publishes it (no commit of its own).
     directory_barrier: Optional[BarrierSpec] = None
+
+    def destination(self) -> Destination:
+        if locations.is_url(self.final_path):
+            from .object_checkpoints import ObjectDestination
+
+            return ObjectDestination(self.final_path, self.object_store, coordinator=self.coordinator)
+        return LocalDestination(self.staging_dir, self.final_path, self.direct_io, self.io_threads)
 
     def run(self, context: RequestContext) -> None:
         """The whole background part of a save for one rank: write the share and its sidecar,
@@ -55,16 +126,16 @@ class ShareRequest:
         image, progress = split_image(context.layout, context.image)
         wait_ready = None if self.copy_generation is None else progress.waiter(self.copy_generation, self.barrier.timeout)
         barrier = context.barrier(self.barrier)
+        place = self.destination()
         try:
             if self.directory_barrier is None:
-                context.tidy(os.path.dirname(self.staging_dir))
-                claim(self.staging_dir, self.rank, context.token())
+                place.tidy(context)
+                place.claim(self.rank, context.token())
             else:
                 os.makedirs(self.staging_dir, exist_ok=True)
-            items = write_share(self.staging_dir, self.rank, context.layout, image, self.byte_items,
-                                direct_io=self.direct_io, io_threads=self.io_threads, wait_ready=wait_ready)
-            write_rank_sidecar(self.staging_dir, ShareRecord(self.save_id, self.rank, self.world_size, self.structure_hash,
-                                                             context.layout.planner_data, items))
+            items = write_share(place, self.rank, context.layout, image, self.byte_items, wait_ready=wait_ready)
+            place.write_atomic(names.sidecar_name(self.rank), encode_sidecar(ShareRecord(
+                self.save_id, self.rank, self.world_size, self.structure_hash, context.layout.planner_data, items)))
             barrier.arrive(self.rank)
         except BaseException as e:
             reason = f"{type(e).__name__}: {e}"
@@ -80,21 +151,21 @@ class ShareRequest:
         try:
             barrier.wait_all()
             if self.directory_barrier is not None:
-                write_metadata(self)
+                write_metadata(self, place)
                 remove_coordination_files(self.staging_dir)
                 return
-            replaced = commit_share(self)
+            replaced = commit_share(self, place)
             barrier.committed()
         except BaseException as e:
             barrier.fail(self.rank, f"{type(e).__name__}: {e}")
             fail_save(context, self.directory_barrier, self.rank, e)
             raise
         if replaced is not None:
-            context.after_reply(lambda: leftovers.delete(replaced, context.token()))
+            context.after_reply(lambda: place.delete(replaced, context.token()))
 
 
 def write_share(
-    directory: str, rank: int, layout: RankLayout, image: memoryview, byte_items: list, *, direct_io: bool, io_threads: int,
+    place: Destination, rank: int, layout: RankLayout, image: memoryview, byte_items: list, *,
     wait_ready: Optional[Callable[[float], float]] = None,
 ) -> ShareItems:
     """Durably write one rank's tensor image and pickled objects; return what the sidecar records.
@@ -114,8 +185,7 @@ def write_share(
             return [by_start[slot.start] for slot in layout.slots]
 
         pending = diskio.submit_background(checksum_slots)
-        diskio.write_image(os.path.join(directory, layout.file_name), image, layout.size, direct=direct_io,
-                           threads=io_threads, wait_ready=wait_ready)
+        place.write_image(layout.file_name, image, layout.size, wait_ready)
         digests = pending.result()
     objects: list[tuple[str, int, int, str]] = []
     if byte_items:
@@ -125,15 +195,15 @@ def write_share(
             objects.append((fqn, cursor, len(data), checksum(data)))
             blob += data
             cursor += len(data)
-        diskio.write_small_file(os.path.join(directory, name), bytes(blob))
+        place.write_small(name, bytes(blob))
     return ShareItems(layout if layout.slots else None, digests, names.objects_file_name(rank) if byte_items else None, objects)
 
 
-def commit_share(req: ShareRequest) -> Optional[str]:
+def commit_share(req: ShareRequest, place: Destination) -> Optional[str]:
     """Coordinator, once every rank's share is durable: DCP's ``.metadata`` from the sidecars,
     the commit record, publish. Returns where a checkpoint it replaced now is."""
-    write_metadata(req)
-    return commit.publish_with_record(req.staging_dir, req.final_path, {
+    write_metadata(req, place)
+    return place.publish({
         "save_id": req.save_id, "world_size": req.world_size, "step": req.step, "structure_hash": req.structure_hash,
         "checksums": {name: {"size": len(data), "xxh3": checksum(data)} for name, data in req.extra_files.items()}})
 
@@ -145,19 +215,19 @@ def remove_coordination_files(directory: str) -> None:
             os.unlink(os.path.join(directory, entry))
 
 
-def write_metadata(req: ShareRequest) -> None:
+def write_metadata(req: ShareRequest, place: Destination) -> None:
     """Coordinator, once every rank's share is durable: the extra files and DCP's ``.metadata``,
     built from the sidecars."""
-    sidecars = [read_sidecar(req.staging_dir, rank) for rank in range(req.world_size)]
+    sidecars = [read_sidecar(place.directory, rank) for rank in range(req.world_size)]
     stale = [s.rank for s in sidecars if s.save_id != req.save_id]
     if stale:
         raise CheckpointWriteError(f"ranks {stale} left sidecars of another save")
     for name, data in req.extra_files.items():
-        atomic_write_bytes(os.path.join(req.staging_dir, name), data)
+        place.write_atomic(name, data)
     if req.dcp_classes is not None:
         metadata = metadata_bytes(sidecars, req.dcp_classes, req.final_path, req.save_id)
     else:  # this torch's metadata classes are not the ones dcp_pickle writes: pickle torch's own objects
         from .metadata_io import metadata_pickled_by_torch
 
         metadata = metadata_pickled_by_torch(sidecars, req.final_path, req.save_id)
-    atomic_write_bytes(os.path.join(req.staging_dir, names.DCP_METADATA_FILE), metadata)
+    place.write_atomic(names.DCP_METADATA_FILE, metadata)

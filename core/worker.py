@@ -26,7 +26,7 @@ from multiprocessing.reduction import recv_handle
 from typing import Any, Callable, Optional
 
 from . import leftovers, protocol
-from .barrier import BarrierSpec, FileBarrier
+from .barrier import BarrierSpec, local_barrier
 from .copy_progress import PROGRESS_BYTES
 from .errors import CheckpointTimeoutError, CheckpointWriteError
 
@@ -143,7 +143,7 @@ class _Context:
             self.after_reply(lambda: leftovers.clean(parent))
 
     def barrier(self, spec: BarrierSpec):
-        return FileBarrier(spec) if spec.kind == "files" else RemoteBarrier(spec, self.writer.channel)
+        return RemoteBarrier(spec, self.writer.channel) if spec.kind == "store" else local_barrier(spec)
 
     def after_reply(self, action: Callable[[], None]) -> None:
         self.writer.after_replies.append(action)

@@ -71,6 +71,9 @@ class Options:
         Checkpoints written without asyncckpt load unchecked.
     resume_from_intact: when ``load_state()`` picks the newest ``checkpoint_N`` itself and it is damaged, load
         the newest one that checks out instead, with a warning naming the one skipped.
+    mirror_to: an object-store URL (``s3://bucket/run``): the main process copies each committed ``checkpoint_N``
+        there in the background (``Checkpointer.mirror``), and ``load_state()`` with no local ``checkpoint_N``
+        restores the newest from there first (docs/object_store.md).
     """
 
     max_in_flight: int = 1
@@ -83,6 +86,7 @@ class Options:
     fix_iteration: bool = True
     verify_on_resume: bool = True
     resume_from_intact: bool = False
+    mirror_to: Optional[str] = None
 
 
 def enable_async_checkpointing(accelerator: Accelerator, **options: Any) -> "AsyncCheckpointing":
@@ -187,7 +191,7 @@ class AsyncCheckpointing:
         except BaseException as error:  # noqa: BLE001 - on the staging thread: raised at the next sync point
             tx.abort(error, raised=False)
             return
-        handle = tx.commit()
+        handle = tx.commit(mirror_to=self.options.mirror_to)
         if removals:
             self.checkpointer.remove(removals, after=handle, hidden_parent=hidden_parent)
 
@@ -227,6 +231,8 @@ class AsyncCheckpointing:
         afterwards, fix ``iteration`` (accelerate #3306)."""
         for checkpointer in lifecycle.live():
             checkpointer.wait()
+        if self.options.mirror_to and input_dir is None and self.accelerator.project_dir:
+            self.checkpointer.restore_mirrored(self.options.mirror_to, os.path.join(self.accelerator.project_dir, "checkpoints"))
         if self.options.verify_on_resume:
             input_dir = self._intact(input_dir)
         result = original(self.accelerator, input_dir, *args, **kwargs)

@@ -55,17 +55,20 @@ class AsyncCheckpointCallback(TrainerCallback):
             asyncckpt load unchecked. (The callback must be given to the Trainer's constructor for this.)
         resume_from_intact: with ``resume_from_checkpoint=True``, a damaged newest checkpoint gives way
             to the newest that checks out, with a warning naming the one skipped.
+        mirror_to: an object-store URL (``s3://bucket/run``): each committed ``checkpoint-N`` is copied there in
+            the background (``Checkpointer.mirror``), and ``train(resume_from_checkpoint=True)`` with no local
+            checkpoint restores the newest from there first (docs/object_store.md).
     """
 
     def __init__(self, max_pending: int = 1, timeout: float = 600.0, direct_io: bool = True,
                  checkpointer: Optional[Checkpointer] = None, overlap_optimizer: bool = True,
-                 verify_on_resume: bool = True, resume_from_intact: bool = False) -> None:
+                 verify_on_resume: bool = True, resume_from_intact: bool = False, mirror_to: Optional[str] = None) -> None:
         versions.require("transformers", SUPPORTED_TRANSFORMERS, "transformers")
         for reader in (PreTrainedModel, PreTrainedConfig, PreTrainedTokenizerBase, _BaseAutoModelClass, AutoConfig,
                        AutoTokenizer, AutoProcessor):  # from_pretrained of a checkpoint-N being written waits for it
             patching.install(reader, "from_pretrained", functools.partial(lifecycle.waiting_reader, path_at=1))
         self.max_pending, self.timeout, self.direct_io, self.overlap_optimizer = max_pending, timeout, direct_io, overlap_optimizer
-        self.verify_on_resume, self.resume_from_intact = verify_on_resume, resume_from_intact
+        self.verify_on_resume, self.resume_from_intact, self.mirror_to = verify_on_resume, resume_from_intact, mirror_to
         self.owns_checkpointer = checkpointer is None
         self.checkpointer = checkpointer or Checkpointer(max_in_flight=max_pending, timeout=timeout, direct_io=direct_io)
         self.saver: Optional[AsyncCheckpointSaver] = None
@@ -107,7 +110,8 @@ class AsyncCheckpointCallback(TrainerCallback):
     def _attach(self, trainer: Optional[Trainer]) -> None:
         if trainer is not None and (self.saver is None or self.saver.trainer is not trainer):
             self.saver = AsyncCheckpointSaver(trainer, self.checkpointer, overlap_optimizer=self.overlap_optimizer,
-                                              verify_on_resume=self.verify_on_resume, resume_from_intact=self.resume_from_intact)
+                                              verify_on_resume=self.verify_on_resume, resume_from_intact=self.resume_from_intact,
+                                              mirror_to=self.mirror_to)
 
 
 def _calling_trainer(callback: TrainerCallback) -> Optional[Trainer]:

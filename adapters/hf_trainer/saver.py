@@ -38,10 +38,10 @@ class AsyncCheckpointSaver:
     ``_finalize_training`` on that instance (not its class)."""
 
     def __init__(self, trainer: Any, checkpointer: Checkpointer, *, overlap_optimizer: bool, verify_on_resume: bool,
-                 resume_from_intact: bool) -> None:
+                 resume_from_intact: bool, mirror_to: Optional[str] = None) -> None:
         self.trainer, self.checkpointer, self.overlap_optimizer = trainer, checkpointer, overlap_optimizer
-        self.verify_on_resume, self.resume_from_intact = verify_on_resume, resume_from_intact
-        if verify_on_resume:  # for the trainer's lifetime: every train() may resume
+        self.verify_on_resume, self.resume_from_intact, self.mirror_to = verify_on_resume, resume_from_intact, mirror_to
+        if verify_on_resume or mirror_to:  # for the trainer's lifetime: every train() may resume
             patching.install(trainer, "train", self._resuming_intact)
         # per save: step, stall_s, waited_s (of it, for an earlier checkpoint's commit), optimizer_step_waited_s
         # (how long the next optimizer step waited for the overlapped snapshot)
@@ -131,7 +131,7 @@ class AsyncCheckpointSaver:
         except BaseException as error:  # noqa: BLE001 - on the staging thread: raised at the next sync point
             tx.abort(error, raised=False)
             return
-        handle = tx.commit()
+        handle = tx.commit(mirror_to=self.mirror_to)
         if doomed:
             self.checkpointer.remove(doomed, after=handle)
 
@@ -152,12 +152,15 @@ class AsyncCheckpointSaver:
         from it; with ``True`` and ``resume_from_intact``, a damaged newest one gives way to the
         newest that checks out."""
         def train(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-            last = resume_from_checkpoint is True and get_last_checkpoint(self.trainer.args.output_dir)
-            if last:  # the Trainer would pick it
-                older = [p for p in reversed(sort_checkpoints(self.trainer.args.output_dir)) if p != last]
+            output_dir = self.trainer.args.output_dir
+            if resume_from_checkpoint is True and self.mirror_to and not get_last_checkpoint(output_dir):
+                self.checkpointer.restore_mirrored(self.mirror_to, output_dir)  # nothing local: the newest mirrored one
+            last = resume_from_checkpoint is True and get_last_checkpoint(output_dir)
+            if last and self.verify_on_resume:  # the Trainer would pick it
+                older = [p for p in reversed(sort_checkpoints(output_dir)) if p != last]
                 resume_from_checkpoint = self.checkpointer.newest_intact([last, *older]) if self.resume_from_intact \
                     else self.checkpointer.require_intact(last).path
-            elif resume_from_checkpoint and resume_from_checkpoint is not True:
+            elif resume_from_checkpoint and resume_from_checkpoint is not True and self.verify_on_resume:
                 self.checkpointer.require_intact(resume_from_checkpoint)
             return original(resume_from_checkpoint, *args, **kwargs)
 

@@ -95,11 +95,8 @@ class AsyncCkptIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
         """Snapshot ``checkpoint`` and return; the file appears at ``path`` complete, or not at all."""
         _refuse_storage_options(storage_options, type(self).__name__)
-        if not _is_local(path):  # an fsspec URL: written the way Lightning writes it, in order
-            self.wait()
-            return TorchCheckpointIO().save_checkpoint(checkpoint, path)
-        path = os.path.abspath(os.fspath(path))
-        if os.path.isdir(path) and not os.path.islink(path):
+        path = os.fspath(path) if not _is_local(path) else os.path.abspath(os.fspath(path))  # URLs: object storage
+        if _is_local(path) and os.path.isdir(path) and not os.path.islink(path):
             raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
         step, label = _step_and_label(checkpoint)
         self._saved(self.checkpointer.async_save_file(checkpoint, path, step=step, label=label), path)
@@ -108,16 +105,15 @@ class AsyncCkptIO(CheckpointIO):
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Wait for pending writes (on every rank under DDP), check the file, then load like ``TorchCheckpointIO``."""
         self.checkpointer.wait(everywhere=True)
-        if self.verify_on_resume and _is_local(path):
+        if self.verify_on_resume and not _is_local(path):
+            self.checkpointer.require_intact(path)
+        elif self.verify_on_resume:
             path = self.intact(path, lambda: sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(path)), "*.ckpt")),
                                                     key=os.path.getmtime, reverse=True))
         return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove ``path`` after the save queued last, and only if that save committed."""
-        if not _is_local(path):
-            self.wait()
-            return TorchCheckpointIO().remove_checkpoint(path)
         self.checkpointer.remove([path], after=self._last_save)
 
     def teardown(self) -> None:

@@ -23,6 +23,9 @@ replaced                                                   with the plugin
 ``.load_checkpoint``                                       checkpoint (each rank its share), load
 ``_CheckpointConnector._parse_ckpt_path``                  note which checkpoint Lightning picked
                                                            ("last", "best"): ``resume_from_intact``
+``ModelCheckpoint._find_last_checkpoints``                 a ``dirpath`` URL: the candidates keep its
+                                                           scheme (Lightning drops it, and then finds
+                                                           no ``last.ckpt`` in object storage)
 ``FSDPStrategy`` / ``ModelParallelStrategy.teardown``      also calls ``checkpoint_io.teardown()``,
                                                            as other strategies do
 ``lightning.pytorch.core.saving.pl_load``                  ``load_from_checkpoint`` of a path still
@@ -57,6 +60,7 @@ def install() -> None:
     patching.install(ModelCheckpoint, "_link_checkpoint", _link_checkpoint)
     patching.install(saving, "pl_load", lifecycle.waiting_reader)
     patching.install(_CheckpointConnector, "_parse_ckpt_path", _noting_the_pick)
+    patching.install(ModelCheckpoint, "_find_last_checkpoints", _last_checkpoints_as_urls)
     for strategy, model_key, sharded in ((FSDPStrategy, "model", lambda s: s._state_dict_type == "sharded"),
                                          (ModelParallelStrategy, "state_dict", lambda s: s._save_distributed_checkpoint)):
         patching.install(strategy, "save_checkpoint", _sharded_save(model_key, sharded))
@@ -144,6 +148,17 @@ def _noting_the_pick(original: Callable) -> Callable:
         return resolved
 
     return parse_ckpt_path
+
+
+def _last_checkpoints_as_urls(original: Callable) -> Callable:
+    def find_last_checkpoints(self, trainer) -> set[str]:
+        found = original(self, trainer)
+        scheme = str(self.dirpath).split("://", 1)[0] if "://" in str(self.dirpath) else None
+        if plugin_of(trainer.strategy) is None or scheme is None:
+            return found
+        return {path if "://" in path else f"{scheme}://{path}" for path in found}
+
+    return find_last_checkpoints
 
 
 def _teardown(original: Callable) -> Callable:

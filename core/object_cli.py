@@ -1,0 +1,101 @@
+"""``asyncckpt ls / verify / clean`` for object-store URLs (``cli`` hands URLs here).
+
+What they read is what ``object_checkpoints`` promises: commit objects from one delimited listing
+of the root (never the data objects of other checkpoints), a single file's checksum from its
+object metadata, owner markers for leftovers; ``verify`` is ``object_integrity``. ``inspect`` is
+local-only for now.
+"""
+from __future__ import annotations
+
+import posixpath
+import sys
+import time
+from typing import Callable
+
+from . import checkpoint_kinds, file_checksums, names, object_integrity
+from .object_checkpoints import committed_under, delete_leftover, leftovers_under, removable
+from .object_store import ObjectStoreError, store_for
+
+EXIT_OK, EXIT_PROBLEM, EXIT_INCOMPLETE = 0, 1, 2
+
+
+def cmd_ls(root: str, human: Callable[[int], str]) -> int:
+    """Committed checkpoints (from their commit objects), single-file objects and leftovers, newest last."""
+    root = root.rstrip("/")
+    store = store_for(root)
+    try:
+        entries = store.list(root)
+    except FileNotFoundError:
+        entries = []
+    except ObjectStoreError as e:
+        print(f"asyncckpt ls: {e}", file=sys.stderr)
+        return EXIT_PROBLEM
+    rows = []
+    for url, record in committed_under(root):
+        if record is not None:
+            step = record.get("step") if isinstance(record.get("step"), int) else checkpoint_kinds.step_from_name(url)
+            size = sum(record.get("files", {}).values())
+            kind = "sharded" if names.DCP_METADATA_FILE in record.get("files", {}) else "directory"
+            rows.append(((step if step is not None else -1, record.get("committed_at_ns", 0) / 1e9), posixpath.basename(url),
+                         step, size, "COMPLETE", kind))
+    for entry in entries:
+        if not entry.is_prefix and not entry.name.startswith(".") and entry.name.endswith(checkpoint_kinds.NATIVE_FILE_SUFFIXES):
+            step = checkpoint_kinds.step_from_name(entry.name)
+            note = "file" if file_checksums.read_record(entry.url) else "file, no checksums"
+            rows.append(((step if step is not None else -1, entry.modified), entry.name, step, entry.size, "COMPLETE", note))
+    for leftover in leftovers_under(root):
+        name = leftover.url[len(root) + 1:]
+        step = checkpoint_kinds.step_from_name(leftover.belongs_to)
+        rows.append(((step if step is not None else -1, leftover.modified), name, step, leftover.size, "INCOMPLETE",
+                     leftover.kind))
+    rows.sort(key=lambda row: row[0])
+    width = max((len(row[1]) for row in rows), default=0)
+    for _key, name, step, size, status, note in rows:
+        print(f"{name:<{width}}  {'-' if step is None else step:>8}  {human(size):>10}  {status}  ({note})")
+    return EXIT_OK
+
+
+def cmd_verify(url: str) -> int:
+    """Check a checkpoint prefix or a single-file object (``object_integrity``)."""
+    try:
+        report = object_integrity.check(url.rstrip("/"), on_problem=print)
+    except FileNotFoundError:
+        print(f"asyncckpt verify: {url}: not a checkpoint this tool knows", file=sys.stderr)
+        return EXIT_PROBLEM
+    if report.status == "INCOMPLETE":
+        print(f"{url}: INCOMPLETE: no commit object ({names.COMMIT_RECORD}): the save that wrote it did not "
+              "finish (crash, failure, still running). Not verified.")
+        return EXIT_INCOMPLETE
+    if report.problems:
+        print(f"{url}: FAILED: {len(report.problems)} problem(s)")
+        return EXIT_PROBLEM
+    unverified = f"; without checksums: {', '.join(report.unverified)}" if report.unverified else ""
+    print(f"{url}: OK: {report.checked_files} file(s), {report.checked_bytes} B verified by checksum{unverified}")
+    return EXIT_OK
+
+
+def cmd_clean(root: str, min_age_s: float, dry_run: bool, human: Callable[[int], str]) -> int:
+    """Remove what killed or crashed writers left under ``root``: uncommitted prefixes, single-file
+    markers, incomplete multipart uploads (as ``cli.cmd_clean`` does for local leftovers)."""
+    root = root.rstrip("/")
+    freed = count = 0
+    try:
+        found = leftovers_under(root)
+    except ObjectStoreError as e:
+        print(f"asyncckpt clean: {e}", file=sys.stderr)
+        return EXIT_PROBLEM
+    for leftover in found:
+        name = leftover.url[len(root) + 1:]
+        if not removable(leftover, min_age_s):
+            why = ("in use by a live writer" if leftover.alive else
+                   f"its writer cannot be checked from this host; removed once untouched for {min_age_s:.0f} s")
+            print(f"kept     {name}  ({why})")
+            continue
+        if not dry_run:
+            delete_leftover(leftover)
+        freed, count = freed + leftover.size, count + 1
+        age = time.time() - leftover.modified
+        print(f"{'would remove' if dry_run else 'removed'}  {name}  {human(leftover.size)}  ({leftover.kind} of "
+              f"{leftover.belongs_to}, {age:.0f} s old)")
+    print(f"{'would free' if dry_run else 'freed'} {human(freed)} in {count} entr{'y' if count == 1 else 'ies'}")
+    return EXIT_OK
