@@ -175,7 +175,7 @@ def test_a_manual_save_read_at_once_waits_for_its_write(tmp_path):
     """``trainer.save_checkpoint(p)`` then Lightning's own readers of ``p`` at once (``load_from_checkpoint``,
     ``trainer.validate(ckpt_path=p)``): the save is still being written, and each read waits for it."""
     plugin = AsyncCkptIO()
-    trainer = L.Trainer(max_steps=2, plugins=[plugin], **QUIET)
+    trainer = L.Trainer(max_steps=2, plugins=[plugin], default_root_dir=tmp_path, **QUIET)
     trainer.fit(TinyModule(ballast=16 << 20), data())  # 64 MiB of ballast: its write takes a while
     path = tmp_path / "manual.ckpt"
     trainer.save_checkpoint(path)
