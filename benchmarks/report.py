@@ -344,7 +344,11 @@ def render_md(R: dict, command: str) -> str:
       "[Accelerate](benchmarks_accelerate.md) (`benchmarks/accelerate_bench.py`), "
       "[Transformers Trainer](benchmarks_hf_trainer.md) (`benchmarks/hf_trainer_bench.py`), and the training-loop "
       "slowdown of the core against torch.save, dcp.async_save and Lightning's AsyncCheckpointIO "
-      "([training loop](benchmarks_training.md), `benchmarks/train_bench.py`).")
+      "([training loop](benchmarks_training.md), `benchmarks/train_bench.py`). Also by their own scripts: "
+      "[FSDP](benchmarks_fsdp.md) (`benchmarks/fsdp_bench.py`), [verification on resume](benchmarks_verify.md) "
+      "(`benchmarks/verify_bench.py`), [object storage](benchmarks_object_store.md) "
+      "(`benchmarks/object_store_bench.py`), [the writer's start and teardown](benchmarks_lifecycle.md) "
+      "(`benchmarks/restart_bench.py`).")
     w("")
     I = R.get("interference") or {}
     if I:
