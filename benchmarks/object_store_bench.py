@@ -213,14 +213,64 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "object_store.json"))
     parser.add_argument("--markdown", default=os.path.join(REPO, "docs", "benchmarks_object_store.md"))
     parser.add_argument("--render-only", action="store_true", help="write the page from the results in --out")
+    parser.add_argument("--sweep", action="store_true", help="measure the defaults' choices instead (--sweep-out)")
+    parser.add_argument("--sweep-out", default=os.path.join(REPO, "benchmarks", "results", "object_store_defaults.json"))
     args = parser.parse_args()
-    if not args.render_only:
+    if args.sweep:
+        sweep(args)
+    elif not args.render_only:
         measure(args)
     with open(args.out) as f:
         markdown = render(json.load(f))
+    if os.path.exists(args.sweep_out):
+        with open(args.sweep_out) as f:
+            markdown += render_sweep(json.load(f))
     with open(args.markdown, "w") as f:
         f.write(markdown)
     print(markdown)
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """Our blocking save of the 16-tensor workload for each part size and concurrency (the choice
+    of ``ObjectStoreOptions``' defaults), in turning order; the results go to ``args.sweep_out``."""
+    from asyncckpt import core
+    from asyncckpt.core.object_store import ObjectStoreOptions
+
+    server = Server(args.server)
+    total = int(args.gib * GiB)
+    state = workload("16", total)
+    choices = [(part, concurrency) for part in (8, 16, 32, 64) for concurrency in (4, 8, 16)]
+    seconds: dict[str, list[float]] = {}
+    try:
+        bucket = server.bucket()  # unmeasured warm-up
+        with core.Checkpointer() as checkpointer:
+            checkpointer.save(state, f"s3://{bucket}/warm-up")
+        server.drop(bucket)
+        for rep in range(args.reps):
+            for part, concurrency in choices[rep % len(choices):] + choices[:rep % len(choices)]:
+                bucket = server.bucket()
+                with core.Checkpointer(object_store=ObjectStoreOptions(part_bytes=part * MiB, concurrency=concurrency)) as c:
+                    seconds.setdefault(f"{part}x{concurrency}", []).append(ours(state, f"s3://{bucket}/ckpt", c)["save_s"])
+                server.drop(bucket)
+    finally:
+        server.stop()
+    with open(args.sweep_out, "w") as f:
+        json.dump({"server": args.server, "bytes": total, "reps": args.reps, "load_avg_after": os.getloadavg()[0],
+                   "save_s": seconds}, f, indent=1)
+
+
+def render_sweep(found: dict) -> str:
+    medians = {key: statistics.median(values) for key, values in found["save_s"].items()}
+    parts = sorted({int(key.split("x")[0]) for key in medians})
+    concurrencies = sorted({int(key.split("x")[1]) for key in medians})
+    lines = ["## Part size and concurrency (the defaults)", "",
+             f"Our blocking save of {found['bytes'] / GiB:.1f} GiB in 16 tensors, median of {found['reps']} reps, seconds "
+             f"(`--sweep`, `benchmarks/results/object_store_defaults.json`; load average after: {found['load_avg_after']:.2f}).",
+             "", "| part MiB \\ in flight | " + " | ".join(map(str, concurrencies)) + " |",
+             "|---|" + "---|" * len(concurrencies)]
+    for part in parts:
+        lines.append(f"| {part} | " + " | ".join(f"{medians[f'{part}x{c}']:.2f}" for c in concurrencies) + " |")
+    return "\n".join(lines + [""])
 
 
 def measure(args: argparse.Namespace) -> None:

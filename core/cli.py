@@ -92,9 +92,7 @@ def cmd_inspect(path: str) -> int:
     """Describe a checkpoint from ``.metadata`` (what a loader will read) plus the sidecars
     (who wrote what, exact data offsets). Works for plain DCP checkpoints too (no sidecars)."""
     if locations.is_url(path):
-        print(f"asyncckpt inspect: {path}: URLs are not supported by inspect yet (ls, verify and clean take them)",
-              file=sys.stderr)
-        return EXIT_PROBLEM
+        return object_cli.cmd_inspect(path)
     entry = checkpoint_kinds.classify(path) if os.path.exists(path) else None
     if entry is None:
         if os.path.isdir(path) and checkpoint_kinds.checkpoints_under(path):

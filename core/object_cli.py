@@ -1,9 +1,9 @@
-"""``asyncckpt ls / verify / clean`` for object-store URLs (``cli`` hands URLs here).
+"""``asyncckpt ls / inspect / verify / clean`` for object-store URLs (``cli`` hands URLs here).
 
 What they read is what ``object_checkpoints`` promises: commit objects from one delimited listing
 of the root (never the data objects of other checkpoints), a single file's checksum from its
-object metadata, owner markers for leftovers; ``verify`` is ``object_integrity``. ``inspect`` is
-local-only for now.
+object metadata, owner markers for leftovers; ``verify`` is ``object_integrity``; ``inspect``
+reads a checkpoint's commit object and DCP ``.metadata``, never its data objects.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Callable
 
-from . import checkpoint_kinds, file_checksums, names, object_integrity
+from . import checkpoint_kinds, commit, file_checksums, names, object_integrity
 from .object_checkpoints import committed_under, delete_leftover, leftovers_under, removable
 from .object_store import ObjectStoreError, store_for
 
@@ -53,6 +53,48 @@ def cmd_ls(root: str, human: Callable[[int], str]) -> int:
     for _key, name, step, size, status, note in rows:
         print(f"{name:<{width}}  {'-' if step is None else step:>8}  {human(size):>10}  {status}  ({note})")
     return EXIT_OK
+
+
+def cmd_inspect(url: str) -> int:
+    """A checkpoint prefix by its commit object (step, world size, files) and, when sharded, the
+    keys its DCP ``.metadata`` lists; a single-file object by its size and checksum."""
+    url = url.rstrip("/")
+    store = store_for(url)
+    record = commit.read_commit_record(url)
+    if record is None:
+        try:
+            size = store.info(url).get("size", 0)
+        except FileNotFoundError:
+            held = _exists_as_prefix(store, url)
+            print(f"{url}: INCOMPLETE: no commit object ({names.COMMIT_RECORD}): the save that wrote it did not finish"
+                  if held else f"asyncckpt inspect: {url}: not a checkpoint this tool knows", file=sys.stderr)
+            return EXIT_INCOMPLETE if held else EXIT_PROBLEM
+        checksum = file_checksums.read_record(url)
+        print(f"{url}: single-file object, {size} B, {'checksum attached' if checksum else 'no checksum'}")
+        return EXIT_OK
+    files = record.get("files", {})
+    print(f"{url}: COMPLETE, step {record.get('step', '-')}, world size {record.get('world_size', '-')}, "
+          f"save {record.get('save_id', '-')}")
+    for name, size in sorted(files.items()):
+        print(f"  {name}  {size} B")
+    if names.DCP_METADATA_FILE in files:
+        from .metadata_io import load_dcp_metadata
+
+        for fqn, entry in load_dcp_metadata(url).state_dict_metadata.items():
+            if hasattr(entry, "chunks"):  # TensorStorageMetadata
+                print(f"{fqn}  tensor  {str(entry.properties.dtype).removeprefix('torch.')}  "
+                      f"[{', '.join(map(str, entry.size))}]  {len(entry.chunks)} chunk(s)")
+            else:
+                print(f"{fqn}  object")
+    return EXIT_OK
+
+
+def _exists_as_prefix(store, url: str) -> bool:
+    """Whether anything is stored under ``url``/ (an uncommitted checkpoint's objects)."""
+    try:
+        return bool(store.list(url))
+    except FileNotFoundError:
+        return False
 
 
 def cmd_verify(url: str) -> int:

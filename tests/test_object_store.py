@@ -34,7 +34,7 @@ def reference(name: str, shape=(64, 48)) -> torch.Tensor:
     return torch.randn(shape, generator=g)
 
 
-def test_round_trip_one_rank(s3_root):
+def test_round_trip_one_rank(s3_root, capsys):
     root = f"{s3_root}/ckpts"
     state = {"w": reference("w", (512, 1024)), "small": [reference(f"s{i}", (17,)) for i in range(300)],
              "step": 5, "meta": {"name": "run"}}
@@ -53,6 +53,11 @@ def test_round_trip_one_rank(s3_root):
     names = {entry.name for entry in store.list(f"{root}/step_000005")}
     assert names == {".asyncckpt-commit.json", ".metadata", "__0.asyncckpt.json", "__0_0.distcp", "__0_1.distcp"}
     assert cli.main(["verify", "--no-progress", f"{root}/step_000005"]) == cli.EXIT_OK
+    capsys.readouterr()
+    assert cli.main(["inspect", f"{root}/step_000005"]) == cli.EXIT_OK
+    shown = capsys.readouterr().out
+    assert "COMPLETE, step 5, world size 1" in shown and "w  tensor  float32  [512, 1024]  1 chunk(s)" in shown
+    assert "small.299  tensor  float32  [17]" in shown and "meta.name  object" in shown
 
 
 def test_load_finds_damage_and_refuses_uncommitted(s3_root):
@@ -69,6 +74,8 @@ def test_load_finds_damage_and_refuses_uncommitted(s3_root):
     assert core.latest_checkpoint(f"{s3_root}/c") is None
     with pytest.raises(core.IncompleteCheckpointError):
         core.Checkpointer().load({"w": torch.zeros(1000)}, path)
+    assert cli.main(["inspect", path]) == cli.EXIT_INCOMPLETE
+    assert cli.main(["inspect", f"{s3_root}/c/never_written"]) == cli.EXIT_PROBLEM
 
 
 def _save_on_two_ranks(rank, world, root):
@@ -114,6 +121,7 @@ def test_single_file_object_with_checksum_and_overwrite(s3_root):
     record = file_checksums.read_record(path)
     assert record is not None and record.size == store_for(path).size(path)
     assert cli.main(["verify", "--no-progress", path]) == cli.EXIT_OK
+    assert cli.main(["inspect", path]) == cli.EXIT_OK
     assert store_for(path).incomplete_uploads(f"{s3_root}/lightning") == []
     assert [e.name for e in store_for(path).list(f"{s3_root}/lightning")] == ["last.ckpt"]  # no marker left
 
