@@ -195,20 +195,23 @@ def _inspect_files(root: str, paths: list[str]) -> int:
 
 # ----------------------------------------------------------------------------------------- verify
 def cmd_verify(path: str, progress: bool = True) -> int:
-    """Re-check everything a load relies on (``integrity``); report every problem, not just the
-    first. A directory holding checkpoints has each of them verified."""
-    if locations.is_url(path):
-        return object_cli.cmd_verify(path)
-    entry = checkpoint_kinds.classify(path, read_step=False) if os.path.exists(path) else None
-    if entry is None and os.path.isdir(path) and checkpoint_kinds.checkpoints_under(path, read_step=False):
+    """Re-check everything a load relies on (``integrity``; a URL: ``object_integrity``); report every
+    problem, not just the first. A directory holding checkpoints has each of them verified."""
+    url = locations.is_url(path)
+    path = path.rstrip("/") if url else path
+    entry = checkpoint_kinds.classify(path, read_step=False) if not url and os.path.exists(path) else None
+    if entry is None and not url and os.path.isdir(path) and checkpoint_kinds.checkpoints_under(path, read_step=False):
         found = [e for e in checkpoint_kinds.checkpoints_under(path, read_step=False) if e.kind != "hidden"]
         return max((cmd_verify(e.path, progress) for e in sorted(found, key=lambda e: e.path)), default=EXIT_OK)
-    if entry is None:
+    try:
+        if entry is None and not url:
+            raise FileNotFoundError(path)
+        with tqdm(total=0 if url else integrity.total_bytes(path), unit="B", unit_scale=True, unit_divisor=1024,
+                  desc="verify", file=sys.stderr, disable=not progress or url, dynamic_ncols=True) as bar:
+            report = integrity.check(path, on_problem=lambda m: tqdm.write(m, file=sys.stdout), progress=bar.update)
+    except FileNotFoundError:
         print(f"asyncckpt verify: {path}: not a checkpoint this tool knows", file=sys.stderr)
         return EXIT_PROBLEM
-    with tqdm(total=integrity.total_bytes(path), unit="B", unit_scale=True, unit_divisor=1024, desc="verify",
-              file=sys.stderr, disable=not progress, dynamic_ncols=True) as bar:
-        report = integrity.check(path, on_problem=lambda m: tqdm.write(m, file=sys.stdout), progress=bar.update)
     if report.status == "INCOMPLETE":
         print(f"{path}: INCOMPLETE: no commit record ({names.COMMIT_RECORD}) under a final name: the save that "
               "wrote it did not finish (crash, failure, still running). Not verified.")

@@ -1,9 +1,10 @@
-"""``asyncckpt ls / inspect / verify / clean`` for object-store URLs (``cli`` hands URLs here).
+"""``asyncckpt ls / inspect / clean`` for object-store URLs (``cli`` hands URLs here).
 
 What they read is what ``object_checkpoints`` promises: commit objects from one delimited listing
 of the root (never the data objects of other checkpoints), a single file's checksum from its
-object metadata, owner markers for leftovers; ``verify`` is ``object_integrity``; ``inspect``
-reads a checkpoint's commit object and DCP ``.metadata``, never its data objects.
+object metadata, owner markers for leftovers; ``inspect`` reads a checkpoint's commit object and
+DCP ``.metadata``, never its data objects. (``verify`` goes through ``integrity``, which hands
+URLs to ``object_integrity``.)
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import time
 from typing import Callable
 
-from . import checkpoint_kinds, commit, file_checksums, names, object_integrity
+from . import checkpoint_kinds, commit, file_checksums, names
 from .object_checkpoints import committed_under, delete_leftover, leftovers_under, removable
 from .object_store import ObjectStoreError, store_for
 
@@ -95,25 +96,6 @@ def _exists_as_prefix(store, url: str) -> bool:
         return bool(store.list(url))
     except FileNotFoundError:
         return False
-
-
-def cmd_verify(url: str) -> int:
-    """Check a checkpoint prefix or a single-file object (``object_integrity``)."""
-    try:
-        report = object_integrity.check(url.rstrip("/"), on_problem=print)
-    except FileNotFoundError:
-        print(f"asyncckpt verify: {url}: not a checkpoint this tool knows", file=sys.stderr)
-        return EXIT_PROBLEM
-    if report.status == "INCOMPLETE":
-        print(f"{url}: INCOMPLETE: no commit object ({names.COMMIT_RECORD}): the save that wrote it did not "
-              "finish (crash, failure, still running). Not verified.")
-        return EXIT_INCOMPLETE
-    if report.problems:
-        print(f"{url}: FAILED: {len(report.problems)} problem(s)")
-        return EXIT_PROBLEM
-    unverified = f"; without checksums: {', '.join(report.unverified)}" if report.unverified else ""
-    print(f"{url}: OK: {report.checked_files} file(s), {report.checked_bytes} B verified by checksum{unverified}")
-    return EXIT_OK
 
 
 def cmd_clean(root: str, min_age_s: float, dry_run: bool, human: Callable[[int], str]) -> int:

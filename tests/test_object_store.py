@@ -70,11 +70,13 @@ def test_load_finds_damage_and_refuses_uncommitted(s3_root):
     store.put(f"{path}/__0_0.distcp", bytes(data))
     with pytest.raises(core.CorruptCheckpointError, match="checksum mismatch for key 'w'"):
         core.Checkpointer().load({"w": torch.zeros(1000)}, path)
+    assert cli.main(["verify", "--no-progress", path]) == cli.EXIT_PROBLEM
     store.delete([f"{path}/.asyncckpt-commit.json"])
     assert core.latest_checkpoint(f"{s3_root}/c") is None
     with pytest.raises(core.IncompleteCheckpointError):
         core.Checkpointer().load({"w": torch.zeros(1000)}, path)
     assert cli.main(["inspect", path]) == cli.EXIT_INCOMPLETE
+    assert cli.main(["verify", "--no-progress", path]) == cli.EXIT_INCOMPLETE
     assert cli.main(["inspect", f"{s3_root}/c/never_written"]) == cli.EXIT_PROBLEM
 
 
