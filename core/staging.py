@@ -123,6 +123,8 @@ def _runs(positions: list[int], sizes: list[int]) -> list[list[int]]:
 
 
 def _copy_group(views: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    if not views:  # every source on the GPU: ``_foreach_copy_`` refuses an empty list
+        return
     with torch.no_grad():  # grad mode is per thread; the buffer must never join a graph
         torch._foreach_copy_(views, sources)
 
