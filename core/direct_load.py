@@ -13,7 +13,7 @@ key to report, a checkpoint without sidecars or whose ``.metadata`` is not the o
 makes ``plan_direct_load`` return None, and the caller loads through ``dcp.load``, which also
 produces the errors. Planning writes nothing: a refused plan leaves the state dict untouched.
 Non-tensor values are loaded as ``dcp.load`` loads them: ``torch.load`` of the saved blob, put in
-place with DCP's ``set_element`` along the key's path, ``Stateful`` values resolved first and
+place along the key's path (``structure.set_at``), ``Stateful`` values resolved first and
 given back through ``load_state_dict``.
 """
 from __future__ import annotations
@@ -25,14 +25,13 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import locations
 from .metadata_io import DCP_METADATA_FILE, check_relative_path
 from .reader import RAW_DTYPES, FileSpans, Span, can_read_into, overlapping, read_spans
 from .sidecar import Sidecar, read_sidecar, sidecar_name
-from .structure import flatten_state_dict
+from .structure import flatten_state_dict, set_at
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _ABSENT = object()
@@ -67,7 +66,7 @@ class DirectLoad:
         """Read and verify everything, then put the non-tensor values in place (as dcp.load does)."""
         read_spans(self.root, self.files, threads=threads)
         for fqn, blob in self.objects:
-            set_element(self.resolved, self.paths[fqn], torch.load(io.BytesIO(blob), weights_only=False))
+            set_at(self.resolved, self.paths[fqn], torch.load(io.BytesIO(blob), weights_only=False))
         for key in sorted(self.state_dict):
             value = self.state_dict[key]
             if isinstance(value, Stateful):

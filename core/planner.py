@@ -8,12 +8,14 @@ missing key and every shape/dtype mismatch at once, naming key and both sides.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
+import logging
 
 import torch
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
+    DefaultSavePlanner,
     create_default_global_save_plan,
     create_default_local_save_plan,
 )
@@ -25,6 +27,13 @@ from .errors import StateDictMismatchError
 from .container import container_template
 from .layout import IO_ALIGNMENT, ITEM_ALIGNMENT, RankLayout, Slot, align_up
 from .structure import flatten_state_dict, flatten_values
+
+logger = logging.getLogger("asyncckpt")
+
+try:  # torch's byte-balanced dedup of replicated items: private, so a torch that moves it gets a fallback
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+except ImportError:  # pragma: no cover - not the case in any torch the matrix ran
+    dedup_save_plans = None
 
 
 class AsyncCkptSavePlanner(SavePlanner):
@@ -45,7 +54,10 @@ class AsyncCkptSavePlanner(SavePlanner):
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        plans, metadata = create_default_global_save_plan(dedup_save_plans(all_plans))
+        if dedup_save_plans is None:
+            plans, metadata = _public_global_plan(all_plans)
+        else:
+            plans, metadata = create_default_global_save_plan(dedup_save_plans(all_plans))
         return plans, dataclasses.replace(metadata, planner_data=self.mappings)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
@@ -59,6 +71,19 @@ class AsyncCkptSavePlanner(SavePlanner):
             torch.save(value, buffer)
             return buffer
         return value.detach()
+
+
+def _public_global_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+    """DCP's own global plan (its dedup included), where torch no longer has ``dedup_save_plans``
+    where this module looks for it: the same files, replicated bytes perhaps less evenly spread."""
+    _warn_no_dedup()
+    return DefaultSavePlanner(flatten_state_dict=False).create_global_plan(all_plans)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_dedup() -> None:
+    logger.warning("asyncckpt: torch %s has no torch.distributed.checkpoint._dedup_save_plans; sharded saves use "
+                   "DefaultSavePlanner's global plan (same files)", torch.__version__)
 
 
 def tensor_items(plan: SavePlan) -> list[WriteItem]:

@@ -45,6 +45,13 @@ def flatten_values(state_dict: Mapping) -> dict[str, Any]:
     return _flatten(state_dict, None)
 
 
+def set_at(root: Any, path: tuple, value: Any) -> None:
+    """Put ``value`` where ``path`` (a key's path from ``flatten_state_dict``) leads in ``root``."""
+    for step in path[:-1]:
+        root = root[step]
+    root[path[-1]] = value
+
+
 # Types that are leaves whatever they hold, checked by exact type first: most values of a state dict
 # are tensors, and a set lookup costs far less than isinstance checks against ``Mapping``.
 _LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, str, bool, bytes, type(None)})

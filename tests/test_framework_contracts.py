@@ -1,22 +1,25 @@
 """The framework functions the adapters rely on, pinned: an upgrade that changes one fails here, by name.
 
-Two kinds of pins:
+The pins live with each adapter (``adapters/*/support.py``, a ``Support`` each), because the adapters
+apply the same check at run time to a framework release newer than the newest tested
+(``asyncckpt.core.versions``). Two kinds:
 
 * **copied**: the adapter reproduces the function's behaviour (the Trainer's ``_save_checkpoint``
   and ``rotate_checkpoints``, Accelerate's naming and ``total_limit`` in ``save_state``, the sharded
-  branch of Lightning's FSDP/ModelParallel ``save_checkpoint``...). Its source is pinned by digest:
-  when it changes, read the new version against the adapter's copy (the module named in the
-  failure), update the copy, then the digest.
-* **relied on**: the adapter replaces or calls it, so its signature (or attribute) must stay.
+  branch of Lightning's FSDP/ModelParallel ``save_checkpoint``...). Its source is pinned by digest,
+  one per variant a tested release had: when it changes, read the new version against the
+  adapter's copy (the module named in the failure), update the copy, then add the digest.
+* **relied on**: the adapter replaces or calls it, so its parameters must stay.
 
-Also: each adapter's supported version range is the one ``pyproject.toml`` declares for its extra,
-and an adapter refuses a framework version outside it at construction, saying which.
+Also: each supported range is declared once (the ``Support``); pyproject's extras, the README, the
+adapters' docs pages and the dev pins must say the same.
 """
 from __future__ import annotations
 
-import hashlib
-import inspect
+import dataclasses
+import importlib
 import re
+import warnings
 from importlib.metadata import requires
 from pathlib import Path
 
@@ -26,90 +29,43 @@ from asyncckpt.core import UnsupportedVersionError, versions
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-def _original(owner, name):
-    """``owner.name`` as the framework defines it (not an adapter's replacement)."""
-    value = vars(owner)[name] if name in vars(owner) else getattr(owner, name)
-    value = getattr(value, "__func__", value)  # staticmethod / classmethod
-    return getattr(value, "__asyncckpt_original__", value)
-
-
-def _digest(function) -> str:
-    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
-
-
-def _import(path: str):
-    module, _, attribute = path.rpartition(":")
-    owner = __import__(module, fromlist=["_"])
-    for part in attribute.split(".")[:-1]:
-        owner = getattr(owner, part)
-    return owner, attribute.split(".")[-1]
-
-
-COPIED = {  # framework function -> (source digest, the adapter module that copies its behaviour)
-    "lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint.file_exists": (
-        "122bf349e529a6bf", "adapters/lightning/integration.py"),
-    "lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint._link_checkpoint": (
-        "e95d990a0117dae0", "adapters/lightning/integration.py"),
-    "lightning.pytorch.strategies.fsdp:FSDPStrategy.save_checkpoint": (
-        "100f8654b7672f52", "adapters/lightning/checkpoint_io.py (save_sharded)"),
-    "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy.save_checkpoint": (
-        "e2b5a459fe87a28c", "adapters/lightning/checkpoint_io.py (save_sharded)"),
-    "accelerate.accelerator:Accelerator.save_state": ("5a5c62cbfb58ea77", "adapters/accelerate/adapter.py"),
-    "accelerate.utils.other:save": ("1f945adbd193e3af", "adapters/accelerate/capture.py"),
-    "transformers.trainer:Trainer._save_checkpoint": ("a9111e30faa99339", "adapters/hf_trainer/saver.py"),
-    "transformers.trainer_utils:rotate_checkpoints": ("4aac03e039844595", "adapters/hf_trainer/saver.py (_rotation)"),
-    "transformers.trainer:Trainer._finalize_training": ("6d6d83d6a2715f2a", "adapters/hf_trainer/saver.py (_finalize)"),
-}
-
-RELIED_ON = {  # framework function -> the parameters the adapters pass or accept
-    "lightning.pytorch.strategies.strategy:Strategy.setup_environment": "(self)",
-    "lightning.pytorch.strategies.fsdp:FSDPStrategy.load_checkpoint": "(self, checkpoint_path, weights_only)",
-    "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy.load_checkpoint": "(self, checkpoint_path, weights_only)",
-    "lightning.pytorch.strategies.fsdp:FSDPStrategy.teardown": "(self)",
-    "lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector._parse_ckpt_path": (
-        "(self, state_fn, ckpt_path, model_provided, model_connected)"),
-    "lightning.pytorch.core.saving:pl_load": "(path_or_url, map_location, weights_only)",
-    "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy.teardown": "(self)",
-    "accelerate.accelerator:Accelerator.load_state": "(self, input_dir, load_kwargs, **load_model_func_kwargs)",
-    "accelerate.accelerator:Accelerator.end_training": "(self)",
-    "accelerate.utils.other:clean_state_dict_for_safetensors": "(state_dict)",
-    "transformers.trainer:Trainer._save_optimizer_and_scheduler": "(self, output_dir)",
-    "transformers.trainer:Trainer._save_scaler": "(self, output_dir)",
-    "transformers.trainer:Trainer._save_rng_state": "(self, output_dir)",
-    "transformers.trainer:Trainer._get_output_dir": "(self, trial)",
-    "transformers.trainer:Trainer.store_flos": "(self)",
-    "transformers.trainer:Trainer.train": "(self, resume_from_checkpoint, trial, ignore_keys_for_eval)",
-    "transformers.trainer:Trainer._push_from_checkpoint": "(self, checkpoint_folder)",
-    "transformers.trainer_utils:sort_checkpoints": "(output_dir, checkpoint_prefix, use_mtime, best_model_checkpoint)",
-    "transformers.modeling_utils:safe_save_file": "(tensors, filename, metadata)",
-    "safetensors.torch:save_file": "(tensors, filename, metadata)",
+ADAPTERS = {  # extra -> (support module, docs page)
+    "lightning": ("asyncckpt.adapters.lightning.support", "docs/lightning.md"),
+    "accelerate": ("asyncckpt.adapters.accelerate.support", "docs/accelerate.md"),
+    "transformers": ("asyncckpt.adapters.hf_trainer.support", "docs/hf_trainer.md"),
 }
 
 
-def _parameters(function) -> str:
-    parts = []
-    for parameter in inspect.signature(function).parameters.values():
-        prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(parameter.kind, "")
-        parts.append(prefix + parameter.name)
-    return f"({', '.join(parts)})"
+def _support(extra: str) -> versions.Support:
+    return importlib.import_module(ADAPTERS[extra][0]).SUPPORT
 
 
-@pytest.mark.parametrize("target", list(COPIED))
-def test_copied_framework_function_is_unchanged(target):
-    framework = target.split(".")[0]
-    pytest.importorskip(framework)
-    expected, copy = COPIED[target]
-    actual = _digest(_original(*_import(target)))
-    assert actual == expected, (
-        f"{target} changed in this {framework} version (source digest {actual}, pinned {expected}): "
-        f"{copy} reproduces its behaviour; read the new version against it, update it, then the pin")
+def _pins(kind: str) -> list:
+    """(extra, pinned function) for every adapter whose framework is installed."""
+    params = []
+    for extra in ADAPTERS:
+        try:
+            support = _support(extra)
+        except ImportError:
+            params.append(pytest.param(extra, None, marks=pytest.mark.skip(reason=f"{extra} is not installed")))
+            continue
+        params += [(extra, target) for target in getattr(support, kind)]
+    return params
 
 
-@pytest.mark.parametrize("target", list(RELIED_ON))
-def test_framework_function_the_adapters_call_keeps_its_parameters(target):
-    pytest.importorskip(target.split(".")[0])
-    assert _parameters(_original(*_import(target))) == RELIED_ON[target], target
+@pytest.mark.parametrize("extra,target", _pins("copied"))
+def test_copied_framework_function_is_one_the_adapter_was_tested_with(extra, target):
+    copied = _support(extra).copied[target]
+    actual = versions.source_digest(versions.resolve(target))
+    assert actual in copied.digests, (
+        f"{target} changed in this {extra} version (source digest {actual}, pinned {copied.digests}): "
+        f"{copied.where} reproduces its behaviour; read the new version against it, update it, then the pin")
+
+
+@pytest.mark.parametrize("extra,target", _pins("relied_on"))
+def test_framework_function_the_adapters_call_keeps_its_parameters(extra, target):
+    assert not versions.changes(dataclasses.replace(_support(extra), copied={},
+                                                    relied_on={target: _support(extra).relied_on[target]})), target
 
 
 def test_framework_attributes_the_adapters_read():
@@ -129,47 +85,80 @@ def test_framework_attributes_the_adapters_read():
     assert callable(checkpointing.save) and checkpointing.torch.save is not None
 
 
-@pytest.mark.parametrize("adapter,module,constant", [
-    ("lightning", "asyncckpt.adapters.lightning.checkpoint_io", "SUPPORTED_LIGHTNING"),
-    ("accelerate", "asyncckpt.adapters.accelerate.adapter", "SUPPORTED_ACCELERATE"),
-    ("transformers", "asyncckpt.adapters.hf_trainer.callback", "SUPPORTED_TRANSFORMERS"),
-])
-def test_supported_range_is_the_one_pyproject_declares(adapter, module, constant):
-    pytest.importorskip(adapter)
-    supported = getattr(__import__(module, fromlist=["_"]), constant)
-    declared = [r for r in requires("asyncckpt") if r.startswith(f"{adapter}") and f'extra == "{adapter}"' in r]
-    assert declared, f"pyproject.toml declares no {adapter} extra"
-    specifier = re.match(rf"{adapter}\s*([^;]*)", declared[0])[1].strip()
-    assert sorted(specifier.split(",")) == sorted(supported.split(","))
 
 
-def test_an_unsupported_framework_version_is_refused_at_construction(monkeypatch):
+def _declared_extras() -> dict[str, str]:
+    """pyproject's dependency of each extra (and of the core) on its framework, as users get it."""
+    declared = {}
+    for requirement in requires("asyncckpt"):
+        name, _, marker = requirement.partition(";")
+        extra = re.search(r'extra == "(\w+)"', marker)
+        package = re.match(r"[\w-]+", name)[0]
+        if package == "torch" or (extra and package == extra[1]):
+            declared[package] = name.strip()
+    return declared
+
+
+@pytest.mark.parametrize("extra", [*ADAPTERS, "torch"])
+def test_each_range_is_declared_once_and_everywhere_the_same(extra):
+    support = versions.TORCH if extra == "torch" else _support(extra)
+    assert _declared_extras()[support.package] == support.requirement, (
+        f"pyproject.toml's {support.package} dependency is not {support.requirement} (the adapter's Support): "
+        "no upper bound unless a known incompatibility is named")
+    pages = {"README.md": (REPO / "README.md").read_text()}
+    if extra != "torch":
+        pages[ADAPTERS[extra][1]] = (REPO / ADAPTERS[extra][1]).read_text()
+    for page, text in pages.items():
+        assert f"`{support.requirement}`" in text, f"{page} does not state {support.requirement}"
+        assert f"{support.oldest} to {support.newest}" in text, f"{page} does not state the tested range"
+        stale = [r for r in re.findall(rf"`{support.package}(?:>=|<|~=)[^`]*`", text) if r != f"`{support.requirement}`"]
+        assert not stale, f"{page} states another range: {stale}"
+    pins = (REPO / ".ci" / "requirements-dev.txt").read_text()
+    if extra != "torch":  # the dev/test pins follow the newest release tested (torch: the CPU wheel on disk)
+        assert re.search(rf"^{support.package}=={re.escape(support.newest)}$", pins, re.M), \
+            f".ci/requirements-dev.txt does not pin {support.package}=={support.newest}"
+
+
+def _lightning_adapter(monkeypatch, **changes):
+    """Lightning's adapter module with its Support replaced as ``changes`` say (a new object: checked afresh)."""
     pytest.importorskip("lightning")
-    from asyncckpt.adapters.lightning import AsyncCkptIO
     from asyncckpt.adapters.lightning import checkpoint_io
 
-    monkeypatch.setattr(checkpoint_io, "SUPPORTED_LIGHTNING", ">=9.0")
-    with pytest.raises(UnsupportedVersionError, match=r"lightning adapter supports lightning >=9\.0; lightning 2\.\d+\.\d+ "
-                                                      r"is installed"):
-        AsyncCkptIO()
+    monkeypatch.setattr(checkpoint_io, "SUPPORT", dataclasses.replace(checkpoint_io.SUPPORT, **changes))
+    return checkpoint_io
+
+
+def test_an_older_framework_release_than_the_oldest_tested_is_refused_at_construction(monkeypatch):
+    io = _lightning_adapter(monkeypatch, oldest="9.0.0", newest="9.1.0")
+    with pytest.raises(UnsupportedVersionError, match=r"supports lightning>=9\.0\.0 \(tested 9\.0\.0 to 9\.1\.0\); "
+                                                      r"lightning 2\.\d+\.\d+ is installed and older"):
+        io.AsyncCkptIO()
     with pytest.raises(UnsupportedVersionError, match="not installed"):
-        versions.require("no-such-framework", ">=1", "lightning")
+        versions.require(versions.Support(package="no-such-framework", extra="lightning", oldest="1", newest="1"))
 
 
-FROM_PRETRAINED_READERS = [  # made to wait for a checkpoint-N in flight: the path must stay their first argument
-    "transformers.modeling_utils:PreTrainedModel.from_pretrained",
-    "transformers.configuration_utils:PreTrainedConfig.from_pretrained",
-    "transformers.tokenization_utils_base:PreTrainedTokenizerBase.from_pretrained",
-    "transformers.models.auto.auto_factory:_BaseAutoModelClass.from_pretrained",
-    "transformers.models.auto.configuration_auto:AutoConfig.from_pretrained",
-    "transformers.models.auto.tokenization_auto:AutoTokenizer.from_pretrained",
-    "transformers.models.auto.processing_auto:AutoProcessor.from_pretrained",
-]
+def test_a_newer_release_whose_pinned_functions_are_unchanged_works_with_one_warning(monkeypatch):
+    io = _lightning_adapter(monkeypatch, oldest="2.0.0", newest="2.0.0")  # as if the installed release were newer
+    with pytest.warns(UserWarning, match=r"tested with lightning up to 2\.0\.0; the functions asyncckpt relies on are "
+                                         r"unchanged in 2\.\d+\.\d+") as caught:
+        io.AsyncCkptIO().teardown()
+        io.AsyncCkptIO().teardown()
+    assert len([w for w in caught if "tested with lightning" in str(w.message)]) == 1
 
 
-@pytest.mark.parametrize("target", FROM_PRETRAINED_READERS)
-def test_from_pretrained_takes_the_path_first(target):
-    pytest.importorskip("transformers")
-    owner, name = _import(target)
-    assert isinstance(vars(owner)[name], classmethod), target
-    assert list(inspect.signature(_original(owner, name)).parameters)[:2] == ["cls", "pretrained_model_name_or_path"]
+def test_a_newer_release_that_changed_a_pinned_function_is_refused_naming_it(monkeypatch):
+    pytest.importorskip("lightning")
+    from asyncckpt.adapters.lightning.support import SUPPORT
+
+    copied_target, relied_target = next(iter(SUPPORT.copied)), next(iter(SUPPORT.relied_on))
+    copied = {**SUPPORT.copied, copied_target: versions.Copied("somewhere.py", ("0000000000000000",))}
+    relied_on = {**SUPPORT.relied_on, relied_target: "(self, something_else)"}
+    io = _lightning_adapter(monkeypatch, oldest="2.0.0", newest="2.0.0", copied=copied, relied_on=relied_on)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused, not warned
+        with pytest.raises(UnsupportedVersionError) as refused:
+            io.AsyncCkptIO()
+    message = str(refused.value)
+    assert f"{copied_target} (source changed" in message and "reproduced in somewhere.py" in message
+    assert f"{relied_target} (parameters (self), tested (self, something_else))" in message
+    assert message.count("(source changed") + message.count("(parameters") == 2  # only those two

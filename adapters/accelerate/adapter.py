@@ -39,10 +39,10 @@ from accelerate.utils import DistributedType
 from asyncckpt.core import Checkpointer, dist_env, is_complete, lifecycle, patching, versions
 
 from .capture import Capture
+from .support import SUPPORT
 
 logger = logging.getLogger("asyncckpt.accelerate")
 
-SUPPORTED_ACCELERATE = ">=1.10,<1.16"
 _ATTRIBUTE = "_asyncckpt"  # on an Accelerator instance: its AsyncCheckpointing
 _CHECKPOINT_NAME = re.compile(r"^checkpoint_(\d+)$")
 _ACCELERATE_NUMBER = re.compile(r"[\/]?([0-9]+)(?=[^\/]*$)")  # Accelerate's own sort key for checkpoints/
@@ -103,7 +103,7 @@ class AsyncCheckpointing:
     failure); ``remove()`` drains and restores Accelerate's native behaviour for this accelerator."""
 
     def __init__(self, accelerator: Accelerator, options: Options) -> None:
-        versions.require("accelerate", SUPPORTED_ACCELERATE, "accelerate")
+        versions.require(SUPPORT)
         self.accelerator, self.options = accelerator, options
         self.checkpointer = Checkpointer(max_in_flight=options.max_in_flight, timeout=options.timeout,
                                          direct_io=options.direct_io, io_threads=options.io_threads)

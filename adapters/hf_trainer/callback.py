@@ -28,8 +28,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from asyncckpt.core import Checkpointer, dist_env, lifecycle, patching, versions
 
 from .saver import AsyncCheckpointSaver
-
-SUPPORTED_TRANSFORMERS = ">=5.0,<5.24"
+from .support import SUPPORT
 
 
 class AsyncCheckpointCallback(TrainerCallback):
@@ -63,7 +62,7 @@ class AsyncCheckpointCallback(TrainerCallback):
     def __init__(self, max_pending: int = 1, timeout: float = 600.0, direct_io: bool = True,
                  checkpointer: Optional[Checkpointer] = None, overlap_optimizer: bool = True,
                  verify_on_resume: bool = True, resume_from_intact: bool = False, mirror_to: Optional[str] = None) -> None:
-        versions.require("transformers", SUPPORTED_TRANSFORMERS, "transformers")
+        versions.require(SUPPORT)
         for reader in (PreTrainedModel, PreTrainedConfig, PreTrainedTokenizerBase, _BaseAutoModelClass, AutoConfig,
                        AutoTokenizer, AutoProcessor):  # from_pretrained of a checkpoint-N being written waits for it
             patching.install(reader, "from_pretrained", functools.partial(lifecycle.waiting_reader, path_at=1))

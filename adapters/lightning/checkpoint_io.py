@@ -37,8 +37,7 @@ from asyncckpt.core import Checkpointer, CheckpointWriteError, versions
 from asyncckpt.core.handles import SaveHandle
 
 from . import integration
-
-SUPPORTED_LIGHTNING = ">=2.5,<2.7"
+from .support import SUPPORT
 
 #: A checkpoint save (or removal) that failed in the background; ``path`` and ``step`` say which.
 AsyncCkptSaveError = CheckpointWriteError
@@ -69,7 +68,7 @@ class AsyncCkptIO(CheckpointIO):
     def __init__(self, *, max_in_flight: int = 2, timeout: float = 600.0, direct_io: bool = True,
                  io_threads: int = 2, sync_patterns: tuple[str, ...] = ("hpc_ckpt_*",),
                  sync_on_exception: bool = True, verify_on_resume: bool = True, resume_from_intact: bool = False) -> None:
-        versions.require("lightning", SUPPORTED_LIGHTNING, "lightning")
+        versions.require(SUPPORT)
         super().__init__()
         self.max_in_flight, self.timeout, self.direct_io, self.io_threads = max_in_flight, timeout, direct_io, io_threads
         self.sync_patterns, self.sync_on_exception = tuple(sync_patterns), sync_on_exception

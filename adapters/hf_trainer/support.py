@@ -1,0 +1,36 @@
+"""The Transformers releases this adapter supports and the Trainer functions it relies on (see
+``asyncckpt.core.versions`` for the rule; ``tests/test_framework_contracts.py`` checks every pin)."""
+from asyncckpt.core.versions import Copied, Support
+
+_FROM_PRETRAINED = "(cls, pretrained_model_name_or_path, ...)"  # the path must stay the first argument
+
+SUPPORT = Support(
+    package="transformers", extra="transformers", oldest="5.0.0", newest="5.24.0",
+    copied={
+        "transformers.trainer:Trainer._save_checkpoint": Copied("adapters/hf_trainer/saver.py", ("a9111e30faa99339",)),
+        "transformers.trainer_utils:rotate_checkpoints": Copied(
+            "adapters/hf_trainer/saver.py (_rotation)", ("4aac03e039844595",)),
+        "transformers.trainer:Trainer._finalize_training": Copied(
+            "adapters/hf_trainer/saver.py (_finalize)", ("6d6d83d6a2715f2a",)),
+    },
+    relied_on={
+        "transformers.trainer:Trainer._save_optimizer_and_scheduler": "(self, output_dir)",
+        "transformers.trainer:Trainer._save_scaler": "(self, output_dir)",
+        "transformers.trainer:Trainer._save_rng_state": "(self, output_dir)",
+        "transformers.trainer:Trainer._get_output_dir": "(self, trial)",
+        "transformers.trainer:Trainer.store_flos": "(self)",
+        "transformers.trainer:Trainer.train": "(self, resume_from_checkpoint, trial, ignore_keys_for_eval)",
+        "transformers.trainer:Trainer._push_from_checkpoint": "(self, checkpoint_folder)",
+        "transformers.trainer_utils:sort_checkpoints": "(output_dir, checkpoint_prefix, use_mtime, best_model_checkpoint)",
+        "transformers.modeling_utils:safe_save_file": "(tensors, filename, metadata)",
+        "safetensors.torch:save_file": "(tensors, filename, metadata)",
+        # made to wait for a checkpoint-N in flight (lifecycle.waiting_reader reads the path)
+        "transformers.modeling_utils:PreTrainedModel.from_pretrained": _FROM_PRETRAINED,
+        "transformers.configuration_utils:PreTrainedConfig.from_pretrained": _FROM_PRETRAINED,
+        "transformers.tokenization_utils_base:PreTrainedTokenizerBase.from_pretrained": _FROM_PRETRAINED,
+        "transformers.models.auto.auto_factory:_BaseAutoModelClass.from_pretrained": _FROM_PRETRAINED,
+        "transformers.models.auto.configuration_auto:AutoConfig.from_pretrained": _FROM_PRETRAINED,
+        "transformers.models.auto.tokenization_auto:AutoTokenizer.from_pretrained": _FROM_PRETRAINED,
+        "transformers.models.auto.processing_auto:AutoProcessor.from_pretrained": _FROM_PRETRAINED,
+    },
+)
