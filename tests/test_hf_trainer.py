@@ -599,7 +599,7 @@ def test_kill9_during_save_then_resume_from_last_complete(tmp_path):
 
 
 ALONE_PROGRAM = """
-import sys, torch
+import os, sys, torch
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainingArguments
 from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
@@ -612,7 +612,8 @@ class Net(torch.nn.Module):
     def forward(self, x, labels=None):
         out = self.lin(x); return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
 args = TrainingArguments(output_dir=sys.argv[1], max_steps=1, save_steps=1, report_to=[], disable_tqdm=True)
-print("WORLD", args.world_size, flush=True)
+with open(os.path.join(sys.argv[2], "world-" + os.environ["RANK"]), "w") as f:  # not stdout: lines interleave
+    f.write(str(args.world_size))
 Trainer(model=Net(), args=args, train_dataset=Toy(), callbacks=[AsyncCheckpointCallback()]).train()
 """
 
@@ -625,10 +626,10 @@ def test_processes_that_each_train_alone_are_warned_once(tmp_path):
     script.write_text(ALONE_PROGRAM)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(script), str(tmp_path / "run")], env=env, capture_output=True,
-                          text=True, timeout=300)
+                           str(free_port()), str(script), str(tmp_path / "run"), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("WORLD 1") == 2  # each process alone
+    assert [(tmp_path / f"world-{rank}").read_text() for rank in (0, 1)] == ["1", "1"]  # each process alone
     warning = "but the Trainer runs it as a single process: every process writes the same checkpoints"
     assert proc.stderr.count(warning) == 2, proc.stderr[-3000:]  # once per process
     assert "--use_cpu" in proc.stderr
