@@ -633,3 +633,13 @@ def test_processes_that_each_train_alone_are_warned_once(tmp_path):
     warning = "but the Trainer runs it as a single process: every process writes the same checkpoints"
     assert proc.stderr.count(warning) == 2, proc.stderr[-3000:]  # once per process
     assert "--use_cpu" in proc.stderr
+
+
+def test_resume_from_nothing_raises_the_trainers_own_errors(tmp_path):
+    """Users and tools match on these messages (Transformers' own test_can_resume_training does)."""
+    callback = AsyncCheckpointCallback()
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint at"):
+        _train_toy(tmp_path / "run", callbacks=[callback], resume=str(tmp_path / "run" / "checkpoint-9999"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"No valid checkpoint found in output directory"):
+        _train_toy(tmp_path / "empty", callbacks=[AsyncCheckpointCallback()], resume=True)

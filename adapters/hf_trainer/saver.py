@@ -160,7 +160,8 @@ class AsyncCheckpointSaver:
                 older = [p for p in reversed(sort_checkpoints(output_dir)) if p != last]
                 resume_from_checkpoint = self.checkpointer.newest_intact([last, *older]) if self.resume_from_intact \
                     else self.checkpointer.require_intact(last).path
-            elif resume_from_checkpoint and resume_from_checkpoint is not True and self.verify_on_resume:
+            elif resume_from_checkpoint and resume_from_checkpoint is not True and self.verify_on_resume \
+                    and os.path.exists(resume_from_checkpoint):  # else the Trainer's own "Can't find a valid checkpoint"
                 self.checkpointer.require_intact(resume_from_checkpoint)
             return original(resume_from_checkpoint, *args, **kwargs)
 
