@@ -253,10 +253,10 @@ def test_epoch_strategy_matches_native(tmp_path, shared_checkpointer):
 
 
 def test_two_pending_checkpoints_rotation_matches_native(tmp_path, shared_checkpointer):
-    """max_pending=2: a save does not wait for the previous commit; rotation (limit 1) is still behind it."""
+    """max_in_flight=2: a save does not wait for the previous commit; rotation (limit 1) is still behind it."""
     options = dict(save_steps=5, save_total_limit=1, max_steps=30)
     _train_toy(tmp_path / "native", **options)
-    callback = AsyncCheckpointCallback(checkpointer=shared_checkpointer, max_pending=2)
+    callback = AsyncCheckpointCallback(checkpointer=shared_checkpointer, max_in_flight=2)
     _train_toy(tmp_path / "async", callbacks=[callback], **options)
     assert _checkpoints(tmp_path / "async") == _checkpoints(tmp_path / "native") == ["checkpoint-30"]
     _assert_committed(tmp_path / "async")
@@ -643,3 +643,9 @@ def test_resume_from_nothing_raises_the_trainers_own_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"No valid checkpoint found in output directory"):
         _train_toy(tmp_path / "empty", callbacks=[AsyncCheckpointCallback()], resume=True)
+
+
+def test_max_pending_is_a_deprecated_name_of_max_in_flight():
+    with pytest.warns(FutureWarning, match="use max_in_flight"):
+        callback = AsyncCheckpointCallback(max_pending=3)
+    assert callback.max_in_flight == 3 and callback.checkpointer.max_in_flight == 3

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from typing import Any, Optional
 
 from transformers import (AutoConfig, AutoProcessor, AutoTokenizer, PreTrainedConfig, PreTrainedModel, Trainer,
@@ -35,7 +36,7 @@ class AsyncCheckpointCallback(TrainerCallback):
     """Write every checkpoint the Trainer saves asynchronously, in the Trainer's own layout.
 
     Args:
-        max_pending: checkpoints that may be uncommitted at once; a save beyond it first waits for
+        max_in_flight: checkpoints that may be uncommitted at once; a save beyond it first waits for
             the oldest. Memory: the staging buffers hold one copy of a checkpoint's data per pending
             checkpoint (kept across saves and across ``train()`` calls).
         timeout: seconds any wait on the background writer or on another rank may take.
@@ -59,17 +60,23 @@ class AsyncCheckpointCallback(TrainerCallback):
             checkpoint restores the newest from there first (docs/object_store.md).
     """
 
-    def __init__(self, max_pending: int = 1, timeout: float = 600.0, direct_io: bool = True,
+    def __init__(self, max_in_flight: int = 1, timeout: float = 600.0, direct_io: bool = True,
                  checkpointer: Optional[Checkpointer] = None, overlap_optimizer: bool = True,
-                 verify_on_resume: bool = True, resume_from_intact: bool = False, mirror_to: Optional[str] = None) -> None:
+                 verify_on_resume: bool = True, resume_from_intact: bool = False, mirror_to: Optional[str] = None,
+                 max_pending: Optional[int] = None) -> None:
         versions.require(SUPPORT)
+        if max_pending is not None:  # its name until 0.1 (every other adapter and the core say max_in_flight)
+            warnings.warn("AsyncCheckpointCallback(max_pending=...) is deprecated and will be removed in the next "
+                          "release: use max_in_flight=...", FutureWarning, stacklevel=2)
+            max_in_flight = max_pending
         for reader in (PreTrainedModel, PreTrainedConfig, PreTrainedTokenizerBase, _BaseAutoModelClass, AutoConfig,
                        AutoTokenizer, AutoProcessor):  # from_pretrained of a checkpoint-N being written waits for it
             patching.install(reader, "from_pretrained", functools.partial(lifecycle.waiting_reader, path_at=1))
-        self.max_pending, self.timeout, self.direct_io, self.overlap_optimizer = max_pending, timeout, direct_io, overlap_optimizer
+        self.max_in_flight, self.timeout, self.direct_io = max_in_flight, timeout, direct_io
+        self.overlap_optimizer = overlap_optimizer
         self.verify_on_resume, self.resume_from_intact, self.mirror_to = verify_on_resume, resume_from_intact, mirror_to
         self.owns_checkpointer = checkpointer is None
-        self.checkpointer = checkpointer or Checkpointer(max_in_flight=max_pending, timeout=timeout, direct_io=direct_io)
+        self.checkpointer = checkpointer or Checkpointer(max_in_flight=max_in_flight, timeout=timeout, direct_io=direct_io)
         self.saver: Optional[AsyncCheckpointSaver] = None
 
     def __getstate__(self) -> dict:
@@ -78,7 +85,7 @@ class AsyncCheckpointCallback(TrainerCallback):
     @property
     def timings(self) -> list[dict]:
         """Per save: ``step``, ``stall_s`` (seconds the training loop spent in it), ``waited_s`` (of
-        it, for an earlier checkpoint's commit: ``max_pending``) and ``optimizer_step_waited_s`` (how
+        it, for an earlier checkpoint's commit: ``max_in_flight``) and ``optimizer_step_waited_s`` (how
         long the next optimizer step waited for the overlapped ``optimizer.pt`` snapshot)."""
         return self.saver.timings if self.saver is not None else []
 

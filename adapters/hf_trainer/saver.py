@@ -90,7 +90,7 @@ class AsyncCheckpointSaver:
         defer = (lambda name: name == OPTIMIZER_NAME) if self._may_defer_optimizer(trainer) else None
         with self.checkpointer.begin_directory(final_dir, step=state.global_step,
                                                label=f"global step {state.global_step}") as tx:
-            timing["waited_s"] = tx.handle.timings["waited_s"]  # for an earlier checkpoint (max_pending)
+            timing["waited_s"] = tx.handle.timings["waited_s"]  # for an earlier checkpoint (max_in_flight)
             with capture_into(tx, defer=defer) as cap:  # async: the Trainer's own save code, files snapshot + queued
                 trainer.save_model(cap.scratch, _internal_call=True)
                 if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) \
