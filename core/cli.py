@@ -221,6 +221,7 @@ def cmd_verify(path: str, progress: bool = True) -> int:
         return EXIT_PROBLEM
     unverified = f"; without checksums (written natively or by an older asyncckpt): {', '.join(report.unverified)}" \
         if report.unverified else ""
+    unverified += f"; changed since the commit: {', '.join(report.differences)}" if report.differences else ""
     print(f"{path}: OK: {report.checked_files} file(s), {report.checked_bytes} B verified by checksum{unverified}")
     return EXIT_OK
 

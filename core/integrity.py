@@ -7,17 +7,23 @@ kind           what is checked
 sharded        every item's bytes against its xxh3 in the rank sidecars, the torch.save container
                framing around each tensor, that ``.metadata`` points only at checksummed bytes, the
                commit record's file list and sizes, extra files by their checksums
-directory      every file the commit record lists: present, its size, its xxh3 (``"checksums"``); a
-               DCP subdirectory in it (a framework's FSDP shards) as a sharded checkpoint
+directory      every file the commit record lists: its size, its xxh3 (``"checksums"``); a DCP
+               subdirectory in it (a framework's FSDP shards) as a sharded checkpoint. Files removed
+               or added since the commit are *differences*, not damage (see below)
 file           its size and xxh3 in the record beside it (``file_checksums``)
 =============  =================================================================================
 
 What a framework wrote without asyncckpt (no commit record, no checksum record) is *unverified*:
-reported as such, never as damaged. Every problem names the file, and for sharded checkpoints the
+reported as such, never as damaged. In a directory checkpoint, a file the commit record lists that is
+gone, or a file it does not list, is a user's deliberate change (Transformers' own tests convert a
+checkpoint's ``model.safetensors`` into sharded files before resuming from it): reported as a
+difference, and a resume goes ahead with one warning naming it, leaving it to the framework's
+loader whether what is there loads. A listed file whose bytes differ is damage, always. Every problem names the file, and for sharded checkpoints the
 key and the rank that wrote it.
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from collections import defaultdict
@@ -37,6 +43,7 @@ from .sidecar import read_rank_sidecar
 _ZIP_LOCAL_HEADER, _ZIP_END, _ZIP_END_SIZE = b"PK\x03\x04", b"PK\x05\x06", 22
 
 Progress = Callable[[int], None]
+logger = logging.getLogger("asyncckpt")
 
 
 @dataclass
@@ -50,6 +57,7 @@ class Report:
     checked_files: int = 0
     checked_bytes: int = 0
     unverified: list[str] = field(default_factory=list)  # files with no checksum to check against
+    differences: list[str] = field(default_factory=list)  # files removed or added since the commit (directories)
 
     @property
     def intact(self) -> bool:
@@ -84,7 +92,10 @@ def check(path: str, *, on_problem: Callable[[str], None] = lambda message: None
     elif entry.kind == "directory":
         record = commit.read_commit_record(path)
         files, sharded = _split_sharded_parts(record.get("files", {}))
+        report.differences = _differences(path, record.get("files", {}))
         for name, size in sorted(files.items()):
+            if not os.path.lexists(os.path.join(path, name)):
+                continue  # removed: a difference
             expected = record.get("checksums", {}).get(name)
             _check_file(os.path.join(path, name), name, FileChecksum(expected["size"], expected["xxh3"]) if expected else None,
                         report, problem, progress, size)
@@ -95,6 +106,14 @@ def check(path: str, *, on_problem: Callable[[str], None] = lambda message: None
     else:
         _check_sharded(path, commit.read_commit_record(path), report, problem, progress or (lambda n: None), share)
     return report
+
+
+def _differences(path: str, committed: dict[str, int]) -> list[str]:
+    """The files of a directory checkpoint removed or added since its commit (paths relative to it)."""
+    on_disk = {os.path.relpath(os.path.join(parent, name), path)
+               for parent, _dirs, entries in os.walk(path) for name in entries} - {names.COMMIT_RECORD}
+    return [f"{name}: removed" for name in sorted(set(committed) - on_disk)] + \
+        [f"{name}: added" for name in sorted(on_disk - set(committed))]
 
 
 def _split_sharded_parts(files: dict[str, int]) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
@@ -136,8 +155,12 @@ def _item_bytes(path: str, record: dict) -> int:
 
 def require_intact(path: str, share: tuple[int, int] = (0, 1)) -> Report:
     """``check``, raising ``CorruptCheckpointError`` (naming the checkpoint, the files, the keys) if
-    anything is wrong, ``IncompleteCheckpointError`` if it was never committed."""
+    anything is wrong, ``IncompleteCheckpointError`` if it was never committed; files removed or
+    added since the commit get one warning naming them."""
     report = check(path, share=share)
+    if report.differences:
+        logger.warning("asyncckpt: %s differs from what was committed (%s); resuming from it as it is, unverified "
+                       "where it differs", path, ", ".join(report.differences))
     if report.status == "INCOMPLETE":
         commit.require_complete(path)  # raises, saying so
     if report.problems:

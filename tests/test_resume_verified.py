@@ -1,6 +1,7 @@
 """Every file the core writes carries a checksum, and each framework's own resume path checks the
-checkpoint before loading anything from it: a flipped byte, a truncated or a deleted file raises
-an error naming the checkpoint and the file; with ``resume_from_intact`` (where the framework picks
+checkpoint before loading anything from it: a flipped byte, a truncated file (or a deleted single
+file or data file) raises an error naming the checkpoint and the file; files removed from or added
+to a directory checkpoint by the user get one warning, and the framework's own loader decides; with ``resume_from_intact`` (where the framework picks
 the checkpoint itself) the resume goes on from the newest checkpoint that checks out, with a
 warning naming the one skipped. Checkpoints written without asyncckpt load unchecked, as before.
 """
@@ -16,7 +17,7 @@ import torch
 from asyncckpt import core
 from asyncckpt.core import CorruptCheckpointError
 
-DAMAGE = ("flip", "truncate", "delete")
+DAMAGE = ("flip", "truncate")  # in a directory checkpoint a deleted file is the user's change, not damage
 
 
 def damage(path: Path, how: str) -> str:
@@ -26,11 +27,9 @@ def damage(path: Path, how: str) -> str:
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
         return "checksum mismatch"
-    if how == "truncate":
-        os.truncate(path, path.stat().st_size // 2)
-        return "truncated"
-    path.unlink()
-    return "missing"
+    assert how == "truncate", how
+    os.truncate(path, path.stat().st_size // 2)
+    return "truncated"
 
 
 # ---------------------------------------------------------------------- Lightning
@@ -232,3 +231,46 @@ def test_a_damaged_sharded_checkpoint_names_file_and_key(tmp_path):
     with core.Checkpointer() as checkpointer:
         with pytest.raises(CorruptCheckpointError, match=r"ckpt is damaged: __0_0\.distcp: key 'model\.w' \(rank 0\)"):
             checkpointer.require_intact(tmp_path / "ckpt")
+
+
+def test_accelerate_load_state_leaves_a_file_the_user_removed_to_accelerate(accelerate_run, tmp_path, caplog):
+    project = tmp_path / "project"
+    shutil.copytree(accelerate_run, project)
+    (project / "checkpoints" / "checkpoint_2" / "random_states_0.pkl").unlink()
+    acc, handle, model = _accelerator(project)
+    with caplog.at_level("WARNING", logger="asyncckpt"):
+        acc.load_state()  # Accelerate itself carries on without the RNG states (its own warning)
+    assert "checkpoint_2 differs from what was committed (random_states_0.pkl: removed)" in caplog.text
+    assert acc.project_configuration.iteration == 3  # loaded: counting goes on after checkpoint_2
+    handle.remove()
+
+
+def test_trainer_resumes_from_a_checkpoint_the_user_resharded(trainer_run, tmp_path, caplog):
+    """What Transformers' own test_resume_training_with_shard_checkpoint does: model.safetensors
+    replaced by sharded files and an index before resuming. One warning; the Trainer loads them."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "out"
+    shutil.copytree(trainer_run, out)
+    checkpoint = out / "checkpoint-10"
+    weights = load_file(checkpoint / "model.safetensors")
+    keys = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+              "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    for name, shard_keys in shards.items():
+        save_file({key: weights[key] for key in shard_keys}, checkpoint / name, metadata={"format": "pt"})
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {key: name for name, shard_keys in shards.items() for key in shard_keys}}))
+    (checkpoint / "model.safetensors").unlink()
+    with caplog.at_level("WARNING", logger="asyncckpt"):
+        assert _train(out, resume=str(checkpoint)) == 10
+    said = [r.getMessage() for r in caplog.records if "differs from what was committed" in r.getMessage()]
+    assert len(said) == 1, said
+    for change in ("model.safetensors: removed", "model-00001-of-00002.safetensors: added",
+                   "model.safetensors.index.json: added"):
+        assert change in said[0]
+    damage(checkpoint / "optimizer.pt", "flip")
+    with pytest.raises(CorruptCheckpointError, match="optimizer.pt: checksum mismatch"):
+        _train(out, resume=str(checkpoint))  # a committed file changed in place is damage, always
