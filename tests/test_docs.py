@@ -131,6 +131,18 @@ def test_markers():
     assert not problems, "\n".join(problems)
 
 
+def test_design_names_every_core_module():
+    """DESIGN.md's picture of the packages and its module table name every module of core/ (and the
+    table no other): a module added, renamed or removed shows up here, not as a stale picture."""
+    modules = {path.stem for path in (ROOT / "core").glob("*.py")} - {"__init__"}
+    design = ROOT / "docs" / "DESIGN.md"
+    picture = set(re.findall(r"\w+", parse(design)[0][0].code))
+    rows = [line for line in design.read_text().splitlines() if line.startswith("| `")]
+    table = set(re.findall(r"`(\w+)\.py`", "\n".join(rows)))
+    assert modules - picture == set(), "modules missing from DESIGN.md's picture"
+    assert table == modules, f"DESIGN.md's module table: missing {modules - table}, not in core/ {table - modules}"
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict:
     """Every runnable block run once, in one subprocess: {where: None or its error}."""
