@@ -350,7 +350,8 @@ def markdown(result: dict) -> str:
     if result.get("notes"):
         lines += [result["notes"], ""]
     if result.get("profile"):
-        lines += ["cProfile of the asyncckpt window's `save_state()` calls (top functions by own time):", "", "```",
+        lines += ["cProfile of the asyncckpt window's `save_state()` calls (top functions by own time):", "",
+                  "<!-- doc-test: skip (not code: a profiler's output) -->", "```",  # tests/test_docs.py
                   result["profile"].strip(), "```", ""]
     return "\n".join(lines)
 

@@ -42,6 +42,7 @@ def render_md(R: dict, command: str) -> str:
     w("")
     w("Command:")
     w("")
+    w("<!-- doc-test: skip (the benchmark run that produced this page: minutes, on a quiet machine) -->")  # tests/test_docs.py
     w("```")
     w(command)
     w("```")

@@ -111,6 +111,23 @@ def _metadata(directory: Path) -> dict:
             for key, value in metadata.items()}
 
 
+def _data_files_by_kind(directory: Path, ours: list[str], native: list[str]) -> None:
+    """The DCP data files of our subdirectories are DCP's own ``__{rank}_0.distcp``, holding only
+    tensors, plus a ``__{rank}_1.distcp`` of the non-tensor values for each rank that writes some
+    (DCP's writer puts both into ``__{rank}_0.distcp``): what the adapters' pages say."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    data = lambda files: {name for name in files if name.endswith(".distcp")}  # noqa: E731
+    assert data(native) <= data(ours)
+    assert {name.rsplit("_", 1)[1] for name in data(ours) - data(native)} == {"1.distcp"}  # some, and only those
+    for part in {name.split("/")[0] for name in data(ours)}:
+        metadata = FileSystemReader(str(directory / part)).read_metadata()
+        for index, info in metadata.storage_data.items():
+            kind = TensorStorageMetadata if info.relative_path.endswith("_0.distcp") else BytesStorageMetadata
+            assert isinstance(metadata.state_dict_metadata[index.fqn], kind), (part, index.fqn, info.relative_path)
+
+
 def _merged(directory: Path, out: Path) -> dict:
     """Accelerate's own merge of FSDP shards into one file, in this single process (resharding 2 -> 1)."""
     from accelerate.utils import merge_fsdp_weights
@@ -134,6 +151,7 @@ def test_accelerate_fsdp2_sharded_state_is_saved_asynchronously_as_dcp(tmp_path)
         results[0]["async_files"])
     for part in ("pytorch_model_fsdp_0", "optimizer_0"):
         assert _metadata(asynchronous / part) == _metadata(native / part)
+    _data_files_by_kind(asynchronous, results[0]["async_files"], results[0]["native_files"])
     assert is_complete(str(asynchronous))
     report = integrity.check(str(asynchronous))
     assert report.intact and report.checked_files >= 4 and not report.unverified, report
@@ -228,6 +246,7 @@ def test_trainer_fsdp2_sharded_checkpoint_is_saved_asynchronously(tmp_path):
     checkpoint = tmp_path / "async" / f"checkpoint-{STEPS_BEFORE}"
     for part in ("pytorch_model_fsdp_0", "optimizer_0"):
         assert _metadata(checkpoint / part) == _metadata(tmp_path / "native" / f"checkpoint-{STEPS_BEFORE}" / part)
+    _data_files_by_kind(checkpoint, results[0]["async_files"], results[0]["native_files"])
     report = integrity.check(str(checkpoint))
     assert report.intact and not report.unverified, report
 

@@ -439,6 +439,8 @@ def test_fsdp_sharded_code_path_without_gpu(tmp_path):
     from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 
     assert _is_sharded_checkpoint(path)
+    assert sorted(os.listdir(path)) == [".asyncckpt-commit.json", ".metadata", "__0.asyncckpt.json",
+                                        "__0_0.distcp", "__0_1.distcp", "meta.pt"]  # docs/lightning.md: DCP's, ours, meta.pt
     assert torch.load(path / "meta.pt", weights_only=False) == {"global_step": 7, "epoch": 1, "loops": {"x": 1}}
     import torch.distributed.checkpoint as dcp
 

@@ -1,0 +1,167 @@
+"""The code in README.md and docs/*.md runs, or the markdown says why it cannot.
+
+Users copy the docs' code blocks; a block that no longer works is a bug this test finds. Every
+fenced block (```python, ```bash / ```sh, unlabeled, any other) is one test:
+
+- a ```python block is executed, as a script: in an empty temporary directory, fresh namespace;
+- a ```bash / ```sh block whose every command is ``asyncckpt ...`` (the CLI) runs in an empty
+  temporary directory, after its setup (which makes the checkpoint it looks at); each command must
+  exit 0;
+- any other block (installs, the test suite, benchmarks, diagrams, file listings, formats) must be
+  marked as not runnable, with the reason; a block neither runnable nor marked fails.
+
+What a block needs is declared in the markdown, in HTML comments right before its fence (blank
+lines between are allowed), which readers of the rendered page never see:
+
+    <!-- doc-test: skip (needs 2 GPUs) -->
+
+    <!-- doc-test: setup
+    import torch
+    model = torch.nn.Linear(4, 2)
+    -->
+
+``setup`` is Python run first, in the block's directory and, for a Python block, in its namespace:
+the names a fragment takes from the surrounding program, the checkpoint a CLI example looks at.
+A ``doc-test`` comment that is malformed or not followed by a block fails ``test_markers``.
+
+All runnable blocks run in one subprocess (``doc_runner.py``), one after the other, so the
+frameworks are imported once; a traceback points at the block's lines in its markdown file.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RUNNER = Path(__file__).resolve().parent / "doc_runner.py"
+
+FENCE = re.compile(r"^(?P<indent> {0,3})(?P<ticks>`{3,})\s*(?P<language>[^`\s]*)[^`]*$")
+MARKER = re.compile(r"^\s*<!--\s*doc-test:\s*(?P<body>.*?)\s*(?P<end>-->)?\s*$")
+SKIP = re.compile(r"^skip \((?P<reason>[^)].*)\)$")
+SHELLS = {"bash", "sh", "shell"}
+
+
+@dataclass
+class Block:
+    where: str          # "docs/FORMAT.md:294", the line of the opening fence
+    language: str       # the fence's info string ("" when unlabeled)
+    code: str
+    code_line: int      # the first line of ``code`` in its file
+    setup: str = ""
+    setup_line: int = 0
+    skip: str = ""      # why it cannot run here
+
+    @property
+    def runs(self) -> bool:
+        """Whether the test runs it: Python, or a shell block of asyncckpt commands only."""
+        if self.language == "python":
+            return True
+        commands = [line for line in self.code.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        return self.language in SHELLS and bool(commands) and all(line.startswith("asyncckpt ") for line in commands)
+
+
+def parse(path: Path) -> tuple[list[Block], list[str]]:
+    """Every fenced block of one markdown file with the markers before it, and what is wrong with the markers."""
+    name = path.relative_to(ROOT).as_posix()
+    lines = path.read_text().splitlines()
+    blocks, problems = [], []
+    pending: dict = {}  # the markers read since the last block: {"skip": ..., "setup": ..., "line": ...}
+    i = 0
+    while i < len(lines):
+        line, number = lines[i], i + 1
+        marker, fence = MARKER.match(line), FENCE.match(line)
+        if marker:
+            body, i = [marker["body"]], i + 1
+            while not marker["end"] and i < len(lines) and "-->" not in lines[i]:
+                body.append(lines[i])
+                i += 1
+            if not marker["end"]:
+                if i == len(lines):
+                    problems.append(f"{name}:{number}: doc-test comment never closed (-->)")
+                    break
+                body.append(lines[i].split("-->")[0])
+                i += 1
+            head, rest = body[0], "\n".join(body[1:])
+            if head == "setup":
+                pending.update(setup=rest + "\n", setup_line=number + 1, line=number)
+            elif SKIP.match(head) and not rest.strip():
+                pending.update(skip=SKIP.match(head)["reason"], line=number)
+            else:
+                problems.append(f"{name}:{number}: not a doc-test marker: expected 'skip (reason)' or "
+                                f"'setup' followed by lines of Python, got {head!r}")
+            continue
+        if fence:
+            end = next((j for j in range(i + 1, len(lines))
+                        if lines[j].strip() == fence["ticks"] and lines[j].startswith(fence["indent"])), None)
+            if end is None:
+                problems.append(f"{name}:{number}: code block never closed")
+                break
+            indent = len(fence["indent"])
+            code = "\n".join(text[indent:] for text in lines[i + 1:end]) + "\n"
+            blocks.append(Block(f"{name}:{number}", fence["language"].lower(), code, number + 1,
+                                setup=pending.get("setup", ""), setup_line=pending.get("setup_line", 0),
+                                skip=pending.get("skip", "")))
+            pending, i = {}, end + 1
+            continue
+        if line.strip() and pending:
+            problems.append(f"{name}:{pending['line']}: doc-test marker not followed by a code block")
+            pending = {}
+        i += 1
+    if pending:
+        problems.append(f"{name}:{pending['line']}: doc-test marker not followed by a code block")
+    return blocks, problems
+
+
+PARSED = [parse(path) for path in DOCS]
+BLOCKS = [block for blocks, _ in PARSED for block in blocks]
+
+
+def test_markers():
+    """Every doc-test comment is one the test understands and belongs to a block."""
+    problems = [problem for _, found in PARSED for problem in found]
+    problems += [f"{block.where}: marked skip, but has a setup (which would never run)"
+                 for block in BLOCKS if block.skip and block.setup]
+    assert not problems, "\n".join(problems)
+
+
+def test_design_names_every_core_module():
+    """DESIGN.md's picture of the packages and its module table name every module of core/ (and the
+    table no other): a module added, renamed or removed shows up here, not as a stale picture."""
+    modules = {path.stem for path in (ROOT / "core").glob("*.py")} - {"__init__"}
+    design = ROOT / "docs" / "DESIGN.md"
+    picture = set(re.findall(r"\w+", parse(design)[0][0].code))
+    rows = [line for line in design.read_text().splitlines() if line.startswith("| `")]
+    table = set(re.findall(r"`(\w+)\.py`", "\n".join(rows)))
+    assert modules - picture == set(), "modules missing from DESIGN.md's picture"
+    assert table == modules, f"DESIGN.md's module table: missing {modules - table}, not in core/ {table - modules}"
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict:
+    """Every runnable block run once, in one subprocess: {where: None or its error}."""
+    directory = tmp_path_factory.mktemp("docs")
+    blocks, results = directory / "blocks.json", directory / "results.json"
+    blocks.write_text(json.dumps([asdict(block) for block in BLOCKS if block.runs and not block.skip]))
+    done = subprocess.run([sys.executable, str(RUNNER), str(blocks), str(results)], cwd=directory,
+                          capture_output=True, text=True, timeout=480)
+    assert done.returncode == 0 and results.exists(), f"the block runner failed:\n{done.stdout}{done.stderr}"
+    return json.loads(results.read_text())
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[block.where for block in BLOCKS])
+def test_block(block: Block, request):
+    if block.skip:
+        pytest.skip(f"{block.where} not runnable: {block.skip}")
+    if not block.runs:
+        pytest.fail(f"{block.where}: a ```{block.language} block runs only if it is Python or asyncckpt commands; "
+                    "mark it <!-- doc-test: skip (why) --> if it cannot run here", pytrace=False)
+    error = request.getfixturevalue("outcomes")[block.where]
+    if error is not None:
+        pytest.fail(f"{block.where} failed:\n{error}", pytrace=False)
