@@ -57,6 +57,10 @@ COPIED = {  # framework function -> (source digest, the adapter module that copi
         "e2b5a459fe87a28c", "adapters/lightning/checkpoint_io.py (save_sharded)"),
     "accelerate.accelerator:Accelerator.save_state": ("5a5c62cbfb58ea77", "adapters/accelerate/adapter.py"),
     "accelerate.utils.other:save": ("1f945adbd193e3af", "adapters/accelerate/capture.py"),
+    # capture_fsdp_torch_save stages every torch.save these make on the process making it: that they
+    # gate full state dicts to process 0 and name per-rank files (use_dcp=False) by process_index
+    "accelerate.utils.fsdp_utils:save_fsdp_model": ("0ad60b659f961a60", "adapters/accelerate/capture.py"),
+    "accelerate.utils.fsdp_utils:save_fsdp_optimizer": ("bce300993fe7cb06", "adapters/accelerate/capture.py"),
     "transformers.trainer:Trainer._save_checkpoint": ("a9111e30faa99339", "adapters/hf_trainer/saver.py"),
     "transformers.trainer_utils:rotate_checkpoints": ("4aac03e039844595", "adapters/hf_trainer/saver.py (_rotation)"),
     "transformers.trainer:Trainer._finalize_training": ("6d6d83d6a2715f2a", "adapters/hf_trainer/saver.py (_finalize)"),
@@ -74,6 +78,10 @@ RELIED_ON = {  # framework function -> the parameters the adapters pass or accep
     "accelerate.accelerator:Accelerator.load_state": "(self, input_dir, load_kwargs, **load_model_func_kwargs)",
     "accelerate.accelerator:Accelerator.end_training": "(self)",
     "accelerate.utils.other:clean_state_dict_for_safetensors": "(state_dict)",
+    # docs/accelerate.md: use_dcp=False is bound on these (and the two save functions) to reach load_state
+    "accelerate.utils.fsdp_utils:load_fsdp_model": "(fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp)",
+    "accelerate.utils.fsdp_utils:load_fsdp_optimizer": (
+        "(fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, adapter_only, use_dcp)"),
     "transformers.trainer:Trainer._save_optimizer_and_scheduler": "(self, output_dir)",
     "transformers.trainer:Trainer._save_scaler": "(self, output_dir)",
     "transformers.trainer:Trainer._save_rng_state": "(self, output_dir)",
