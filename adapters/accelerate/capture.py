@@ -121,8 +121,8 @@ class Capture:
     def capture_fsdp_torch_save(self, obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         """Replaces ``torch.save`` inside ``accelerate.utils.fsdp_utils``, which calls it only on the
         process that writes the file: the main process for full state dicts, every process for its own
-        shard file (``pytorch_model_fsdp_0_rank{i}.bin``, ``optimizer_0_rank{i}.bin``: ``use_dcp=False``,
-        ``LOCAL_STATE_DICT``), which its own background writer writes into the same checkpoint."""
+        shard file (``pytorch_model_fsdp_0_rank{i}.bin``, ``optimizer_0_rank{i}.bin`` with ``use_dcp=False``),
+        which its own background writer writes into the same checkpoint."""
         name = self._name(f)
         if name is None:
             return self.real_torch_save(obj, f, *args, **kwargs)
