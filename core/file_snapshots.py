@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .buffers import BufferPool, Slot
 from .native_files import FileImage, safetensors_image, stage_image
@@ -23,13 +24,17 @@ _CONTAINERS = (torch.Tensor, dict, list, tuple)
 
 def tensor_bytes(obj: Any, stop_at: Optional[int] = None) -> int:
     """Bytes of tensor storage reachable through dicts/lists/tuples (what torch.save would write);
-    with ``stop_at``, counting ends once that many are found (enough to choose how to save)."""
+    with ``stop_at``, counting ends once that many are found (enough to choose how to save). A
+    wrapper subclass (``DTensor``: a rank's shard in a per-rank file) has no storage of its own;
+    its inner tensors (the local shard) are what torch.save writes."""
     seen: set = set()
     total = 0
     pending = [(obj, 0)]
     while pending:
         value, depth = pending.pop()
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value):
+            pending.extend((getattr(value, name), depth) for name in value.__tensor_flatten__()[0])
+        elif isinstance(value, torch.Tensor):
             storage = value.untyped_storage()
             key = (storage.data_ptr(), storage.device)
             if key not in seen:

@@ -12,6 +12,8 @@ Checked: the async save writes what the framework's own synchronous save writes 
 metadata keys, shapes and dtypes, the values); the framework's loader reads it; training continues
 bit for bit after a resume; the shards merge to one process (resharding 2 -> 1) with Accelerate's
 ``merge_fsdp_weights``; a kill -9 in the middle of saves leaves only complete checkpoints visible.
+Accelerate's ``use_dcp=False`` (per-rank ``torch.save`` shard files instead of DCP) likewise: every
+rank's files in the one committed, checksummed directory.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
@@ -81,14 +84,31 @@ def listing(directory: str) -> list[str]:
     return sorted(os.path.relpath(os.path.join(d, f), directory) for d, _, files in os.walk(directory) for f in files)
 
 
-def save_both_and_resume(rank, world, root, state_dict_type):
+def without_dcp() -> None:
+    """Accelerate 1.15's ``use_dcp`` is a parameter of ``save_fsdp_model`` / ``save_fsdp_optimizer`` and their
+    loaders only: ``save_state`` and ``load_state`` call them with the default (DCP). A user who wants the
+    per-rank files binds ``use_dcp=False`` where ``accelerate.accelerator`` looks the four up, as here."""
+    import functools
+
+    import accelerate.accelerator as accelerator_module
+    from accelerate.utils import fsdp_utils
+
+    for name in ("save_fsdp_model", "save_fsdp_optimizer", "load_fsdp_model", "load_fsdp_optimizer"):
+        setattr(accelerator_module, name, functools.partial(getattr(fsdp_utils, name), use_dcp=False))
+
+
+def save_both_and_resume(rank, world, root, state_dict_type, use_dcp=True):
+    """Accelerate's own save, ours of the same state, then a resume from ours. ``inline_bytes=0``: every
+    file goes through a staging buffer, as a real model's would (these are tiny)."""
     from asyncckpt.adapters.accelerate import enable_async_checkpointing
 
+    if not use_dcp:
+        without_dcp()
     accelerator, model, optimizer = fsdp_accelerator(state_dict_type)
     train(model, optimizer, range(STEPS_BEFORE), rank)
     native, asynchronous = os.path.join(root, "native"), os.path.join(root, "async")
     accelerator.save_state(native)  # the framework's own synchronous save of the same state
-    handle = enable_async_checkpointing(accelerator)
+    handle = enable_async_checkpointing(accelerator, inline_bytes=0)
     accelerator.save_state(asynchronous)
     train(model, optimizer, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER), rank)
     expected = local_state(model, optimizer)
@@ -97,8 +117,11 @@ def save_both_and_resume(rank, world, root, state_dict_type):
     train(model, optimizer, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER), rank)
     resumed = local_state(model, optimizer)
     handle.remove()
+    files = [name for name in listing(native) if name.endswith((".bin", ".pkl"))]
     return {"same_after_resume": len(expected) == len(resumed) and all(map(torch.equal, expected, resumed)),
-            "async_files": listing(asynchronous), "native_files": listing(native)}
+            "async_files": listing(asynchronous), "native_files": listing(native),
+            "same_files": {name: _same(*(torch.load(os.path.join(d, name), weights_only=False) for d in (asynchronous, native)))
+                           for name in files}}
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -169,14 +192,34 @@ def test_accelerate_fsdp2_full_state_is_written_asynchronously_by_the_main_proce
     native = set(results[0]["native_files"])
     assert native == {"pytorch_model_fsdp.bin", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl"}
     assert set(results[0]["async_files"]) == native | {".asyncckpt-commit.json"}
-    for name in ("pytorch_model_fsdp.bin", "optimizer.bin"):
-        ours, theirs = (torch.load(tmp_path / kind / name, weights_only=False) for kind in ("async", "native"))
-        assert _same(ours, theirs), name
+    assert all(result["same_files"] == dict.fromkeys(native, True) for result in results)
+
+
+def test_accelerate_fsdp2_per_rank_files_without_dcp_are_saved_asynchronously_by_each_rank(tmp_path):
+    """``use_dcp=False``: each rank ``torch.save``s its shard; here each rank's writer writes its own
+    file into the one checkpoint, whose commit record lists both ranks' files."""
+    from asyncckpt.core import integrity
+
+    results = run_on_ranks(save_both_and_resume, 2, str(tmp_path), "SHARDED_STATE_DICT", False, timeout=300)
+
+    native = {f"{prefix}_0_rank{rank}.bin" for prefix in ("pytorch_model_fsdp", "optimizer") for rank in (0, 1)} | {
+        "random_states_0.pkl", "random_states_1.pkl"}
+    assert set(results[0]["native_files"]) == native
+    assert set(results[0]["async_files"]) == native | {".asyncckpt-commit.json"}
+    for result in results:
+        assert result["same_after_resume"]
+        assert result["same_files"] == dict.fromkeys(native, True)  # read on each rank: DTensor shards, Adam state
+    report = integrity.check(str(tmp_path / "async"))
+    assert report.intact and report.checked_files == len(native) and not report.unverified, report
 
 
 def _same(a, b) -> bool:
+    if hasattr(a, "to_local"):  # a DTensor in a per-rank file: its place in the whole, and the shard it holds
+        return type(a) is type(b) and a.shape == b.shape and a.placements == b.placements and _same(a.to_local(), b.to_local())
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, numpy.ndarray):  # numpy's RNG state
+        return isinstance(b, numpy.ndarray) and a.dtype == b.dtype and numpy.array_equal(a, b)
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):

@@ -18,7 +18,7 @@ import torch
 from asyncckpt.core import is_complete
 
 
-def _ours() -> tuple[list[str], list[int]]:
+def threads_and_writers() -> tuple[list[str], list[int]]:
     """Threads named asyncckpt-* and writer processes of this process."""
     threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("asyncckpt"))
     writers = sorted(p.pid for p in psutil.Process().children(recursive=True)
@@ -30,10 +30,10 @@ def _ours() -> tuple[list[str], list[int]]:
 def ours_running():
     """What of ours runs now, beyond what ran when the test began (Checkpointers that other tests in
     this process hold open, such as the module-level default one, may keep their writers)."""
-    before_threads, before_writers = _ours()
+    before_threads, before_writers = threads_and_writers()
 
     def since() -> tuple[list[str], list[int]]:
-        threads, writers = _ours()
+        threads, writers = threads_and_writers()
         for name in before_threads:
             if name in threads:
                 threads.remove(name)

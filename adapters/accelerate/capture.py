@@ -3,7 +3,8 @@
 ``save_state`` writes every file through two names in ``accelerate.checkpointing``: ``save`` (models,
 optimizers, schedulers, samplers, custom objects) and ``torch.save`` (RNG, GradScaler, stateful
 dataloaders); under FSDP, ``accelerate.utils.fsdp_utils`` writes sharded state with
-``torch.distributed.checkpoint.save`` and full state dicts with ``torch.save``. For the duration of
+``torch.distributed.checkpoint.save`` (or, with ``use_dcp=False``, one ``torch.save`` file per
+process) and full state dicts with ``torch.save``. For the duration of
 the call these are replaced (``asyncckpt.core.patching.patched``, ``asyncckpt.core.dcp_capture``)
 by functions that, for a path inside the transaction's staging directory, snapshot the object now
 (any other path is passed to the original): large states into the core's reused shared-memory
@@ -67,10 +68,11 @@ class Capture:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["Capture"]:
-        torch_in = lambda module: _TorchSavingInto(module.torch, self.capture_torch_save)  # noqa: E731
         with patching.patched(accelerate_checkpointing, "save", self.capture_save), \
-                patching.patched(accelerate_checkpointing, "torch", torch_in(accelerate_checkpointing)), \
-                patching.patched(fsdp_utils, "torch", torch_in(fsdp_utils)), capturing_dcp_saves(self.tx):
+                patching.patched(accelerate_checkpointing, "torch",
+                                 _TorchSavingInto(accelerate_checkpointing.torch, self.capture_torch_save)), \
+                patching.patched(fsdp_utils, "torch", _TorchSavingInto(fsdp_utils.torch, self.capture_fsdp_torch_save)), \
+                capturing_dcp_saves(self.tx):
             yield self
 
     # ---- which process writes what
@@ -106,21 +108,35 @@ class Capture:
         return None
 
     def capture_torch_save(self, obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        """Replaces ``torch.save`` inside ``accelerate.checkpointing`` (RNG, GradScaler, dataloader state)."""
+        """Replaces ``torch.save`` inside ``accelerate.checkpointing`` (RNG, GradScaler, dataloader state).
+        Accelerate calls it on every process; each writes its own RNG file, the main process the shared ones."""
         name = self._name(f)
         if name is None:
             return self.real_torch_save(obj, f, *args, **kwargs)
-        per_process = os.path.basename(name).startswith(_RNG_PREFIX)  # every process writes its own
-        if not (per_process or self._writes_here(self.owner.accelerator.project_configuration.save_on_each_node)):
-            return None
+        per_process = os.path.basename(name).startswith(_RNG_PREFIX)
+        if per_process or self._writes_here(self.owner.accelerator.project_configuration.save_on_each_node):
+            self._stage_torch_save(name, obj, args, kwargs)
+        return None
+
+    def capture_fsdp_torch_save(self, obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        """Replaces ``torch.save`` inside ``accelerate.utils.fsdp_utils``, which calls it only on the
+        process that writes the file: the main process for full state dicts, every process for its own
+        shard file (``pytorch_model_fsdp_0_rank{i}.bin``, ``optimizer_0_rank{i}.bin`` with ``use_dcp=False``),
+        which its own background writer writes into the same checkpoint."""
+        name = self._name(f)
+        if name is None:
+            return self.real_torch_save(obj, f, *args, **kwargs)
+        self._stage_torch_save(name, obj, args, kwargs)
+        return None
+
+    def _stage_torch_save(self, name: str, obj: Any, args: tuple, kwargs: dict) -> None:
         if args or kwargs:  # unusual torch.save options: serialise exactly as asked, now
             buffer = io.BytesIO()
             self.real_torch_save(obj, buffer, *args, **kwargs)
             self.tx.write_bytes(name, buffer.getvalue())
             self.written.append(name)
-            return None
-        self.stage(name, obj, "torch")
-        return None
+        else:
+            self.stage(name, obj, "torch")
 
     # ---- snapshots into the transaction
     def stage(self, name: str, obj: Any, fmt: str) -> None:

@@ -12,7 +12,8 @@ What Lightning calls → what we snapshot → which core call → when we wait:
   like ``TorchCheckpointIO``.
 * ``teardown()`` (the end of fit/validate/test/predict) → waits on every rank, raises a failed
   save, and stops the background writer: nothing of ours runs after the run; the next run starts
-  it again (at ``setup_environment``, see ``integration``).
+  it again (at ``setup_environment``, see ``integration``). Fabric never calls it: its user does,
+  at the end of the run (``fabric.save`` / ``fabric.load`` are ``save_checkpoint`` / ``load_checkpoint``).
 * Sharded FSDP / ModelParallel saves, ``save_last="link"`` and the ``-v1`` version counter do not
   go through ``CheckpointIO``; ``integration`` routes them here.
 
@@ -44,7 +45,8 @@ AsyncCkptSaveError = CheckpointWriteError
 
 
 class AsyncCkptIO(CheckpointIO):
-    """Asynchronous, crash-safe checkpoints for Lightning: ``Trainer(plugins=[AsyncCkptIO()])``.
+    """Asynchronous, crash-safe checkpoints for Lightning: ``Trainer(plugins=[AsyncCkptIO()])``, or
+    ``Fabric(plugins=[io])`` with ``io.teardown()`` at the end of the run.
 
     Args:
         max_in_flight: checkpoints whose write may be pending at once. Each holds a staging buffer
@@ -116,7 +118,8 @@ class AsyncCkptIO(CheckpointIO):
         self.checkpointer.remove([path], after=self._last_save)
 
     def teardown(self) -> None:
-        """The run ended: wait for every save (on every rank), raise a failed one, stop the writer."""
+        """The run ended: wait for every save (on every rank), raise a failed one, stop the writer.
+        The Trainer calls it; with Fabric, call it on every process at the end of the run."""
         try:
             self.checkpointer.wait(everywhere=True)
         finally:
