@@ -74,6 +74,8 @@ RELIED_ON = {  # framework function -> the parameters the adapters pass or accep
     "accelerate.accelerator:Accelerator.load_state": "(self, input_dir, load_kwargs, **load_model_func_kwargs)",
     "accelerate.accelerator:Accelerator.end_training": "(self)",
     "accelerate.utils.other:clean_state_dict_for_safetensors": "(state_dict)",
+    # a subclass's super()._save_checkpoint(model, trial) is ours while its override runs (hf_trainer/subclass.py)
+    "transformers.trainer:Trainer._save_checkpoint": "(self, model, trial)",
     "transformers.trainer:Trainer._save_optimizer_and_scheduler": "(self, output_dir)",
     "transformers.trainer:Trainer._save_scaler": "(self, output_dir)",
     "transformers.trainer:Trainer._save_rng_state": "(self, output_dir)",
@@ -84,6 +86,7 @@ RELIED_ON = {  # framework function -> the parameters the adapters pass or accep
     "transformers.trainer_utils:sort_checkpoints": "(output_dir, checkpoint_prefix, use_mtime, best_model_checkpoint)",
     "transformers.modeling_utils:safe_save_file": "(tensors, filename, metadata)",
     "safetensors.torch:save_file": "(tensors, filename, metadata)",
+    "peft.peft_model:safe_save_file": "(tensors, filename, metadata)",  # a PEFT model's adapter_model.safetensors
 }
 
 
