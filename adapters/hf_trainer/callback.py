@@ -7,8 +7,9 @@ over a save: clearing ``control.should_save`` in ``on_step_end`` misses ``save_s
 (decided after the evaluation) and would snapshot before that step's evaluation is recorded. So
 the callback finds its Trainer (the caller of ``on_init_end``, or of ``on_train_begin`` when added
 later) and, until its ``train()`` ends, replaces that instance's ``_save_checkpoint`` with the
-asynchronous one in ``saver.py``; the Trainer still decides when to save, evaluates first, and
-resumes exactly as usual. When training ends, every checkpoint is committed and the background
+asynchronous one in ``saver.py`` (a subclass's own ``_save_checkpoint``, such as TRL's, still runs, with
+the asynchronous save as its parent's: ``subclass.py``); the Trainer still decides when to save, evaluates
+first, and resumes exactly as usual. When training ends, every checkpoint is committed and the background
 writer stops; the next ``train()`` starts it again.
 
 The callback is deliberately not an ``ExportableState``: the Trainer re-creates those from the

@@ -56,8 +56,8 @@ class AsyncCheckpointSaver:
         self.timings: list[dict] = []
         self._undo: list[Callable[[], None]] = []  # what install() did, undone by uninstall()
         self._staged_wait_mark = 0.0
-        self._synchronous_subclass = False  # its _save_checkpoint needs the checkpoint on disk
-        self._warned_synchronous = False
+        self._synchronous_subclass = False  # its _save_checkpoint reads the checkpoint back (warned once)
+        self._warned_existing = False  # a subclass's save into an existing checkpoint-N was synchronous
 
     def install(self) -> None:
         """Idempotent: the callback installs at the Trainer's construction and again at each train()."""
@@ -110,9 +110,10 @@ class AsyncCheckpointSaver:
         folder = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
         final_dir = os.path.abspath(os.path.join(run_dir, folder))
         if _on_any_rank(os.path.lexists(final_dir)):  # the override may write into it, and must find it as it is
-            return self._save_synchronously(model, trial, f"{folder} exists already and it may write into it; "
-                                            "a fresh output_dir keeps the saves asynchronous")
-        callbacks_state = copy.deepcopy(trainer.state.stateful_callbacks)
+            warned, self._warned_existing = self._warned_existing, True
+            return self._save_synchronously(model, trial, None if warned else (
+                f"{folder} exists already and it may write into it; in a fresh output_dir its saves are asynchronous"))
+        callbacks_state = copy.deepcopy(trainer.state.stateful_callbacks)  # the parent's bookkeeping, undone below
         deferred: list = []
         calls: list = []
         needs_disk: Optional[OSError] = None
@@ -132,13 +133,13 @@ class AsyncCheckpointSaver:
         finally:
             if args.should_save and os.path.isdir(final_dir):
                 shutil.rmtree(final_dir)
-        if _on_any_rank(needs_disk is not None):  # on every process: the checkpoint is the native one
+        if _on_any_rank(needs_disk is not None):  # from now on, on every process: its own save, synchronous
             if needs_disk is None:
                 tx.abort(RuntimeError("another process's save needs the checkpoint on disk"))
             trainer.state.stateful_callbacks = callbacks_state
             self._synchronous_subclass = True
-            return self._save_synchronously(model, trial, "it needs the checkpoint on disk when "
-                                            f"super()._save_checkpoint returns: {needs_disk}")
+            return self._save_synchronously(model, trial, "it reads the checkpoint when super()._save_checkpoint "
+                                            f"returns, before asyncckpt has written it: {needs_disk}")
         if calls:
             self._complete(tx, deferred, run_dir)
         elif _on_any_rank(bool(own_files.written)):  # it saved by itself, not through the Trainer: what it wrote
@@ -146,10 +147,9 @@ class AsyncCheckpointSaver:
         else:
             tx.abort(RuntimeError(f"{type(trainer).__name__}._save_checkpoint saved nothing"))
 
-    def _save_synchronously(self, model: Any, trial: Any, why: str) -> None:
-        """The subclass's save as it is, after every pending one (the first time, with a warning saying why)."""
-        if not self._warned_synchronous:
-            self._warned_synchronous = True
+    def _save_synchronously(self, model: Any, trial: Any, why: Optional[str]) -> None:
+        """The subclass's save as it is, after every pending one; with ``why``, a warning saying so."""
+        if why:
             warnings.warn(f"asyncckpt: {type(self.trainer).__name__}._save_checkpoint runs as it is, synchronously "
                           f"({why})", RuntimeWarning, stacklevel=2)
         self.checkpointer.wait()
