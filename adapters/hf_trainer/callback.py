@@ -21,6 +21,7 @@ import functools
 import inspect
 from typing import Any, Optional
 
+import transformers.models.auto.modeling_auto  # noqa: F401  (defines the auto model classes: _auto_model_classes)
 from transformers import (AutoConfig, AutoProcessor, AutoTokenizer, PreTrainedConfig, PreTrainedModel, Trainer,
                           TrainerCallback)
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
@@ -65,7 +66,7 @@ class AsyncCheckpointCallback(TrainerCallback):
                  checkpointer: Optional[Checkpointer] = None, overlap_optimizer: bool = True,
                  verify_on_resume: bool = True, resume_from_intact: bool = False, mirror_to: Optional[str] = None) -> None:
         versions.require("transformers", SUPPORTED_TRANSFORMERS, "transformers")
-        for reader in (PreTrainedModel, PreTrainedConfig, PreTrainedTokenizerBase, _BaseAutoModelClass, AutoConfig,
+        for reader in (PreTrainedModel, PreTrainedConfig, PreTrainedTokenizerBase, *_auto_model_classes(), AutoConfig,
                        AutoTokenizer, AutoProcessor):  # from_pretrained of a checkpoint-N being written waits for it
             patching.install(reader, "from_pretrained", functools.partial(lifecycle.waiting_reader, path_at=1))
         self.max_pending, self.timeout, self.direct_io, self.overlap_optimizer = max_pending, timeout, direct_io, overlap_optimizer
@@ -113,6 +114,19 @@ class AsyncCheckpointCallback(TrainerCallback):
             self.saver = AsyncCheckpointSaver(trainer, self.checkpointer, overlap_optimizer=self.overlap_optimizer,
                                               verify_on_resume=self.verify_on_resume, resume_from_intact=self.resume_from_intact,
                                               mirror_to=self.mirror_to)
+
+
+def _auto_model_classes() -> list[type]:
+    """``_BaseAutoModelClass`` and the auto classes (``AutoModelForCausalLM``, ...) with a ``from_pretrained`` of their
+    own: transformers gives each a copy of the base's when it defines it, so a patch of the base's alone does not
+    reach them. (With PEFT installed, theirs looks for an adapter config before the model's own reader waits.)"""
+    classes, found = [_BaseAutoModelClass], []
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        if "from_pretrained" in vars(cls):
+            found.append(cls)
+    return found
 
 
 def _calling_trainer(callback: TrainerCallback) -> Optional[Trainer]:
