@@ -107,12 +107,12 @@ class AsyncCheckpointSaver:
         publishes the whole checkpoint under that name)."""
         trainer, args = self.trainer, self.trainer.args
         run_dir = trainer._get_output_dir(trial=trial)
-        folder = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
-        final_dir = os.path.abspath(os.path.join(run_dir, folder))
+        final_dir = self._checkpoint_dir(run_dir)
         if _on_any_rank(os.path.lexists(final_dir)):  # the override may write into it, and must find it as it is
             warned, self._warned_existing = self._warned_existing, True
             return self._save_synchronously(model, trial, None if warned else (
-                f"{folder} exists already and it may write into it; in a fresh output_dir its saves are asynchronous"))
+                f"{os.path.basename(final_dir)} exists already and it may write into it; in a fresh output_dir its "
+                "saves are asynchronous"))
         callbacks_state = copy.deepcopy(trainer.state.stateful_callbacks)  # the parent's bookkeeping, undone below
         deferred: list = []
         calls: list = []
@@ -155,10 +155,12 @@ class AsyncCheckpointSaver:
         self.checkpointer.wait()
         type(self.trainer)._save_checkpoint(self.trainer, model, trial)
 
+    def _checkpoint_dir(self, run_dir: str) -> str:
+        return os.path.abspath(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.trainer.state.global_step}"))
+
     def _begin(self, run_dir: str, timing: dict) -> Any:
         step = self.trainer.state.global_step
-        final_dir = os.path.abspath(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}"))
-        tx = self.checkpointer.begin_directory(final_dir, step=step, label=f"global step {step}")
+        tx = self.checkpointer.begin_directory(self._checkpoint_dir(run_dir), step=step, label=f"global step {step}")
         timing["waited_s"] = tx.handle.timings["waited_s"]  # for an earlier checkpoint (max_pending)
         return tx
 
