@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import threading
 import warnings
@@ -87,7 +88,10 @@ def source_digest(function: Callable[..., Any]) -> str:
 def parameters(function: Callable[..., Any]) -> str:
     """A function's parameter names as pinned, e.g. ``"(self, output_dir, *args, **kwargs)"``."""
     prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
-    names = [prefix.get(p.kind, "") + p.name for p in inspect.signature(function).parameters.values()]
+    # not followed through ``__wrapped__``: what callers meet is the function's own signature (transformers'
+    # auto classes' from_pretrained copies say they wrap a bound method, which has no ``cls``)
+    signature = inspect.signature(function, follow_wrapped=False)
+    names = [prefix.get(p.kind, "") + p.name for p in signature.parameters.values()]
     return f"({', '.join(names)})"
 
 
@@ -105,6 +109,8 @@ def changes(support: Support) -> list[str]:
             found.append(f"{target} (source changed: digest {digest}, tested {', '.join(copied.digests)}; "
                          f"reproduced in {copied.where})")
     for target, expected in support.relied_on.items():
+        if not _installed(target, support):
+            continue  # an optional package (peft) that is absent: nothing relies on it
         try:
             actual = parameters(resolve(target))
         except (ImportError, AttributeError, TypeError, ValueError) as e:
@@ -113,6 +119,11 @@ def changes(support: Support) -> list[str]:
         if not _same_parameters(actual, expected):
             found.append(f"{target} (parameters {actual}, tested {expected})")
     return found
+
+
+def _installed(target: str, support: Support) -> bool:
+    top = target.split(".", 1)[0]
+    return top == support.package or importlib.util.find_spec(top) is not None
 
 
 def _same_parameters(actual: str, expected: str) -> bool:

@@ -7,8 +7,9 @@ over a save: clearing ``control.should_save`` in ``on_step_end`` misses ``save_s
 (decided after the evaluation) and would snapshot before that step's evaluation is recorded. So
 the callback finds its Trainer (the caller of ``on_init_end``, or of ``on_train_begin`` when added
 later) and, until its ``train()`` ends, replaces that instance's ``_save_checkpoint`` with the
-asynchronous one in ``saver.py``; the Trainer still decides when to save, evaluates first, and
-resumes exactly as usual. When training ends, every checkpoint is committed and the background
+asynchronous one in ``saver.py`` (a subclass's own ``_save_checkpoint``, such as TRL's, still runs, with
+the asynchronous save as its parent's: ``subclass.py``); the Trainer still decides when to save, evaluates
+first, and resumes exactly as usual. When training ends, every checkpoint is committed and the background
 writer stops; the next ``train()`` starts it again.
 
 The callback is deliberately not an ``ExportableState``: the Trainer re-creates those from the
@@ -21,6 +22,7 @@ import inspect
 import warnings
 from typing import Any, Optional
 
+import transformers.models.auto.modeling_auto  # noqa: F401  (defines the auto model classes: _auto_model_classes)
 from transformers import (AutoConfig, AutoProcessor, AutoTokenizer, PreTrainedConfig, PreTrainedModel, Trainer,
                           TrainerCallback)
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
@@ -69,7 +71,7 @@ class AsyncCheckpointCallback(TrainerCallback):
             warnings.warn("AsyncCheckpointCallback(max_pending=...) is deprecated and will be removed in the next "
                           "release: use max_in_flight=...", FutureWarning, stacklevel=2)
             max_in_flight = max_pending
-        for reader in (PreTrainedModel, PreTrainedConfig, PreTrainedTokenizerBase, _BaseAutoModelClass, AutoConfig,
+        for reader in (PreTrainedModel, PreTrainedConfig, PreTrainedTokenizerBase, *_auto_model_classes(), AutoConfig,
                        AutoTokenizer, AutoProcessor):  # from_pretrained of a checkpoint-N being written waits for it
             patching.install(reader, "from_pretrained", functools.partial(lifecycle.waiting_reader, path_at=1))
         self.max_in_flight, self.timeout, self.direct_io = max_in_flight, timeout, direct_io
@@ -118,6 +120,19 @@ class AsyncCheckpointCallback(TrainerCallback):
             self.saver = AsyncCheckpointSaver(trainer, self.checkpointer, overlap_optimizer=self.overlap_optimizer,
                                               verify_on_resume=self.verify_on_resume, resume_from_intact=self.resume_from_intact,
                                               mirror_to=self.mirror_to)
+
+
+def _auto_model_classes() -> list[type]:
+    """``_BaseAutoModelClass`` and the auto classes (``AutoModelForCausalLM``, ...) with a ``from_pretrained`` of their
+    own: transformers gives each a copy of the base's when it defines it, so a patch of the base's alone does not
+    reach them. (With PEFT installed, theirs looks for an adapter config before the model's own reader waits.)"""
+    classes, found = [_BaseAutoModelClass], []
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        if "from_pretrained" in vars(cls):
+            found.append(cls)
+    return found
 
 
 def _calling_trainer(callback: TrainerCallback) -> Optional[Trainer]:

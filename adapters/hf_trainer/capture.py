@@ -2,8 +2,8 @@
 
 The Trainer's save methods (``save_model`` → ``save_pretrained`` / safetensors,
 ``_save_optimizer_and_scheduler``, ``_save_scaler``, ``_save_rng_state``) are called unchanged with
-a private scratch directory as their output directory. While they run, the three functions they
-write data files with are replaced (``asyncckpt.core.patching.patched``) by versions that, for a
+a private scratch directory as their output directory. While they run, the functions they write
+data files with are replaced (``asyncckpt.core.patching.patched``) by versions that, for a
 path inside that scratch directory, give the object to the transaction instead: the core
 snapshots it before returning and writes it in the background.
 
@@ -11,6 +11,7 @@ snapshots it before returning and writes it in the background.
                                                     ``scaler.pt``, ``training_args.bin``
 * ``safetensors.torch.save_file``                → ``model.safetensors`` of a plain ``nn.Module``
 * ``transformers.modeling_utils.safe_save_file`` → ``model.safetensors`` / its shards (``save_pretrained``)
+* ``peft.peft_model.safe_save_file``             → ``adapter_model.safetensors`` of a PEFT model (when peft is loaded)
 * ``torch.distributed.checkpoint.save``          → FSDP's sharded ``pytorch_model_fsdp_0/``, ``optimizer_0/``
                                                     (``asyncckpt.core.dcp_capture``)
 
@@ -18,12 +19,18 @@ Everything else the Trainer writes (``config.json``, the shard index, tokenizer 
 ``trainer_state.json``; and any call we do not recognise, e.g. ``torch.save`` with extra options)
 lands in the scratch directory as usual; it is small, and is handed to the transaction as bytes
 when the block ends. Paths outside the scratch directory and file objects pass through untouched.
+
+A Trainer subclass's own ``_save_checkpoint`` writes into the checkpoint folder itself (``checkpoint-N``,
+by its final name): ``capture_into(tx, folder=...)`` captures those writes the same way, with that
+folder standing in for the scratch directory (``saver.py``). Nested inside it, the Trainer's own
+capture passes the paths that are not its own on to the outer one.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import sys
 import tempfile
 import threading
 from typing import Any, Callable, Iterator, Optional
@@ -33,9 +40,12 @@ import torch
 import transformers.modeling_utils as modeling_utils
 
 from asyncckpt.core import patching
+from asyncckpt.core.checksum import checksum
 from asyncckpt.core.dcp_capture import capturing_dcp_saves
 
-_lock = threading.Lock()  # one capture at a time in a process (the Trainer saves from its main thread)
+# one save's captures at a time in a process (the Trainer saves from its main thread); reentrant: a subclass's
+# capture of the checkpoint folder holds it while the Trainer's own capture runs inside
+_lock = threading.RLock()
 
 
 def _scratch_root() -> Optional[str]:
@@ -47,9 +57,11 @@ def _scratch_root() -> Optional[str]:
 class Capture:
     """The scratch directory, and the files of it deferred for later (``defer(name)``)."""
 
-    def __init__(self, tx: Any, scratch: str, defer: Optional[Callable[[str], bool]]) -> None:
-        self.tx, self.scratch, self.defer = tx, scratch, defer
+    def __init__(self, tx: Any, scratch: str, defer: Optional[Callable[[str], bool]], collect: bool = True) -> None:
+        self.tx, self.scratch, self.defer, self.collect = tx, scratch, defer, collect
         self.deferred: list[tuple] = []  # (obj, name, format, metadata): the caller snapshots them later
+        self.written: list[str] = []  # names given to the transaction (or deferred), in order
+        self.handed: dict[str, str] = {}  # name -> checksum of the content handed over (a file may be rewritten)
 
     def relative(self, target: Any) -> Optional[str]:
         if not isinstance(target, (str, os.PathLike)):
@@ -58,6 +70,7 @@ class Capture:
         return os.path.relpath(path, self.scratch) if path.startswith(self.scratch + os.sep) else None
 
     def save_file(self, obj: Any, name: str, format: str, metadata: Optional[dict] = None) -> None:
+        self.written.append(name)
         if self.defer is not None and self.defer(name):
             self.deferred.append((obj, name, format, metadata))
         else:
@@ -84,12 +97,30 @@ class Capture:
         return save_file
 
     def hand_over_scratch(self) -> None:
-        """Give the files written synchronously into the scratch directory to the transaction."""
+        """Give the files written synchronously into the scratch directory to the transaction: those
+        new or changed since the last call (with ``collect``; a folder that does not exist has none)."""
+        if not self.collect:
+            return
         for directory, _subdirs, files in os.walk(self.scratch):
             for file_name in sorted(files):
                 path = os.path.join(directory, file_name)
+                name = os.path.relpath(path, self.scratch)
                 with open(path, "rb") as f:
-                    self.tx.write_bytes(os.path.relpath(path, self.scratch), f.read())
+                    data = f.read()
+                digest = checksum(data)
+                if self.handed.get(name) != digest:
+                    self.tx.write_bytes(name, data)
+                    self.handed[name] = digest
+                    self.written.append(name)
+
+
+def _safetensors_savers() -> list[tuple[Any, str]]:
+    """The names safetensors files are written through: (module, attribute); PEFT's once it is loaded."""
+    savers = [(safetensors.torch, "save_file"), (modeling_utils, "safe_save_file")]
+    peft_model = sys.modules.get("peft.peft_model")
+    if peft_model is not None:
+        savers.append((peft_model, "safe_save_file"))
+    return savers
 
 
 @contextlib.contextmanager
@@ -111,13 +142,21 @@ def _log_lines_naming(scratch: str, final: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def capture_into(tx: Any, defer: Optional[Callable[[str], bool]] = None) -> Iterator[Capture]:
-    """``with capture_into(tx) as cap:`` call the Trainer's save methods with ``cap.scratch``."""
-    with tempfile.TemporaryDirectory(prefix="asyncckpt-hf-", dir=_scratch_root()) as scratch:
-        cap = Capture(tx, os.path.realpath(scratch), defer)
-        with _lock, _log_lines_naming(cap.scratch, tx.final_dir), patching.patched(torch, "save", cap.torch_save(torch.save)), \
-                patching.patched(safetensors.torch, "save_file", cap.safetensors_save(safetensors.torch.save_file)), \
-                patching.patched(modeling_utils, "safe_save_file", cap.safetensors_save(modeling_utils.safe_save_file)), \
-                capturing_dcp_saves(tx, root=cap.scratch):
-            yield cap
+def capture_into(tx: Any, defer: Optional[Callable[[str], bool]] = None, folder: Optional[str] = None,
+                 collect: bool = True) -> Iterator[Capture]:
+    """``with capture_into(tx) as cap:`` call the Trainer's save methods with ``cap.scratch``.
+
+    With ``folder``, that directory (which need not exist yet) is the scratch directory instead of a
+    temporary one. ``collect=False``: files written into it by other
+    means are not handed over (a process that does not save, whose folder is another process's)."""
+    with contextlib.ExitStack() as stack:
+        scratch = folder or stack.enter_context(tempfile.TemporaryDirectory(prefix="asyncckpt-hf-", dir=_scratch_root()))
+        cap = Capture(tx, os.path.realpath(scratch), defer, collect)
+        stack.enter_context(_lock)
+        stack.enter_context(_log_lines_naming(cap.scratch, tx.final_dir))
+        stack.enter_context(patching.patched(torch, "save", cap.torch_save(torch.save)))
+        for module, name in _safetensors_savers():
+            stack.enter_context(patching.patched(module, name, cap.safetensors_save(getattr(module, name))))
+        stack.enter_context(capturing_dcp_saves(tx, root=cap.scratch))
+        yield cap
         cap.hand_over_scratch()

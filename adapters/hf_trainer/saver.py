@@ -13,9 +13,15 @@ by ``tests/test_framework_contracts.py``) does, with these differences, each mar
   backward run, and every ``optimizer.step()`` first waits for it;
 * before anything reads a checkpoint back (``_finalize_training``: the best model) every save is committed,
   and the deletions the Trainer makes there are atomic too.
+
+A subclass's own ``_save_checkpoint`` (TRL's trainers, users' EMA weights) is not replaced: it runs, and its
+``super()._save_checkpoint`` is the save above without the commit (``subclass.py``); the files it writes into
+``checkpoint-N`` are committed with the checkpoint. Where it cannot work against an asynchronous save (it
+reads the checkpoint back; the folder exists already), it runs as it is, synchronously, with one warning.
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import time
@@ -28,14 +34,16 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint, sort_checkpoints
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
-from asyncckpt.core import Checkpointer, patching
+from asyncckpt.core import Checkpointer, dist_env, patching
 
+from . import subclass
 from .capture import capture_into
 
 
 class AsyncCheckpointSaver:
     """Installed on one Trainer for its ``train()`` calls: replaces ``_save_checkpoint`` and
-    ``_finalize_training`` on that instance (not its class)."""
+    ``_finalize_training`` on that instance (not its class; a subclass's override of ``_save_checkpoint``
+    still runs, around the asynchronous save)."""
 
     def __init__(self, trainer: Any, checkpointer: Checkpointer, *, overlap_optimizer: bool, verify_on_resume: bool,
                  resume_from_intact: bool, mirror_to: Optional[str] = None) -> None:
@@ -48,6 +56,8 @@ class AsyncCheckpointSaver:
         self.timings: list[dict] = []
         self._undo: list[Callable[[], None]] = []  # what install() did, undone by uninstall()
         self._staged_wait_mark = 0.0
+        self._synchronous_subclass = False  # its _save_checkpoint reads the checkpoint back (warned once)
+        self._warned_existing = False  # a subclass's save into an existing checkpoint-N was synchronous
 
     def install(self) -> None:
         """Idempotent: the callback installs at the Trainer's construction and again at each train()."""
@@ -66,7 +76,7 @@ class AsyncCheckpointSaver:
     # ------------------------------------------------------------------ the save
     def save_checkpoint(self, model: Any, trial: Any) -> None:
         trainer = self.trainer
-        if not self._supported(trainer):
+        if not self._supported(trainer) or self._synchronous_subclass:
             self.checkpointer.wait()
             return type(trainer)._save_checkpoint(trainer, model, trial)
         started = time.perf_counter()
@@ -74,53 +84,131 @@ class AsyncCheckpointSaver:
             self.timings[-1]["optimizer_step_waited_s"] = self.checkpointer.stager.staged_wait_s - self._staged_wait_mark
         timing = {"step": trainer.state.global_step, "waited_s": 0.0}
         try:
-            self._save(trainer, trial, timing)
+            if subclass.overrides_save_checkpoint(trainer):
+                self._save_with_subclass(model, trial, timing)
+            else:
+                self._save(trial, timing)
         finally:
             timing["stall_s"] = time.perf_counter() - started
             self.timings.append(timing)
             self._staged_wait_mark = self.checkpointer.stager.staged_wait_s
 
-    def _save(self, trainer: Any, trial: Any, timing: dict) -> None:
+    def _save(self, trial: Any, timing: dict) -> None:
+        run_dir = self.trainer._get_output_dir(trial=trial)
+        with self._begin(run_dir, timing) as tx:
+            deferred = self._save_trainer_files(tx, trial)
+        self._complete(tx, deferred, run_dir)
+
+    def _save_with_subclass(self, model: Any, trial: Any, timing: dict) -> None:
+        """The subclass's own ``_save_checkpoint`` runs; its call of ``Trainer._save_checkpoint`` writes the
+        Trainer's files into the transaction (``subclass.standing_in``), and what it writes into
+        ``checkpoint-N`` itself, before or after that call, goes into the same transaction: data files through
+        the capture, other files from the folder, which it had to create (removed again before the commit
+        publishes the whole checkpoint under that name)."""
+        trainer, args = self.trainer, self.trainer.args
+        run_dir = trainer._get_output_dir(trial=trial)
+        final_dir = self._checkpoint_dir(run_dir)
+        if _on_any_rank(os.path.lexists(final_dir)):  # the override may write into it, and must find it as it is
+            warned, self._warned_existing = self._warned_existing, True
+            return self._save_synchronously(model, trial, None if warned else (
+                f"{os.path.basename(final_dir)} exists already and it may write into it; in a fresh output_dir its "
+                "saves are asynchronous"))
+        callbacks_state = copy.deepcopy(trainer.state.stateful_callbacks)  # the parent's bookkeeping, undone below
+        deferred: list = []
+        calls: list = []
+        needs_disk: Optional[OSError] = None
+        try:
+            with self._begin(run_dir, timing) as tx, \
+                    capture_into(tx, folder=final_dir, collect=args.should_save) as own_files:
+                def parent(_model: Any, parent_trial: Any) -> None:
+                    own_files.hand_over_scratch()  # what it wrote there so far comes before the Trainer's files
+                    deferred.extend(self._save_trainer_files(tx, parent_trial))
+
+                with subclass.standing_in(trainer, parent) as calls:
+                    type(trainer)._save_checkpoint(trainer, model, trial)
+        except FileNotFoundError as error:  # the with aborted the transaction
+            if not (calls and subclass.names_checkpoint(error, final_dir)):
+                raise
+            needs_disk = error
+        finally:
+            if args.should_save and os.path.isdir(final_dir):
+                shutil.rmtree(final_dir)
+        if _on_any_rank(needs_disk is not None):  # from now on, on every process: its own save, synchronous
+            if needs_disk is None:
+                tx.abort(RuntimeError("another process's save needs the checkpoint on disk"))
+            trainer.state.stateful_callbacks = callbacks_state
+            self._synchronous_subclass = True
+            return self._save_synchronously(model, trial, "it reads the checkpoint when super()._save_checkpoint "
+                                            f"returns, before asyncckpt has written it: {needs_disk}")
+        if calls:
+            self._complete(tx, deferred, run_dir)
+        elif _on_any_rank(bool(own_files.written)):  # it saved by itself, not through the Trainer: what it wrote
+            self._finish(tx, [], [])
+        else:
+            tx.abort(RuntimeError(f"{type(trainer).__name__}._save_checkpoint saved nothing"))
+
+    def _save_synchronously(self, model: Any, trial: Any, why: Optional[str]) -> None:
+        """The subclass's save as it is, after every pending one; with ``why``, a warning saying so."""
+        if why:
+            warnings.warn(f"asyncckpt: {type(self.trainer).__name__}._save_checkpoint runs as it is, synchronously "
+                          f"({why})", RuntimeWarning, stacklevel=2)
+        self.checkpointer.wait()
+        type(self.trainer)._save_checkpoint(self.trainer, model, trial)
+
+    def _checkpoint_dir(self, run_dir: str) -> str:
+        return os.path.abspath(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.trainer.state.global_step}"))
+
+    def _begin(self, run_dir: str, timing: dict) -> Any:
+        step = self.trainer.state.global_step
+        tx = self.checkpointer.begin_directory(self._checkpoint_dir(run_dir), step=step, label=f"global step {step}")
+        timing["waited_s"] = tx.handle.timings["waited_s"]  # for an earlier checkpoint (max_in_flight)
+        return tx
+
+    def _save_trainer_files(self, tx: Any, trial: Any) -> list:
+        """``Trainer._save_checkpoint`` up to its push and rotation, every file into ``tx``; returns the
+        snapshots deferred to the staging thread."""
+        trainer = self.trainer
         args, state = trainer.args, trainer.state
-        checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if trainer.hp_search_backend is None and trial is None:
             trainer.store_flos()
         run_dir = trainer._get_output_dir(trial=trial)
-        final_dir = os.path.abspath(os.path.join(run_dir, checkpoint_folder))
         defer = (lambda name: name == OPTIMIZER_NAME) if self._may_defer_optimizer(trainer) else None
-        with self.checkpointer.begin_directory(final_dir, step=state.global_step,
-                                               label=f"global step {state.global_step}") as tx:
-            timing["waited_s"] = tx.handle.timings["waited_s"]  # for an earlier checkpoint (max_in_flight)
-            with capture_into(tx, defer=defer) as cap:  # async: the Trainer's own save code, files snapshot + queued
-                trainer.save_model(cap.scratch, _internal_call=True)
-                if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) \
-                        and state.best_global_step:
-                    best_dir = os.path.abspath(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}"))
-                    if best_dir == final_dir or self.checkpointer.will_exist(best_dir):  # async: in flight counts as existing
-                        state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
-                if not args.save_only_model:
-                    trainer._save_optimizer_and_scheduler(cap.scratch)
-                    trainer._save_scaler(cap.scratch)
-                    trainer._save_rng_state(cap.scratch)
-                if args.should_save:
-                    for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control]
-                               if isinstance(c, ExportableState)]:
-                        cb_name, cb_state = cb.__class__.__name__, cb.state()
-                        if isinstance(state.stateful_callbacks[cb_name], list):
-                            state.stateful_callbacks[cb_name].append(cb_state)
-                        else:
-                            state.stateful_callbacks[cb_name] = cb_state
-                    state.save_to_json(os.path.join(cap.scratch, TRAINER_STATE_NAME))
-        doomed = self._rotation(run_dir, args.save_total_limit, state.best_model_checkpoint, final_dir) \
+        with capture_into(tx, defer=defer) as cap:  # async: the Trainer's own save code, files snapshot + queued
+            trainer.save_model(cap.scratch, _internal_call=True)
+            if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) \
+                    and state.best_global_step:
+                best_dir = os.path.abspath(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}"))
+                if best_dir == tx.final_dir or self.checkpointer.will_exist(best_dir):  # async: in flight counts as existing
+                    state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+            if not args.save_only_model:
+                trainer._save_optimizer_and_scheduler(cap.scratch)
+                trainer._save_scaler(cap.scratch)
+                trainer._save_rng_state(cap.scratch)
+            if args.should_save:
+                for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control]
+                           if isinstance(c, ExportableState)]:
+                    cb_name, cb_state = cb.__class__.__name__, cb.state()
+                    if isinstance(state.stateful_callbacks[cb_name], list):
+                        state.stateful_callbacks[cb_name].append(cb_state)
+                    else:
+                        state.stateful_callbacks[cb_name] = cb_state
+                state.save_to_json(os.path.join(cap.scratch, TRAINER_STATE_NAME))
+        return cap.deferred
+
+    def _complete(self, tx: Any, deferred: list, run_dir: str) -> None:
+        """The rest of ``Trainer._save_checkpoint``: the commit (and the deferred snapshots before it),
+        rotation behind it, the push after it."""
+        args, state = self.trainer.args, self.trainer.state
+        doomed = self._rotation(run_dir, args.save_total_limit, state.best_model_checkpoint, tx.final_dir) \
             if args.should_save else []
-        if cap.deferred:  # async: the optimizer state is copied while the next forward/backward runs
-            self.checkpointer.run_staged(lambda: self._finish(tx, cap.deferred, doomed))
+        if deferred:  # async: the optimizer state is copied while the next forward/backward runs
+            self.checkpointer.run_staged(lambda: self._finish(tx, deferred, doomed))
         else:
             self._finish(tx, [], doomed)
         if args.push_to_hub:  # async: the upload needs the files: wait for this commit first
             self.checkpointer.wait_staged()
             tx.handle.result()
-            trainer._push_from_checkpoint(final_dir)
+            self.trainer._push_from_checkpoint(tx.final_dir)
 
     def _finish(self, tx: Any, deferred: list, doomed: list[str]) -> None:
         """The deferred snapshots, the commit, then the rotation's deletions (in the writer's queue,
@@ -217,3 +305,8 @@ class AsyncCheckpointSaver:
             warnings.warn(f"asyncckpt: {unsupported[0]} checkpoints are saved synchronously by the Trainer itself "
                           "(asynchronous saving covers single-process, DDP and FSDP training).", RuntimeWarning, stacklevel=2)
         return not unsupported
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """``flag`` on this process or any other of the job (a collective: every process asks, at the same point)."""
+    return dist_env.any_rank(flag) or flag

@@ -14,6 +14,8 @@ SUPPORT = Support(
             "adapters/hf_trainer/saver.py (_finalize)", ("6d6d83d6a2715f2a",)),
     },
     relied_on={
+        # a subclass's super()._save_checkpoint(model, trial) is ours while its override runs (hf_trainer/subclass.py)
+        "transformers.trainer:Trainer._save_checkpoint": "(self, model, trial)",
         "transformers.trainer:Trainer._save_optimizer_and_scheduler": "(self, output_dir)",
         "transformers.trainer:Trainer._save_scaler": "(self, output_dir)",
         "transformers.trainer:Trainer._save_rng_state": "(self, output_dir)",
@@ -24,11 +26,14 @@ SUPPORT = Support(
         "transformers.trainer_utils:sort_checkpoints": "(output_dir, checkpoint_prefix, use_mtime, best_model_checkpoint)",
         "transformers.modeling_utils:safe_save_file": "(tensors, filename, metadata)",
         "safetensors.torch:save_file": "(tensors, filename, metadata)",
+        "peft.peft_model:safe_save_file": "(tensors, filename, metadata)",  # a PEFT model's adapter_model.safetensors
         # made to wait for a checkpoint-N in flight (lifecycle.waiting_reader reads the path)
         "transformers.modeling_utils:PreTrainedModel.from_pretrained": _FROM_PRETRAINED,
         "transformers.configuration_utils:PreTrainedConfig.from_pretrained": _FROM_PRETRAINED,
         "transformers.tokenization_utils_base:PreTrainedTokenizerBase.from_pretrained": _FROM_PRETRAINED,
         "transformers.models.auto.auto_factory:_BaseAutoModelClass.from_pretrained": _FROM_PRETRAINED,
+        # each auto class has its own copy (callback._auto_model_classes patches them all)
+        "transformers.models.auto.modeling_auto:AutoModelForCausalLM.from_pretrained": _FROM_PRETRAINED,
         "transformers.models.auto.configuration_auto:AutoConfig.from_pretrained": _FROM_PRETRAINED,
         "transformers.models.auto.tokenization_auto:AutoTokenizer.from_pretrained": _FROM_PRETRAINED,
         "transformers.models.auto.processing_auto:AutoProcessor.from_pretrained": _FROM_PRETRAINED,
