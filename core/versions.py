@@ -64,7 +64,7 @@ class Support:
 
 #: torch: no adapter pins (each fast path that uses a torch internal checks it once and falls back
 #: with a warning: ``torch_file``, ``metadata_io``); the range is what the matrix ran.
-TORCH = Support(package="torch", extra="", oldest="2.6.0", newest="2.15.0")
+TORCH = Support(package="torch", extra="", oldest="2.9.0", newest="2.15.0")
 
 
 def resolve(target: str) -> Callable[..., Any]:

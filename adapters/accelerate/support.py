@@ -3,7 +3,7 @@
 from asyncckpt.core.versions import Copied, Support
 
 SUPPORT = Support(
-    package="accelerate", extra="accelerate", oldest="1.10.0", newest="1.15.0",
+    package="accelerate", extra="accelerate", oldest="1.13.0", newest="1.15.0",
     copied={
         "accelerate.accelerator:Accelerator.save_state": Copied(
             "adapters/accelerate/adapter.py", ("5a5c62cbfb58ea77",)),

@@ -3,7 +3,7 @@
 from asyncckpt.core.versions import Copied, Support
 
 SUPPORT = Support(
-    package="lightning", extra="lightning", oldest="2.5.0", newest="2.6.6",
+    package="lightning", extra="lightning", oldest="2.6.0", newest="2.6.6",
     copied={
         "lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint.file_exists": Copied(
             "adapters/lightning/integration.py", ("122bf349e529a6bf",)),
