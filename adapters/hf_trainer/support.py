@@ -10,8 +10,9 @@ SUPPORT = Support(
         "transformers.trainer:Trainer._save_checkpoint": Copied("adapters/hf_trainer/saver.py", ("a9111e30faa99339",)),
         "transformers.trainer_utils:rotate_checkpoints": Copied(
             "adapters/hf_trainer/saver.py (_rotation)", ("4aac03e039844595",)),
+        # wrapped, not copied: 8fdcb700... (5.18-5.2x) differs only in the train-loss metrics it reports
         "transformers.trainer:Trainer._finalize_training": Copied(
-            "adapters/hf_trainer/saver.py (_finalize)", ("6d6d83d6a2715f2a",)),
+            "adapters/hf_trainer/saver.py (_finalize)", ("6d6d83d6a2715f2a", "8fdcb7005e2b2d18")),
     },
     relied_on={
         # a subclass's super()._save_checkpoint(model, trial) is ours while its override runs (hf_trainer/subclass.py)
