@@ -10,19 +10,21 @@ SUPPORT = Support(
         "accelerate.utils.other:save": Copied("adapters/accelerate/capture.py", ("1f945adbd193e3af",)),
         # capture_fsdp_torch_save stages every torch.save these make on the process making it: that they
         # gate full state dicts to process 0 and name per-rank files (use_dcp=False) by process_index
-        "accelerate.utils.fsdp_utils:save_fsdp_model": Copied("adapters/accelerate/capture.py", ("0ad60b659f961a60",)),
+        # (1.13/1.14's variants, before use_dcp existed, gate full state dicts the same way)
+        "accelerate.utils.fsdp_utils:save_fsdp_model": Copied(
+            "adapters/accelerate/capture.py", ("0ad60b659f961a60", "75a8de7f7825930c")),
         "accelerate.utils.fsdp_utils:save_fsdp_optimizer": Copied(
-            "adapters/accelerate/capture.py", ("bce300993fe7cb06",)),
+            "adapters/accelerate/capture.py", ("bce300993fe7cb06", "68cfcfd2d36c59ff")),
     },
     relied_on={
         "accelerate.accelerator:Accelerator.load_state": "(self, input_dir, load_kwargs, **load_model_func_kwargs)",
         "accelerate.accelerator:Accelerator.end_training": "(self)",
         "accelerate.utils.other:clean_state_dict_for_safetensors": "(state_dict)",
-        # docs/accelerate.md: use_dcp=False is bound on these (and the two save functions) to reach load_state
+        # docs/accelerate.md: use_dcp=False (accelerate 1.15+) is bound on these (and the two save functions)
         "accelerate.utils.fsdp_utils:load_fsdp_model":
-            "(fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp)",
+            "(fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, ...)",
         "accelerate.utils.fsdp_utils:load_fsdp_optimizer":
-            "(fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, adapter_only, use_dcp)",
+            "(fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, adapter_only, ...)",
         "safetensors.torch:save_file": "(tensors, filename, metadata)",
     },
 )
