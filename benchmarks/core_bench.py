@@ -370,7 +370,7 @@ def _planning_body(cfg: dict) -> dict:
 
     def clear_templates():
         with contextlib.suppress(Exception):
-            from asyncckpt.core.container import container_template
+            from asyncckpt.core.snapshot.container import container_template
             container_template.cache_clear()
 
     n, reps = cfg["n"], cfg["reps"]

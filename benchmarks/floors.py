@@ -40,9 +40,9 @@ from harness import PairedMemcpy, git_meta, make_adam, n_tensors, same_state, st
 from load_bench import HeldBuffer, cached_read, data_files, reset, timed  # noqa: E402
 
 from asyncckpt import core  # noqa: E402
-from asyncckpt.core import commit  # noqa: E402
-from asyncckpt.core.direct_load import paused_gc, plan_direct_load  # noqa: E402
-from asyncckpt.core.staging import start_copy  # noqa: E402
+from asyncckpt.core.storage import commit  # noqa: E402
+from asyncckpt.core.loading.direct_load import paused_gc, plan_direct_load  # noqa: E402
+from asyncckpt.core.snapshot.shared_buffer import start_copy  # noqa: E402
 
 
 def stall_rows(checkpointer: core.Checkpointer, state: dict, directory: str) -> tuple[dict, Callable]:

@@ -234,7 +234,7 @@ def sweep(args: argparse.Namespace) -> None:
     """Our blocking save of the 16-tensor workload for each part size and concurrency (the choice
     of ``ObjectStoreOptions``' defaults), in turning order; the results go to ``args.sweep_out``."""
     from asyncckpt import core
-    from asyncckpt.core.object_store import ObjectStoreOptions
+    from asyncckpt.core.storage.object_store import ObjectStoreOptions
 
     server = Server(args.server)
     total = int(args.gib * GiB)
@@ -276,7 +276,7 @@ def render_sweep(found: dict) -> str:
 def measure(args: argparse.Namespace) -> None:
     """Every method on both workloads; the results go to ``args.out``."""
     from asyncckpt import core
-    from asyncckpt.core.object_store import ObjectStoreOptions
+    from asyncckpt.core.storage.object_store import ObjectStoreOptions
 
     part, concurrency = args.part_mib * MiB, args.concurrency
     server = Server(args.server)

@@ -16,8 +16,8 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Optional
 
-from .commit import is_complete, latest_checkpoint
-from .errors import (
+from asyncckpt.core.storage.commit import is_complete, latest_checkpoint
+from asyncckpt.core.errors import (
     CheckpointCancelledError,
     CheckpointError,
     CheckpointTimeoutError,
@@ -30,17 +30,17 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .checkpointer import Checkpointer, SaveHandle
-    from .dcp_storage import AsyncCkptStorageReader, AsyncCkptStorageWriter
-    from .manager import CheckpointManager
-    from .planner import AsyncCkptLoadPlanner, AsyncCkptSavePlanner
+    from asyncckpt.core.api.checkpointer import Checkpointer, SaveHandle
+    from asyncckpt.core.api.dcp_storage import AsyncCkptStorageReader, AsyncCkptStorageWriter
+    from asyncckpt.core.api.manager import CheckpointManager
+    from asyncckpt.core.snapshot.planner import AsyncCkptLoadPlanner, AsyncCkptSavePlanner
 
 # The names that need torch, imported on first use: the background writer runs as
-# ``python -m asyncckpt.core.worker``, which executes this file, and must not load torch for it.
+# ``python -m asyncckpt.core.writer.process``, which executes this file, and must not load torch for it.
 _LAZY = {
-    "Checkpointer": "checkpointer", "SaveHandle": "checkpointer", "CheckpointManager": "manager",
-    "AsyncCkptStorageReader": "dcp_storage", "AsyncCkptStorageWriter": "dcp_storage",
-    "AsyncCkptLoadPlanner": "planner", "AsyncCkptSavePlanner": "planner",
+    "Checkpointer": "api.checkpointer", "SaveHandle": "api.handles", "CheckpointManager": "api.manager",
+    "AsyncCkptStorageReader": "api.dcp_storage", "AsyncCkptStorageWriter": "api.dcp_storage",
+    "AsyncCkptLoadPlanner": "snapshot.planner", "AsyncCkptSavePlanner": "snapshot.planner",
 }
 
 __all__ = [
@@ -61,7 +61,7 @@ def default_checkpointer() -> Checkpointer:
     global _default
     with _default_lock:
         if _default is None or _default.closed:
-            from .checkpointer import Checkpointer
+            from asyncckpt.core.api.checkpointer import Checkpointer
 
             _default = Checkpointer()
         return _default

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from asyncckpt import core
-from asyncckpt.core import leftovers, names
-from asyncckpt.core.names import COMMIT_RECORD
-from asyncckpt.core.sidecar import read_rank_sidecar
+from asyncckpt.core.storage import leftovers
+from asyncckpt.core.formats import names
+from asyncckpt.core.formats.names import COMMIT_RECORD
+from asyncckpt.core.formats.sidecar import read_rank_sidecar
 
 STAGING_NAME = ".step_000020.asyncckpt-staging-0123abcd"
 
@@ -34,7 +35,7 @@ def state_dict() -> dict:
 
 
 def cli(*args: str | os.PathLike) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "asyncckpt.core.cli", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "asyncckpt.core.cli.main", *map(str, args)],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -178,7 +179,7 @@ LIVE_OWNER = ".step_000050.asyncckpt-staging-live"
 
 def _dead_token() -> str:
     """The owner token of a process that has exited."""
-    return subprocess.run([sys.executable, "-c", "from asyncckpt.core.leftovers import owner_token; print(owner_token())"],
+    return subprocess.run([sys.executable, "-c", "from asyncckpt.core.storage.leftovers import owner_token; print(owner_token())"],
                           capture_output=True, text=True, check=True).stdout.strip()
 
 

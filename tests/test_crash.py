@@ -25,7 +25,7 @@ def _writer_processes_of(parent_pid: int) -> list[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"asyncckpt.core.worker" in argv and str(parent_pid).encode() in argv:
+        if b"asyncckpt.core.writer.process" in argv and str(parent_pid).encode() in argv:
             found.append(int(pid))
     return found
 

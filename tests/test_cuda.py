@@ -109,7 +109,7 @@ ACCELERATE_FSDP = """
 @pytest.mark.parametrize("kind", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
 def test_accelerate_fsdp2_on_gpus_saves_asynchronously_and_resumes_bit_for_bit(tmp_path, kind):
     pytest.importorskip("accelerate")
-    from asyncckpt.core import integrity
+    from asyncckpt.core.verify import integrity
 
     result = _torchrun(tmp_path, ACCELERATE_FSDP, str(tmp_path), kind)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-4000:]
@@ -145,7 +145,7 @@ TRAINER_FSDP = """
 
 def test_trainer_with_fsdp_on_gpus_saves_asynchronously_and_resumes(tmp_path):
     pytest.importorskip("transformers")
-    from asyncckpt.core import integrity
+    from asyncckpt.core.verify import integrity
 
     first = _torchrun(tmp_path, TRAINER_FSDP, str(tmp_path / "run"), "fresh")
     assert first.returncode == 0 and "OK" in first.stdout, first.stderr[-4000:]
@@ -184,7 +184,7 @@ LIGHTNING_FSDP = """
 @pytest.mark.parametrize("kind", ["sharded", "full"])
 def test_lightning_fsdp_on_gpus_saves_asynchronously_and_resumes_from_last(tmp_path, kind):
     pytest.importorskip("lightning")
-    from asyncckpt.core import integrity
+    from asyncckpt.core.verify import integrity
 
     first = _torchrun(tmp_path, LIGHTNING_FSDP, str(tmp_path / "ckpts"), kind, "fresh")
     assert first.returncode == 0 and f"OK {16 // RANKS}" in first.stdout, first.stderr[-4000:]

@@ -2,7 +2,7 @@
 
 The pins live with each adapter (``adapters/*/support.py``, a ``Support`` each), because the adapters
 apply the same check at run time to a framework release newer than the newest tested
-(``asyncckpt.core.versions``). Two kinds:
+(``asyncckpt.core.integration.versions``). Two kinds:
 
 * **copied**: the adapter reproduces the function's behaviour (the Trainer's ``_save_checkpoint``
   and ``rotate_checkpoints``, Accelerate's naming and ``total_limit`` in ``save_state``, the sharded
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncckpt.core import UnsupportedVersionError, versions
+from asyncckpt.core import UnsupportedVersionError
+from asyncckpt.core.integration import versions
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -160,7 +160,8 @@ def _merged(directory: Path, out: Path) -> dict:
 
 
 def test_accelerate_fsdp2_sharded_state_is_saved_asynchronously_as_dcp(tmp_path):
-    from asyncckpt.core import integrity, is_complete
+    from asyncckpt.core import is_complete
+    from asyncckpt.core.verify import integrity
 
     results = run_on_ranks(save_both_and_resume, 2, str(tmp_path), "SHARDED_STATE_DICT", timeout=300)
 
@@ -202,7 +203,7 @@ def test_accelerate_fsdp2_per_rank_files_without_dcp_are_saved_asynchronously_by
 
     from accelerate.utils import fsdp_utils
 
-    from asyncckpt.core import integrity
+    from asyncckpt.core.verify import integrity
 
     if "use_dcp" not in inspect.signature(fsdp_utils.save_fsdp_model).parameters:
         pytest.skip("use_dcp is new in accelerate 1.15")
@@ -284,7 +285,7 @@ def trainer_save_and_resume(rank, world, root, state_dict_type):
 
 def test_trainer_fsdp2_sharded_checkpoint_is_saved_asynchronously(tmp_path):
     pytest.importorskip("transformers")
-    from asyncckpt.core import integrity
+    from asyncckpt.core.verify import integrity
 
     results = run_on_ranks(trainer_save_and_resume, 2, str(tmp_path), "SHARDED_STATE_DICT", timeout=300)
 
@@ -338,7 +339,8 @@ def _free_port() -> int:
 
 
 def _assert_loadable(checkpoint: Path, scratch: Path) -> None:
-    from asyncckpt.core import integrity, is_complete
+    from asyncckpt.core import is_complete
+    from asyncckpt.core.verify import integrity
 
     assert is_complete(str(checkpoint)), f"{checkpoint} visible without its commit record: {os.listdir(checkpoint)}"
     report = integrity.check(str(checkpoint))
@@ -347,7 +349,7 @@ def _assert_loadable(checkpoint: Path, scratch: Path) -> None:
 
 
 def test_kill9_during_fsdp_saves_leaves_only_complete_checkpoints(tmp_path):
-    from asyncckpt.core import names
+    from asyncckpt.core.formats import names
 
     script, root = tmp_path / "train.py", tmp_path / "run"
     script.write_text(KILL_PROGRAM.format(tests=str(Path(__file__).parent)))

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from asyncckpt import core
-from asyncckpt.core.metadata_io import load_dcp_metadata, write_dcp_metadata
-from asyncckpt.core.sidecar import read_rank_sidecar
+from asyncckpt.core.loading.metadata_io import load_dcp_metadata, write_dcp_metadata
+from asyncckpt.core.formats.sidecar import read_rank_sidecar
 
 
 @pytest.fixture()

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncckpt.core import is_complete, names
+from asyncckpt.core import is_complete
+from asyncckpt.core.formats import names
 
 COMMON = """
 import os, sys, torch

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncckpt.core import is_complete, names
+from asyncckpt.core import is_complete
+from asyncckpt.core.formats import names
 
 TRIALS = 7
 

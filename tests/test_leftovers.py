@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from asyncckpt import core
-from asyncckpt.core import leftovers, names
+from asyncckpt.core.storage import leftovers
+from asyncckpt.core.formats import names
 
 # (what crashed, hidden entry it left): every naming the adapters and the core save under
 CRASHED = {
@@ -28,7 +29,7 @@ CRASHED = {
 
 
 def _token_of_a_process_that_exited() -> str:
-    return subprocess.run([sys.executable, "-c", "from asyncckpt.core.leftovers import owner_token; print(owner_token())"],
+    return subprocess.run([sys.executable, "-c", "from asyncckpt.core.storage.leftovers import owner_token; print(owner_token())"],
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
@@ -74,7 +75,7 @@ def test_clean_removes_every_kind_of_dead_leftover_at_once_and_keeps_live_ones(t
         _leave(tmp_path, pattern, shape, dead_token)
     live = _leave(tmp_path, ".step_13.asyncckpt-staging-{id}", "dir", leftovers.owner_token())
     os.utime(live, (1, 1))  # ancient, but its writer lives
-    result = subprocess.run([sys.executable, "-m", "asyncckpt.core.cli", "clean", str(tmp_path)], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "asyncckpt.core.cli.main", "clean", str(tmp_path)], capture_output=True,
                             text=True, check=True)
     assert sorted(os.listdir(tmp_path)) == [live.name], result.stdout
     assert f"in {len(CRASHED)} entries" in result.stdout and "in use by a live writer" in result.stdout

@@ -22,7 +22,7 @@ def threads_and_writers() -> tuple[list[str], list[int]]:
     """Threads named asyncckpt-* and writer processes of this process."""
     threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("asyncckpt"))
     writers = sorted(p.pid for p in psutil.Process().children(recursive=True)
-                     if any("asyncckpt.core.worker" in part for part in p.cmdline()))
+                     if any("asyncckpt.core.writer.process" in part for part in p.cmdline()))
     return threads, writers
 
 

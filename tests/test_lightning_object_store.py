@@ -10,8 +10,8 @@ L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from asyncckpt.adapters.lightning import AsyncCkptIO  # noqa: E402
-from asyncckpt.core import file_checksums  # noqa: E402
-from asyncckpt.core.object_store import store_for  # noqa: E402
+from asyncckpt.core.storage import file_checksums  # noqa: E402
+from asyncckpt.core.storage.object_store import store_for  # noqa: E402
 from test_lightning import QUIET, TinyModule, data  # noqa: E402
 
 

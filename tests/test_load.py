@@ -11,10 +11,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncckpt import core
-from asyncckpt.core import cli, commit, names
-from asyncckpt.core.direct_load import plan_direct_load
-from asyncckpt.core.names import sidecar_name
-from asyncckpt.core.sidecar import read_rank_sidecar
+from asyncckpt.core.cli import main
+from asyncckpt.core.storage import commit
+from asyncckpt.core.formats import names
+from asyncckpt.core.loading.direct_load import plan_direct_load
+from asyncckpt.core.formats.names import sidecar_name
+from asyncckpt.core.formats.sidecar import read_rank_sidecar
 from dist_helper import run_on_ranks
 
 
@@ -192,7 +194,7 @@ def test_version_1_sidecars_still_load_and_verify(saved):
     assert plan_for(target, path) is not None
     core.load(target, path)
     assert_same(target, state)
-    assert cli.main(["verify", path, "--no-progress"]) == cli.EXIT_OK
+    assert main.main(["verify", path, "--no-progress"]) == main.EXIT_OK
     item = next(i for i in old["items"] if i["fqn"] == "model.small")
     with open(os.path.join(path, item["file"]), "r+b") as f:
         f.seek(item["data_start"] + 3)

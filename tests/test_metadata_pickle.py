@@ -10,10 +10,10 @@ from torch.distributed.checkpoint import metadata as m
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 from asyncckpt import core
-from asyncckpt.core import dcp_pickle
-from asyncckpt.core import metadata_io
-from asyncckpt.core.metadata_io import attributes, dcp_classes, load_dcp_metadata, metadata_pickled_by_torch
-from asyncckpt.core.sidecar import read_sidecar
+from asyncckpt.core.formats import dcp_pickle
+from asyncckpt.core.loading import metadata_io
+from asyncckpt.core.loading.metadata_io import attributes, dcp_classes, load_dcp_metadata, metadata_pickled_by_torch
+from asyncckpt.core.formats.sidecar import read_sidecar
 
 
 def _state(n_tensors: int, step: int) -> dict:
@@ -75,7 +75,7 @@ def test_emitter_writes_what_pickle_loads():
 
 def test_sharded_writer_does_not_import_torch(tmp_path):
     """The module the writer renders .metadata with imports no torch (a torch import is ~190 MiB per process)."""
-    code = "import sys, asyncckpt.core.storage, asyncckpt.core.dcp_pickle; print('torch' in sys.modules)"
+    code = "import sys, asyncckpt.core.writer.shard_requests, asyncckpt.core.formats.dcp_pickle; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     assert dcp_classes().version == CURRENT_DCP_VERSION

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from asyncckpt import core
-from asyncckpt.core.native_files import stage_image
-from asyncckpt.core.tensor_copy import PARALLEL_SMALL_BYTES, CopyThreads, copy_tensors
-from asyncckpt.core import torch_file
-from asyncckpt.core.torch_file import TorchFileTemplates, pickle_records
+from asyncckpt.core.snapshot.native_files import stage_image
+from asyncckpt.core.snapshot.tensor_copy import PARALLEL_SMALL_BYTES, CopyThreads, copy_tensors
+from asyncckpt.core.snapshot import torch_file
+from asyncckpt.core.snapshot.torch_file import TorchFileTemplates, pickle_records
 
 
 def _checkpoint_like():

@@ -20,9 +20,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from asyncckpt import core
-from asyncckpt.core import cli, file_checksums
-from asyncckpt.core.object_checkpoints import leftovers_under
-from asyncckpt.core.object_store import ObjectStoreError, ObjectStoreOptions, store_for
+from asyncckpt.core.cli import main
+from asyncckpt.core.storage import file_checksums
+from asyncckpt.core.storage.object_checkpoints import leftovers_under
+from asyncckpt.core.storage.object_store import ObjectStoreError, ObjectStoreOptions, store_for
 from dist_helper import run_on_ranks
 from s3_server import S3Server
 
@@ -52,9 +53,9 @@ def test_round_trip_one_rank(s3_root, capsys):
     store = store_for(root)
     names = {entry.name for entry in store.list(f"{root}/step_000005")}
     assert names == {".asyncckpt-commit.json", ".metadata", "__0.asyncckpt.json", "__0_0.distcp", "__0_1.distcp"}
-    assert cli.main(["verify", "--no-progress", f"{root}/step_000005"]) == cli.EXIT_OK
+    assert main.main(["verify", "--no-progress", f"{root}/step_000005"]) == main.EXIT_OK
     capsys.readouterr()
-    assert cli.main(["inspect", f"{root}/step_000005"]) == cli.EXIT_OK
+    assert main.main(["inspect", f"{root}/step_000005"]) == main.EXIT_OK
     shown = capsys.readouterr().out
     assert "COMPLETE, step 5, world size 1" in shown and "w  tensor  float32  [512, 1024]  1 chunk(s)" in shown
     assert "small.299  tensor  float32  [17]" in shown and "meta.name  object" in shown
@@ -70,14 +71,14 @@ def test_load_finds_damage_and_refuses_uncommitted(s3_root):
     store.put(f"{path}/__0_0.distcp", bytes(data))
     with pytest.raises(core.CorruptCheckpointError, match="checksum mismatch for key 'w'"):
         core.Checkpointer().load({"w": torch.zeros(1000)}, path)
-    assert cli.main(["verify", "--no-progress", path]) == cli.EXIT_PROBLEM
+    assert main.main(["verify", "--no-progress", path]) == main.EXIT_PROBLEM
     store.delete([f"{path}/.asyncckpt-commit.json"])
     assert core.latest_checkpoint(f"{s3_root}/c") is None
     with pytest.raises(core.IncompleteCheckpointError):
         core.Checkpointer().load({"w": torch.zeros(1000)}, path)
-    assert cli.main(["inspect", path]) == cli.EXIT_INCOMPLETE
-    assert cli.main(["verify", "--no-progress", path]) == cli.EXIT_INCOMPLETE
-    assert cli.main(["inspect", f"{s3_root}/c/never_written"]) == cli.EXIT_PROBLEM
+    assert main.main(["inspect", path]) == main.EXIT_INCOMPLETE
+    assert main.main(["verify", "--no-progress", path]) == main.EXIT_INCOMPLETE
+    assert main.main(["inspect", f"{s3_root}/c/never_written"]) == main.EXIT_PROBLEM
 
 
 def _save_on_two_ranks(rank, world, root):
@@ -122,8 +123,8 @@ def test_single_file_object_with_checksum_and_overwrite(s3_root):
     assert loaded["step"] == 2 and torch.equal(loaded["w"], torch.full((3 << 20,), 2.0))
     record = file_checksums.read_record(path)
     assert record is not None and record.size == store_for(path).size(path)
-    assert cli.main(["verify", "--no-progress", path]) == cli.EXIT_OK
-    assert cli.main(["inspect", path]) == cli.EXIT_OK
+    assert main.main(["verify", "--no-progress", path]) == main.EXIT_OK
+    assert main.main(["inspect", path]) == main.EXIT_OK
     assert store_for(path).incomplete_uploads(f"{s3_root}/lightning") == []
     assert [e.name for e in store_for(path).list(f"{s3_root}/lightning")] == ["last.ckpt"]  # no marker left
 
@@ -203,7 +204,7 @@ def test_server_stopped_mid_save_fails_every_rank_and_keeps_the_previous(s3_serv
     restarted = S3Server.on_port(server.port)
     try:
         options = ObjectStoreOptions(storage_options={"client_kwargs": {"endpoint_url": restarted.endpoint}})
-        from asyncckpt.core import object_store
+        from asyncckpt.core.storage import object_store
 
         object_store.configure(options, prefix=root)
         try:
@@ -244,9 +245,9 @@ def test_kill_9_mid_upload_is_invisible_and_clean_removes_it(s3_root, capsys):
     assert f"{root}/step_000002" in uncommitted
     with pytest.raises(core.IncompleteCheckpointError):
         core.Checkpointer().load({"step": None}, f"{root}/step_000002")
-    assert cli.main(["ls", root]) == cli.EXIT_OK
+    assert main.main(["ls", root]) == main.EXIT_OK
     assert "INCOMPLETE" in capsys.readouterr().out
-    assert cli.main(["clean", root]) == cli.EXIT_OK
+    assert main.main(["clean", root]) == main.EXIT_OK
     assert leftovers_under(root) == []
     assert store_for(root).incomplete_uploads(root) == []
     assert core.latest_checkpoint(root) == latest
@@ -254,7 +255,7 @@ def test_kill_9_mid_upload_is_invisible_and_clean_removes_it(s3_root, capsys):
 
 # ------------------------------------------------------------------------------ mirrors of local checkpoints
 def test_mirror_of_committed_directory_and_restore(s3_root, tmp_path):
-    from asyncckpt.core import mirror
+    from asyncckpt.core.writer import mirror
 
     local_root, url_root = tmp_path / "checkpoints", f"{s3_root}/mirror"
     with core.Checkpointer() as checkpointer:
@@ -270,7 +271,7 @@ def test_mirror_of_committed_directory_and_restore(s3_root, tmp_path):
         checkpointer.wait()
     assert cancelled.exception() is not None  # nothing is mirrored for a save that did not commit
     assert core.latest_checkpoint(url_root) == f"{url_root}/checkpoint_2"
-    assert cli.main(["verify", "--no-progress", f"{url_root}/checkpoint_2"]) == cli.EXIT_OK
+    assert main.main(["verify", "--no-progress", f"{url_root}/checkpoint_2"]) == main.EXIT_OK
     local_record = json.loads((local_root / "checkpoint_2" / ".asyncckpt-commit.json").read_bytes())
     assert json.loads(store_for(url_root).get(f"{url_root}/checkpoint_2/.asyncckpt-commit.json")) == local_record
 

@@ -123,7 +123,7 @@ def test_replicated_bytes_are_spread_across_ranks(tmp_path):
 def _save_and_load_without_torch_dedup(rank, world, path):
     import logging
 
-    from asyncckpt.core import planner
+    from asyncckpt.core.snapshot import planner
 
     planner.dedup_save_plans = None  # as in a torch that moved its private dedup: the public planner's is used
     messages = []

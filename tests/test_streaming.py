@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from asyncckpt import core
-from asyncckpt.core import copy_progress, staging
+from asyncckpt.core.writer import copy_progress
+from asyncckpt.core.snapshot import shared_buffer
+from asyncckpt.core.storage import diskio
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
 
 
@@ -36,7 +38,7 @@ def test_slow_copy_is_streamed_and_saved_exactly(tmp_path, monkeypatch):
     """Each copy segment takes 50 ms, so the writer has to wait for progress between segments
     (it starts writing before the copy is done); the checkpoint still loads bit for bit and its
     checksums verify."""
-    real_copy = staging._copy_group
+    real_copy = shared_buffer._copy_group
     copies = []
 
     def slow_copy(views, sources):
@@ -44,7 +46,7 @@ def test_slow_copy_is_streamed_and_saved_exactly(tmp_path, monkeypatch):
         time.sleep(0.05)
         real_copy(views, sources)
 
-    monkeypatch.setattr(staging, "_copy_group", slow_copy)
+    monkeypatch.setattr(shared_buffer, "_copy_group", slow_copy)
     checkpointer = core.Checkpointer()
     try:
         state = _state(1)
@@ -63,7 +65,7 @@ def test_progress_never_covers_a_unit_still_being_copied(tmp_path, monkeypatch):
     every other unit is slow. The writer streams the second save over the first one's bytes in the
     same buffer; had progress covered an unfinished unit, the file would hold some of the first
     save's values."""
-    real_copy = staging._copy_group
+    real_copy = shared_buffer._copy_group
     calls = []
 
     def uneven_copy(views, sources):
@@ -76,7 +78,7 @@ def test_progress_never_covers_a_unit_still_being_copied(tmp_path, monkeypatch):
         checkpointer.save(_state(1), tmp_path / "a")
         segments = checkpointer.buffers.slots()[0].buffer.copy_segments
         assert len(segments) >= 4 and all(len(segment.units) >= 2 for segment in segments)
-        monkeypatch.setattr(staging, "_copy_group", uneven_copy)
+        monkeypatch.setattr(shared_buffer, "_copy_group", uneven_copy)
         second = _state(2)
         checkpointer.save(second, tmp_path / "b")
         assert len(calls) == sum(len(segment.units) for segment in segments)
@@ -96,7 +98,7 @@ def test_copy_failing_after_the_writer_started_fails_only_that_save(tmp_path, mo
     try:
         first = _state(1)
         checkpointer.save(first, tmp_path / "step_1", step=1)
-        real_copy = staging._copy_group
+        real_copy = shared_buffer._copy_group
         calls = []
 
         def failing_copy(views, sources):
@@ -106,11 +108,11 @@ def test_copy_failing_after_the_writer_started_fails_only_that_save(tmp_path, mo
             time.sleep(0.02)
             real_copy(views, sources)
 
-        monkeypatch.setattr(staging, "_copy_group", failing_copy)
+        monkeypatch.setattr(shared_buffer, "_copy_group", failing_copy)
         with pytest.raises(CheckpointWriteError, match="simulated copy fault") as failure:
             checkpointer.save(_state(2), tmp_path / "step_2", step=2)
         assert "step_2" in str(failure.value)
-        monkeypatch.setattr(staging, "_copy_group", real_copy)
+        monkeypatch.setattr(shared_buffer, "_copy_group", real_copy)
         checkpointer.wait()
         assert not (tmp_path / "step_2").exists()
         assert core.latest_checkpoint(tmp_path) == str(tmp_path / "step_1")
@@ -165,6 +167,6 @@ def test_streamed_image_write_waits_for_each_part(tmp_path):
 
     copier = threading.Thread(target=copy_in_parts)
     copier.start()
-    core.diskio.write_image(str(tmp_path / "image"), image, size, wait_ready=progress.waiter(7, timeout=5))
+    diskio.write_image(str(tmp_path / "image"), image, size, wait_ready=progress.waiter(7, timeout=5))
     copier.join()
     assert (tmp_path / "image").read_bytes() == payload

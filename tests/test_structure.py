@@ -6,7 +6,7 @@ import argparse
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict as torch_flatten
 
-from asyncckpt.core.structure import describe, flatten_state_dict, tied_keys
+from asyncckpt.core.snapshot.structure import describe, flatten_state_dict, tied_keys
 
 
 def test_flatten_matches_torch_on_awkward_nesting():

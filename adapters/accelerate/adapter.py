@@ -4,12 +4,12 @@ Reads top to bottom as:
 
 1. **What Accelerate calls.** The user keeps calling ``accelerator.save_state()`` / ``load_state()`` /
    ``end_training()``. Those three methods of the ``Accelerator`` class are replaced once (through
-   ``asyncckpt.core.patching``); an accelerator with async checkpointing enabled holds its
+   ``asyncckpt.core.integration.patching``); an accelerator with async checkpointing enabled holds its
    ``AsyncCheckpointing`` (picklable: a copy checkpoints asynchronously too), any other behaves natively.
 2. **What we snapshot.** ``save_state`` writes every file through two module globals of
    ``accelerate.checkpointing``: ``save`` and ``torch.save``; during our call they capture each object
    and snapshot it now (``capture.py``); under FSDP, ``save_fsdp_model`` / ``save_fsdp_optimizer``'s
-   ``torch.distributed.checkpoint.save`` becomes a sharded snapshot (``asyncckpt.core.dcp_capture``).
+   ``torch.distributed.checkpoint.save`` becomes a sharded snapshot (``asyncckpt.core.integration.dcp_capture``).
    File names and formats are Accelerate's own, so ``load_state()`` reads them with or without the
    adapter. DeepSpeed and Megatron-LM write their own files, synchronously (with a warning).
 3. **Which core call.** One ``Checkpointer.begin_directory`` per save. Accelerate writes into the
@@ -36,7 +36,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from asyncckpt.core import Checkpointer, dist_env, is_complete, lifecycle, patching, versions
+from asyncckpt.core import Checkpointer, is_complete
+from asyncckpt.core.snapshot import dist_env
+from asyncckpt.core.api import lifecycle
+from asyncckpt.core.integration import patching
+from asyncckpt.core.integration import versions
 
 from .capture import Capture
 from .support import SUPPORT
@@ -67,7 +71,7 @@ class Options:
         idles during forward/backward, turn it on.
     fix_iteration: ``load_state`` restores ``project_configuration.iteration`` (accelerate #3306).
     verify_on_resume: ``load_state`` checks the checkpoint against its checksums before loading anything
-        (``asyncckpt.core.integrity``); a damaged one raises ``CorruptCheckpointError`` naming the file.
+        (``asyncckpt.core.verify.integrity``); a damaged one raises ``CorruptCheckpointError`` naming the file.
         Checkpoints written without asyncckpt load unchecked.
     resume_from_intact: when ``load_state()`` picks the newest ``checkpoint_N`` itself and it is damaged, load
         the newest one that checks out instead, with a warning naming the one skipped.

@@ -5,7 +5,7 @@ optimizers, schedulers, samplers, custom objects) and ``torch.save`` (RNG, GradS
 dataloaders); under FSDP, ``accelerate.utils.fsdp_utils`` writes sharded state with
 ``torch.distributed.checkpoint.save`` (or, with ``use_dcp=False``, one ``torch.save`` file per
 process) and full state dicts with ``torch.save``. For the duration of
-the call these are replaced (``asyncckpt.core.patching.patched``, ``asyncckpt.core.dcp_capture``)
+the call these are replaced (``asyncckpt.core.integration.patching.patched``, ``asyncckpt.core.integration.dcp_capture``)
 by functions that, for a path inside the transaction's staging directory, snapshot the object now
 (any other path is passed to the original): large states into the core's reused shared-memory
 buffers (``tx.save_file``, ``tx.save_sharded``), small ones serialised on the spot
@@ -28,9 +28,9 @@ from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
-from asyncckpt.core import patching
-from asyncckpt.core.dcp_capture import capturing_dcp_saves
-from asyncckpt.core.file_snapshots import tensor_bytes
+from asyncckpt.core.integration import patching
+from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves
+from asyncckpt.core.snapshot.file_snapshots import tensor_bytes
 
 if TYPE_CHECKING:
     from .adapter import AsyncCheckpointing

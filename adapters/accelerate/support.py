@@ -1,6 +1,6 @@
 """The Accelerate releases this adapter supports and the Accelerate functions it relies on (see
-``asyncckpt.core.versions`` for the rule; ``tests/test_framework_contracts.py`` checks every pin)."""
-from asyncckpt.core.versions import Copied, Support
+``asyncckpt.core.integration.versions`` for the rule; ``tests/test_framework_contracts.py`` checks every pin)."""
+from asyncckpt.core.integration.versions import Copied, Support
 
 SUPPORT = Support(
     package="accelerate", extra="accelerate", oldest="1.13.0", newest="1.15.0",

@@ -28,7 +28,11 @@ from transformers import (AutoConfig, AutoProcessor, AutoTokenizer, PreTrainedCo
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from asyncckpt.core import Checkpointer, dist_env, lifecycle, patching, versions
+from asyncckpt.core import Checkpointer
+from asyncckpt.core.snapshot import dist_env
+from asyncckpt.core.api import lifecycle
+from asyncckpt.core.integration import patching
+from asyncckpt.core.integration import versions
 
 from .saver import AsyncCheckpointSaver
 from .support import SUPPORT
@@ -52,7 +56,7 @@ class AsyncCheckpointCallback(TrainerCallback):
             returns. Turn it off if your code changes the optimizer's state tensors in place between a
             save and the next step; with an optimizer that is not a ``torch.optim.Optimizer`` it is off.
         verify_on_resume: ``train(resume_from_checkpoint=...)`` and ``load_best_model_at_end`` check the
-            checkpoint against its checksums before loading anything (``asyncckpt.core.integrity``); a
+            checkpoint against its checksums before loading anything (``asyncckpt.core.verify.integrity``); a
             damaged one raises ``CorruptCheckpointError`` naming the file. Checkpoints written without
             asyncckpt load unchecked. (The callback must be given to the Trainer's constructor for this.)
         resume_from_intact: with ``resume_from_checkpoint=True``, a damaged newest checkpoint gives way

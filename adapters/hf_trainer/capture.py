@@ -3,7 +3,7 @@
 The Trainer's save methods (``save_model`` → ``save_pretrained`` / safetensors,
 ``_save_optimizer_and_scheduler``, ``_save_scaler``, ``_save_rng_state``) are called unchanged with
 a private scratch directory as their output directory. While they run, the functions they write
-data files with are replaced (``asyncckpt.core.patching.patched``) by versions that, for a
+data files with are replaced (``asyncckpt.core.integration.patching.patched``) by versions that, for a
 path inside that scratch directory, give the object to the transaction instead: the core
 snapshots it before returning and writes it in the background.
 
@@ -13,7 +13,7 @@ snapshots it before returning and writes it in the background.
 * ``transformers.modeling_utils.safe_save_file`` → ``model.safetensors`` / its shards (``save_pretrained``)
 * ``peft.peft_model.safe_save_file``             → ``adapter_model.safetensors`` of a PEFT model (when peft is loaded)
 * ``torch.distributed.checkpoint.save``          → FSDP's sharded ``pytorch_model_fsdp_0/``, ``optimizer_0/``
-                                                    (``asyncckpt.core.dcp_capture``)
+                                                    (``asyncckpt.core.integration.dcp_capture``)
 
 Everything else the Trainer writes (``config.json``, the shard index, tokenizer files,
 ``trainer_state.json``; and any call we do not recognise, e.g. ``torch.save`` with extra options)
@@ -39,9 +39,9 @@ import safetensors.torch
 import torch
 import transformers.modeling_utils as modeling_utils
 
-from asyncckpt.core import patching
-from asyncckpt.core.checksum import checksum
-from asyncckpt.core.dcp_capture import capturing_dcp_saves
+from asyncckpt.core.integration import patching
+from asyncckpt.core.formats.checksum import checksum
+from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves
 
 # one save's captures at a time in a process (the Trainer saves from its main thread); reentrant: a subclass's
 # capture of the checkpoint folder holds it while the Trainer's own capture runs inside

@@ -34,7 +34,9 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint, sort_checkpoints
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
-from asyncckpt.core import Checkpointer, dist_env, patching
+from asyncckpt.core import Checkpointer
+from asyncckpt.core.snapshot import dist_env
+from asyncckpt.core.integration import patching
 
 from . import subclass
 from .capture import capture_into

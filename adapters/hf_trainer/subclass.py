@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 from transformers.trainer import Trainer
 
-from asyncckpt.core import patching
+from asyncckpt.core.integration import patching
 
 
 def overrides_save_checkpoint(trainer: Trainer) -> bool:

@@ -1,6 +1,6 @@
 """The Transformers releases this adapter supports and the Trainer functions it relies on (see
-``asyncckpt.core.versions`` for the rule; ``tests/test_framework_contracts.py`` checks every pin)."""
-from asyncckpt.core.versions import Copied, Support
+``asyncckpt.core.integration.versions`` for the rule; ``tests/test_framework_contracts.py`` checks every pin)."""
+from asyncckpt.core.integration.versions import Copied, Support
 
 _FROM_PRETRAINED = "(cls, pretrained_model_name_or_path, ...)"  # the path must stay the first argument
 

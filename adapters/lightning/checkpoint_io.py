@@ -34,8 +34,9 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
-from asyncckpt.core import Checkpointer, CheckpointWriteError, versions
-from asyncckpt.core.handles import SaveHandle
+from asyncckpt.core import Checkpointer, CheckpointWriteError
+from asyncckpt.core.integration import versions
+from asyncckpt.core.api.handles import SaveHandle
 
 from . import integration
 from .support import SUPPORT
@@ -60,7 +61,7 @@ class AsyncCkptIO(CheckpointIO):
             requeue checkpoint ``hpc_ckpt_*`` (the job is requeued right after that save returns).
         sync_on_exception: save synchronously while an exception is being handled.
         verify_on_resume: check a checkpoint against its checksums before Lightning loads it
-            (``asyncckpt.core.integrity``); a damaged one raises ``CorruptCheckpointError`` naming the
+            (``asyncckpt.core.verify.integrity``); a damaged one raises ``CorruptCheckpointError`` naming the
             file (and, in a sharded checkpoint, the key). Files written without asyncckpt load unchecked.
         resume_from_intact: when Lightning picked the checkpoint itself (``ckpt_path="last"``,
             ``"best"``, ``"hpc"``) and it is damaged, resume from the newest other checkpoint in its

@@ -3,7 +3,7 @@
 A ``CheckpointIO`` gets no reference to its trainer or strategy, and Lightning bypasses it for
 sharded saves, for the ``-v1`` version check and for ``save_last="link"``. So that a user adds
 only ``plugins=[AsyncCkptIO()]``, these methods are replaced once per process (through
-``asyncckpt.core.patching``). Each replacement first checks that the strategy's ``checkpoint_io``
+``asyncckpt.core.integration.patching``). Each replacement first checks that the strategy's ``checkpoint_io``
 is an ``AsyncCkptIO`` and otherwise calls the original unchanged, so trainers without the
 plugin behave exactly as before.
 
@@ -42,7 +42,8 @@ from lightning.pytorch.core import saving
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
-from asyncckpt.core import lifecycle, patching
+from asyncckpt.core.api import lifecycle
+from asyncckpt.core.integration import patching
 
 
 def plugin_of(strategy: Any) -> Optional[Any]:

@@ -1,6 +1,6 @@
 """The Lightning releases this adapter supports and the Lightning functions it relies on (see
-``asyncckpt.core.versions`` for the rule; ``tests/test_framework_contracts.py`` checks every pin)."""
-from asyncckpt.core.versions import Copied, Support
+``asyncckpt.core.integration.versions`` for the rule; ``tests/test_framework_contracts.py`` checks every pin)."""
+from asyncckpt.core.integration.versions import Copied, Support
 
 SUPPORT = Support(
     package="lightning", extra="lightning", oldest="2.6.0", newest="2.6.6",

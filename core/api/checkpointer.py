@@ -1,0 +1,508 @@
+"""``Checkpointer``: the one object every save goes through, from users and from every adapter.
+
+A short facade over the parts that do the work:
+
+* ``pending.PendingWork``: all pending work (handles), back-pressure per checkpoint, the one
+  error rule, what is pending per path, and the ``WriterQueue`` into the background writer;
+* ``sharded_save.ShardedSaves``: the caller's part of an SPMD save (flatten, agree, plan, buffer);
+* ``file_snapshots.FileSnapshots``: native files (``torch.save``, safetensors) for the adapters;
+* ``directory.DirectoryTransaction``: a framework's checkpoint directory, published at once;
+* ``handoff.Stager``: the snapshot copy and hand-over, and the staging thread;
+* ``buffer_pool.BufferPool``: staging buffers, allocated once and reused;
+* ``loading``: loads.
+
+Lifecycle: the background writer starts on first use (or ``start()``) and stops at
+``teardown()`` (a framework's run ended: nothing of ours keeps running) or ``close()`` (which
+also frees the buffers); a save after ``teardown()`` starts it again. Every live Checkpointer is
+drained at interpreter exit (``lifecycle``). A Checkpointer pickles as its options: the copy is a
+fresh one, with nothing in flight.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections import Counter
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from asyncckpt.core.verify import integrity
+from asyncckpt.core.storage import leftovers
+from asyncckpt.core.api import lifecycle
+from asyncckpt.core.storage import locations
+from asyncckpt.core.formats import names
+from asyncckpt.core.storage import object_store as object_store_module
+from asyncckpt.core.writer.barrier import BarrierSpec
+from asyncckpt.core.snapshot.buffer_pool import BufferPool
+from asyncckpt.core.api.pending import PendingWork
+from asyncckpt.core.api.directory import DirectoryTransaction
+from asyncckpt.core.snapshot.dist_env import any_rank, default_store, dist_ready, rank_and_world
+from asyncckpt.core.storage.commit import job_token
+from asyncckpt.core.errors import (
+    CheckpointCancelledError,
+    CheckpointError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+)
+from asyncckpt.core.writer.file_requests import FileRequest, LinkRequest, RemoveRequest
+from asyncckpt.core.storage.object_checkpoints import ObjectFileRequest, ObjectRemoveRequest
+from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
+from asyncckpt.core.api.handles import SaveHandle
+from asyncckpt.core.loading.state_dict import load_checkpoint
+from asyncckpt.core.writer.mirror import MirrorRequest, restore_latest
+from asyncckpt.core.storage.object_store import ObjectStoreOptions
+from asyncckpt.core.writer.retention import RetentionRequest
+from asyncckpt.core.snapshot.sharded_save import ShardedSaves
+from asyncckpt.core.snapshot.handoff import Stager
+from asyncckpt.core.snapshot.tensor_copy import CopyThreads
+
+logger = logging.getLogger("asyncckpt.core")
+
+STATE_DICT = dict[str, Any]
+_OPTIONS = ("process_group", "use_collectives", "max_in_flight", "overlap_staging", "direct_io", "io_threads",
+            "timeout", "verify", "object_store")
+
+
+class Checkpointer:
+    """Owns the staging buffers, the background writer and the plan cache across saves.
+
+    Args:
+        process_group: group for the (tiny) structure agreement and cold planning; default: world.
+        use_collectives: False saves and loads with no cross-rank communication (ranks meet
+            only through the filesystem); replicated tensors are then written by every rank.
+        max_in_flight: checkpoints whose write may be pending at once (a directory of files
+            counts once); each holds staging memory the size of its data. A save beyond it first
+            waits for the oldest (back-pressure).
+        overlap_staging: take the snapshot in a background thread; the caller must not mutate
+            the state until ``handle.wait_staged()`` (``guard(optimizer)`` does that for you).
+        direct_io: write with O_DIRECT where the filesystem supports it.
+        io_threads: parallel writer/reader threads per rank.
+        timeout: bound on every wait (peers, commit, back-pressure), in seconds.
+        verify: check checksums on load.
+        object_store: how to reach and use an object store for ``s3://...`` (any fsspec URL) paths:
+            ``storage_options``, multipart part size, parallel requests; for its writer and for its loads
+            and checks. Default: ``object_store.configure``'s, else fsspec's defaults and the environment.
+    """
+
+    def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None, use_collectives: bool = True,
+                 max_in_flight: int = 1, overlap_staging: bool = False, direct_io: bool = True, io_threads: int = 2,
+                 timeout: float = 600.0, verify: bool = True, object_store: Optional[ObjectStoreOptions] = None) -> None:
+        self.process_group, self.use_collectives = process_group, use_collectives
+        self.object_store = object_store
+        self.max_in_flight, self.overlap_staging = max_in_flight, overlap_staging
+        self.direct_io, self.io_threads, self.timeout, self.verify = direct_io, io_threads, timeout, verify
+        self.pending = PendingWork(max_in_flight=max_in_flight, timeout=timeout, store=self._store)
+        self.buffers = BufferPool(self.pending.queue.drop_buffer)
+        self.copy_threads = CopyThreads()
+        self.stager = Stager(self.pending, self._store, timeout)
+        self.files = FileSnapshots(self.buffers, self.copy_threads)
+        self.sharded = ShardedSaves(self.buffers, self.copy_threads, direct_io=direct_io, io_threads=io_threads,
+                                    timeout=timeout)
+        self.stats: Counter = Counter()  # requests by kind, and removals/links queued behind a pending save
+        self.closed = False
+        self._directories = 0
+        lifecycle.track(self)
+
+    def __getstate__(self) -> dict:
+        return {name: getattr(self, name) for name in _OPTIONS if name != "process_group"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
+    def __repr__(self) -> str:
+        return (f"Checkpointer(max_in_flight={self.max_in_flight}, pending={len(self.pending())}, "
+                f"writer={'running' if self.pending.queue.running else 'stopped'})")
+
+    # ------------------------------------------------------------------ sharded (SPMD) saves
+    def save(self, state_dict: STATE_DICT, path: str | os.PathLike, **options: Any) -> None:
+        """Save and return once the checkpoint is committed on every rank (streamed: the caller
+        waits for the disk anyway)."""
+        self.async_save(state_dict, path, stream=True, **options).result()
+
+    def async_save(self, state_dict: STATE_DICT, path: str | os.PathLike, *,
+                   process_group: Optional[dist.ProcessGroup] = None, use_collectives: Optional[bool] = None,
+                   step: Optional[int] = None, label: Optional[str] = None,
+                   extra_files: Optional[dict[str, bytes]] = None, overlap_staging: Optional[bool] = None,
+                   stream: bool = False) -> SaveHandle:
+        """Snapshot ``state_dict`` and return; the write and commit happen in the background.
+
+        ``extra_files`` (name -> bytes) are written by rank 0 into the checkpoint directory
+        before it is committed (e.g. a framework's own metadata file). ``step`` and ``label``
+        name the save in its errors (and ``step`` orders ``latest_checkpoint``).
+
+        ``stream``: the writer writes each part of the snapshot as soon as it is copied, rather
+        than once the copy is complete: the checkpoint is durable sooner, but the writer's I/O
+        slows the copy the caller waits for, so only ``save``, whose caller waits for the disk
+        anyway, streams by default (figures in docs/DESIGN.md).
+        """
+        self._check_open()
+        path = locations.normalize(path)
+        group = process_group if process_group is not None else self.process_group
+        collectives = (self.use_collectives if use_collectives is None else use_collectives) and dist_ready()
+        overlap = self.overlap_staging if overlap_staging is None else overlap_staging
+        self.stager.wait()  # one snapshot at a time: saves agree on their structures in call order
+        target = self.sharded.target(path, group, collectives, self._store, step=step, extra_files=extra_files,
+                                     object_store=self.object_store)
+        target.barrier_kind()  # refuses what cannot work (several ranks on a URL without a Store) before anything starts
+        world, agreement = target.world, target.group
+        handle = self._admit("save", path, rank=target.rank, step=step, label=label)
+        started = time.perf_counter()
+
+        def prepare(speculate: bool):
+            prepared = self.sharded.prepare(state_dict, target, handle, speculate=speculate,
+                                            failed_here=self.pending.has_unobserved,
+                                            raise_failures=self.pending.raise_unobserved, timings=handle.timings)
+            handle.when_done(lambda: self.buffers.give_back(prepared.slot))
+            handle.timings["prepare_s"] = time.perf_counter() - started
+            return prepared
+
+        def snapshot(prepared) -> None:
+            submit = lambda: self.pending.queue.submit([(handle, prepared.request, prepared.slot.buffer)])  # noqa: E731
+            self.stager.take_snapshot(handle, prepared.begin, prepared.request, submit, stream=stream)
+
+        if overlap and (agreement is not group or world == 1 or not collectives):
+            # the whole snapshot (flatten, describe, agree on a group of our own, copy) runs in the
+            # background: the caller waits for nothing but a thread start
+            self.stager.run(lambda: self._in_background(handle, lambda: snapshot(prepare(False))))
+            return handle
+        prepared = self._foreground(handle, lambda: prepare(not overlap))
+        if overlap:  # the caller's own group must not be used from another thread: only the copy is overlapped
+            self.stager.run(lambda: self._in_background(handle, lambda: snapshot(prepared)))
+            return handle
+        self._foreground(handle, lambda: snapshot(prepared))
+        self.pending.raise_unobserved()  # an older save's failure that completed meanwhile
+        return handle
+
+    def load(self, state_dict: STATE_DICT, path: str | os.PathLike, *, process_group: Optional[dist.ProcessGroup] = None,
+             strict: bool = True, verify: Optional[bool] = None, use_collectives: Optional[bool] = None) -> None:
+        """Load a committed checkpoint into ``state_dict`` in place, resharding as needed (``loading``).
+        Waits for a save of ``path`` still in flight first."""
+        path = locations.normalize(path)
+        self.wait_for(path)
+        with object_store_module.using(self.object_store):
+            load_checkpoint(state_dict, path, group=process_group if process_group is not None else self.process_group,
+                            collectives=self.use_collectives if use_collectives is None else use_collectives,
+                            strict=strict, verify=self.verify if verify is None else verify, io_threads=self.io_threads)
+
+    # ------------------------------------------------------------------ native files and directories
+    def async_save_file(self, obj: Any, path: str | os.PathLike, *, format: str = "torch",
+                        metadata: Optional[dict[str, str]] = None, step: Optional[int] = None,
+                        label: Optional[str] = None) -> SaveHandle:
+        """Write one native file in the background: ``format="torch"`` is what ``torch.save(obj)``
+        writes; ``"safetensors"`` what ``safetensors.torch.save_file(obj, metadata=...)`` writes.
+
+        Rank-local (no collectives). The snapshot (structure and tensor bytes) is taken before
+        returning; the file appears under ``path`` only complete and fsynced. Requests run in
+        submission order, so repeated saves to one path keep their order.
+        """
+        self._check_open()
+        path = locations.normalize(path)
+        self.pending.raise_unobserved()
+        image = self.files.image(obj, format, metadata)
+        handle = self._admit("file", path, rank=rank_and_world(self.process_group)[0], step=step, label=label)
+        slot = self.buffers.take_for_file(image.size, handle)
+        handle.when_done(lambda: self.buffers.give_back(slot))
+        request = (ObjectFileRequest(path, image.size, self.object_store) if locations.is_url(path)
+                   else FileRequest(path, image.size, handle.rank, self.direct_io, self.io_threads))
+        self.stager.take_snapshot(handle, lambda: self.files.stage(image, slot), request,
+                                  lambda: self.pending.queue.submit([(handle, request, slot.buffer)]))
+        return handle
+
+    def save_file(self, obj: Any, path: str | os.PathLike, **options: Any) -> None:
+        self.async_save_file(obj, path, **options).result()
+
+    def begin_directory(self, final_dir: str | os.PathLike, *, step: Optional[int] = None, label: Optional[str] = None,
+                        staging_parent: Optional[str | os.PathLike] = None) -> DirectoryTransaction:
+        """Start a checkpoint directory of native files (SPMD: every rank of the group calls it for
+        the same directories in the same order). Stage files with ``tx.save_file`` /
+        ``tx.write_bytes``, then ``tx.commit()``; ``with`` aborts it on an exception.
+
+        The directory is staged as a hidden sibling of ``final_dir``, or in ``staging_parent`` (same
+        filesystem) when a framework counts or lists every entry of the final directory's parent."""
+        self._check_open()
+        self.stager.wait()  # the previous directory may still be committed from the staging thread
+        self.pending.raise_unobserved()
+        final_dir = os.path.abspath(os.fspath(final_dir))
+        rank, world = rank_and_world(self.process_group)
+        handle = self._admit("directory", final_dir, rank=rank, step=step, label=label)  # one checkpoint in flight
+        store = self._store() if self.use_collectives and world > 1 else None
+        save_id = self._directory_id(final_dir, rank, world, store)
+        staging_dir = names.staging_dir_for(final_dir, save_id, os.fspath(staging_parent) if staging_parent else None)
+        barrier = BarrierSpec("store" if store is not None else "files", save_id, world, staging_dir, final_dir, self.timeout)
+        collectives = self.use_collectives and dist_ready()
+
+        def sharded_target(path: str, group: Optional[dist.ProcessGroup], **details: Any):
+            return self.sharded.target(path, group if group is not None else self.process_group, collectives,
+                                       self._store, **details)
+
+        return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
+                                    pending=self.pending, stager=self.stager, files=self.files,
+                                    sharded=self.sharded, sharded_target=sharded_target, mirror=self.mirror,
+                                    direct_io=self.direct_io, io_threads=self.io_threads)
+
+    def _directory_id(self, final_dir: str, rank: int, world: int, store: Any) -> str:
+        """The same id on every rank without a collective: on one rank, an owner token (random, and
+        it says whose the staging directory is, ``leftovers``); else each rank's count of
+        directories it began at this path, kept in the Store (unique for the job, across
+        Checkpointers) or, without one, in this Checkpointer with the job's run id."""
+        if world == 1:
+            return leftovers.owner_token()
+        if store is not None:
+            place = hashlib.blake2b(final_dir.encode(), digest_size=6).hexdigest()
+            return f"d{place}-{store.add(f'asyncckpt/seq/{place}/{rank}', 1)}"
+        self._directories += 1
+        return f"d{self._directories}-{job_token()}"
+
+    # ------------------------------------------------------------------ after a commit
+    def remove(self, paths: Iterable[str | os.PathLike], *, after: Optional[SaveHandle] = None,
+               hidden_parent: Optional[str | os.PathLike] = None) -> SaveHandle:
+        """Remove files or checkpoint directories in the background, after everything queued
+        before; with ``after``, only if that save succeeded. A directory is renamed out of every
+        name a framework looks at first (into ``hidden_parent`` if given, on the same filesystem),
+        then deleted once the writer has replied."""
+        paths = tuple(locations.normalize(p) for p in paths)
+        if any(map(locations.is_url, paths)):
+            if not all(map(locations.is_url, paths)):
+                raise ValueError(f"remove() takes local paths or URLs, not both at once: {paths}")
+            request = ObjectRemoveRequest(list(paths), self.object_store)
+        else:
+            request = RemoveRequest(list(paths), os.path.abspath(os.fspath(hidden_parent)) if hidden_parent else None)
+        return self._queue_after("remove", ", ".join(paths), request, after, paths=paths)
+
+    def link(self, target: str | os.PathLike, linkpath: str | os.PathLike, *,
+             after: Optional[SaveHandle] = None) -> SaveHandle:
+        """Point ``linkpath`` at ``target`` (relative symlink, replaced atomically) in the
+        background, after everything queued before; with ``after``, only if that save succeeded."""
+        target, linkpath = os.path.abspath(os.fspath(target)), os.path.abspath(os.fspath(linkpath))
+        return self._queue_after("link", linkpath, LinkRequest(target, linkpath), after, label=f"-> {os.path.basename(target)}")
+
+    def apply_retention(self, root: str | os.PathLike, pattern: str, *, keep_last: Optional[int],
+                        keep_every: Optional[int], after: Optional[SaveHandle] = None) -> SaveHandle:
+        """Delete the committed checkpoints under ``root`` (names matching ``pattern``, group 1 the
+        step) that ``retention.select_deletions`` does not keep; with ``after``, only if that save succeeded."""
+        root = locations.normalize(root)
+        return self._queue_after("retention", root, RetentionRequest(root, pattern, keep_last, keep_every, self.object_store),
+                                 after)
+
+    def mirror(self, path: str | os.PathLike, url: str, *, after: Optional[SaveHandle] = None) -> SaveHandle:
+        """Copy the committed checkpoint ``path`` (a directory, or a single file) to the object-store
+        ``url`` and commit it there, in the background, after everything queued before; with ``after``,
+        only if that save succeeded (``mirror``; ``mirror.restore`` brings one back)."""
+        path, url = locations.normalize(path), locations.normalize(url)
+        if not locations.is_url(url):
+            raise ValueError(f"mirror() copies to an object-store URL, not to {url}")
+        return self._queue_after("mirror", url, MirrorRequest(path, url, self.object_store), after)
+
+    def restore_mirrored(self, url_root: str, local_root: str) -> Optional[str]:
+        """Before a resume: the newest committed checkpoint under ``url_root`` (``mirror``) restored
+        under ``local_root`` unless a copy is there. A collective when torch.distributed runs: no
+        shared filesystem is assumed, so one process per node (``LOCAL_RANK`` 0) downloads while the
+        others wait for it. Returns the local path, or None if the mirror holds none."""
+        with object_store_module.using(self.object_store):
+            restored = restore_latest(url_root, local_root) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
+        if dist_ready() and rank_and_world(self.process_group)[1] > 1:
+            dist.barrier(group=self.process_group)
+        return restored
+
+    def _queue_after(self, kind: str, path: str, request: Any, after: Optional[SaveHandle], **details: Any) -> SaveHandle:
+        self._check_open()
+        if after is not None:
+            if after.job_id is None:  # still being snapshot on the staging thread: let it hand over first
+                self.stager.wait()
+            if not after.done():
+                self.stats[f"{kind}_behind_pending"] += 1
+        handle = self._admit(kind, path, rank=rank_and_world(self.process_group)[0], after=after, **details)
+        handle.set_staged()
+        self.pending.queue.submit([(handle, request, None)])
+        self.pending.raise_unobserved()
+        return handle
+
+    # ------------------------------------------------------------------ waiting and questions
+    def wait(self, timeout: Optional[float] = None, *, everywhere: bool = False) -> None:
+        """Wait until everything accepted so far is done (checkpoints committed, what they replaced
+        or removed deleted); raise the first failure nobody has seen. With ``everywhere`` (a
+        collective: every rank calls it), a failure on any rank raises on every rank."""
+        self.stager.wait()
+        error: Optional[BaseException] = None
+        try:
+            self.pending.wait(timeout)
+        except CheckpointError as e:
+            error = e
+        if everywhere and any_rank(error is not None, self.process_group) and error is None:
+            error = CheckpointWriteError("asyncckpt: a checkpoint save failed on another rank (its error is raised there)")
+        if error is not None:
+            raise error
+
+    def wait_for(self, path: str | os.PathLike) -> None:
+        """Wait for pending work on ``path`` (a read must never see a checkpoint being written);
+        raise its failure if nobody has seen it."""
+        self.pending.wait_for(locations.normalize(path))
+
+    def raise_failures(self) -> None:
+        """Raise (once) a failure of earlier work that nobody has seen; never waits."""
+        self.pending.raise_unobserved()
+
+    def will_exist(self, path: str | os.PathLike) -> bool:
+        """Whether ``path`` will exist once the queued work has run: what the last queued work on it
+        does (a save or link creates it, a removal deletes it), else whether it exists now."""
+        path = locations.normalize(path)
+        queued = self.pending.will_exist(path)
+        if queued is not None:
+            return queued
+        with object_store_module.using(self.object_store):
+            return locations.exists(path)
+
+    def pending(self) -> list[SaveHandle]:
+        """Checkpoints, removals and links not done yet, oldest first."""
+        return self.pending.pending()
+
+    def checkpoints_in(self, root: str | os.PathLike, on_disk: Iterable[str | os.PathLike]) -> list[str]:
+        """The checkpoints directly under ``root`` once the queued work has run, as a framework's
+        rotation must count them: ``on_disk`` (in the framework's own order) less those queued for
+        removal, then the directories being saved there, in the order they were saved."""
+        root = os.path.abspath(os.fspath(root))
+        in_flight = [h.path for h in self.pending() if h.kind == "directory" and os.path.dirname(h.path) == root]
+        found = [p for p in map(os.path.abspath, map(os.fspath, on_disk)) if p not in in_flight]
+        return [p for p in found + in_flight if self.will_exist(p)]
+
+    # ------------------------------------------------------------------ before a framework loads a checkpoint
+    def require_intact(self, path: str | os.PathLike, *, everywhere: bool = False) -> integrity.Report:
+        """Check a checkpoint against its checksums (``integrity``) before anything is loaded from
+        it; raise ``CorruptCheckpointError`` naming the files (and keys) that are damaged. With
+        ``everywhere`` (a collective: every rank calls it), the ranks check the data files of a
+        sharded checkpoint side by side, and a problem found on any rank raises on every rank."""
+        path = locations.normalize(path)
+        rank, world = rank_and_world(self.process_group) if everywhere else (0, 1)
+        error: Optional[CheckpointError] = None
+        report = None
+        try:
+            with object_store_module.using(self.object_store):
+                report = integrity.require_intact(path, share=(rank, world))
+        except CheckpointError as e:
+            error = e
+        if everywhere and any_rank(error is not None, self.process_group) and error is None:
+            error = CorruptCheckpointError(f"checkpoint {path} is damaged (found on another rank: its error names "
+                                           "the files)", path=path)
+        if error is not None:
+            raise error
+        return report
+
+    def newest_intact(self, candidates: list[str]) -> str:
+        """The first of ``candidates`` (the one a framework picked, then older ones) that checks out;
+        each one skipped is named in a warning. Raises the first one's error if none does."""
+        first_error: Optional[CheckpointError] = None
+        for candidate in candidates:
+            try:
+                self.require_intact(candidate)
+            except CheckpointError as e:
+                first_error = first_error or e
+                logger.warning("asyncckpt: not resuming from %s: %s", candidate, e)
+                continue
+            if candidate != candidates[0]:
+                logger.warning("asyncckpt: resuming from %s instead (the newest checkpoint that checks out)", candidate)
+            return candidate
+        raise first_error
+
+    # ------------------------------------------------------------------ overlapping snapshots with training
+    def run_staged(self, function: Callable[[], None]) -> None:
+        """Run ``function`` on the staging thread, where it overlaps what the caller does next: more
+        snapshots through this checkpointer (``tx.save_file``, then ``tx.commit()``), for state the
+        caller leaves untouched until ``wait_staged()`` (``guard`` makes optimizer steps wait).
+        Failures are delivered through the handles ``function`` creates."""
+        self.stager.run(function)
+
+    def wait_staged(self) -> None:
+        """Block until the staging thread is done (call before mutating what it snapshots)."""
+        self.stager.wait()
+
+    @property
+    def staging_busy(self) -> bool:
+        """Work was left to the staging thread (``run_staged``, overlapped saves) and not waited for yet."""
+        return self.stager.busy
+
+    def guard(self, *optimizers: torch.optim.Optimizer) -> list:
+        """Make each optimizer's ``step()`` wait for the staging thread; returns hook handles."""
+        return self.stager.guard(*optimizers)
+
+    def guard_every_optimizer(self):
+        """Make every torch optimizer's ``step()`` wait for the staging thread; returns the hook's handle."""
+        return self.stager.guard_every_optimizer()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the background writer now, in the background (it starts at the first save
+        otherwise, which then waits for it)."""
+        self._check_open()
+        self.pending.queue.start()
+
+    def teardown(self) -> None:
+        """Drain, then stop the writer process and every thread of ours (a framework's run ended);
+        the staging buffers and plans are kept for the next run. Raises a failure nobody has seen."""
+        try:
+            self.wait()
+        finally:
+            self._stop_threads()
+
+    def close(self) -> None:
+        """``teardown()``, and free the staging buffers; the Checkpointer cannot be used again."""
+        if self.closed:
+            return
+        try:
+            self.teardown()
+        finally:
+            self.pending.abandon_uncommitted()
+            self.closed = True
+            self.buffers.close()
+            lifecycle.forget(self)
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _stop_threads(self) -> None:
+        try:
+            self.stager.wait()
+        finally:
+            self.pending.queue.stop()
+            self.copy_threads.stop()
+            self.sharded.close()
+
+    # ------------------------------------------------------------------ internals
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("Checkpointer is closed")
+
+    def _store(self) -> Any:
+        return default_store() if self.use_collectives else None
+
+    def _admit(self, kind: str, path: str, **details: Any) -> SaveHandle:
+        self.stats[kind] += 1
+        handle = self.pending.admit(kind, path, **details)
+        for url in filter(locations.is_url, handle.paths):  # the writer changed it: this process's listings are stale
+            handle.when_done(lambda url=url: object_store_module.forget_listings(url, self.object_store))
+        return handle
+
+    def _foreground(self, handle: SaveHandle, step: Callable[[], Any]) -> Any:
+        """Run part of a save in the caller: what it raises is the caller's to see (not raised
+        again); a save that did not get as far as its snapshot is cancelled."""
+        try:
+            return step()
+        except BaseException as e:
+            if not handle.done():
+                self.pending.complete(handle, CheckpointCancelledError(f"asyncckpt: {handle.describe()}: not saved: {e}"))
+            handle.observed = True
+            raise
+
+    def _in_background(self, handle: SaveHandle, snapshot: Callable[[], None]) -> None:
+        """On the staging thread: a failure goes to the handle, raised at the next sync point."""
+        try:
+            snapshot()
+        except BaseException as e:  # noqa: BLE001 - delivered through the handle
+            if not handle.done():
+                self.pending.complete(handle, e)
+            self.pending.report_later(handle)

@@ -1,0 +1,260 @@
+"""A checkpoint directory of native files (a framework's own layout), committed atomically.
+
+Accelerate's ``checkpoint_N`` and the Transformers Trainer's ``checkpoint-N`` are directories of
+ordinary files (safetensors, torch.save pickles, JSON) written by one or several ranks. A
+``DirectoryTransaction`` stages each file through the background writer into a hidden
+directory (``names``); ``commit()`` (called by every rank) makes each rank's writer arrive at the
+save's barrier after its files, and rank 0's writer, once every rank arrived, writes the commit
+record and renames the directory into place. Until then nothing matching the framework's name
+patterns exists, so its resume logic and rotation never see a partial checkpoint.
+
+The files' write requests are held back until ``commit()``: a framework's save call stages
+several files one after the other, and a writer already streaming the first to disk would
+compete with the copies of the next ones for the CPU and memory bandwidth, lengthening the very
+stall it exists to shorten. Waiting for a held file releases everything held, so nothing can
+hang on it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from asyncckpt.core.storage import commit
+from asyncckpt.core.storage import leftovers
+from asyncckpt.core.formats import names
+from asyncckpt.core.writer.barrier import BarrierSpec
+from asyncckpt.core.errors import CheckpointCancelledError, CheckpointError, CheckpointWriteError
+from asyncckpt.core.writer.file_requests import BytesRequest, FileRequest
+from asyncckpt.core.writer.protocol import RequestContext
+
+if TYPE_CHECKING:
+    from asyncckpt.core.api.pending import PendingWork
+    from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
+    from asyncckpt.core.api.handles import SaveHandle
+    from asyncckpt.core.snapshot.sharded_save import SaveTarget, ShardedSaves
+    from asyncckpt.core.snapshot.handoff import Stager
+
+
+@dataclass
+class CommitDirRequest:
+    """Runs after this rank's files (queue order): arrive; rank 0 waits for every rank, publishes."""
+
+    save_id: str
+    final_path: str
+    staging_dir: str
+    rank: int
+    step: Optional[int]
+    barrier: BarrierSpec
+    failed: Optional[str] = None  # this rank's part failed before reaching the writer
+
+    def run(self, context: RequestContext) -> None:
+        barrier = context.barrier(self.barrier)
+        failure = self.failed or context.failure(self.barrier.key)
+        if failure is not None:  # one of this rank's files failed (the others were told)
+            barrier.fail(self.rank, failure)
+            self._discard(context)
+            raise CheckpointWriteError(f"rank {self.rank}: {failure}")
+        context.tidy(os.path.dirname(self.staging_dir))
+        try:
+            leftovers.claim(self.staging_dir, self.rank, context.token())
+            with open(os.path.join(self.staging_dir, names.files_record_name(self.rank)), "w") as f:
+                json.dump({name: [c.size, c.xxh3] for name, c in context.files(self.barrier.key).items()}, f)
+            barrier.arrive(self.rank)
+            if self.rank != 0:
+                barrier.wait_commit()
+                return
+            barrier.wait_all()
+            replaced = commit.publish_with_record(self.staging_dir, self.final_path, {
+                "save_id": self.save_id, "world_size": self.barrier.world_size, "step": self.step,
+                "checksums": self._gather_checksums()})
+            barrier.committed()
+        except BaseException as e:
+            barrier.fail(self.rank, f"{type(e).__name__}: {e}")
+            self._discard(context)
+            raise
+        if replaced is not None:
+            context.after_reply(lambda: leftovers.delete(replaced, context.token()))
+
+    def _discard(self, context: RequestContext) -> None:
+        """A failed save alone in its staging directory takes it along (after the reply). With
+        several ranks the directory is also the others' (their barrier files, their writes still
+        under way): it stays, a leftover the next save or ``asyncckpt clean`` removes once its
+        writers are gone."""
+        if self.barrier.world_size == 1:
+            context.after_reply(lambda: leftovers.delete(self.staging_dir, context.token()))
+
+    def _gather_checksums(self) -> dict[str, dict]:
+        """PendingWork: every rank's file checksums, for the commit record (their lists go)."""
+        checksums = {}
+        for rank in range(self.barrier.world_size):
+            path = os.path.join(self.staging_dir, names.files_record_name(rank))
+            with open(path) as f:
+                checksums.update({name: {"size": size, "xxh3": xxh3} for name, (size, xxh3) in json.load(f).items()})
+            os.unlink(path)
+        return checksums
+
+
+class DirectoryTransaction:
+    """Files for one checkpoint directory, written in the background, published all at once
+    (``Checkpointer.begin_directory`` makes one). ``handle`` is the checkpoint's: it completes
+    when the directory is published on every rank, or fails with the first failure of any file
+    on any rank. Used as a context manager, an exception inside aborts the directory."""
+
+    def __init__(self, *, handle: "SaveHandle", save_id: str, staging_dir: str, barrier: BarrierSpec,
+                 pending: "PendingWork", stager: "Stager", files: "FileSnapshots", sharded: "ShardedSaves",
+                 sharded_target: Callable[..., "SaveTarget"], mirror: Callable[..., "SaveHandle"], direct_io: bool,
+                 io_threads: int) -> None:
+        self.handle = handle
+        self.final_dir, self.rank, self.step, self.save_id = handle.path, handle.rank, handle.step, save_id
+        self.staging_dir = staging_dir
+        self._barrier = barrier
+        self._pending, self._stager, self._files = pending, stager, files
+        self._sharded, self._sharded_target, self._mirror = sharded, sharded_target, mirror
+        self._direct_io, self._io_threads = direct_io, io_threads
+        self._held: list[tuple["SaveHandle", Any, Any]] = []
+        self._committing = False
+        self._failed: Optional[str] = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "DirectoryTransaction":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is not None:
+            self.abort(error)
+
+    def claim(self) -> str:
+        """Create the staging directory now, owned by this process, and return it: for a framework
+        that writes into it itself (synchronously), so that a crash meanwhile leaves a leftover
+        known to be dead."""
+        leftovers.claim(self.staging_dir, self.rank, leftovers.owner_token())
+        return self.staging_dir
+
+    def path(self, name: str) -> str:
+        """Where ``name`` is staged, for code that must write a file there itself (synchronously)."""
+        return os.path.join(self.claim(), name)
+
+    def save_file(self, obj: Any, name: str, *, format: str = "torch", metadata: Optional[dict] = None,
+                  inline_below: int = 0) -> "SaveHandle":
+        """Snapshot ``obj`` now; write it as ``name`` (``torch.save`` or safetensors layout) later.
+        An object with fewer tensor bytes than ``inline_below`` is rendered at once instead of
+        through a staging buffer."""
+        from asyncckpt.core.snapshot.file_snapshots import tensor_bytes  # torch: this module is also the writer's (CommitDirRequest)
+
+        if inline_below and tensor_bytes(obj, stop_at=inline_below) < inline_below:
+            return self.write_bytes(name, self._files.render(obj, format, metadata))
+        member = self._member(name)
+        try:
+            image = self._files.image(obj, format, metadata)
+        except BaseException as e:
+            self._member_failed(member, e)
+            raise
+        slot = self._files.buffers.take_for_file(image.size, member)
+        member.when_done(lambda: self._files.buffers.give_back(slot))
+        request = FileRequest(os.path.join(self.staging_dir, name), image.size, self.rank, self._direct_io,
+                              self._io_threads, self._barrier)
+        try:
+            self._stager.take_snapshot(member, lambda: self._files.stage(image, slot), request,
+                                       lambda: self._hold(member, request, slot.buffer))
+        except CheckpointError:
+            self._member_failed(member, member.exception())
+            raise
+        return member
+
+    def save_sharded(self, state_dict: dict, name: str, *, process_group: Any = None) -> "SaveHandle":
+        """Snapshot ``state_dict`` now, as ``torch.distributed.checkpoint.save`` would save it into
+        the subdirectory ``name`` (a collective over ``process_group``: every rank calls it, in the
+        same order); each rank writes its shard in the background, rank 0 DCP's ``.metadata``, and
+        the directory's commit publishes it with the rest. ``dcp.load`` reads it as DCP's own."""
+        member = self._member(name)
+        try:
+            target = self._sharded_target(os.path.join(self.final_dir, name), process_group, step=self.step,
+                                          staging_dir=os.path.join(self.staging_dir, name),
+                                          directory_barrier=self._barrier)
+            prepared = self._sharded.prepare(state_dict, target, member, speculate=False,
+                                             failed_here=self._pending.has_unobserved,
+                                             raise_failures=self._pending.raise_unobserved, timings=member.timings)
+        except BaseException as e:
+            self._member_failed(member, e)
+            raise
+        member.when_done(lambda: self._sharded.buffers.give_back(prepared.slot))
+        try:
+            self._stager.take_snapshot(member, prepared.begin, prepared.request,
+                                       lambda: self._hold(member, prepared.request, prepared.slot.buffer))
+        except CheckpointError:
+            self._member_failed(member, member.exception())
+            raise
+        return member
+
+    def write_bytes(self, name: str, data: bytes) -> "SaveHandle":
+        """Write small bytes (already a snapshot) as ``name``, in queue order."""
+        member = self._member(name)
+        member.set_staged()
+        request = BytesRequest(os.path.join(self.staging_dir, name), bytes(data), self.rank, self._barrier)
+        self._hold(member, request, None)
+        return member
+
+    def commit(self, *, mirror_to: Optional[str] = None) -> "SaveHandle":
+        """Every rank calls this once, after its files; returns the checkpoint's handle, which
+        completes when the directory is published (or fails with what failed on any rank). With
+        ``mirror_to`` (an object-store URL root), rank 0 then copies the committed directory to
+        ``mirror_to/<its name>`` in the background (``Checkpointer.mirror``)."""
+        with self._lock:  # the held files and the commit reach the writer in one message
+            if self._committing:
+                return self.handle
+            self._committing = True
+            request = CommitDirRequest(self.save_id, self.final_dir, self.staging_dir, self.rank, self.step,
+                                       self._barrier, self._failed)
+            self.handle.set_staged()
+            self._flush([(self.handle, request, None)])
+        if mirror_to and self.rank == 0:
+            self._mirror(self.final_dir, posixpath.join(mirror_to, os.path.basename(self.final_dir)), after=self.handle)
+        return self.handle
+
+    def abort(self, error: BaseException, *, raised: bool = True) -> None:
+        """The framework's save failed half-way: nothing is published, on any rank. ``raised``: the
+        caller raises ``error`` itself, so the checkpoint's failure is not raised again; otherwise
+        (a snapshot on the staging thread) it is raised at the next sync point."""
+        if self._failed is None:
+            self._failed = f"{type(error).__name__}: {error}"
+        with self._lock:
+            held, self._held = self._held, []
+        for member, _request, _buffer in held:  # not worth writing any more
+            member.held_by = None
+            self._pending.complete(member, CheckpointCancelledError(f"asyncckpt: {member.describe()}: aborted"))
+        self.commit()
+        self.handle.observed = raised
+
+    def release(self) -> None:
+        """Hand every held request to the writer, in the order they were made."""
+        with self._lock:  # held while submitting: two releasing threads cannot reorder the queue
+            self._flush([])
+
+    # ------------------------------------------------------------------ internals
+    def _member(self, name: str) -> "SaveHandle":
+        return self._pending.admit("member", os.path.join(self.final_dir, name), rank=self.rank,
+                                       step=self.step, label=self.handle.label, member_of=self.handle)
+
+    def _member_failed(self, member: "SaveHandle", error: BaseException) -> None:
+        if self._failed is None:
+            self._failed = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+        self._pending.complete(member, error)
+
+    def _hold(self, member: "SaveHandle", request: Any, buffer: Any) -> None:
+        with self._lock:
+            if self._committing:
+                self._pending.queue.submit([(member, request, buffer)])
+                return
+            member.held_by = self
+            self._held.append((member, request, buffer))
+
+    def _flush(self, after: list) -> None:
+        held, self._held = self._held, []
+        for member, _request, _buffer in held:
+            member.held_by = None
+        if held or after:
+            self._pending.queue.submit(held + after)

@@ -1,0 +1,299 @@
+"""``asyncckpt``: look at and check checkpoints on disk without loading them.
+
+    asyncckpt ls ROOT        every checkpoint under ROOT, of every kind (``checkpoint_kinds``), newest last
+    asyncckpt inspect PATH   keys, shapes, dtypes (and for sharded ones chunks and writing ranks)
+    asyncckpt verify PATH    recheck a checkpoint (or every one under a directory); exit 0 good,
+                             1 damaged, 2 incomplete
+    asyncckpt clean ROOT     remove what crashed saves left (``leftovers``)
+
+The tool reads only what the formats promise (see docs/FORMAT.md): the commit record, the JSON
+sidecars, ``.metadata`` through the restricted unpickler, safetensors headers, and torch.save
+pickles only if they hold nothing but tensors and plain values (``weights_only``), with tensors
+memory-mapped: pointing it at a checkpoint of unknown origin runs none of its code.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+from typing import Optional, Sequence
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from tqdm import tqdm
+
+from asyncckpt.core.verify import checkpoint_kinds
+from asyncckpt.core.storage import commit
+from asyncckpt.core.verify import integrity
+from asyncckpt.core.storage import leftovers
+from asyncckpt.core.storage import locations
+from asyncckpt.core.formats import names
+from asyncckpt.core.cli import object_cli
+from asyncckpt.core.errors import CheckpointError
+from asyncckpt.core.loading.metadata_io import load_dcp_metadata
+from asyncckpt.core.formats.names import DCP_METADATA_FILE
+
+EXIT_OK, EXIT_PROBLEM, EXIT_INCOMPLETE = 0, 1, 2
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def _human(nbytes: int) -> str:
+    """Sizes for people (binary units); ``inspect`` also prints exact byte counts."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _tree_size(path: str) -> int:
+    """Bytes of every file under ``path`` (symlinks not followed: we report what this dir holds)."""
+    total = 0
+    for parent, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(parent, name)).st_size
+            except FileNotFoundError:  # a save or a cleanup running concurrently
+                pass
+    return total
+
+
+def _shape(size) -> str:
+    return "[" + ", ".join(str(d) for d in size) + "]"
+
+
+# --------------------------------------------------------------------------------------------- ls
+def cmd_ls(root: str) -> int:
+    """One line per checkpoint of any kind (``checkpoint_kinds``): name, step, size, status, kind.
+    Sorted by (step, time), like ``latest_checkpoint`` ranks them, so the last COMPLETE line is
+    what a resume picks."""
+    if locations.is_url(root):
+        return object_cli.cmd_ls(root, _human)
+    try:
+        entries = checkpoint_kinds.checkpoints_under(root)
+    except OSError as e:
+        print(f"asyncckpt ls: {root}: {e.strerror}", file=sys.stderr)
+        return EXIT_PROBLEM
+    rows = []
+    for entry in entries:
+        name = os.path.basename(entry.path)
+        record = commit.read_commit_record(entry.path) if entry.kind != "file" else None
+        when = (record or {}).get("committed_at_ns") or os.lstat(entry.path).st_mtime_ns
+        size = _tree_size(entry.path) if os.path.isdir(entry.path) else os.path.getsize(entry.path)
+        note = ", ".join(part for part in (
+            entry.kind if entry.kind != "hidden" else "", entry.note, f"epoch {entry.epoch}" if entry.epoch is not None else "",
+            "no checksums" if entry.status in ("COMPLETE", "NATIVE") and not entry.checksums else "") if part)
+        rows.append(((entry.step if entry.step is not None else -1, when, name), name, entry.step, size, entry.status, note))
+    rows.sort(key=lambda row: row[0])
+    width = max((len(row[1]) for row in rows), default=0)
+    for _key, name, step, size, status, note in rows:
+        line = f"{name:<{width}}  {'-' if step is None else step:>8}  {_human(size):>10}  {status}"
+        print(f"{line}  ({note})" if note else line)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------- inspect
+def cmd_inspect(path: str) -> int:
+    """Describe a checkpoint from ``.metadata`` (what a loader will read) plus the sidecars
+    (who wrote what, exact data offsets). Works for plain DCP checkpoints too (no sidecars)."""
+    if locations.is_url(path):
+        return object_cli.cmd_inspect(path)
+    entry = checkpoint_kinds.classify(path) if os.path.exists(path) else None
+    if entry is None:
+        if os.path.isdir(path) and checkpoint_kinds.checkpoints_under(path):
+            print(f"{path} holds checkpoints, and is none itself:")
+            return cmd_ls(path)
+        print(f"asyncckpt inspect: {path}: not a checkpoint this tool knows (a DCP directory, a directory of "
+              f"native files, or a {'/'.join(checkpoint_kinds.NATIVE_FILE_SUFFIXES)} file)", file=sys.stderr)
+        return EXIT_PROBLEM
+    if entry.kind == "file":
+        return _inspect_files(path, [path])
+    if entry.kind == "directory":
+        print(f"{path}: {entry.status}, step {'-' if entry.step is None else entry.step}")
+        return _inspect_files(path, [os.path.join(path, n) for n in sorted(os.listdir(path)) if not n.startswith(".")])
+    record = commit.read_commit_record(path) or {}
+    status = "COMPLETE" if commit.is_complete(path) else "INCOMPLETE"
+    print(f"{path}: {status}, step {record.get('step', '-')}, world size {record.get('world_size', '?')}, "
+          f"save {record.get('save_id', '?')}")
+    problems: list[str] = []
+    sidecars = integrity.load_sidecars(path, integrity.sidecar_ranks(path), problems.append)
+    for message in problems:
+        print(f"warning: {message}", file=sys.stderr)
+    try:
+        metadata = load_dcp_metadata(path)
+    except FileNotFoundError:
+        print(f"{path}: no {DCP_METADATA_FILE}: the save never reached its commit; nothing a loader could read",
+              file=sys.stderr)
+        return EXIT_INCOMPLETE
+    except CheckpointError as e:
+        print(f"asyncckpt inspect: {e}", file=sys.stderr)
+        return EXIT_PROBLEM
+
+    by_location = {(item["file"], item["start"]): (rank, item) for rank, sc in sidecars.items() for item in sc["items"]}
+    totals: dict = defaultdict(lambda: {"chunks": 0, "tensor_bytes": 0, "objects": 0, "object_bytes": 0})
+
+    def where(info) -> tuple[Optional[int], Optional[dict], str]:
+        rank, item = by_location.get((info.relative_path, info.offset), (integrity.rank_of_file(info.relative_path), None))
+        return rank, item, f"rank {'?' if rank is None else rank}"
+
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if hasattr(entry, "chunks"):  # TensorStorageMetadata
+            dtype = entry.properties.dtype
+            total = 0
+            lines = []
+            for chunk in entry.chunks:
+                info = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
+                numel = 1
+                for d in chunk.sizes:
+                    numel *= d
+                nbytes = numel * dtype.itemsize
+                total += nbytes
+                if info is None:
+                    lines.append(f"    chunk at {_shape(chunk.offsets)} size {_shape(chunk.sizes)}: NOT IN STORAGE DATA")
+                    continue
+                rank, item, who = where(info)
+                totals[rank]["chunks"] += 1
+                totals[rank]["tensor_bytes"] += nbytes
+                if item is not None:  # the sidecar knows where the raw bytes start
+                    place = f"[{item['data_start']}, {item['data_start'] + nbytes}), container {info.length} B"
+                else:  # plain DCP: only the container's extent is known
+                    place = f"container [{info.offset}, {info.offset + info.length})"
+                lines.append(f"    chunk at {_shape(chunk.offsets)} size {_shape(chunk.sizes)}: {who}, {nbytes} B data "
+                             f"in {info.relative_path} {place}")
+            print(f"{fqn}  tensor  {str(dtype).removeprefix('torch.')}  {_shape(entry.size)}  {total} B  "
+                  f"{len(entry.chunks)} chunk(s)")
+            print("\n".join(lines))
+        else:  # BytesStorageMetadata
+            info = metadata.storage_data.get(MetadataIndex(fqn))
+            if info is None:
+                print(f"{fqn}  object  NOT IN STORAGE DATA")
+                continue
+            rank, _item, who = where(info)
+            totals[rank]["objects"] += 1
+            totals[rank]["object_bytes"] += info.length
+            print(f"{fqn}  object  {info.length} B  {who}, {info.relative_path} [{info.offset}, {info.offset + info.length})")
+
+    print("per rank:")
+    for rank in sorted(totals, key=lambda r: -1 if r is None else r):
+        t = totals[rank]
+        files = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
+                    if rank is not None and integrity.rank_of_file(n) == rank)
+        print(f"  rank {'?' if rank is None else rank}: {t['chunks']} tensor chunk(s) {t['tensor_bytes']} B, "
+              f"{t['objects']} object(s) {t['object_bytes']} B, data files {files} B ({_human(files)})")
+    return EXIT_OK
+
+
+def _inspect_files(root: str, paths: list[str]) -> int:
+    """Keys, dtypes and shapes of native files (safetensors headers; weights-only torch.save pickles)."""
+    for path in paths:
+        name = os.path.relpath(path, os.path.dirname(root) if path == root else root)
+        print(f"{name}  {os.path.getsize(path)} B")
+        if not path.endswith(checkpoint_kinds.NATIVE_FILE_SUFFIXES):
+            continue
+        tensors, note = checkpoint_kinds.describe_file(path)
+        for key, dtype, shape in tensors:
+            print(f"  {key}  {dtype}  {_shape(shape)}")
+        if note:
+            print(f"  ({note})")
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------------------- verify
+def cmd_verify(path: str, progress: bool = True) -> int:
+    """Re-check everything a load relies on (``integrity``; a URL: ``object_integrity``); report every
+    problem, not just the first. A directory holding checkpoints has each of them verified."""
+    url = locations.is_url(path)
+    path = path.rstrip("/") if url else path
+    entry = checkpoint_kinds.classify(path, read_step=False) if not url and os.path.exists(path) else None
+    if entry is None and not url and os.path.isdir(path) and checkpoint_kinds.checkpoints_under(path, read_step=False):
+        found = [e for e in checkpoint_kinds.checkpoints_under(path, read_step=False) if e.kind != "hidden"]
+        return max((cmd_verify(e.path, progress) for e in sorted(found, key=lambda e: e.path)), default=EXIT_OK)
+    try:
+        if entry is None and not url:
+            raise FileNotFoundError(path)
+        with tqdm(total=0 if url else integrity.total_bytes(path), unit="B", unit_scale=True, unit_divisor=1024,
+                  desc="verify", file=sys.stderr, disable=not progress or url, dynamic_ncols=True) as bar:
+            report = integrity.check(path, on_problem=lambda m: tqdm.write(m, file=sys.stdout), progress=bar.update)
+    except FileNotFoundError:
+        print(f"asyncckpt verify: {path}: not a checkpoint this tool knows", file=sys.stderr)
+        return EXIT_PROBLEM
+    if report.status == "INCOMPLETE":
+        print(f"{path}: INCOMPLETE: no commit record ({names.COMMIT_RECORD}) under a final name: the save that "
+              "wrote it did not finish (crash, failure, still running). Not verified.")
+        return EXIT_INCOMPLETE
+    if report.problems:
+        print(f"{path}: FAILED: {len(report.problems)} problem(s)")
+        return EXIT_PROBLEM
+    unverified = f"; without checksums (written natively or by an older asyncckpt): {', '.join(report.unverified)}" \
+        if report.unverified else ""
+    unverified += f"; changed since the commit: {', '.join(report.differences)}" if report.differences else ""
+    print(f"{path}: OK: {report.checked_files} file(s), {report.checked_bytes} B verified by checksum{unverified}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------ clean
+def cmd_clean(root: str, min_age_s: float, dry_run: bool) -> int:
+    """Delete what crashed or killed saves left under ROOT (``leftovers``): at once what a process
+    that is gone left on this host; what was made on another host (whose writer this host cannot
+    see) only once untouched for ``min_age_s``. Never anything a live writer still uses."""
+    if locations.is_url(root):
+        return object_cli.cmd_clean(root, min_age_s, dry_run, _human)
+    if not os.path.isdir(root):
+        print(f"asyncckpt clean: {root}: not a directory", file=sys.stderr)
+        return EXIT_PROBLEM
+    freed = count = 0
+    for leftover in leftovers.find(root):
+        name = os.path.basename(leftover.path)
+        if not leftovers.removable(leftover, min_age_s):
+            why = ("in use by a live writer" if leftover.alive else
+                   f"its writer cannot be checked from this host; removed once untouched for {min_age_s:.0f} s")
+            print(f"kept     {name}  ({why})")
+            continue
+        size = _tree_size(leftover.path) if os.path.isdir(leftover.path) else os.lstat(leftover.path).st_size
+        if not dry_run:
+            leftovers.delete(leftover.path)
+        freed, count = freed + size, count + 1
+        print(f"{'would remove' if dry_run else 'removed'}  {name}  {_human(size)}  ({leftover.kind} of {leftover.belongs_to})")
+    print(f"{'would free' if dry_run else 'freed'} {_human(freed)} in {count} entr{'y' if count == 1 else 'ies'}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncckpt", description="Inspect and verify asyncckpt checkpoints.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    ls = commands.add_parser("ls", help="list the checkpoints under ROOT (every kind, leftovers too), newest last")
+    ls.add_argument("root", metavar="ROOT")
+    inspect = commands.add_parser("inspect", help="keys, shapes, dtypes, chunks and writing ranks of a checkpoint")
+    inspect.add_argument("path", metavar="PATH")
+    verify = commands.add_parser("verify", help="recheck a checkpoint, or every one under a directory (exit 0 good, "
+                                                "1 damaged, 2 incomplete)")
+    verify.add_argument("path", metavar="PATH")
+    verify.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    clean = commands.add_parser("clean", help="delete what crashed saves left under ROOT (never what a live save uses)")
+    clean.add_argument("root", metavar="ROOT")
+    clean.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
+                       help="leftovers whose writer cannot be checked from this host (another host) only once "
+                            "untouched for this long (default 3600); those of a process that is gone go at once")
+    clean.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "ls":
+            return cmd_ls(args.root)
+        if args.command == "inspect":
+            return cmd_inspect(args.path)
+        if args.command == "clean":
+            return cmd_clean(args.root, args.min_age, args.dry_run)
+        return cmd_verify(args.path, progress=not args.no_progress)
+    except BrokenPipeError:  # `asyncckpt inspect ... | head`: stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PROBLEM
+
+
+if __name__ == "__main__":
+    sys.exit(main())

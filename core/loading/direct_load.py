@@ -1,0 +1,185 @@
+"""Loading an asyncckpt checkpoint without DCP's load planning, when nothing needs resharding.
+
+The normal resume: every tensor in the state dict is a plain, contiguous CPU tensor whose key the
+checkpoint holds as one whole-tensor chunk (what a replicated save writes). Then the rank sidecars
+alone say where each tensor's bytes are and what they hash to, so a load is: flatten the state
+dict, walk the sidecars' columns in file order picking the keys asked for, and hand the reads to
+``reader.read_spans``. This skips unpickling ``.metadata`` (two Python objects per chunk), DCP's
+load plan (a ReadItem per chunk) and its per-item lookups, which together cost ~20x the reading
+itself for 8,000 tensors.
+
+Anything else (a DTensor, a key saved in several chunks, a shape or dtype mismatch or a missing
+key to report, a checkpoint without sidecars or whose ``.metadata`` is not the one committed)
+makes ``plan_direct_load`` return None, and the caller loads through ``dcp.load``, which also
+produces the errors. Planning writes nothing: a refused plan leaves the state dict untouched.
+Non-tensor values are loaded as ``dcp.load`` loads them: ``torch.load`` of the saved blob, put in
+place along the key's path (``structure.set_at``), ``Stateful`` values resolved first and
+given back through ``load_state_dict``.
+"""
+from __future__ import annotations
+
+import gc
+import io
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from asyncckpt.core.storage import locations
+from asyncckpt.core.loading.metadata_io import DCP_METADATA_FILE, check_relative_path
+from asyncckpt.core.loading.reader import RAW_DTYPES, FileSpans, Span, can_read_into, overlapping, read_spans
+from asyncckpt.core.formats.sidecar import Sidecar, read_sidecar, sidecar_name
+from asyncckpt.core.snapshot.structure import flatten_state_dict, set_at
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_ABSENT = object()
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic GC while a load creates its ~10 short-lived objects per key: a collection walks
+    the whole heap (a training process's is large), and parsing one 8k-tensor sidecar with GC on
+    took 4x as long. Nothing created here forms cycles."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@dataclass
+class DirectLoad:
+    """A planned load: the reads, the blobs of non-tensor values, and where those go."""
+
+    root: str
+    files: list[FileSpans]
+    objects: list[tuple[str, bytearray]]  # (fqn, buffer the read fills)
+    resolved: dict  # the state dict as DCP's loader sees it: Stateful values replaced by their state_dict()
+    paths: dict[str, tuple]  # fqn -> path in ``resolved``
+    state_dict: dict  # the caller's
+
+    def run(self, threads: int) -> None:
+        """Read and verify everything, then put the non-tensor values in place (as dcp.load does)."""
+        read_spans(self.root, self.files, threads=threads)
+        for fqn, blob in self.objects:
+            set_at(self.resolved, self.paths[fqn], torch.load(io.BytesIO(blob), weights_only=False))
+        for key in sorted(self.state_dict):
+            value = self.state_dict[key]
+            if isinstance(value, Stateful):
+                value.load_state_dict(self.resolved[key])
+            else:
+                self.state_dict[key] = self.resolved[key]
+
+
+def committed_sidecars(root: str, record: dict) -> Optional[list[Sidecar]]:
+    """Every rank's sidecar, if they and ``.metadata`` are the ones the commit record lists (the
+    sidecars then describe exactly what ``.metadata`` does, and it need not be unpickled)."""
+    files, world_size = record.get("files"), record.get("world_size")
+    if not isinstance(files, dict) or not isinstance(world_size, int) or world_size < 1:
+        return None  # e.g. a reduced record of a save through DCP's own API
+    try:
+        if locations.size_of(locations.join(root, DCP_METADATA_FILE)) != files.get(DCP_METADATA_FILE):
+            return None  # replaced or damaged since the commit: let the checked path deal with it
+        sidecars = [read_sidecar(root, rank) for rank in range(world_size) if sidecar_name(rank) in files]
+    except FileNotFoundError:
+        return None
+    if len(sidecars) != world_size or any(s.save_id != record.get("save_id") for s in sidecars):
+        return None
+    return sidecars
+
+
+def plan_direct_load(state_dict: dict, root: str, record: dict, *, strict: bool, verify: bool) -> Optional[DirectLoad]:
+    """The reads of a load that needs no resharding, or None if ``dcp.load`` must do it."""
+    sidecars = committed_sidecars(root, record)
+    if sidecars is None:
+        return None
+    resolved = {}
+    for key in sorted(state_dict):  # dcp.load's order
+        value = state_dict[key]
+        resolved[key] = value.state_dict() if isinstance(value, Stateful) else value
+    flat, paths = flatten_state_dict(resolved)
+    saved: set = set()
+    for sidecar in sidecars:
+        saved.update(sidecar.tensors.fqn, sidecar.objects.fqn)
+    if strict and not saved.issuperset(flat):
+        return None  # dcp.load names every missing key
+    files: list[FileSpans] = []
+    taken: Optional[set] = set() if len(sidecars) > 1 else None  # replicated keys every rank wrote: read once
+    for sidecar in sidecars:
+        for read in (_tensor_reads, _object_reads):
+            found = read(sidecar, flat, taken, verify)
+            if found is None:
+                return None
+            if found.spans:
+                check_relative_path(root, found.relative_path)  # sidecars are input: never read outside root
+                files.append(found)
+    if not _without_repeats(files):
+        return None  # state dict tensors sharing memory but saved with different values
+    try:  # we write their memory behind autograd's back
+        torch.autograd.graph.increment_version([s.target for f in files for s in f.spans if type(s.target) is not bytearray])
+    except RuntimeError:
+        return None  # inference tensors: dcp.load reports that it cannot write them
+    objects = [(span.key, span.target) for f in files for span in f.spans if type(span.target) is bytearray]
+    return DirectLoad(root, files, objects, resolved, paths, state_dict)
+
+
+def _tensor_reads(sidecar: Sidecar, flat: dict, taken: Optional[set], verify: bool) -> Optional[FileSpans]:
+    """This rank's tensor items that ``flat`` asks for, in file order; None if one needs dcp.load."""
+    t = sidecar.tensors
+    shapes = [tuple(shape) for shape in t.shapes]
+    at_origin = {index for index, shape in enumerate(shapes) if not any(shape)}
+    spans: list[Span] = []
+    append, get, dtypes = spans.append, flat.get, RAW_DTYPES
+    needed, needed_by = 0, ""
+    for fqn, offsets, sizes, global_size, dtype, start, length, data_start, nbytes, digest in zip(
+            t.fqn, t.chunk_offsets, t.chunk_sizes, t.global_size, t.dtype, t.start, t.length, t.data_start, t.nbytes,
+            t.xxh3):
+        value = get(fqn, _ABSENT)
+        if value is _ABSENT:
+            continue
+        if type(value) not in _PLAIN_TENSORS or sizes != global_size or offsets not in at_origin:
+            return None  # not a plain tensor, or the key was saved in chunks: resharding
+        if taken is not None:
+            if fqn in taken:
+                continue
+            taken.add(fqn)
+        if not can_read_into(value, dtypes.get(dtype), shapes[sizes], nbytes):
+            return None
+        append(Span(data_start, nbytes, value, digest if verify else None, fqn))
+        needed, needed_by = start + length, fqn
+    return FileSpans(t.file, spans, needed, needed_by)
+
+
+def _object_reads(sidecar: Sidecar, flat: dict, taken: Optional[set], verify: bool) -> Optional[FileSpans]:
+    """This rank's pickled objects that ``flat`` asks for, each into a buffer of its own."""
+    o = sidecar.objects
+    spans: list[Span] = []
+    for fqn, start, length, digest in zip(o.fqn, o.start, o.length, o.xxh3):
+        value = flat.get(fqn, _ABSENT)
+        if value is _ABSENT:
+            continue
+        if isinstance(value, torch.Tensor):
+            return None  # the checkpoint holds an object where the state dict has a tensor
+        if taken is not None:
+            if fqn in taken:
+                continue
+            taken.add(fqn)
+        spans.append(Span(start, length, bytearray(length), digest if verify else None, fqn))
+    return FileSpans(o.file, spans, spans[-1].offset + spans[-1].nbytes if spans else 0, spans[-1].key if spans else "")
+
+
+def _without_repeats(files: list[FileSpans]) -> bool:
+    """Drop reads into memory another read fills with the same bytes (tied weights saved once);
+    False if two reads would put different bytes into the same memory (dcp.load's sequential
+    copies let the last key win; parallel reads would race)."""
+    repeats, clashes = overlapping([(entry.relative_path, span) for entry in files for span in entry.spans])
+    if clashes:
+        return False
+    if repeats:
+        for entry in files:
+            entry.spans = [span for span in entry.spans if id(span) not in repeats]
+    return True

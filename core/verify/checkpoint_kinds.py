@@ -1,0 +1,203 @@
+"""Which kind of checkpoint a path is, and what a native file holds, without loading its tensors.
+
+The CLI meets every kind the core and the adapters write, and what the frameworks write without
+them:
+
+=============  ==========================================================  =====================
+kind           what                                                        complete when
+=============  ==========================================================  =====================
+``sharded``    a DCP directory (``core.save``, Lightning FSDP/ModelParallel  commit record (ours);
+               sharded), ``.metadata`` + ``__{rank}_{n}.distcp``            ``.metadata`` (DCP's)
+``directory``  a directory of a framework's native files (Accelerate's       commit record (ours);
+               ``checkpoint_N``, the Trainer's ``checkpoint-N``)            unknown (native)
+``file``       a single native file (Lightning's ``.ckpt``, any              always: written under
+               ``torch.save``/safetensors file)                             a hidden name, renamed
+``hidden``     one of ours in flight or left behind (``names``)              never
+=============  ==========================================================  =====================
+
+Native files are described from their structure: a safetensors header (JSON), or a ``torch.save``
+zip whose tensors are listed through ``torch.load(mmap=True, weights_only=True)`` (memory-mapped,
+so nothing is read but the pickle; a pickle that is not weights-only is not unpickled at all).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from asyncckpt.core.storage import commit
+from asyncckpt.core.storage import file_checksums
+from asyncckpt.core.formats import names
+
+NATIVE_FILE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".safetensors")
+_FRAMEWORK_FILES = re.compile(r"^(model(-\d+-of-\d+|_\d+)?\.safetensors|pytorch_model.*\.bin|optimizer(_\d+)?\.(bin|pt)|"
+                              r"trainer_state\.json|random_states_\d+\.pkl|meta\.pt|scheduler(_\d+)?\.(bin|pt))$")
+_STEP_IN_NAME = re.compile(r"step[=_-]?(\d+)")
+_EPOCH_IN_NAME = re.compile(r"epoch=(\d+)")
+_TRAILING_NUMBER = re.compile(r"(\d+)$")
+
+
+@dataclass
+class Entry:
+    """One checkpoint (or leftover) found under a root."""
+
+    path: str
+    kind: str  # "sharded", "directory", "file", "hidden"
+    status: str  # "COMPLETE", "INCOMPLETE", "NATIVE" (written by a framework without asyncckpt)
+    step: Optional[int]
+    epoch: Optional[int]
+    note: str = ""
+    checksums: bool = False  # carries checksums to verify it by (written by asyncckpt, since they exist)
+
+
+def classify(path: str, *, read_step: bool = True) -> Optional[Entry]:
+    """What ``path`` is, or None if it is no checkpoint (any file named explicitly counts as one).
+    ``read_step``: a file whose name holds no step (Lightning's ``last.ckpt``) has it read from its
+    content, which unpickles the file's whole structure (seconds for thousands of tensors): only
+    for listings, not for checks."""
+    name = os.path.basename(os.path.normpath(path))
+    hidden = names.parse_hidden(name)
+    if hidden is not None:
+        aborted = os.path.exists(os.path.join(path, names.ABORT_MARKER))
+        return Entry(path, "hidden", "INCOMPLETE", step_from_name(hidden.name), None, "aborted" if aborted else hidden.kind)
+    if os.path.isfile(path):
+        note = f"-> {os.readlink(path)}" if os.path.islink(path) else ""
+        step_and_epoch = _step_and_epoch_of_file(path, name) if read_step else (step_from_name(name), None)
+        return Entry(path, "file", "COMPLETE", *step_and_epoch, note,
+                     file_checksums.read_record(path) is not None)
+    if not os.path.isdir(path):
+        return None
+    try:
+        entries = set(os.listdir(path))
+    except OSError:
+        return None
+    record = commit.read_commit_record(path)
+    step = record.get("step") if record and isinstance(record.get("step"), int) else step_from_name(name)
+    sharded = names.DCP_METADATA_FILE in entries or any(map(names.SIDECAR_PATTERN.match, entries)) or (
+        record is not None and names.DCP_METADATA_FILE in record.get("files", {}))
+    if record is not None:
+        return Entry(path, "sharded" if sharded else "directory", "COMPLETE", step, None,
+                     checksums=sharded or "checksums" in record)
+    if sharded:
+        complete = names.DCP_METADATA_FILE in entries and not any(map(names.SIDECAR_PATTERN.match, entries))
+        return Entry(path, "sharded", "NATIVE" if complete else "INCOMPLETE", step, None,
+                     "" if complete else "no commit record")
+    if any(map(_FRAMEWORK_FILES.match, entries)):
+        return Entry(path, "directory", "NATIVE", step, None, "written without asyncckpt: completeness unknown")
+    return None
+
+
+def checkpoints_under(root: str, *, read_step: bool = True) -> list[Entry]:
+    """Every checkpoint (and leftover of ours) directly under ``root`` (``read_step``: see ``classify``)."""
+    found = [classify(os.path.join(root, name), read_step=read_step) for name in os.listdir(root)
+             if _may_be_checkpoint(root, name)]
+    return [entry for entry in found if entry is not None]
+
+
+def _may_be_checkpoint(root: str, name: str) -> bool:
+    """In a listing: our hidden leftovers, and what is not hidden (a file by its suffix)."""
+    if names.parse_hidden(name) is not None:
+        return True
+    return not name.startswith(".") and (name.endswith(NATIVE_FILE_SUFFIXES) or not os.path.isfile(os.path.join(root, name)))
+
+
+def step_from_name(name: str) -> Optional[int]:
+    """step_000120 -> 120, checkpoint-12 -> 12, epoch=1-step=15.ckpt -> 15."""
+    match = _STEP_IN_NAME.search(name) or _TRAILING_NUMBER.search(os.path.splitext(name)[0])
+    return int(match.group(1)) if match else None
+
+
+def _step_and_epoch_of_file(path: str, name: str) -> tuple[Optional[int], Optional[int]]:
+    step, epoch = step_from_name(name), _EPOCH_IN_NAME.search(name)
+    if step is not None:
+        return step, int(epoch.group(1)) if epoch else None
+    content = load_weights_only(path)  # e.g. last.ckpt: Lightning records them inside
+    if isinstance(content, dict):
+        return content.get("global_step"), content.get("epoch")
+    return None, None
+
+
+# ------------------------------------------------------------------------------------ native files
+def load_weights_only(path: str) -> Any:
+    """The file's content with its tensors memory-mapped, or None if it is no weights-only
+    ``torch.save`` file (then it is not unpickled)."""
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception:  # noqa: BLE001 - any refusal means: not describable without running its pickle
+        return None
+
+
+def describe_file(path: str) -> tuple[list[tuple[str, str, tuple[int, ...]]], Optional[str]]:
+    """(key, dtype, shape) of every tensor in a native file, and a note when they cannot be listed."""
+    if path.endswith(".safetensors"):
+        header, problem = safetensors_header(path)
+        if header is None:
+            return [], problem
+        return [(key, entry["dtype"], tuple(entry["shape"])) for key, entry in header.items() if key != "__metadata__"], None
+    content = load_weights_only(path)
+    if content is None:
+        return [], "a pickle of more than tensors and plain values: its keys are not listed (not unpickled)"
+    return list(_tensors(content, "")), None
+
+
+def _tensors(value: Any, prefix: str):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield prefix or "(tensor)", str(value.dtype).removeprefix("torch."), tuple(value.shape)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _tensors(item, f"{prefix}.{index}" if prefix else str(index))
+
+
+def safetensors_header(path: str) -> tuple[Optional[dict], Optional[str]]:
+    """The header of a safetensors file and, when it is damaged, what is wrong."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            return None, f"truncated: {size} B, not even a header length"
+        (length,) = struct.unpack("<Q", prefix)
+        if 8 + length > size:
+            return None, f"truncated: the header says {length} B, the file has {size} B"
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as e:
+            return None, f"damaged header: {e}"
+    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    if 8 + length + end != size:
+        return None, f"{'truncated' if 8 + length + end > size else 'grown'}: {size} B, the header describes {8 + length + end} B"
+    return header, None
+
+
+def check_file(path: str) -> Optional[str]:
+    """What is structurally wrong with a native file (None: nothing found). A ``torch.save`` zip
+    must have its central directory and every record inside the file; a safetensors file must
+    match its header."""
+    if path.endswith(".safetensors"):
+        return safetensors_header(path)[1]
+    if path.endswith(".json"):
+        try:
+            with open(path, "rb") as f:
+                json.load(f)
+        except ValueError as e:
+            return f"not valid JSON: {e}"
+        return None
+    size = os.path.getsize(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if info.header_offset + info.compress_size > size:
+                    return f"truncated: record {info.filename} ends beyond the file ({size} B)"
+    except zipfile.BadZipFile as e:
+        return f"not a complete torch.save file (damaged or truncated zip: {e})"
+    return None

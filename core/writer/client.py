@@ -1,0 +1,227 @@
+"""The one way into the background writer: start it, hand it jobs, hear back, serve its barrier calls.
+
+``Checkpointer`` and ``DirectoryTransaction`` both submit through ``WriterQueue.submit``: a list
+of ``(handle, request, buffer)`` in order, sent as one message (each message wakes the writer,
+which then competes with the caller for the CPU). A handle whose ``after`` is set becomes a job
+that the writer runs only if that earlier job succeeded.
+
+The writer process is started on first use (``start()`` earlier, where the caller has a better
+moment) and stopped by ``stop()``: after a framework's run ends, nothing of ours keeps running;
+the next submit starts a new one and registers the staging buffers with it again.
+
+A reader thread takes the writer's replies and completes the handles (``on_outcome``). It also
+runs the writer's barrier calls against the torch.distributed Store (``barrier.StoreBarrier``):
+the writer does not load torch, and while it waits for such a call it sends nothing else, so the
+reader has nothing else to do meanwhile.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import send_handle
+from typing import Any, Callable, Optional
+
+from asyncckpt.core.writer import protocol
+from asyncckpt.core.writer.barrier import local_barrier
+from asyncckpt.core.errors import (
+    CheckpointCancelledError,
+    CheckpointError,
+    CheckpointTimeoutError,
+    CheckpointWriteError,
+    SnapshotCopyFailed,
+)
+from asyncckpt.core.api.handles import SaveHandle
+
+Outcome = Callable[[SaveHandle, Optional[BaseException]], None]
+
+
+class _Writer:
+    """One writer process, its socket and its reader thread."""
+
+    def __init__(self, reader: Callable[["_Writer"], None]) -> None:
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+        env["OMP_NUM_THREADS"] = "1"  # the writer does I/O, not compute
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "asyncckpt.core.writer.process", str(child_sock.fileno()), str(os.getpid())],
+            pass_fds=[child_sock.fileno()], env=env, stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C in the terminal is the training process's to handle
+        )
+        child_sock.close()
+        self.conn = Connection(parent_sock.detach())
+        self.registered: set[int] = set()
+        self.stopping = False
+        self.thread = threading.Thread(target=reader, args=(self,), name="asyncckpt-writer-replies", daemon=True)
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None and self.thread.is_alive()
+
+
+class WriterQueue:
+    """Jobs for one background writer process (see the module docstring).
+
+    ``on_outcome(handle, error)`` is called once per submitted handle, from the reader thread
+    (or from ``submit`` when the writer cannot be reached). ``store()`` returns the
+    torch.distributed Store the writer's barrier calls use (None without a process group)."""
+
+    def __init__(self, on_outcome: Outcome, store: Callable[[], Any]) -> None:
+        self._on_outcome, self._store = on_outcome, store
+        self._writer: Optional[_Writer] = None
+        self._jobs: dict[int, SaveHandle] = {}
+        self._job_ids = itertools.count()
+        self._lock = threading.RLock()  # held while sending: two submitting threads cannot reorder the queue
+
+    @property
+    def running(self) -> bool:
+        return self._writer is not None and self._writer.alive
+
+    @property
+    def writer_pid(self) -> Optional[int]:
+        return self._writer.process.pid if self.running else None
+
+    def start(self) -> None:
+        """Start the writer process now if it is not running (it starts in the background: the
+        first request queues behind its start-up)."""
+        with self._lock:
+            if not self.running:
+                self._writer = _Writer(self._read_replies)
+
+    def submit(self, items: list[tuple[SaveHandle, protocol.Request, Any]]) -> None:
+        """Queue ``(handle, request, staging buffer or None)`` in order. A handle depending on a
+        handle that already failed is cancelled here, without reaching the writer."""
+        with self._lock:
+            jobs, buffers = [], []
+            for handle, request, buffer in items:
+                after = handle.after
+                if after is not None and after.done() and after.exception() is not None:
+                    self._on_outcome(handle, CheckpointCancelledError(handle.cancelled_message()))
+                    continue
+                depends_on = None
+                if after is not None and not after.done():
+                    if after.job_id is None:
+                        raise RuntimeError(f"asyncckpt: {handle.describe()} was queued before {after.describe()}")
+                    depends_on = after.job_id
+                handle.job_id = next(self._job_ids)
+                self._jobs[handle.job_id] = handle
+                handle.request = request
+                jobs.append(protocol.Job(handle.job_id, request, buffer.id if buffer is not None else None, depends_on))
+                buffers.append(buffer)
+            if not jobs:
+                return
+            try:
+                self.start()
+                writer = self._writer
+                for buffer in buffers:
+                    if buffer is not None and buffer.id not in writer.registered:
+                        writer.conn.send((protocol.BUFFER, buffer.id, buffer.layout))
+                        send_handle(writer.conn, buffer.fd, writer.process.pid)
+                        writer.registered.add(buffer.id)
+                writer.conn.send((protocol.RUN, jobs))
+            except (OSError, ValueError) as e:
+                self._fail_jobs([job.job_id for job in jobs], f"could not reach the background writer: {e}")
+
+    def drop_buffer(self, buffer_id: int) -> None:
+        with self._lock:
+            writer = self._writer
+            if writer is not None and buffer_id in writer.registered:
+                writer.registered.discard(buffer_id)
+                try:
+                    writer.conn.send((protocol.DROP, buffer_id))
+                except OSError:
+                    pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Let the writer finish its queue and exit; kill it if it does not in ``timeout`` s.
+        Returns once its process and the reader thread are gone."""
+        with self._lock:
+            writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        writer.stopping = True
+        try:
+            writer.conn.send((protocol.STOP,))
+            writer.process.wait(timeout=timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            writer.process.kill()
+            writer.process.wait()
+        writer.thread.join(timeout)
+        writer.conn.close()
+
+    # ------------------------------------------------------------------ the reader thread
+    def _read_replies(self, writer: _Writer) -> None:
+        while True:
+            try:
+                message = writer.conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == protocol.STOPPED:
+                break
+            if kind == protocol.BARRIER_CALL:
+                self._serve_barrier_call(writer, *message[1:])
+                continue
+            with self._lock:
+                handle = self._jobs.pop(message[1])
+            if kind == protocol.FAILED and message[2] == SnapshotCopyFailed.__name__:
+                continue  # the training process fails the handle with the copy's own error
+            if kind == protocol.DONE:
+                self._on_outcome(handle, None)
+            elif kind == protocol.CANCELLED:
+                self._on_outcome(handle, CheckpointCancelledError(handle.cancelled_message()))
+            else:
+                _, _, error_type, text, _traceback = message
+                self._on_outcome(handle, _rebuilt(error_type, text))
+        try:
+            returncode = writer.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        if not writer.stopping:
+            with self._lock:
+                if self._writer is writer:
+                    self._writer = None
+                lost = list(self._jobs)
+            self._fail_jobs(lost, f"the background writer died (exit code {returncode})")
+
+    def _serve_barrier_call(self, writer: _Writer, spec, method: str, args: tuple) -> None:
+        try:
+            getattr(local_barrier(spec, self._store()), method)(*args)
+            error = None
+        except BaseException as e:  # sent back: the writer's request raises it
+            error = protocol.error_text(e)
+        try:
+            writer.conn.send((protocol.BARRIER_RESULT, error))
+        except OSError:
+            pass  # the writer is gone; the loop sees EOF next
+
+    def _fail_jobs(self, job_ids: list[int], cause: str) -> None:
+        """Jobs the writer will never answer: fail their handles, and their saves on every rank."""
+        for job_id in job_ids:
+            with self._lock:
+                handle = self._jobs.pop(job_id, None)
+            if handle is None:
+                continue
+            error = CheckpointWriteError(f"rank {handle.rank}: {cause}")
+            spec = getattr(handle.request, "barrier", None)
+            if spec is not None:
+                try:
+                    local_barrier(spec, self._store()).fail(handle.rank, str(error))
+                except (CheckpointError, OSError, RuntimeError):
+                    pass  # the others time out instead
+            self._on_outcome(handle, error)
+
+
+def _rebuilt(error_type: str, text: str) -> CheckpointError:
+    """A writer's failure as raised in the training process (ours name the rank already)."""
+    if error_type == CheckpointTimeoutError.__name__:
+        return CheckpointTimeoutError(text)
+    if error_type in (CheckpointWriteError.__name__, CheckpointCancelledError.__name__):
+        return CheckpointWriteError(text)
+    return CheckpointWriteError(f"{error_type}: {text}")

@@ -1,0 +1,120 @@
+"""Mirroring committed local checkpoints to an object store, and bringing one back.
+
+For frameworks that write local directories (Accelerate's ``checkpoint_N``, the Trainer's
+``checkpoint-N``): ``Checkpointer.mirror(path, url, after=handle)`` queues a ``MirrorRequest``
+behind the save of ``path`` that runs only if it committed, in the background writer. It uploads
+the files the local commit record lists (memory-mapped, as multipart uploads) under ``url``/ and
+then creates the commit object there with the same record (files, sizes, checksums, step), so the
+mirror is a checkpoint of its own (``object_checkpoints``): ``latest_checkpoint(url_root)`` finds
+it, ``asyncckpt verify`` checks it. A single file is uploaded as one object with its checksum.
+
+``restore(url, path)`` (training process, at resume, when the local copy is missing) downloads a
+committed mirror into a hidden staging directory beside ``path``, writes the commit record last
+and renames it into place: locally it is then what the save had written, checksums included.
+
+Kept free of torch: the background writer imports it.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import posixpath
+from dataclasses import dataclass
+from typing import Optional
+
+from asyncckpt.core.storage import commit
+from asyncckpt.core.storage import file_checksums
+from asyncckpt.core.storage import leftovers
+from asyncckpt.core.formats import names
+from asyncckpt.core.errors import CheckpointWriteError, IncompleteCheckpointError
+from asyncckpt.core.storage.fsio import atomic_write_bytes, fsync_dir
+from asyncckpt.core.storage.object_checkpoints import CHECKSUM_METADATA, ObjectDestination
+from asyncckpt.core.storage.object_store import ObjectStoreOptions, store_for
+from asyncckpt.core.writer.protocol import RequestContext
+
+
+def _mapped(path: str):
+    """``(mapping or None, size)`` of a local file (an empty file cannot be mapped)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        return (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None), size
+
+
+@dataclass
+class MirrorRequest:
+    """Upload the committed local checkpoint ``source`` to ``url`` and commit it there."""
+
+    source: str
+    url: str
+    options: Optional[ObjectStoreOptions] = None
+
+    def run(self, context: RequestContext) -> None:
+        if os.path.isfile(self.source):
+            self._file()
+            return
+        record = commit.read_commit_record(self.source)
+        if record is None:
+            raise CheckpointWriteError(f"cannot mirror {self.source}: it is not a committed checkpoint")
+        place = ObjectDestination(self.url, self.options, coordinator=True)
+        place.claim(0, context.token())
+        for name in sorted(record.get("files", {})):
+            mapping, size = _mapped(os.path.join(self.source, name))
+            try:
+                place.write_image(name, memoryview(mapping) if mapping is not None else memoryview(b""), size, None)
+            finally:
+                if mapping is not None:
+                    mapping.close()
+        place.publish(record)  # the local record as it is: files, sizes, checksums, step, commit time
+
+    def _file(self) -> None:
+        checksum = file_checksums.read_record(self.source)
+        metadata = {CHECKSUM_METADATA: file_checksums.record_body(checksum)} if checksum else None
+        mapping, size = _mapped(self.source)
+        try:
+            store_for(self.url, self.options).upload(
+                self.url, memoryview(mapping) if mapping is not None else memoryview(b""), size, metadata=metadata)
+        finally:
+            if mapping is not None:
+                mapping.close()
+
+
+def restore(url: str, path: str) -> str:
+    """Download the committed checkpoint at ``url`` to the local ``path`` (which must not exist),
+    published there atomically; returns ``path``. ``IncompleteCheckpointError`` if ``url`` holds no
+    committed checkpoint."""
+    path = os.path.abspath(path)
+    store = store_for(url)
+    try:
+        store.info(url)
+    except FileNotFoundError:
+        pass
+    else:  # a single-file object
+        checksum = file_checksums.read_record(url)
+        temporary = names.hidden_path(path, "tmp", leftovers.owner_token())
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        store.download(url, temporary)
+        if checksum is not None:
+            file_checksums.write_record(temporary, checksum)
+        os.replace(temporary, path)
+        fsync_dir(os.path.dirname(path))
+        return path
+    record = commit.read_commit_record(url)
+    if record is None:
+        raise IncompleteCheckpointError(f"{url} holds no committed checkpoint to restore", path=url)
+    staging = names.staging_dir_for(path, leftovers.owner_token())
+    os.makedirs(staging)
+    for name in sorted(record.get("files", {})):
+        store.download(posixpath.join(url, name), os.path.join(staging, name))
+    atomic_write_bytes(os.path.join(staging, names.COMMIT_RECORD), store.get(posixpath.join(url, names.COMMIT_RECORD)))
+    commit.publish(staging, path)
+    return path
+
+
+def restore_latest(url_root: str, local_root: str) -> Optional[str]:
+    """The newest committed checkpoint under ``url_root``, restored under ``local_root`` with its
+    name (unless a copy is there already); None if the mirror holds none."""
+    latest = commit.latest_checkpoint(url_root)
+    if latest is None:
+        return None
+    local = os.path.join(local_root, posixpath.basename(latest))
+    return local if os.path.exists(local) else restore(latest, local)

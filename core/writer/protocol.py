@@ -1,0 +1,113 @@
+"""The background writer's protocol: what a request is, and the messages the two sides exchange.
+
+A *request* is plain data (a dataclass the writer unpickles without torch) with one method,
+``run(context)``, that the writer calls in submission order. Everything a request needs from the
+writer comes through its ``RequestContext``: the staging buffer it writes from, the barrier it
+meets the other ranks at, and a place to leave work for after the reply. Every request class
+(``storage.ShareRequest``, ``file_requests.*``, ``directory.*``, ``retention.RetentionRequest``,
+``Idle`` below) satisfies ``Request``; ``tests/test_protocol.py`` checks that each does.
+
+Messages, each a tuple whose first element is its kind:
+
+=================  ================================================  ===========================
+training → writer  fields                                            meaning
+=================  ================================================  ===========================
+``BUFFER``         buffer id, layout  (then the memfd, SCM_RIGHTS)   map this staging buffer
+``DROP``           buffer id                                         forget it
+``RUN``            [Job, ...]                                        run these, in order
+``BARRIER_RESULT`` error or None, value                              the answer to BARRIER_CALL
+``STOP``                                                             exit after the queue
+=================  ================================================  ===========================
+
+=================  ================================================  ===========================
+writer → training  fields                                            meaning
+=================  ================================================  ===========================
+``DONE``           job id                                            the request ran
+``FAILED``         job id, error type, message, traceback            it raised
+``CANCELLED``      job id                                            not run: its ``after`` job
+                                                                     did not succeed
+``BARRIER_CALL``   barrier spec, method, args                        run this barrier operation
+                                                                     (the Store lives here)
+``STOPPED``                                                          exiting
+=================  ================================================  ===========================
+
+Kept free of torch: the writer imports it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from asyncckpt.core.writer.barrier import Barrier, BarrierSpec
+    from asyncckpt.core.storage.file_checksums import FileChecksum
+    from asyncckpt.core.formats.layout import RankLayout
+
+BUFFER, DROP, RUN, BARRIER_RESULT, STOP = "buffer", "drop", "run", "barrier-result", "stop"
+DONE, FAILED, CANCELLED, BARRIER_CALL, STOPPED = "done", "failed", "cancelled", "barrier-call", "stopped"
+
+
+class RequestContext(Protocol):
+    """What the writer gives a running request."""
+
+    layout: Optional["RankLayout"]  # of the staging buffer the request writes from (None: no buffer)
+    image: Optional[memoryview]  # that buffer's bytes
+
+    def token(self) -> str:
+        """A fresh owner token of this writer (``leftovers``), for a hidden name it creates."""
+
+    def tidy(self, parent: str) -> None:
+        """Remove our leftovers in ``parent`` whose owner is gone (after the reply)."""
+
+    def barrier(self, spec: "BarrierSpec") -> "Barrier":
+        """Where this request meets the other ranks of its save."""
+
+    def after_reply(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once the request's outcome is reported (deletions nobody waits for)."""
+
+    def record_failure(self, save_key: str, reason: str) -> None:
+        """Remember that a request of save ``save_key`` failed on this rank (a later request of
+        the same save, e.g. a directory's commit, then fails too)."""
+
+    def failure(self, save_key: str) -> Optional[str]:
+        """The failure recorded for ``save_key`` on this rank, if any."""
+
+    def record_file(self, save_key: str, name: str, checksum: "FileChecksum") -> None:
+        """Remember the checksum of a file this rank wrote for save ``save_key`` (a directory's
+        commit record lists them)."""
+
+    def files(self, save_key: str) -> dict[str, "FileChecksum"]:
+        """The files recorded for ``save_key`` on this rank (forgotten once asked for)."""
+
+
+@runtime_checkable
+class Request(Protocol):
+    """A unit of work for the background writer (plain, torch-free data)."""
+
+    def run(self, context: RequestContext) -> None: ...
+
+
+@dataclass
+class Job:
+    """A request as queued: its id, the staging buffer it reads (if any), and the job it depends
+    on: with ``after`` set, it runs only if that earlier job succeeded, and is cancelled otherwise
+    (nothing is deleted or linked on the strength of a save that did not commit)."""
+
+    job_id: int
+    request: Request
+    buffer_id: Optional[int] = None
+    after: Optional[int] = None
+
+
+class Idle:
+    """A request that does nothing: its reply means every earlier request, and the work left for
+    after their replies, is finished (``Checkpointer.wait`` ends with one)."""
+
+    def run(self, context: RequestContext) -> None:
+        pass
+
+
+def error_text(error: BaseException) -> tuple[str, str]:
+    """What the writer reports of an exception: its type's name and its message."""
+    return type(error).__name__, str(error)
+

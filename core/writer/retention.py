@@ -1,0 +1,70 @@
+"""Which step-named checkpoints to delete, and the request that deletes them in the background writer.
+
+Kept apart from ``manager`` (which needs the ``Checkpointer``, hence torch) because the writer
+unpickles ``RetentionRequest`` and must not import torch.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from asyncckpt.core.storage import commit
+from asyncckpt.core.storage import locations
+from asyncckpt.core.writer.file_requests import remove_paths
+from asyncckpt.core.writer.protocol import RequestContext
+
+
+def select_deletions(committed_steps: list[int], keep_last: Optional[int], keep_every: Optional[int]) -> list[int]:
+    """Steps to delete: all but the newest ``keep_last`` and multiples of ``keep_every``; never the newest."""
+    steps = sorted(committed_steps)
+    if not steps:
+        return []
+    keep = set(steps[-keep_last:]) if keep_last else set(steps)
+    if keep_every:
+        keep |= {s for s in steps if s % keep_every == 0}
+    keep.add(steps[-1])
+    return [s for s in steps if s not in keep]
+
+
+@dataclass
+class RetentionRequest:
+    """Applied by the background writer right after the save of the newest checkpoint, and only
+    if it committed (``protocol.Job.after``): deletions are atomic (``file_requests.remove_paths``)."""
+
+    root: str
+    pattern: str
+    keep_last: Optional[int]
+    keep_every: Optional[int]
+    object_store: Any = None  # ObjectStoreOptions, for a URL root
+
+    def run(self, context: RequestContext) -> None:
+        committed = committed_steps(self.root, re.compile(self.pattern))
+        doomed = [committed[step] for step in select_deletions(list(committed), self.keep_last, self.keep_every)]
+        if locations.is_url(self.root):
+            from asyncckpt.core.storage.object_checkpoints import ObjectRemoveRequest
+
+            ObjectRemoveRequest(doomed, self.object_store).run(context)
+        else:
+            remove_paths(doomed, context)
+
+
+def committed_steps(root: str, pattern: re.Pattern) -> dict[int, str]:
+    """step -> path of every committed checkpoint under ``root`` whose name matches ``pattern``
+    (for a URL, from the commit objects of one delimited listing)."""
+    if locations.is_url(root):
+        from asyncckpt.core.storage.object_checkpoints import committed_under
+
+        candidates = [(path, record is not None) for path, record in committed_under(root)]
+    else:
+        try:
+            candidates = [(os.path.join(root, name), None) for name in os.listdir(root)]
+        except FileNotFoundError:
+            return {}
+    found = {}
+    for path, committed in candidates:
+        match = pattern.match(locations.basename(path))
+        if match and (committed if committed is not None else commit.is_complete(path)):
+            found[int(match.group(1))] = path
+    return found

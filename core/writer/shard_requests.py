@@ -1,0 +1,237 @@
+"""Writing one rank's share of a sharded save, and committing it: the background writer's side.
+
+``ShareRequest`` runs in the background writer (our own pipeline); ``write_share`` also runs
+behind ``AsyncCkptStorageWriter``, which implements torch.distributed.checkpoint's StorageWriter
+so that ``dcp.save`` can use it directly.
+
+Where the files go is a ``Destination``: a local staging directory renamed into place at the
+commit (``LocalDestination``), or an object-store prefix made visible by a create-only commit
+object (``object_checkpoints.ObjectDestination``, for URLs). The steps of a save are the same.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+from asyncckpt.core.storage import commit
+from asyncckpt.core.storage import diskio
+from asyncckpt.core.storage import leftovers
+from asyncckpt.core.storage import locations
+from asyncckpt.core.formats import names
+from asyncckpt.core.writer.barrier import BarrierSpec
+from asyncckpt.core.formats.checksum import checksum
+from asyncckpt.core.writer.copy_progress import split_image
+from asyncckpt.core.formats.dcp_pickle import DcpClasses, metadata_bytes
+from asyncckpt.core.errors import CheckpointWriteError, SnapshotCopyFailed
+from asyncckpt.core.writer.file_requests import fail_save
+from asyncckpt.core.storage.fsio import atomic_write_bytes
+from asyncckpt.core.formats.layout import RankLayout
+from asyncckpt.core.storage.leftovers import claim
+from asyncckpt.core.writer.protocol import RequestContext
+from asyncckpt.core.formats.sidecar import ShareItems, ShareRecord, encode_sidecar, read_sidecar
+
+
+class Destination(Protocol):
+    """Where the files of one save go, and how the save becomes visible."""
+
+    directory: str  # where its files are written (read back at the commit)
+
+    def claim(self, rank: int, token: str) -> None:
+        """This rank's writer uses it now (an owner marker: no cleaner takes it for a leftover)."""
+
+    def tidy(self, context: RequestContext) -> None:
+        """Leftovers of dead writers beside it go after the reply."""
+
+    def write_image(self, name: str, image: memoryview, size: int, wait_ready: Optional[Callable[[float], float]]) -> None:
+        """Durably write ``image[:size]`` as ``name`` (see ``diskio.write_image``)."""
+
+    def write_small(self, name: str, data: bytes) -> None:
+        """Durably write small bytes as ``name``."""
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        """Durably write ``name`` so that readers see all of it or nothing."""
+
+    def publish(self, record: dict) -> Optional[str]:
+        """Coordinator: make the checkpoint visible with its commit record; returns what an overwrite
+        replaced, to ``delete`` once the commit is reported."""
+
+    def delete(self, replaced: str, token: str) -> None: ...
+
+
+@dataclass
+class LocalDestination:
+    """A hidden staging directory beside the final path, renamed into place at the commit."""
+
+    directory: str
+    final_path: str
+    direct_io: bool = True
+    io_threads: int = 2
+
+    def claim(self, rank: int, token: str) -> None:
+        claim(self.directory, rank, token)
+
+    def tidy(self, context: RequestContext) -> None:
+        context.tidy(os.path.dirname(self.directory))
+
+    def write_image(self, name: str, image: memoryview, size: int, wait_ready: Optional[Callable[[float], float]]) -> None:
+        diskio.write_image(os.path.join(self.directory, name), image, size, direct=self.direct_io,
+                           threads=self.io_threads, wait_ready=wait_ready)
+
+    def write_small(self, name: str, data: bytes) -> None:
+        diskio.write_small_file(os.path.join(self.directory, name), data)
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        atomic_write_bytes(os.path.join(self.directory, name), data)
+
+    def publish(self, record: dict) -> Optional[str]:
+        return commit.publish_with_record(self.directory, self.final_path, record)
+
+    def delete(self, replaced: str, token: str) -> None:
+        leftovers.delete(replaced, token)
+
+
+@dataclass
+class ShareRequest:
+    """Everything the background writer needs for one rank's part of one save (plain data)."""
+
+    save_id: str
+    final_path: str
+    staging_dir: str
+    rank: int
+    world_size: int
+    coordinator: bool
+    structure_hash: str
+    byte_items: list  # [(fqn, bytes)]
+    barrier: BarrierSpec
+    direct_io: bool = True
+    io_threads: int = 2
+    step: Optional[int] = None
+    extra_files: dict = field(default_factory=dict)  # name -> bytes, written by the coordinator before commit
+    copy_generation: Optional[int] = None  # the snapshot copy may still run: stream it (see CopyProgress)
+    dcp_classes: Optional[DcpClasses] = None  # the coordinator's: how to write DCP's .metadata without torch
+    object_store: Any = None  # ObjectStoreOptions when ``final_path`` is a URL
+    # Set for a DCP directory inside a directory checkpoint: the directory's barrier, which this
+    # share's failure fails; the directory's own commit publishes it (no commit of its own).
+    directory_barrier: Optional[BarrierSpec] = None
+
+    def destination(self) -> Destination:
+        if locations.is_url(self.final_path):
+            from asyncckpt.core.storage.object_checkpoints import ObjectDestination
+
+            return ObjectDestination(self.final_path, self.object_store, coordinator=self.coordinator)
+        return LocalDestination(self.staging_dir, self.final_path, self.direct_io, self.io_threads)
+
+    def run(self, context: RequestContext) -> None:
+        """The whole background part of a save for one rank: write the share and its sidecar,
+        arrive at the barrier; then commit (rank 0) or wait for the commit. Inside a directory
+        checkpoint: rank 0 writes ``.metadata`` once every share is durable, and the directory's
+        commit, queued behind, publishes it all."""
+        image, progress = split_image(context.layout, context.image)
+        wait_ready = None if self.copy_generation is None else progress.waiter(self.copy_generation, self.barrier.timeout)
+        barrier = context.barrier(self.barrier)
+        place = self.destination()
+        try:
+            if self.directory_barrier is None:
+                place.tidy(context)
+                place.claim(self.rank, context.token())
+            else:
+                os.makedirs(self.staging_dir, exist_ok=True)
+            items = write_share(place, self.rank, context.layout, image, self.byte_items, wait_ready=wait_ready)
+            place.write_atomic(names.sidecar_name(self.rank), encode_sidecar(ShareRecord(
+                self.save_id, self.rank, self.world_size, self.structure_hash, context.layout.planner_data, items)))
+            barrier.arrive(self.rank)
+        except BaseException as e:
+            reason = f"{type(e).__name__}: {e}"
+            barrier.fail(self.rank, reason)
+            fail_save(context, self.directory_barrier, self.rank, e)
+            if isinstance(e, SnapshotCopyFailed):
+                raise
+            raise CheckpointWriteError(f"rank {self.rank}: {reason}") from e
+        if not self.coordinator:
+            if self.directory_barrier is None:
+                barrier.wait_commit()
+            return
+        try:
+            barrier.wait_all()
+            if self.directory_barrier is not None:
+                write_metadata(self, place)
+                remove_coordination_files(self.staging_dir)
+                return
+            replaced = commit_share(self, place)
+            barrier.committed()
+        except BaseException as e:
+            barrier.fail(self.rank, f"{type(e).__name__}: {e}")
+            fail_save(context, self.directory_barrier, self.rank, e)
+            raise
+        if replaced is not None:
+            context.after_reply(lambda: place.delete(replaced, context.token()))
+
+
+def write_share(
+    place: Destination, rank: int, layout: RankLayout, image: memoryview, byte_items: list, *,
+    wait_ready: Optional[Callable[[float], float]] = None,
+) -> ShareItems:
+    """Durably write one rank's tensor image and pickled objects; return what the sidecar records.
+    With ``wait_ready`` the image is still being copied (see ``diskio.write_image``)."""
+    digests: list[str] = []
+    if layout.slots:
+        # Checksums are computed on another thread while the image streams to disk (the writes
+        # release the GIL), so verification costs no time on the save path. Tied tensors share bytes.
+        def checksum_slots() -> list[str]:
+            by_start: dict[int, str] = {}
+            finished = float("inf") if wait_ready is None else 0.0
+            while finished < float("inf"):  # after the copy: hashing alongside it would slow the copy down
+                finished = wait_ready(finished)
+            for slot in layout.slots:
+                if slot.start not in by_start:
+                    by_start[slot.start] = checksum(image[slot.data_start : slot.data_start + slot.nbytes])
+            return [by_start[slot.start] for slot in layout.slots]
+
+        pending = diskio.submit_background(checksum_slots)
+        place.write_image(layout.file_name, image, layout.size, wait_ready)
+        digests = pending.result()
+    objects: list[tuple[str, int, int, str]] = []
+    if byte_items:
+        name = names.objects_file_name(rank)
+        blob, cursor = bytearray(), 0
+        for fqn, data in byte_items:
+            objects.append((fqn, cursor, len(data), checksum(data)))
+            blob += data
+            cursor += len(data)
+        place.write_small(name, bytes(blob))
+    return ShareItems(layout if layout.slots else None, digests, names.objects_file_name(rank) if byte_items else None, objects)
+
+
+def commit_share(req: ShareRequest, place: Destination) -> Optional[str]:
+    """Coordinator, once every rank's share is durable: DCP's ``.metadata`` from the sidecars,
+    the commit record, publish. Returns where a checkpoint it replaced now is."""
+    write_metadata(req, place)
+    return place.publish({
+        "save_id": req.save_id, "world_size": req.world_size, "step": req.step, "structure_hash": req.structure_hash,
+        "checksums": {name: {"size": len(data), "xxh3": checksum(data)} for name, data in req.extra_files.items()}})
+
+
+def remove_coordination_files(directory: str) -> None:
+    """What the ranks met by (file barrier), once the coordinator no longer needs it."""
+    for entry in os.listdir(directory):
+        if names.COORDINATION_FILE_PATTERN.match(entry):
+            os.unlink(os.path.join(directory, entry))
+
+
+def write_metadata(req: ShareRequest, place: Destination) -> None:
+    """Coordinator, once every rank's share is durable: the extra files and DCP's ``.metadata``,
+    built from the sidecars."""
+    sidecars = [read_sidecar(place.directory, rank) for rank in range(req.world_size)]
+    stale = [s.rank for s in sidecars if s.save_id != req.save_id]
+    if stale:
+        raise CheckpointWriteError(f"ranks {stale} left sidecars of another save")
+    for name, data in req.extra_files.items():
+        place.write_atomic(name, data)
+    if req.dcp_classes is not None:
+        metadata = metadata_bytes(sidecars, req.dcp_classes, req.final_path, req.save_id)
+    else:  # this torch's metadata classes are not the ones dcp_pickle writes: pickle torch's own objects
+        from asyncckpt.core.loading.metadata_io import metadata_pickled_by_torch
+
+        metadata = metadata_pickled_by_torch(sidecars, req.final_path, req.save_id)
+    place.write_atomic(names.DCP_METADATA_FILE, metadata)
