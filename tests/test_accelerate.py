@@ -217,7 +217,7 @@ KILL_SCRIPT = textwrap.dedent("""
         step(); acc.save_state(); handle.wait()            # checkpoint_0 committed
         # The writer is fast (~2 GB/s here): freeze it once the first file of checkpoint_1 is complete, so
         # that the kill lands mid-save every time (the kill takes the frozen writer with it).
-        writer, frozen = handle.checkpointer.pending.queue.writer_pid, threading.Event()
+        writer, frozen = handle.checkpointer.ledger.queue.writer_pid, threading.Event()
         def freeze_writer_mid_save():
             while True:
                 for staging in glob.glob("run/.checkpoint_1.asyncckpt-staging-*"):

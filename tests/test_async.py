@@ -140,7 +140,7 @@ def test_dtensor_snapshot_on_two_ranks(tmp_path):
 
 def _writer_holds_torch(checkpointer) -> bool:
     """Whether the checkpointer's background writer has torch's library mapped."""
-    with open(f"/proc/{checkpointer.pending.queue.writer_pid}/maps") as maps:
+    with open(f"/proc/{checkpointer.ledger.queue.writer_pid}/maps") as maps:
         return "libtorch" in maps.read()
 
 
@@ -199,13 +199,13 @@ def test_killed_worker_fails_the_save_and_is_restarted(tmp_path):
     with core.Checkpointer() as checkpointer:
         checkpointer.save({"w": torch.ones(4)}, tmp_path / "before")
         handle = checkpointer.async_save(state, tmp_path / "torn")
-        first_pid = checkpointer.pending.queue.writer_pid
+        first_pid = checkpointer.ledger.queue.writer_pid
         os.kill(first_pid, signal.SIGKILL)
         with pytest.raises(core.CheckpointWriteError, match=r"saving checkpoint .*torn failed on rank 0: the background writer died"):
             handle.result(timeout=30)
         assert not core.is_complete(str(tmp_path / "torn"))
         checkpointer.save(state, tmp_path / "after")  # a new writer takes over
-        assert checkpointer.pending.queue.writer_pid != first_pid
+        assert checkpointer.ledger.queue.writer_pid != first_pid
     assert core.latest_checkpoint(str(tmp_path)) in (str(tmp_path / "after"), str(tmp_path / "before"))
     loaded = {"w": torch.zeros(32 << 20)}
     core.load(loaded, tmp_path / "after")
@@ -425,7 +425,7 @@ def test_a_directory_counts_as_one_save_in_flight(tmp_path):
 def test_killed_worker_fails_a_pending_single_file_save(tmp_path):
     with core.Checkpointer() as checkpointer:
         handle = checkpointer.async_save_file({"w": torch.randn(32 << 20)}, tmp_path / "model.pt")
-        os.kill(checkpointer.pending.queue.writer_pid, signal.SIGKILL)
+        os.kill(checkpointer.ledger.queue.writer_pid, signal.SIGKILL)
         with pytest.raises(core.CheckpointWriteError, match=r"saving checkpoint .*model\.pt failed on rank 0: the background writer died"):
             handle.result(timeout=30)
         checkpointer.save_file({"w": torch.ones(3)}, tmp_path / "model.pt")

@@ -372,7 +372,7 @@ MODEL_PARALLEL_SCRIPT = textwrap.dedent('''
         out = sys.argv[1]
         tr1, _, _ = run(out + "/async", 8, True)
         io1 = tr1.strategy.checkpoint_io
-        pending_after_fit = (io1.pending(), io1.checkpointer.pending.queue.running)  # teardown drained, stopped
+        pending_after_fit = (io1.pending(), io1.checkpointer.ledger.queue.running)  # teardown drained, stopped
         tr2, m2, o2 = run(out + "/async", 16, True, resume="last")
         tr3, m3, o3 = run(out + "/sync", 16, False)
         if tr1.global_rank == 0:

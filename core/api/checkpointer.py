@@ -94,10 +94,10 @@ class Checkpointer:
         self.object_store = object_store
         self.max_in_flight, self.overlap_staging = max_in_flight, overlap_staging
         self.direct_io, self.io_threads, self.timeout, self.verify = direct_io, io_threads, timeout, verify
-        self.pending = PendingWork(max_in_flight=max_in_flight, timeout=timeout, store=self._store)
-        self.buffers = BufferPool(self.pending.queue.drop_buffer)
+        self.ledger = PendingWork(max_in_flight=max_in_flight, timeout=timeout, store=self._store)
+        self.buffers = BufferPool(self.ledger.queue.drop_buffer)
         self.copy_threads = CopyThreads()
-        self.stager = Stager(self.pending, self._store, timeout)
+        self.stager = Stager(self.ledger, self._store, timeout)
         self.files = FileSnapshots(self.buffers, self.copy_threads)
         self.sharded = ShardedSaves(self.buffers, self.copy_threads, direct_io=direct_io, io_threads=io_threads,
                                     timeout=timeout)
@@ -114,7 +114,7 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return (f"Checkpointer(max_in_flight={self.max_in_flight}, pending={len(self.pending())}, "
-                f"writer={'running' if self.pending.queue.running else 'stopped'})")
+                f"writer={'running' if self.ledger.queue.running else 'stopped'})")
 
     # ------------------------------------------------------------------ sharded (SPMD) saves
     def save(self, state_dict: STATE_DICT, path: str | os.PathLike, **options: Any) -> None:
@@ -153,14 +153,14 @@ class Checkpointer:
 
         def prepare(speculate: bool):
             prepared = self.sharded.prepare(state_dict, target, handle, speculate=speculate,
-                                            failed_here=self.pending.has_unobserved,
-                                            raise_failures=self.pending.raise_unobserved, timings=handle.timings)
+                                            failed_here=self.ledger.has_unobserved,
+                                            raise_failures=self.ledger.raise_unobserved, timings=handle.timings)
             handle.when_done(lambda: self.buffers.give_back(prepared.slot))
             handle.timings["prepare_s"] = time.perf_counter() - started
             return prepared
 
         def snapshot(prepared) -> None:
-            submit = lambda: self.pending.queue.submit([(handle, prepared.request, prepared.slot.buffer)])  # noqa: E731
+            submit = lambda: self.ledger.queue.submit([(handle, prepared.request, prepared.slot.buffer)])  # noqa: E731
             self.stager.take_snapshot(handle, prepared.begin, prepared.request, submit, stream=stream)
 
         if overlap and (agreement is not group or world == 1 or not collectives):
@@ -173,7 +173,7 @@ class Checkpointer:
             self.stager.run(lambda: self._in_background(handle, lambda: snapshot(prepared)))
             return handle
         self._foreground(handle, lambda: snapshot(prepared))
-        self.pending.raise_unobserved()  # an older save's failure that completed meanwhile
+        self.ledger.raise_unobserved()  # an older save's failure that completed meanwhile
         return handle
 
     def load(self, state_dict: STATE_DICT, path: str | os.PathLike, *, process_group: Optional[dist.ProcessGroup] = None,
@@ -200,7 +200,7 @@ class Checkpointer:
         """
         self._check_open()
         path = locations.normalize(path)
-        self.pending.raise_unobserved()
+        self.ledger.raise_unobserved()
         image = self.files.image(obj, format, metadata)
         handle = self._admit("file", path, rank=rank_and_world(self.process_group)[0], step=step, label=label)
         slot = self.buffers.take_for_file(image.size, handle)
@@ -208,7 +208,7 @@ class Checkpointer:
         request = (ObjectFileRequest(path, image.size, self.object_store) if locations.is_url(path)
                    else FileRequest(path, image.size, handle.rank, self.direct_io, self.io_threads))
         self.stager.take_snapshot(handle, lambda: self.files.stage(image, slot), request,
-                                  lambda: self.pending.queue.submit([(handle, request, slot.buffer)]))
+                                  lambda: self.ledger.queue.submit([(handle, request, slot.buffer)]))
         return handle
 
     def save_file(self, obj: Any, path: str | os.PathLike, **options: Any) -> None:
@@ -224,7 +224,7 @@ class Checkpointer:
         filesystem) when a framework counts or lists every entry of the final directory's parent."""
         self._check_open()
         self.stager.wait()  # the previous directory may still be committed from the staging thread
-        self.pending.raise_unobserved()
+        self.ledger.raise_unobserved()
         final_dir = os.path.abspath(os.fspath(final_dir))
         rank, world = rank_and_world(self.process_group)
         handle = self._admit("directory", final_dir, rank=rank, step=step, label=label)  # one checkpoint in flight
@@ -239,7 +239,7 @@ class Checkpointer:
                                        self._store, **details)
 
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
-                                    pending=self.pending, stager=self.stager, files=self.files,
+                                    pending=self.ledger, stager=self.stager, files=self.files,
                                     sharded=self.sharded, sharded_target=sharded_target, mirror=self.mirror,
                                     direct_io=self.direct_io, io_threads=self.io_threads)
 
@@ -316,8 +316,8 @@ class Checkpointer:
                 self.stats[f"{kind}_behind_pending"] += 1
         handle = self._admit(kind, path, rank=rank_and_world(self.process_group)[0], after=after, **details)
         handle.set_staged()
-        self.pending.queue.submit([(handle, request, None)])
-        self.pending.raise_unobserved()
+        self.ledger.queue.submit([(handle, request, None)])
+        self.ledger.raise_unobserved()
         return handle
 
     # ------------------------------------------------------------------ waiting and questions
@@ -328,7 +328,7 @@ class Checkpointer:
         self.stager.wait()
         error: Optional[BaseException] = None
         try:
-            self.pending.wait(timeout)
+            self.ledger.wait(timeout)
         except CheckpointError as e:
             error = e
         if everywhere and any_rank(error is not None, self.process_group) and error is None:
@@ -339,17 +339,17 @@ class Checkpointer:
     def wait_for(self, path: str | os.PathLike) -> None:
         """Wait for pending work on ``path`` (a read must never see a checkpoint being written);
         raise its failure if nobody has seen it."""
-        self.pending.wait_for(locations.normalize(path))
+        self.ledger.wait_for(locations.normalize(path))
 
     def raise_failures(self) -> None:
         """Raise (once) a failure of earlier work that nobody has seen; never waits."""
-        self.pending.raise_unobserved()
+        self.ledger.raise_unobserved()
 
     def will_exist(self, path: str | os.PathLike) -> bool:
         """Whether ``path`` will exist once the queued work has run: what the last queued work on it
         does (a save or link creates it, a removal deletes it), else whether it exists now."""
         path = locations.normalize(path)
-        queued = self.pending.will_exist(path)
+        queued = self.ledger.will_exist(path)
         if queued is not None:
             return queued
         with object_store_module.using(self.object_store):
@@ -357,7 +357,7 @@ class Checkpointer:
 
     def pending(self) -> list[SaveHandle]:
         """Checkpoints, removals and links not done yet, oldest first."""
-        return self.pending.pending()
+        return self.ledger.pending()
 
     def checkpoints_in(self, root: str | os.PathLike, on_disk: Iterable[str | os.PathLike]) -> list[str]:
         """The checkpoints directly under ``root`` once the queued work has run, as a framework's
@@ -436,7 +436,7 @@ class Checkpointer:
         """Start the background writer now, in the background (it starts at the first save
         otherwise, which then waits for it)."""
         self._check_open()
-        self.pending.queue.start()
+        self.ledger.queue.start()
 
     def teardown(self) -> None:
         """Drain, then stop the writer process and every thread of ours (a framework's run ended);
@@ -453,7 +453,7 @@ class Checkpointer:
         try:
             self.teardown()
         finally:
-            self.pending.abandon_uncommitted()
+            self.ledger.abandon_uncommitted()
             self.closed = True
             self.buffers.close()
             lifecycle.forget(self)
@@ -468,7 +468,7 @@ class Checkpointer:
         try:
             self.stager.wait()
         finally:
-            self.pending.queue.stop()
+            self.ledger.queue.stop()
             self.copy_threads.stop()
             self.sharded.close()
 
@@ -482,7 +482,7 @@ class Checkpointer:
 
     def _admit(self, kind: str, path: str, **details: Any) -> SaveHandle:
         self.stats[kind] += 1
-        handle = self.pending.admit(kind, path, **details)
+        handle = self.ledger.admit(kind, path, **details)
         for url in filter(locations.is_url, handle.paths):  # the writer changed it: this process's listings are stale
             handle.when_done(lambda url=url: object_store_module.forget_listings(url, self.object_store))
         return handle
@@ -494,7 +494,7 @@ class Checkpointer:
             return step()
         except BaseException as e:
             if not handle.done():
-                self.pending.complete(handle, CheckpointCancelledError(f"asyncckpt: {handle.describe()}: not saved: {e}"))
+                self.ledger.complete(handle, CheckpointCancelledError(f"asyncckpt: {handle.describe()}: not saved: {e}"))
             handle.observed = True
             raise
 
@@ -504,5 +504,5 @@ class Checkpointer:
             snapshot()
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
             if not handle.done():
-                self.pending.complete(handle, e)
-            self.pending.report_later(handle)
+                self.ledger.complete(handle, e)
+            self.ledger.report_later(handle)
