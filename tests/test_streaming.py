@@ -134,7 +134,7 @@ def test_copy_progress_names_a_failed_or_replaced_copy_and_times_out():
     progress = copy_progress.CopyProgress(mapping, 0)
     progress.publish(3, 10 * 4096 + 100)
     assert progress.finished_bytes(3) == 10 * 4096  # whole pages only: the rest may be mid-copy
-    wait = progress.waiter(3, timeout=0.2)
+    wait = progress.waiter(3, timeout=0.2, abandoned=lambda: False)
     threading.Timer(0.05, progress.complete, args=(3,)).start()
     assert wait(10 * 4096) == float("inf")
     with pytest.raises(CheckpointWriteError, match="replaced"):
@@ -144,7 +144,7 @@ def test_copy_progress_names_a_failed_or_replaced_copy_and_times_out():
         progress.finished_bytes(3)
     progress.publish(4, 0)
     with pytest.raises(CheckpointTimeoutError):
-        progress.waiter(4, timeout=0.05)(0)
+        progress.waiter(4, timeout=0.05, abandoned=lambda: False)(0)
 
 
 def test_streamed_image_write_waits_for_each_part(tmp_path):
@@ -167,6 +167,6 @@ def test_streamed_image_write_waits_for_each_part(tmp_path):
 
     copier = threading.Thread(target=copy_in_parts)
     copier.start()
-    diskio.write_image(str(tmp_path / "image"), image, size, wait_ready=progress.waiter(7, timeout=5))
+    diskio.write_image(str(tmp_path / "image"), image, size, wait_ready=progress.waiter(7, timeout=5, abandoned=lambda: False))
     copier.join()
     assert (tmp_path / "image").read_bytes() == payload

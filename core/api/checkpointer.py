@@ -63,7 +63,7 @@ logger = logging.getLogger("asyncckpt.core")
 
 STATE_DICT = dict[str, Any]
 _OPTIONS = ("process_group", "use_collectives", "max_in_flight", "overlap_staging", "direct_io", "io_threads",
-            "timeout", "verify", "object_store")
+            "timeout", "verify", "object_store", "writer_idle_timeout")
 
 
 class Checkpointer:
@@ -80,21 +80,28 @@ class Checkpointer:
             the state until ``handle.wait_staged()`` (``guard(optimizer)`` does that for you).
         direct_io: write with O_DIRECT where the filesystem supports it.
         io_threads: parallel writer/reader threads per rank.
-        timeout: bound on every wait (peers, commit, back-pressure), in seconds.
+        timeout: bound on every wait (peers, commit, back-pressure), in seconds; also on what a
+            background writer still does after its training process died (it finishes the saves
+            handed to it, then exits).
         verify: check checksums on load.
         object_store: how to reach and use an object store for ``s3://...`` (any fsspec URL) paths:
             ``storage_options``, multipart part size, parallel requests; for its writer and for its loads
             and checks. Default: ``object_store.configure``'s, else fsspec's defaults and the environment.
+        writer_idle_timeout: the background writer stops after this many seconds with nothing to do
+            (None: only when the Checkpointer is torn down); the next save starts it again.
     """
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None, use_collectives: bool = True,
                  max_in_flight: int = 1, overlap_staging: bool = False, direct_io: bool = True, io_threads: int = 2,
-                 timeout: float = 600.0, verify: bool = True, object_store: Optional[ObjectStoreOptions] = None) -> None:
+                 timeout: float = 600.0, verify: bool = True, object_store: Optional[ObjectStoreOptions] = None,
+                 writer_idle_timeout: Optional[float] = 30.0) -> None:
         self.process_group, self.use_collectives = process_group, use_collectives
         self.object_store = object_store
         self.max_in_flight, self.overlap_staging = max_in_flight, overlap_staging
         self.direct_io, self.io_threads, self.timeout, self.verify = direct_io, io_threads, timeout, verify
-        self.ledger = PendingWork(max_in_flight=max_in_flight, timeout=timeout, store=self._store)
+        self.writer_idle_timeout = writer_idle_timeout
+        self.ledger = PendingWork(max_in_flight=max_in_flight, timeout=timeout, store=self._store,
+                                  writer_idle_timeout=writer_idle_timeout)
         self.buffers = BufferPool(self.ledger.queue.drop_buffer)
         self.copy_threads = CopyThreads()
         self.stager = Stager(self.ledger, self._store, timeout)
@@ -270,7 +277,24 @@ class Checkpointer:
             request = ObjectRemoveRequest(list(paths), self.object_store)
         else:
             request = RemoveRequest(list(paths), os.path.abspath(os.fspath(hidden_parent)) if hidden_parent else None)
+            if after is None and not self.ledger.queue.running and not self.pending():
+                return self._remove_here(request, paths)
         return self._queue_after("remove", ", ".join(paths), request, after, paths=paths)
+
+    def _remove_here(self, request: RemoveRequest, paths: tuple[str, ...]) -> SaveHandle:
+        """A removal with nothing pending and no writer running (a process that saves nothing, such
+        as Lightning's main process after ``ddp_spawn``) is done at once: no writer is started for it."""
+        self._check_open()
+        handle = self._admit("remove", ", ".join(paths), rank=rank_and_world(self.process_group)[0], paths=paths)
+        handle.set_staged()
+        try:
+            request.run_here()
+        except OSError as e:
+            self.ledger.complete(handle, CheckpointWriteError(f"asyncckpt: {handle.describe()}: {type(e).__name__}: {e}"))
+            self.ledger.raise_unobserved()
+        else:
+            self.ledger.complete(handle, None)
+        return handle
 
     def link(self, target: str | os.PathLike, linkpath: str | os.PathLike, *,
              after: Optional[SaveHandle] = None) -> SaveHandle:

@@ -5,11 +5,16 @@ Also: waiting, from anywhere in the process, for a path still being saved (``wai
 One drain for the whole process, for users and every adapter: an ``atexit`` handler, and a
 ``multiprocessing`` finalizer for multiprocessing children (Lightning's ``ddp_spawn``), which
 leave through ``os._exit`` after their finalizers and skip ``atexit``. A failure found there has
-nobody left to raise to, so it is printed, naming its checkpoint.
+nobody left to raise to: it is printed, naming its checkpoint, and the process exits with status 1,
+as it would have had the framework's own synchronous save raised it. A normal exit's status is
+settled before ``atexit`` runs, so only ``os._exit`` can change it: standard streams and logging
+are flushed first, and exit handlers registered before ours (a few, registered at import) are
+skipped, which is the lesser harm than a scheduler believing a failed run succeeded.
 """
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import weakref
@@ -64,8 +69,18 @@ def drain_at_exit() -> None:
     if _drained_in == os.getpid():
         return
     _drained_in = os.getpid()
+    failed = False
     for checkpointer in list(_live):
         try:
             checkpointer.close()
         except BaseException as e:  # nothing to raise to at exit: report it
             print(f"asyncckpt: at exit: {e}", file=sys.stderr)
+            failed = True
+    if failed:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
+        logging.shutdown()
+        os._exit(1)

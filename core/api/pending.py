@@ -39,11 +39,12 @@ _ON_RANK = re.compile(r"^rank (\S+): (.*)$", re.S)
 
 
 class PendingWork:
-    def __init__(self, *, max_in_flight: int, timeout: float, store: Callable[[], Any]) -> None:
+    def __init__(self, *, max_in_flight: int, timeout: float, store: Callable[[], Any],
+                 writer_idle_timeout: Optional[float]) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         self.max_in_flight, self.timeout = max_in_flight, timeout
-        self.queue = WriterQueue(self.complete, store)
+        self.queue = WriterQueue(self.complete, store, timeout=timeout, idle_timeout=writer_idle_timeout)
         self._in_flight: deque[SaveHandle] = deque()
         self._unobserved: list[SaveHandle] = []
         self._lock = threading.RLock()

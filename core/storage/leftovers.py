@@ -59,7 +59,11 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's process
         return True
-    return True
+    try:  # an exited process nobody reaped yet (an orphaned writer, until init reaps it) is gone
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def owner_alive(token: str) -> Optional[bool]:
@@ -76,18 +80,34 @@ def owner_alive(token: str) -> Optional[bool]:
     return _pid_alive(int(match["pid"]))
 
 
+def _same_process(a: str, b: str) -> bool:
+    """Two owner tokens made by one process (they differ in their random part)."""
+    return a.rsplit("-", 1)[0] == b.rsplit("-", 1)[0]
+
+
 def claim(staging_dir: str, rank: int, token: str) -> None:
-    """Create ``staging_dir`` (if needed) with this rank's owner marker, so that nobody takes it
-    for a leftover while its writer lives; unless its name is an owner token already (the staging
-    directory of a single process's save, ``Checkpointer.begin_directory``)."""
+    """Create ``staging_dir`` (if needed) and add ``token``'s process to this rank's owner marker,
+    so that nobody takes the directory for a leftover while any process writing into it lives:
+    the training process, and its writer, which finishes the save if the training process dies.
+    The staging directory of a single process's save is named with its owner token already
+    (``Checkpointer.begin_directory``): only other processes are added."""
     os.makedirs(staging_dir, exist_ok=True)
     hidden = names.parse_hidden(os.path.basename(staging_dir))
-    if hidden is not None and _TOKEN.match(hidden.token):
+    if hidden is not None and _TOKEN.match(hidden.token) and _same_process(hidden.token, token):
         return
     marker = os.path.join(staging_dir, names.owner_marker_name(rank))
-    if not os.path.exists(marker):
-        with open(marker, "w") as f:
-            f.write(token)
+    try:
+        with open(marker) as f:
+            owners = f.read().split()
+    except FileNotFoundError:
+        owners = []
+    if any(_same_process(owner, token) for owner in owners):
+        return
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, f"{token}\n".encode())  # one write: two claimers never interleave a line
+    finally:
+        os.close(fd)
 
 
 def _staging_alive(path: str) -> Optional[bool]:
@@ -101,7 +121,7 @@ def _staging_alive(path: str) -> Optional[bool]:
         if names.OWNER_MARKER_PATTERN.match(entry):
             try:
                 with open(os.path.join(path, entry)) as f:
-                    verdicts.append(owner_alive(f.read().strip()))
+                    verdicts.extend(owner_alive(token) for token in f.read().split())
             except OSError:
                 continue
     if any(v is True for v in verdicts):
@@ -137,7 +157,10 @@ def _judge(path: str, hidden: names.HiddenName) -> Optional[bool]:
         return False if os.path.lexists(os.path.join(os.path.dirname(path), hidden.name)) else None
     if hidden.kind == "staging" and not _TOKEN.match(hidden.token):  # a save id shared by ranks: markers say
         return _staging_alive(path)
-    return owner_alive(hidden.token)
+    alive = owner_alive(hidden.token)
+    if hidden.kind == "staging" and alive is not True and _staging_alive(path) is True:
+        return True  # its writer finishes it (the process that began it is gone)
+    return alive
 
 
 def find(parent: str) -> list[Leftover]:

@@ -22,6 +22,7 @@ Kept free of torch: the writer imports it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -138,8 +139,13 @@ class FileBarrier:
             return _missing_error(spec, absent)
 
         poll(everyone_arrived, spec.timeout, missing, max_delay=POLL_MAX_DELAY * max(1.0, spec.world_size / 64))
-        for rank in range(spec.world_size):
-            os.unlink(self._path(names.done_marker_name(rank)))
+        self.forget_arrivals()
+
+    def forget_arrivals(self) -> None:
+        """Coordinator, every rank arrived: the arrival markers go before the directory is published."""
+        for rank in range(self.spec.world_size):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path(names.done_marker_name(rank)))
 
     def committed(self) -> None:
         pass  # the commit record under the final name is what the others wait for
@@ -247,6 +253,52 @@ class SoloBarrier:
 
     def wait_commit(self) -> None:
         pass
+
+
+class StoreUnreachable(Exception):
+    """The Store barrier cannot be reached: the training process that served it (its own, or rank
+    0's, which runs the Store's server) is gone."""
+
+
+class SurvivingBarrier:
+    """A Store barrier that outlives the training processes: the ranks meet in the Store while it can
+    be reached, and every arrival and failure is also left as a marker in the staging directory
+    (``FileBarrier``'s), so that writers whose training processes died meet there instead and
+    finish the saves handed to them. One small file per rank and save is all it costs the others."""
+
+    def __init__(self, store_barrier: Barrier, files: FileBarrier, reachable: Callable[[], bool]) -> None:
+        self.store_barrier, self.files, self.reachable = store_barrier, files, reachable
+
+    def _in_store(self, method: str, *args: Any) -> bool:
+        """Run ``method`` in the Store; False when the Store cannot be reached (the markers decide)."""
+        if not self.reachable():
+            return False
+        try:
+            getattr(self.store_barrier, method)(*args)
+        except StoreUnreachable:
+            return False
+        return True
+
+    def arrive(self, rank: int) -> None:
+        self.files.arrive(rank)
+        self._in_store("arrive", rank)
+
+    def fail(self, rank: int, reason: str) -> None:
+        self.files.fail(rank, reason)
+        self._in_store("fail", rank, reason)
+
+    def wait_all(self) -> None:
+        if self._in_store("wait_all"):
+            self.files.forget_arrivals()
+        else:
+            self.files.wait_all()
+
+    def committed(self) -> None:
+        self._in_store("committed")
+
+    def wait_commit(self) -> None:
+        if not self._in_store("wait_commit"):
+            self.files.wait_commit()
 
 
 def local_barrier(spec: BarrierSpec, store: Optional[Any] = None) -> Barrier:

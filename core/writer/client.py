@@ -7,7 +7,9 @@ that the writer runs only if that earlier job succeeded.
 
 The writer process is started on first use (``start()`` earlier, where the caller has a better
 moment) and stopped by ``stop()``: after a framework's run ends, nothing of ours keeps running;
-the next submit starts a new one and registers the staging buffers with it again.
+the next submit starts a new one and registers the staging buffers with it again. A writer left
+with nothing to do for ``idle_timeout`` seconds stops by itself (saves made outside a framework's
+run, or a removal by a process that saves nothing), so none idles until the interpreter exits.
 
 A reader thread takes the writer's replies and completes the handles (``on_outcome``). It also
 runs the writer's barrier calls against the torch.distributed Store (``barrier.StoreBarrier``):
@@ -43,13 +45,14 @@ Outcome = Callable[[SaveHandle, Optional[BaseException]], None]
 class _Writer:
     """One writer process, its socket and its reader thread."""
 
-    def __init__(self, reader: Callable[["_Writer"], None]) -> None:
+    def __init__(self, reader: Callable[["_Writer"], None], timeout: float) -> None:
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
         env["OMP_NUM_THREADS"] = "1"  # the writer does I/O, not compute
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "asyncckpt.core.writer.process", str(child_sock.fileno()), str(os.getpid())],
+            [sys.executable, "-m", "asyncckpt.core.writer.process", str(child_sock.fileno()), str(os.getpid()),
+             str(timeout)],
             pass_fds=[child_sock.fileno()], env=env, stdin=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C in the terminal is the training process's to handle
         )
@@ -64,24 +67,39 @@ class _Writer:
     def alive(self) -> bool:
         return self.process.poll() is None and self.thread.is_alive()
 
+    def retire(self, timeout: float) -> None:
+        """Wait until the process and the reader thread are gone (killing the process after ``timeout``)."""
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+        self.conn.close()
+
 
 class WriterQueue:
     """Jobs for one background writer process (see the module docstring).
 
     ``on_outcome(handle, error)`` is called once per submitted handle, from the reader thread
     (or from ``submit`` when the writer cannot be reached). ``store()`` returns the
-    torch.distributed Store the writer's barrier calls use (None without a process group)."""
+    torch.distributed Store the writer's barrier calls use (None without a process group).
+    ``timeout`` bounds what a writer does once its training process is gone (``writer.process``)."""
 
-    def __init__(self, on_outcome: Outcome, store: Callable[[], Any]) -> None:
+    def __init__(self, on_outcome: Outcome, store: Callable[[], Any], *, timeout: float,
+                 idle_timeout: Optional[float] = 30.0) -> None:
         self._on_outcome, self._store = on_outcome, store
+        self.timeout, self.idle_timeout = timeout, idle_timeout
         self._writer: Optional[_Writer] = None
+        self._retiring: list[_Writer] = []  # stopped when idle, still exiting
         self._jobs: dict[int, SaveHandle] = {}
         self._job_ids = itertools.count()
         self._lock = threading.RLock()  # held while sending: two submitting threads cannot reorder the queue
 
     @property
     def running(self) -> bool:
-        return self._writer is not None and self._writer.alive
+        return self._writer is not None and self._writer.alive and not self._writer.stopping
 
     @property
     def writer_pid(self) -> Optional[int]:
@@ -92,7 +110,7 @@ class WriterQueue:
         first request queues behind its start-up)."""
         with self._lock:
             if not self.running:
-                self._writer = _Writer(self._read_replies)
+                self._writer = _Writer(self._read_replies, self.timeout)
 
     def submit(self, items: list[tuple[SaveHandle, protocol.Request, Any]]) -> None:
         """Queue ``(handle, request, staging buffer or None)`` in order. A handle depending on a
@@ -143,22 +161,37 @@ class WriterQueue:
         Returns once its process and the reader thread are gone."""
         with self._lock:
             writer, self._writer = self._writer, None
-        if writer is None:
-            return
-        writer.stopping = True
-        try:
-            writer.conn.send((protocol.STOP,))
-            writer.process.wait(timeout=timeout)
-        except (OSError, subprocess.TimeoutExpired):
-            writer.process.kill()
-            writer.process.wait()
-        writer.thread.join(timeout)
-        writer.conn.close()
+            retiring, self._retiring = self._retiring, []
+        if writer is not None and not writer.stopping:
+            writer.stopping = True
+            try:
+                writer.conn.send((protocol.STOP,))
+            except OSError:
+                pass
+        for old in retiring + ([writer] if writer is not None else []):
+            old.retire(timeout)
+
+    def _stop_if_idle(self, writer: _Writer) -> None:
+        """The reader thread heard nothing for ``idle_timeout`` s: with no job in flight, stop the
+        writer (under the lock, so no job can be sent to it meanwhile: the next one starts a new one)."""
+        with self._lock:
+            if self._writer is not writer or self._jobs or writer.stopping:
+                return
+            writer.stopping = True
+            self._writer = None
+            self._retiring.append(writer)
+            try:
+                writer.conn.send((protocol.STOP,))
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------ the reader thread
     def _read_replies(self, writer: _Writer) -> None:
         while True:
             try:
+                if self.idle_timeout is not None and not writer.conn.poll(self.idle_timeout):
+                    self._stop_if_idle(writer)
+                    continue
                 message = writer.conn.recv()
             except (EOFError, OSError):
                 break
@@ -183,6 +216,11 @@ class WriterQueue:
             returncode = writer.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             returncode = None
+        with self._lock:
+            if writer in self._retiring:  # stopped when idle: nobody joins this thread
+                self._retiring.remove(writer)
+                writer.conn.close()
+                return
         if not writer.stopping:
             with self._lock:
                 if self._writer is writer:

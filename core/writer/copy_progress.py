@@ -58,9 +58,10 @@ class CopyProgress:
             raise SnapshotCopyFailed("the snapshot copy failed in the training process")
         return float("inf") if pages == self._COMPLETE else pages * IO_ALIGNMENT
 
-    def waiter(self, generation: int, timeout: float) -> Callable[[float], float]:
+    def waiter(self, generation: int, timeout: float, abandoned: Callable[[], bool]) -> Callable[[float], float]:
         """``wait(done)``: block (bounded) until more than ``done`` bytes of copy ``generation``
-        are in the image; return how many. Polls with short sleeps: a copy takes tens of ms."""
+        are in the image; return how many. Polls with short sleeps: a copy takes tens of ms.
+        ``abandoned()`` true means the copying process is gone: what is not copied never will be."""
 
         def wait(done: float) -> float:
             deadline = time.monotonic() + timeout
@@ -69,6 +70,8 @@ class CopyProgress:
                 finished = self.finished_bytes(generation)
                 if finished > done:
                     return finished
+                if abandoned():
+                    raise CheckpointWriteError("the training process died before the snapshot was complete (not committed)")
                 if time.monotonic() > deadline:
                     raise CheckpointTimeoutError(f"the snapshot copy did not progress for {timeout:.0f}s")
                 time.sleep(delay)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from asyncckpt.core.storage import diskio
 from asyncckpt.core.storage import file_checksums
@@ -110,18 +110,19 @@ class BytesRequest:
             raise
 
 
-def remove_paths(paths: list[str], context: RequestContext, hidden_parent: Optional[str] = None) -> None:
+def remove_paths(paths: list[str], token: Callable[[], str], later: Callable[[Callable[[], None]], None],
+                 hidden_parent: Optional[str] = None) -> None:
     """Remove each path atomically: a file by unlinking it, a directory by renaming it to a hidden
     ``removing`` name (in ``hidden_parent`` if given: a directory whose every entry a framework
-    counts) and deleting it after the reply."""
+    counts) and deleting it ``later`` (in the writer: after the reply)."""
     touched = set()
     for path in paths:
         parent = os.path.dirname(path)
         if os.path.isdir(path) and not os.path.islink(path):
-            aside = names.hidden_path(path, "removing", context.token(), hidden_parent)
+            aside = names.hidden_path(path, "removing", token(), hidden_parent)
             os.rename(path, aside)
             touched.add(os.path.dirname(aside))
-            context.after_reply(lambda aside=aside: leftovers.delete(aside))
+            later(lambda aside=aside: leftovers.delete(aside))
         elif os.path.lexists(path):
             os.unlink(path)
         else:
@@ -140,7 +141,12 @@ class RemoveRequest:
     hidden_parent: Optional[str] = None
 
     def run(self, context: RequestContext) -> None:
-        remove_paths(self.paths, context, self.hidden_parent)
+        remove_paths(self.paths, context.token, context.after_reply, self.hidden_parent)
+
+    def run_here(self) -> None:
+        """Remove at once, in the calling process: with nothing else pending, starting a writer
+        process for a removal costs more than the removal."""
+        remove_paths(self.paths, leftovers.owner_token, lambda action: action(), self.hidden_parent)
 
 
 @dataclass
@@ -154,7 +160,7 @@ class LinkRequest:
         directory = os.path.dirname(self.linkpath)
         os.makedirs(directory, exist_ok=True)
         if os.path.isdir(self.linkpath) and not os.path.islink(self.linkpath):
-            remove_paths([self.linkpath], context)
+            remove_paths([self.linkpath], context.token, context.after_reply)
         temporary = names.hidden_path(self.linkpath, "link", context.token())
         os.symlink(os.path.relpath(self.target, directory), temporary)
         try:

@@ -3,45 +3,87 @@
 It is launched as ``python -m asyncckpt.core.writer.process`` (not multiprocessing's spawn, which would
 re-import the user's ``__main__`` and re-run an unguarded training script), talks over a Unix
 socket (``protocol``), receives staging buffers as memfd file descriptors, and runs each request
-outside the training process's GIL. It dies with its parent (PR_SET_PDEATHSIG), so a killed
-trainer never leaves an orphan writer behind, and it runs in a session of its own with SIGINT
-ignored: a Ctrl-C in the terminal reaches the training process, which then drains what it handed
-over (the exit drain), instead of killing the save in flight.
+outside the training process's GIL. It runs in a session of its own and ignores SIGINT and SIGTERM:
+a Ctrl-C or a preemption signal reaches the training process, which drains what it handed over,
+and the writer keeps writing through the grace period instead of dropping the save in flight.
+
+A save handed over survives the training process. If the training process dies (kill -9, the OOM
+killer, a crash) the writer finishes every request it was given before (they are in its socket,
+and their snapshots in its shared memory), commits them, runs the work queued behind them, and
+exits; a request whose snapshot copy was not complete fails, and its save is never committed.
+Orphaned, it bounds its work by the saves' timeout, meets the other ranks' writers by marker files
+when the Store died with the training processes (``barrier.SurvivingBarrier``), and says what it
+does in a log beside the checkpoint (``storage.orphans``).
 
 It does not import torch (~190 MiB of private memory per process) unless it coordinates a sharded
-save with a torch whose DCP metadata it cannot write by itself (``storage.commit_share``).
+save with a torch whose DCP metadata it cannot write by itself (``shard_requests.commit_share``).
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import functools
 import gc
 import mmap
 import os
+import select
 import signal
 import sys
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any, Callable, Optional
 
-from asyncckpt.core.storage import leftovers
+from asyncckpt.core.storage import leftovers, locations, orphans
 from asyncckpt.core.writer import protocol
-from asyncckpt.core.writer.barrier import BarrierSpec, local_barrier
+from asyncckpt.core.writer.barrier import BarrierSpec, FileBarrier, StoreUnreachable, SurvivingBarrier, local_barrier
 from asyncckpt.core.writer.copy_progress import PROGRESS_BYTES
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
 
-_PR_SET_PDEATHSIG = 1
 _REMEMBERED_FAILURES = 256  # saves whose failure (or files) on this rank a later request of theirs may ask about
+
+
+class TrainingProcess:
+    """The training process this writer serves, as the writer sees it: alive, or gone.
+
+    A thread waits for its exit (a pidfd; polling ``getppid`` where there is none). From then on
+    the writer is an orphan: it has ``timeout`` seconds to finish what it was handed (SIGALRM
+    ends it after that), and every request it finishes is logged beside its checkpoint."""
+
+    def __init__(self, pid: int, timeout: float) -> None:
+        self.pid, self.timeout = pid, timeout
+        self.gone = threading.Event()
+        self.on_gone: list[Callable[[], None]] = []
+
+    def watch(self) -> None:
+        threading.Thread(target=self._wait_for_exit, name="asyncckpt-writer-watch", daemon=True).start()
+
+    def _wait_for_exit(self) -> None:
+        try:
+            fd = os.pidfd_open(self.pid)
+            select.select([fd], [], [])  # readable once the process has exited
+        except (AttributeError, OSError):  # no pidfd here, or the process is gone already
+            while os.getppid() == self.pid:
+                time.sleep(0.2)
+        self.gone.set()
+        signal.alarm(max(1, int(self.timeout + 0.999)))
+        for action in self.on_gone:
+            action()
+
+    @property
+    def alive(self) -> bool:
+        return not self.gone.is_set()
 
 
 class Channel:
     """The writer's end of the socket. Messages are taken in order, except the answer to a
     barrier call, which the request waiting for it takes out of turn (the training process may
-    have queued more work meanwhile)."""
+    have queued more work meanwhile). Once the training process is gone, replies are dropped and
+    the messages it sent before it died are still read, in order, up to the end of the stream."""
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
+    def __init__(self, conn: Connection, trainer: TrainingProcess) -> None:
+        self.conn, self.trainer = conn, trainer
         self._queued: list[tuple[tuple, Optional[int]]] = []
 
     def _receive(self) -> tuple[tuple, Optional[int]]:
@@ -54,20 +96,37 @@ class Channel:
         return self._queued.pop(0) if self._queued else self._receive()
 
     def send(self, *message: Any) -> None:
-        self.conn.send(message)
+        try:
+            self.conn.send(message)
+        except OSError:
+            if self.trainer.alive and os.getppid() == self.trainer.pid:
+                raise
+            # the training process is gone: nobody to tell
 
     def call_barrier(self, spec: BarrierSpec, method: str, args: tuple) -> None:
-        self.send(protocol.BARRIER_CALL, spec, method, args)
-        while True:
-            message, fd = self._receive()
-            if message[0] != protocol.BARRIER_RESULT:
-                self._queued.append((message, fd))
-                continue
-            _, error = message
-            if error is None:
-                return
-            kind, text = error
-            raise (CheckpointTimeoutError if kind == CheckpointTimeoutError.__name__ else CheckpointWriteError)(text)
+        """Run a barrier method in the training process's Store. Raises ``StoreUnreachable`` when
+        the training process is gone, or its Store cannot be reached (rank 0's process died)."""
+        if not self.trainer.alive:
+            raise StoreUnreachable("the training process is gone")
+        try:
+            self.conn.send((protocol.BARRIER_CALL, spec, method, args))
+            while True:
+                message, fd = self._receive()
+                if message[0] != protocol.BARRIER_RESULT:
+                    self._queued.append((message, fd))
+                    continue
+                break
+        except (EOFError, OSError) as e:
+            raise StoreUnreachable(f"the training process is gone ({e})") from None
+        _, error = message
+        if error is None:
+            return
+        kind, text = error
+        if kind == CheckpointTimeoutError.__name__:
+            raise CheckpointTimeoutError(text)
+        if kind == CheckpointWriteError.__name__:
+            raise CheckpointWriteError(text)
+        raise StoreUnreachable(f"{kind}: {text}")  # the Store itself failed (its server died with rank 0)
 
 
 class RemoteBarrier:
@@ -88,6 +147,11 @@ class Writer:
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
+        self.trainer = channel.trainer
+        self.current: Optional[protocol.Job] = None
+        self.announced: dict[int, tuple[str, str]] = {}  # orphaned: job id -> (parent, name) it logs
+        self.logged_in: set[str] = set()
+        self.trainer.on_gone.append(lambda: self.current is not None and self.announce(self.current))
         self.buffers: dict[int, tuple[Any, mmap.mmap]] = {}
         self.failed_jobs: set[int] = set()
         self.failures: dict[str, str] = {}
@@ -103,13 +167,46 @@ class Writer:
                 continue
             layout, mapping = self.buffers[job.buffer_id] if job.buffer_id is not None else (None, None)
             context = _Context(self, layout, memoryview(mapping) if mapping is not None else None)
+            self.current = job
+            if not self.trainer.alive:
+                self.announce(job)
             try:
                 job.request.run(context)
                 self.channel.send(protocol.DONE, job.job_id)
+                self.log_outcome(job, None)
             except BaseException as e:  # report everything; the training process decides what to raise
                 self.failed_jobs.add(job.job_id)
                 self.channel.send(protocol.FAILED, job.job_id, *protocol.error_text(e), traceback.format_exc())
+                self.log_outcome(job, e)
+            finally:
+                self.current = None
         self._after_replies()
+
+    # ------------------------------------------------------------------ orphaned
+    def announce(self, job: protocol.Job) -> None:
+        """Orphaned: log that this writer is finishing ``job``'s checkpoint (a restarted job waits for it)."""
+        target = _checkpoint_of(job.request)
+        if target is None or job.job_id in self.announced:
+            return
+        parent, name = os.path.dirname(target), os.path.basename(target)
+        self.announced[job.job_id] = (parent, name)
+        self.logged_in.add(parent)
+        orphans.note(parent, self.token, f"finishing {name} (training process {self.trainer.pid} died)")
+
+    def log_outcome(self, job: protocol.Job, error: Optional[BaseException]) -> None:
+        where = self.announced.pop(job.job_id, None)
+        if where is not None:
+            parent, name = where
+            orphans.note(parent, self.token, f"committed {name}" if error is None
+                         else f"not committed {name}: {type(error).__name__}: {error}")
+
+    def log_exit(self, event: str) -> None:
+        for parent in sorted(self.logged_in):
+            orphans.note(parent, self.token, event)
+
+    @functools.cached_property
+    def token(self) -> str:
+        return leftovers.owner_token()
 
     def _after_replies(self) -> None:
         """Work nobody waits for, done once the replies are sent: deleting what commits replaced
@@ -137,6 +234,9 @@ class _Context:
     def token(self) -> str:
         return leftovers.owner_token()
 
+    def trainer_gone(self) -> bool:
+        return not self.writer.trainer.alive
+
     def tidy(self, parent: str) -> None:
         parent = os.path.abspath(parent)
         if parent not in self.writer.tidying:
@@ -144,7 +244,12 @@ class _Context:
             self.after_reply(lambda: leftovers.clean(parent))
 
     def barrier(self, spec: BarrierSpec):
-        return RemoteBarrier(spec, self.writer.channel) if spec.kind == "store" else local_barrier(spec)
+        if spec.kind != "store":
+            return local_barrier(spec)
+        in_store = RemoteBarrier(spec, self.writer.channel)
+        if locations.is_url(spec.staging_dir):
+            return in_store
+        return SurvivingBarrier(in_store, FileBarrier(spec), lambda: self.writer.trainer.alive)
 
     def after_reply(self, action: Callable[[], None]) -> None:
         self.writer.after_replies.append(action)
@@ -168,7 +273,7 @@ class _Context:
         return self.writer.files.pop(save_key, {})
 
 
-def serve(channel: Channel, profile_to: Optional[str] = None) -> None:
+def serve(writer: "Writer", profile_to: Optional[str] = None) -> None:
     """Run requests until told to stop. With ``profile_to``, everything the writer runs is profiled
     (cProfile) and the statistics are written there when it stops (``benchmarks/profile_core.py``)."""
     profiler = None
@@ -177,11 +282,11 @@ def serve(channel: Channel, profile_to: Optional[str] = None) -> None:
 
         profiler = cProfile.Profile()
         profiler.enable()
-    writer = Writer(channel)
+    channel = writer.channel
     while True:
         try:
             message, fd = channel.next_message()
-        except EOFError:
+        except (EOFError, OSError):  # the training process closed the socket, or died: all it sent was run
             message, fd = (protocol.STOP,), None
         kind = message[0]
         if kind == protocol.BUFFER:
@@ -195,6 +300,7 @@ def serve(channel: Channel, profile_to: Optional[str] = None) -> None:
         elif kind == protocol.RUN:
             writer.run_jobs(message[1])
         elif kind == protocol.STOP:
+            writer.log_exit("exiting")
             if profiler is not None:
                 profiler.disable()
                 profiler.dump_stats(profile_to)
@@ -204,13 +310,15 @@ def serve(channel: Channel, profile_to: Optional[str] = None) -> None:
             os._exit(0)  # everything is durable already; skip the interpreter's teardown
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-    if os.getppid() != parent_pid:  # parent died before prctl took effect
-        os._exit(1)
+def _checkpoint_of(request: Any) -> Optional[str]:
+    """The checkpoint a request makes visible (a directory's or a sharded save's final path, a
+    single file's path), or None for work that commits nothing of its own."""
+    final = getattr(request, "final_path", None)
+    if final is not None and not getattr(request, "directory_barrier", None):
+        return None if locations.is_url(final) else final
+    if getattr(request, "barrier", "absent") is None and isinstance(getattr(request, "path", None), str):
+        return request.path  # a single file, not part of a directory checkpoint
+    return None
 
 
 def _apply_test_limits() -> None:
@@ -227,12 +335,24 @@ def _apply_test_limits() -> None:
 
 
 def main() -> None:
-    fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+    fd, parent_pid, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    if os.getppid() != parent_pid:  # the training process died while this one started: nothing was handed over
+        os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    trainer = TrainingProcess(parent_pid, timeout)
+    channel = Channel(Connection(fd), trainer)
+    writer = Writer(channel)
+
+    def give_up(signum: int, frame: Any) -> None:  # orphaned, and past the saves' timeout
+        writer.log_exit(f"gave up after {timeout:.0f}s")
+        os._exit(1)
+
+    signal.signal(signal.SIGALRM, give_up)
+    trainer.watch()
     _apply_test_limits()
     gc.disable()
-    serve(Channel(Connection(fd)), os.environ.get("ASYNCCKPT_WRITER_PROFILE"))
+    serve(writer, os.environ.get("ASYNCCKPT_WRITER_PROFILE"))
 
 
 if __name__ == "__main__":

@@ -56,6 +56,9 @@ class RequestContext(Protocol):
     def token(self) -> str:
         """A fresh owner token of this writer (``leftovers``), for a hidden name it creates."""
 
+    def trainer_gone(self) -> bool:
+        """The training process that handed this request over has died (the writer finishes alone)."""
+
     def tidy(self, parent: str) -> None:
         """Remove our leftovers in ``parent`` whose owner is gone (after the reply)."""
 

@@ -47,7 +47,7 @@ class RetentionRequest:
 
             ObjectRemoveRequest(doomed, self.object_store).run(context)
         else:
-            remove_paths(doomed, context)
+            remove_paths(doomed, context.token, context.after_reply)
 
 
 def committed_steps(root: str, pattern: re.Pattern) -> dict[int, str]:

@@ -128,7 +128,8 @@ class ShareRequest:
         checkpoint: rank 0 writes ``.metadata`` once every share is durable, and the directory's
         commit, queued behind, publishes it all."""
         image, progress = split_image(context.layout, context.image)
-        wait_ready = None if self.copy_generation is None else progress.waiter(self.copy_generation, self.barrier.timeout)
+        wait_ready = None if self.copy_generation is None else progress.waiter(
+            self.copy_generation, self.barrier.timeout, context.trainer_gone)
         barrier = context.barrier(self.barrier)
         place = self.destination()
         try:

@@ -1,0 +1,95 @@
+"""Writers that outlived their training process: the log they keep, and waiting for them.
+
+When a training process dies after a save call returned, its background writer finishes what was
+handed over (``writer.process``) instead of dying with it. Such a writer is an *orphan*: nobody
+waits for it, so it says what it does in one log file beside the checkpoints it finishes
+(``.asyncckpt-writer.log`` in the checkpoint's parent directory), one line per event, each naming
+the writer by its owner token (host, boot, pid: ``leftovers.owner_alive`` judges it):
+
+    2026-11-26T08:00:00Z writer 1a2b3c4d5e6f-4242-9f0e1d: training process 4200 died; finishing checkpoint-5
+    2026-11-26T08:00:01Z writer 1a2b3c4d5e6f-4242-9f0e1d: committed checkpoint-5
+    2026-11-26T08:00:01Z writer 1a2b3c4d5e6f-4242-9f0e1d: exiting
+
+The same lines let a restarted job find an orphan still at work on its directory, and wait for it
+before it picks the newest checkpoint (``wait_for_orphans``): it then resumes from the checkpoint
+the orphan commits, and never saves over one being committed. The log is a file, not a directory,
+and its name holds no digits: frameworks that list a checkpoint root for numbered folders skip it.
+
+Kept free of torch: the writer imports it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from typing import Optional
+
+from asyncckpt.core.storage import leftovers
+
+LOG_NAME = ".asyncckpt-writer.log"
+_LINE = re.compile(r"^\S+ writer (?P<token>\S+): (?P<event>finishing|committed|not committed|exiting|gave up)\b(?: (?P<what>.*))?$")
+logger = logging.getLogger("asyncckpt.core")
+
+
+def log_path(parent: str) -> str:
+    return os.path.join(parent, LOG_NAME)
+
+
+def note(parent: str, token: str, text: str) -> None:
+    """Append one line to the log in ``parent`` (one ``write`` of a line opened for appending: lines
+    of several writers never interleave). Never raises: the log must not fail a save."""
+    line = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} writer {token}: {text}\n"
+    try:
+        fd = os.open(log_path(parent), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def at_work(parent: str) -> dict[str, list[str]]:
+    """The orphaned writers still alive that said they are finishing something in ``parent``:
+    token -> the names they are finishing."""
+    try:
+        with open(log_path(parent), encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return {}
+    working: dict[str, list[str]] = {}
+    for line in lines:
+        match = _LINE.match(line.rstrip("\n"))
+        if match is None:
+            continue
+        token, event = match["token"], match["event"]
+        if event == "finishing":
+            working.setdefault(token, []).append(match["what"] or "")
+        elif event in ("exiting", "gave up"):
+            working.pop(token, None)
+    return {token: what for token, what in working.items() if leftovers.owner_alive(token) is True}
+
+
+def wait_for_orphans(parent: str, timeout: float, poll_interval: float = 0.1) -> None:
+    """Return once no orphaned writer is at work in ``parent`` (or after ``timeout`` seconds; each
+    orphan bounds its own work by its save's timeout, so the wait is bounded twice). Logs one line
+    when it has to wait."""
+    working = at_work(parent)
+    if not working:
+        return
+    names = sorted({name for what in working.values() for name in what})
+    logger.warning("asyncckpt: waiting for %d background writer(s) of a previous run finishing %s in %s",
+                   len(working), ", ".join(names), parent)
+    deadline = time.monotonic() + timeout
+    while working and time.monotonic() < deadline:
+        time.sleep(poll_interval)
+        working = at_work(parent)
+
+
+def finishing(parent: str, name: str) -> Optional[str]:
+    """The token of a live orphan finishing ``name`` in ``parent``, if there is one (``asyncckpt ls``)."""
+    for token, what in at_work(parent).items():
+        if name in what:
+            return token
+    return None

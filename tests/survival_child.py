@@ -1,0 +1,66 @@
+"""A training process that dies: saves, says so, and waits to be killed (test_survival.py, stress_survival.py).
+
+Usage: survival_child.py ROOT SEED MODE [RANK WORLD PORT]
+  MODE "returned": a committed checkpoint ``base``, then ``async_save`` of ``next``; prints
+                   ``returned`` once the call returned, then trains on (sleeps) until killed.
+  MODE "snapshot": the same, but the snapshot copy of ``next`` stops halfway and prints ``copying``:
+                   the process is killed in the middle of its snapshot.
+Every tensor of ``next`` is ``values(SEED, i)``; ``base`` holds zeros. With RANK/WORLD/PORT the
+ranks meet in a gloo process group (a TCPStore served by rank 0's process) and each saves its shard.
+"""
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from asyncckpt import core
+from asyncckpt.core.snapshot import shared_buffer
+
+TENSORS, ELEMENTS = 8, 8 << 20  # 256 MiB: the write outlasts the moment the call returns
+
+
+def values(seed: int, index: int, rank: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed * 1000 + index * 10 + rank)
+    return torch.rand(ELEMENTS, generator=generator)
+
+
+def main() -> None:
+    root, seed, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    rank, world = 0, 1
+    if len(sys.argv) > 4:
+        rank, world, port = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    timeout = float(os.environ.get("SURVIVAL_TIMEOUT", "60"))
+    checkpointer = core.Checkpointer(timeout=timeout)
+    state = {f"t{i}": torch.zeros(ELEMENTS) for i in range(TENSORS)}  # each rank its own share
+    state = {f"r{rank}.{k}": v for k, v in state.items()}
+    checkpointer.save(state, os.path.join(root, "base"))
+    for i, key in enumerate(state):
+        state[key].copy_(values(seed, i, rank))
+    if mode == "snapshot":
+        real_copy = shared_buffer._copy_group
+        copied = []
+
+        def stopping_copy(views, sources):
+            if copied:
+                print("copying", flush=True)
+                time.sleep(3600)
+            copied.append(len(views))
+            real_copy(views, sources)
+
+        shared_buffer._copy_group = stopping_copy
+    handle = checkpointer.async_save(state, os.path.join(root, "next"))
+    print("returned", flush=True)
+    try:
+        handle.result()
+        print("committed", flush=True)
+    except Exception as e:  # a surviving rank of a save another rank died in: the error names it
+        print(f"failed: {e}", flush=True)
+    time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""A save that returned survives the training process's death (kill -9 at once after the call).
+
+Real processes, real kills: each trial starts training processes (``survival_child.py``), kills
+them with SIGKILL the moment the save call returned (or in the middle of the snapshot), and checks
+what is on disk afterwards. A trial in which the checkpoint was already visible when the kill
+landed proves nothing: it is counted apart, and each test needs trials that prove something.
+``benchmarks/stress_survival.py`` runs many more trials of the same kinds.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from asyncckpt import core
+from asyncckpt.core.storage import leftovers, orphans
+from dist_helper import free_port
+from survival_child import ELEMENTS, TENSORS, values
+
+HERE = os.path.dirname(__file__)
+CHILD = os.path.join(HERE, "survival_child.py")
+
+
+def writers_of(procs: list[subprocess.Popen]) -> list[int]:
+    """The background writers started by these training processes (still running, orphaned or not)."""
+    parents = {str(proc.pid).encode() for proc in procs}
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"asyncckpt.core.writer.process" in argv and parents & set(argv):
+            found.append(int(pid))
+    return found
+
+
+def start(root: str, seed: int, mode: str, world: int = 1, env: dict | None = None) -> list[subprocess.Popen]:
+    port = free_port()
+    rank_args = [[]] if world == 1 else [[str(r), str(world), str(port)] for r in range(world)]
+    return [subprocess.Popen([sys.executable, CHILD, root, str(seed), mode, *args], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, **(env or {})}) for args in rank_args]
+
+
+def wait_for_line(proc: subprocess.Popen, wanted: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        if line.strip() == wanted:
+            return
+        assert time.monotonic() < deadline, f"no {wanted!r} from the training process"
+    raise AssertionError(f"the training process ended without {wanted!r} (exit {proc.wait()})")
+
+
+def kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.send_signal(signal.SIGKILL)
+    for proc in procs:
+        proc.wait(30)
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def expected(seed: int, world: int) -> dict:
+    return {f"r{rank}.t{i}": values(seed, i, rank) for rank in range(world) for i in range(TENSORS)}
+
+
+def assert_holds(path: str, seed: int, world: int) -> None:
+    state = {key: torch.empty(ELEMENTS) for key in expected(seed, world)}
+    core.load(state, path)
+    for key, value in expected(seed, world).items():
+        assert torch.equal(state[key], value), f"{path}: {key} differs from what the save call was given"
+
+
+def no_writer_left(procs: list[subprocess.Popen]) -> None:
+    wait_until(lambda: not writers_of(procs), 60, "an orphaned writer still runs after its work")
+
+
+def test_a_returned_save_is_committed_after_kill_9_single_and_multi_rank(tmp_path):
+    """kill -9 the training process(es) at once after the save call returned: the writer(s)
+    commit that save, it holds what was saved, the orphan logs it, and nothing of ours remains.
+    Two ranks: the Store died with rank 0's process; the writers meet by marker files."""
+    proving = 0
+    for trial, world in enumerate([1, 2, 1, 2]):
+        seed = random.randrange(10**6)
+        print(f"trial {trial}: world {world}, seed {seed}")
+        root = str(tmp_path / f"trial{trial}")
+        procs = start(root, seed, "returned", world)
+        for proc in procs:
+            wait_for_line(proc, "returned")
+        kill(procs)
+        visible_at_kill = core.is_complete(os.path.join(root, "next"))
+        proving += not visible_at_kill
+        wait_until(lambda: core.is_complete(os.path.join(root, "next")), 120, "the returned save was never committed")
+        assert_holds(os.path.join(root, "next"), seed, world)
+        assert core.latest_checkpoint(root) == os.path.join(root, "next")
+        no_writer_left(procs)
+        if not visible_at_kill:
+            with open(orphans.log_path(root)) as f:
+                log = f.read()
+            assert "finishing next" in log and "committed next" in log, log
+        assert orphans.at_work(root) == {}
+        assert [leftover for leftover in leftovers.find(root)] == [], "hidden leftovers after the orphan's commit"
+    assert proving >= 2, "no trial killed the training process before its checkpoint was visible"
+
+
+def test_a_kill_during_the_snapshot_commits_nothing(tmp_path):
+    """Killed halfway through its snapshot: nothing visible, nothing left after clean, ``base`` stays latest."""
+    root = str(tmp_path / "one")
+    procs = start(root, 7, "snapshot")
+    wait_for_line(procs[0], "copying")
+    kill(procs)
+    no_writer_left(procs)
+    assert not os.path.exists(os.path.join(root, "next"))
+    assert core.latest_checkpoint(root) == os.path.join(root, "base")
+    leftovers.clean(root)
+    assert sorted(os.listdir(root)) == ["base"] or sorted(os.listdir(root)) == [orphans.LOG_NAME, "base"]
+
+
+def test_one_rank_killed_in_its_snapshot_fails_the_save_everywhere_naming_it(tmp_path):
+    """Rank 1 dies during its snapshot: no rank commits, the surviving rank's error names rank 1
+    within the save's timeout, and after clean nothing but ``base`` is there."""
+    root = str(tmp_path / "two")
+    procs = [subprocess.Popen([sys.executable, CHILD, root, "11", mode, str(rank), "2", str(port)],
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "SURVIVAL_TIMEOUT": "15"})
+             for port in [free_port()] for rank, mode in [(0, "returned"), (1, "snapshot")]]
+    try:
+        wait_for_line(procs[1], "copying")
+        wait_for_line(procs[0], "returned")  # past the collectives of the save: only the snapshot of rank 1 is left
+        procs[1].send_signal(signal.SIGKILL)
+        started = time.monotonic()
+        outcome = procs[0].stdout.readline().strip()
+        assert outcome.startswith("failed:") and "rank" in outcome and "1" in outcome, outcome
+        assert time.monotonic() - started < 15 + 30
+    finally:
+        kill(procs)
+    no_writer_left(procs)
+    assert not core.is_complete(os.path.join(root, "next"))
+    assert core.latest_checkpoint(root) == os.path.join(root, "base")
+    leftovers.clean(root)
+    assert [name for name in os.listdir(root) if name != orphans.LOG_NAME] == ["base"]
