@@ -1,4 +1,4 @@
-"""Ctrl-C during training, in each adapter: saves already handed over finish and commit.
+"""Ctrl-C, or kill -9, during training, in each adapter: saves already handed over finish and commit.
 
 A terminal's Ctrl-C sends SIGINT to the whole foreground process group. Each program runs in a
 process group of its own (as under a terminal), saves at every step and prints ``SAVED <step>``
@@ -27,8 +27,12 @@ COMMON = """
 import os, sys, torch
 mode, root = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
+WIDTH = int(os.environ.get("WIDTH", "1024"))  # the kill -9 test grows the state until a save outlasts the kill
+def die_if_asked(point):  # the kill -9 test: SIGKILL at this point, from inside (no scheduling delay)
+    if os.environ.get("KILL_AT") == point:
+        import signal; os.kill(os.getpid(), signal.SIGKILL)
 def model():
-    return torch.nn.Sequential(torch.nn.Linear(8, 1024), torch.nn.Linear(1024, 512), torch.nn.Linear(512, 1))
+    return torch.nn.Sequential(torch.nn.Linear(8, WIDTH), torch.nn.Linear(WIDTH, 512), torch.nn.Linear(512, 1))
 """
 
 PROGRAMS = {
@@ -48,6 +52,7 @@ PROGRAMS = {
         class Saved(ModelCheckpoint):
             def _save_checkpoint(self, trainer, filepath):
                 super()._save_checkpoint(trainer, filepath); print(f"SAVED {os.path.basename(filepath)}", flush=True)
+                if os.path.basename(filepath) == "last.ckpt": die_if_asked("saved")
         x = torch.randn(1024, 8)
         trainer = L.Trainer(max_steps=100000, accelerator="cpu", logger=False,
                             enable_progress_bar=False, enable_model_summary=False, plugins=[AsyncCkptIO()],
@@ -69,6 +74,7 @@ PROGRAMS = {
             print(f"START {acc.project_configuration.iteration}", flush=True)
         for i in range(100000 if mode == "run" else 1):
             net(torch.randn(2, 8)).square().mean().backward(); opt.step(); opt.zero_grad()
+            if i == 1: die_if_asked("next step")  # the first save's optimizer snapshot is complete
             print(f"SAVED {os.path.basename(acc.save_state())}", flush=True)
         acc.end_training()
     """),
@@ -88,6 +94,8 @@ PROGRAMS = {
             def on_train_begin(self, args, state, control, **kwargs):
                 print(f"START {state.global_step}", flush=True); control.should_training_stop = mode == "resume"
             def on_save(self, args, state, control, **kwargs): print(f"SAVED checkpoint-{state.global_step}", flush=True)
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 2: die_if_asked("next step")  # after step 2's optimizer step
         args = TrainingArguments(output_dir=root, per_device_train_batch_size=2, max_steps=100000,
                                  save_steps=1, report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no")
         trainer = Trainer(model=Net(), args=args, train_dataset=Toy(), callbacks=[AsyncCheckpointCallback(), Report()])
@@ -147,3 +155,59 @@ def test_ctrl_c_keeps_every_save_that_returned_and_resume_continues(tmp_path, ad
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     start = int(next(line.split()[1] for line in resumed.stdout.splitlines() if line.startswith("START ")))
     assert start > 0  # not from scratch
+
+
+def _writers_of(pid: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"asyncckpt.core.writer.process" in argv and str(pid).encode() in argv:
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("adapter", ["lightning", "accelerate", "hf_trainer"])
+def test_kill_9_after_a_save_returned_keeps_it_and_resume_continues_from_it(tmp_path, adapter):
+    """SIGKILL to the training process right after a save call returned (Lightning), or once the
+    next step began (Accelerate, the Trainer: their optimizer state is snapshot while the next
+    forward and backward run, and the guarantee starts when that is complete): the background
+    writer finishes and commits that save, no writer remains, and the next run resumes from it."""
+    pytest.importorskip({"hf_trainer": "transformers"}.get(adapter, adapter))
+    script, root = tmp_path / "train.py", tmp_path / "run"
+    script.write_text(PROGRAMS[adapter])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WIDTH": "65536",  # ~0.4 GiB saves
+           "KILL_AT": "saved" if adapter == "lightning" else "next step"}
+    proc = subprocess.Popen([sys.executable, str(script), "run", str(root)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        proc.wait(300)  # not communicate(): the orphaned writer holds the pipes open until it is done
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    kept = _checkpoint(adapter, root, "last.ckpt" if adapter == "lightning" else "checkpoint_0" if adapter == "accelerate"
+                       else "checkpoint-1")  # the save that returned before the kill (Lightning resumes from last.ckpt)
+    print(f"{adapter}: {kept.name} visible when the trainer died: {_complete(adapter, kept)}")
+    out, err = proc.communicate(timeout=180)
+    saved = [line.split()[1] for line in out.splitlines() if line.startswith("SAVED ")]
+    assert kept.name in saved, (saved, err[-3000:])
+    deadline = time.monotonic() + 120
+    while _writers_of(proc.pid):
+        assert time.monotonic() < deadline, "the orphaned writer still runs"
+        time.sleep(0.1)
+    assert _complete(adapter, kept), f"{kept.name} was handed over before the kill and is not committed"
+
+    env.pop("KILL_AT")
+    resumed = subprocess.run([sys.executable, str(script), "resume", str(root)], capture_output=True, text=True,
+                             env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    start = int(next(line.split()[1] for line in resumed.stdout.splitlines() if line.startswith("START ")))
+    step_of = {"lightning": lambda name: int(name.split("=")[1].split(".")[0]),
+               "accelerate": lambda name: int(name.split("_")[1]) + 1,  # checkpoint_i is saved after step i+1
+               "hf_trainer": lambda name: int(name.split("-")[1])}[adapter]
+    assert start >= step_of(saved[0]), (start, saved)

@@ -101,9 +101,11 @@ def test_a_returned_save_is_committed_after_kill_9_single_and_multi_rank(tmp_pat
         kill(procs)
         visible_at_kill = core.is_complete(os.path.join(root, "next"))
         proving += not visible_at_kill
-        wait_until(lambda: core.is_complete(os.path.join(root, "next")), 120, "the returned save was never committed")
-        assert_holds(os.path.join(root, "next"), seed, world)
+        # a restart while the orphan writes: it waits for the orphan, then resumes from its checkpoint
+        wait_until(lambda: orphans.at_work(root) or core.is_complete(os.path.join(root, "next")), 60,
+                   "the orphaned writer neither committed nor said it is at work")
         assert core.latest_checkpoint(root) == os.path.join(root, "next")
+        assert_holds(os.path.join(root, "next"), seed, world)
         no_writer_left(procs)
         if not visible_at_kill:
             with open(orphans.log_path(root)) as f:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from asyncckpt.core.verify import integrity
-from asyncckpt.core.storage import leftovers
+from asyncckpt.core.storage import leftovers, orphans
 from asyncckpt.core.api import lifecycle
 from asyncckpt.core.storage import locations
 from asyncckpt.core.formats import names
@@ -505,6 +505,8 @@ class Checkpointer:
         return default_store() if self.use_collectives else None
 
     def _admit(self, kind: str, path: str, **details: Any) -> SaveHandle:
+        if kind in ("save", "file", "directory") and not locations.is_url(path):
+            orphans.wait_for_orphans(os.path.dirname(path), self.timeout)  # never save over what one commits
         self.stats[kind] += 1
         handle = self.ledger.admit(kind, path, **details)
         for url in filter(locations.is_url, handle.paths):  # the writer changed it: this process's listings are stale

@@ -14,7 +14,7 @@ import os
 import time
 from typing import Optional
 
-from asyncckpt.core.storage import locations
+from asyncckpt.core.storage import locations, orphans
 from asyncckpt.core.formats import names
 from asyncckpt.core.errors import IncompleteCheckpointError
 from asyncckpt.core.storage.fsio import atomic_write_bytes, exchange_paths, fsync_dir
@@ -52,13 +52,17 @@ def require_complete(path: str) -> dict:
     return record
 
 
-def latest_checkpoint(root: str) -> Optional[str]:
-    """The newest complete checkpoint directly under ``root`` (by step, then commit time), or None."""
+def latest_checkpoint(root: str, *, orphan_timeout: float = 600.0) -> Optional[str]:
+    """The newest complete checkpoint directly under ``root`` (by step, then commit time), or None.
+    A writer of a previous run still finishing a checkpoint there (its training process died after
+    the save call returned, ``orphans``) is waited for first, up to ``orphan_timeout`` seconds: a
+    restarted job resumes from the checkpoint it commits."""
     if locations.is_url(root):
         from asyncckpt.core.storage.object_checkpoints import committed_under
 
         found = committed_under(root)
     else:
+        orphans.wait_for_orphans(root, orphan_timeout)
         try:
             entries = os.listdir(root)
         except FileNotFoundError:

@@ -185,10 +185,10 @@ class Writer:
     # ------------------------------------------------------------------ orphaned
     def announce(self, job: protocol.Job) -> None:
         """Orphaned: log that this writer is finishing ``job``'s checkpoint (a restarted job waits for it)."""
-        target = _checkpoint_of(job.request)
-        if target is None or job.job_id in self.announced:
+        where = _checkpoint_of(job.request)
+        if where is None or job.job_id in self.announced:
             return
-        parent, name = os.path.dirname(target), os.path.basename(target)
+        parent, name = where
         self.announced[job.job_id] = (parent, name)
         self.logged_in.add(parent)
         orphans.note(parent, self.token, f"finishing {name} (training process {self.trainer.pid} died)")
@@ -310,14 +310,18 @@ def serve(writer: "Writer", profile_to: Optional[str] = None) -> None:
             os._exit(0)  # everything is durable already; skip the interpreter's teardown
 
 
-def _checkpoint_of(request: Any) -> Optional[str]:
-    """The checkpoint a request makes visible (a directory's or a sharded save's final path, a
-    single file's path), or None for work that commits nothing of its own."""
+def _checkpoint_of(request: Any) -> Optional[tuple[str, str]]:
+    """Where an orphan logs a request's checkpoint, and its name: the directory its staging
+    directory is in (beside the checkpoint, or where a framework that counts every entry of the
+    checkpoint's directory keeps it: Accelerate's ``checkpoints/``), or a single file's directory.
+    None for work that commits nothing of its own."""
     final = getattr(request, "final_path", None)
     if final is not None and not getattr(request, "directory_barrier", None):
-        return None if locations.is_url(final) else final
+        if locations.is_url(final):
+            return None
+        return os.path.dirname(getattr(request, "staging_dir", None) or final), os.path.basename(final)
     if getattr(request, "barrier", "absent") is None and isinstance(getattr(request, "path", None), str):
-        return request.path  # a single file, not part of a directory checkpoint
+        return os.path.dirname(request.path), os.path.basename(request.path)  # a single file
     return None
 
 
