@@ -164,3 +164,99 @@ def test_trainer_train_leaves_nothing_running_and_the_callbacks_pickle(tmp_path,
     train(tmp_path / "b", [ours[0]])
     assert is_complete(str(tmp_path / "b" / "checkpoint-8")) and [t["step"] for t in ours[0].timings] == [4, 8]
     assert ours_running() == ([], [])
+
+
+# ---------------------------------------------------------------------- the writer's life and the exit status
+EXITS_AFTER_A_SAVE = {
+    "core": """
+        import torch
+        from asyncckpt import core
+        core.async_save({"w": torch.ones(4 << 20)}, sys.argv[1])
+    """,
+    "fabric": """
+        import torch
+        from lightning.fabric import Fabric
+        from asyncckpt.adapters.lightning import AsyncCkptIO
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[AsyncCkptIO()])
+        fabric.save(sys.argv[1], {"w": torch.ones(4 << 20)})
+    """,
+    "accelerate": """
+        import torch
+        from accelerate import Accelerator
+        from asyncckpt.adapters.accelerate import enable_async_checkpointing
+        acc = Accelerator(cpu=True)
+        enable_async_checkpointing(acc)
+        net = acc.prepare(torch.nn.Linear(2048, 2048))
+        acc.save_state(sys.argv[1])  # and no end_training()
+    """,
+}
+
+
+@pytest.mark.parametrize("program", sorted(EXITS_AFTER_A_SAVE))
+def test_a_save_that_fails_at_exit_makes_the_exit_status_non_zero(tmp_path, program):
+    """A script whose last line is a save, on a full disk (a real write error in the writer): the
+    exit drain reports the failure naming the checkpoint and the process exits with status 1, as
+    it would with the framework's own synchronous save. The same script on a working disk exits 0."""
+    import subprocess
+    import sys
+    import textwrap
+
+    pytest.importorskip({"fabric": "lightning"}.get(program, "torch" if program == "core" else program))
+    script = tmp_path / "last_line_saves.py"
+    script.write_text("import sys\n" + textwrap.dedent(EXITS_AFTER_A_SAVE[program]))
+    for limit, status in [(str(1 << 20), 1), (None, 0)]:
+        env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_WORKER_FSIZE_LIMIT"}
+        if limit:
+            env["ASYNCCKPT_WORKER_FSIZE_LIMIT"] = limit  # writes over 1 MiB fail with EFBIG, as on a full disk
+        target = tmp_path / f"ckpt-{status}"
+        done = subprocess.run([sys.executable, str(script), str(target)], capture_output=True, text=True, env=env,
+                              timeout=300)
+        assert done.returncode == status, done.stderr[-3000:]
+        if status:
+            assert "asyncckpt: at exit:" in done.stderr and "ckpt-1" in done.stderr, done.stderr[-3000:]
+        else:
+            assert "asyncckpt: at exit" not in done.stderr, done.stderr[-3000:]
+
+
+def test_an_idle_writer_stops_and_the_next_save_starts_one(tmp_path, ours_running):
+    """With nothing to do for ``writer_idle_timeout`` seconds the writer process and the thread that
+    hears it exit (saves made outside a framework's run leave no process idling; the copy threads,
+    like the staging buffers, stay with the Checkpointer until it is closed); the next save starts
+    a new writer and commits as before."""
+    import time
+
+    from asyncckpt.core import Checkpointer
+
+    checkpointer = Checkpointer(writer_idle_timeout=0.5)
+    try:
+        checkpointer.save({"w": torch.ones(1024)}, tmp_path / "a")
+        deadline = time.monotonic() + 30
+        while ours_running()[1] or any(name.startswith("asyncckpt-writer") for name in ours_running()[0]):
+            assert time.monotonic() < deadline, ours_running()
+            time.sleep(0.05)
+        checkpointer.save({"w": torch.full((1024,), 2.0)}, tmp_path / "b")
+        assert is_complete(str(tmp_path / "b"))
+        loaded = {"w": torch.zeros(1024)}
+        checkpointer.load(loaded, tmp_path / "b")
+        assert torch.equal(loaded["w"], torch.full((1024,), 2.0))
+    finally:
+        checkpointer.close()
+    assert ours_running() == ([], [])
+
+
+def test_a_removal_with_nothing_pending_starts_no_writer(tmp_path, ours_running):
+    """Lightning's main process after ``ddp_spawn`` removes a temporary file through the plugin and
+    saves nothing: the removal is done at once, and no writer (nor thread) of ours starts for it."""
+    from asyncckpt.core import Checkpointer
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f.bin").write_bytes(b"x" * 100)
+    (tmp_path / "weights.ckpt").write_bytes(b"y")
+    checkpointer = Checkpointer()
+    try:
+        handle = checkpointer.remove([tmp_path / "d", tmp_path / "weights.ckpt"])
+        assert handle.done() and handle.exception() is None
+        assert ours_running() == ([], [])
+        assert sorted(os.listdir(tmp_path)) == []
+    finally:
+        checkpointer.close()
