@@ -251,8 +251,15 @@ def test_hpc_and_on_exception_saves_are_synchronous(tmp_path):
 
     trainer = L.Trainer(max_epochs=1, plugins=[io], enable_checkpointing=False, **QUIET)
     trainer.fit(TinyModule(), data())
-    trainer.save_checkpoint(tmp_path / "hpc_ckpt_3.ckpt")
-    assert os.path.isfile(tmp_path / "hpc_ckpt_3.ckpt") and not io.pending()
+    trainer.save_checkpoint(tmp_path / "hpc_ckpt_3.ckpt")  # asynchronous by default: its writer outlives a requeue's kill
+    io.wait()
+    assert torch.load(tmp_path / "hpc_ckpt_3.ckpt", weights_only=False)["global_step"] == trainer.global_step
+    io.sync_patterns = ("hpc_ckpt_*",)  # the option still makes a pattern synchronous
+    try:
+        trainer.save_checkpoint(tmp_path / "hpc_ckpt_4.ckpt")
+        assert os.path.isfile(tmp_path / "hpc_ckpt_4.ckpt") and not io.pending()
+    finally:
+        io.sync_patterns = ()
 
 
 def test_failed_background_save_raises_at_next_save(tmp_path):

@@ -57,8 +57,11 @@ class AsyncCkptIO(CheckpointIO):
         timeout: bound, in seconds, on every wait for the background writer.
         direct_io: write with O_DIRECT where the filesystem supports it.
         io_threads: parallel write threads in the background writer.
-        sync_patterns: file-name patterns (``fnmatch``) saved synchronously; default the SLURM
-            requeue checkpoint ``hpc_ckpt_*`` (the job is requeued right after that save returns).
+        sync_patterns: file-name patterns (``fnmatch``) saved synchronously; default none. The
+            SLURM requeue checkpoint ``hpc_ckpt_*`` is asynchronous too: the job is requeued right
+            after that save returns, and its background writer finishes it even when the training
+            process is killed (within ``timeout``); the requeued run waits for that writer before
+            it picks the checkpoint to resume from.
         sync_on_exception: save synchronously while an exception is being handled.
         verify_on_resume: check a checkpoint against its checksums before Lightning loads it
             (``asyncckpt.core.verify.integrity``); a damaged one raises ``CorruptCheckpointError`` naming the
@@ -69,7 +72,7 @@ class AsyncCkptIO(CheckpointIO):
     """
 
     def __init__(self, *, max_in_flight: int = 2, timeout: float = 600.0, direct_io: bool = True,
-                 io_threads: int = 2, sync_patterns: tuple[str, ...] = ("hpc_ckpt_*",),
+                 io_threads: int = 2, sync_patterns: tuple[str, ...] = (),
                  sync_on_exception: bool = True, verify_on_resume: bool = True, resume_from_intact: bool = False) -> None:
         versions.require(SUPPORT)
         super().__init__()

@@ -43,7 +43,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, St
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
 from asyncckpt.core.api import lifecycle
-from asyncckpt.core.integration import patching
+from asyncckpt.core.integration import patching, wait_for_orphans
 
 
 def plugin_of(strategy: Any) -> Optional[Any]:
@@ -139,10 +139,18 @@ def _sharded_load(original: Callable) -> Callable:
 
 def _noting_the_pick(original: Callable) -> Callable:
     """Which checkpoint Lightning chose itself ("last", "best", "hpc"): only then may a damaged one
-    be replaced by an older intact one (``resume_from_intact``)."""
+    be replaced by an older intact one (``resume_from_intact``). Before Lightning looks (a keyword,
+    or None, where a SLURM requeue resumes its ``hpc_ckpt``), a writer of the previous run still
+    finishing a checkpoint in the checkpoint directories is waited for, so the pick includes it."""
     def parse_ckpt_path(self, state_fn, ckpt_path, *args: Any, **kwargs: Any) -> Any:
-        resolved = original(self, state_fn, ckpt_path, *args, **kwargs)
         io = plugin_of(self.trainer.strategy)
+        if io is not None and (ckpt_path is None or ckpt_path in ("last", "best", "hpc")):
+            folders = {self.trainer.default_root_dir} | {cb.dirpath for cb in self.trainer.checkpoint_callbacks
+                                                         if getattr(cb, "dirpath", None)}
+            for folder in sorted(map(str, folders)):
+                if "://" not in folder:
+                    wait_for_orphans(os.path.abspath(folder), io.timeout)
+        resolved = original(self, state_fn, ckpt_path, *args, **kwargs)
         if io is not None:
             picked = ckpt_path in ("last", "best", "hpc", "registry") and resolved
             io.picked_by_lightning = os.path.abspath(os.fspath(resolved)) if picked else None
