@@ -151,3 +151,24 @@ def test_one_rank_killed_in_its_snapshot_fails_the_save_everywhere_naming_it(tmp
     assert core.latest_checkpoint(root) == os.path.join(root, "base")
     leftovers.clean(root)
     assert [name for name in os.listdir(root) if name != orphans.LOG_NAME] == ["base"]
+
+
+def test_sigterm_to_every_process_during_a_large_save_commits_it_within_the_grace_period(tmp_path):
+    """A preemption: SIGTERM reaches every process of the job (the training process and its writer,
+    as a container runtime or SLURM sends it), SIGKILL follows after a 30 s grace period. The
+    training process dies of the SIGTERM; the writer ignores it, commits the save that returned and
+    exits before the SIGKILL would come."""
+    root = str(tmp_path / "preempted")
+    procs = start(root, 5, "returned")
+    wait_for_line(procs[0], "returned")
+    writers = writers_of(procs)
+    assert writers, "no writer of the training process found"
+    terminated = time.monotonic()
+    for pid in [procs[0].pid, *writers]:
+        os.kill(pid, signal.SIGTERM)
+    procs[0].wait(30)
+    assert procs[0].returncode == -signal.SIGTERM
+    wait_until(lambda: not writers_of(procs), 30, "the writer outlived the 30 s grace period")
+    assert time.monotonic() - terminated < 30
+    assert core.is_complete(os.path.join(root, "next"))
+    assert_holds(os.path.join(root, "next"), 5, 1)
