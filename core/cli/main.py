@@ -231,12 +231,9 @@ def cmd_clean(root: str, min_age_s: float, dry_run: bool) -> int:
     host cannot see) only once untouched for ``min_age_s``. Never anything a live writer still uses."""
     backend = backend_for(root)
     root = backend.normalize(root)
-    if backend.is_file(root) or not backend.exists(root):
-        print(f"asyncckpt clean: {root}: not a directory", file=sys.stderr)
-        return EXIT_PROBLEM
     try:
         found = backend.find_leftovers(root)
-    except ObjectStoreError as e:
+    except (OSError, ObjectStoreError) as e:
         print(f"asyncckpt clean: {e}", file=sys.stderr)
         return EXIT_PROBLEM
     freed = count = 0

@@ -153,7 +153,8 @@ class Backend(Protocol):
         goes first); what is slow to delete may be left to ``after_reply``."""
 
     def find_leftovers(self, root: str) -> list[Leftover]:
-        """What crashed or killed writers left directly under ``root``, judged by owner."""
+        """What crashed or killed writers left directly under ``root``, judged by owner (locally,
+        NotADirectoryError if ``root`` is no directory)."""
 
     def delete_leftover(self, leftover: Leftover) -> None: ...
 

@@ -310,6 +310,8 @@ class LocalBackend:
         remove_paths(paths, token, after_reply, hidden_parent)
 
     def find_leftovers(self, root: str) -> list[Leftover]:
+        if not os.path.isdir(root):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", root)
         return leftovers.find(root)
 
     def delete_leftover(self, leftover: Leftover) -> None:
