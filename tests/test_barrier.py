@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from asyncckpt import core
-from asyncckpt.core.storage import commit
+from asyncckpt.core.storage import local
 from asyncckpt.core.writer.barrier import BarrierSpec, FileBarrier, StoreBarrier
 from asyncckpt.core.snapshot.dist_env import default_store
 from dist_helper import run_on_ranks
@@ -41,7 +41,7 @@ def _meet(rank, world, kind, root, scenario):
             barrier.wait_all()
             if kind == "files":  # the commit record under the final name is what the others wait for
                 os.makedirs(barrier.spec.final_path)
-                commit.write_commit_record(barrier.spec.final_path, {"save_id": scenario})
+                local.write_commit_record(barrier.spec.final_path, {"save_id": scenario})
             barrier.committed()
         else:
             barrier.wait_commit()

@@ -20,7 +20,7 @@ from asyncckpt import core
 from asyncckpt.core.storage import leftovers
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.names import COMMIT_RECORD
-from asyncckpt.core.formats.sidecar import read_rank_sidecar
+from asyncckpt.core.storage.sidecars import read_rank_sidecar
 
 STAGING_NAME = ".step_000020.asyncckpt-staging-0123abcd"
 

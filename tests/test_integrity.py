@@ -10,7 +10,7 @@ import torch
 
 from asyncckpt import core
 from asyncckpt.core.loading.metadata_io import load_dcp_metadata, write_dcp_metadata
-from asyncckpt.core.formats.sidecar import read_rank_sidecar
+from asyncckpt.core.storage.sidecars import read_rank_sidecar
 
 
 @pytest.fixture()

@@ -13,7 +13,7 @@ from asyncckpt import core
 from asyncckpt.core.formats import dcp_pickle
 from asyncckpt.core.loading import metadata_io
 from asyncckpt.core.loading.metadata_io import attributes, dcp_classes, load_dcp_metadata, metadata_pickled_by_torch
-from asyncckpt.core.formats.sidecar import read_sidecar
+from asyncckpt.core.storage.sidecars import read_sidecar
 
 
 def _state(n_tensors: int, step: int) -> dict:

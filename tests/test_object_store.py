@@ -22,7 +22,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from asyncckpt import core
 from asyncckpt.core.cli import main
 from asyncckpt.core.storage import file_checksums
-from asyncckpt.core.storage.object_checkpoints import leftovers_under
+from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.storage.object_store import ObjectStoreError, ObjectStoreOptions, store_for
 from dist_helper import run_on_ranks
 from s3_server import S3Server
@@ -79,6 +79,27 @@ def test_load_finds_damage_and_refuses_uncommitted(s3_root):
     assert main.main(["inspect", path]) == main.EXIT_INCOMPLETE
     assert main.main(["verify", "--no-progress", path]) == main.EXIT_INCOMPLETE
     assert main.main(["inspect", f"{s3_root}/c/never_written"]) == main.EXIT_PROBLEM
+
+
+def test_a_commit_record_of_a_newer_version_is_rejected_as_locally(s3_root, tmp_path):
+    """One parser for every store: a record newer than this code is no commit, on s3:// as on disk."""
+    state = {"w": reference("w", (8,))}
+    for root in (f"{s3_root}/versions", str(tmp_path / "versions")):
+        path = f"{root}/step_000001"
+        core.Checkpointer().save(state, path, step=1)
+        assert core.latest_checkpoint(root) == path
+        backend = backend_for(path)
+        record = json.loads(backend.read_bytes(f"{path}/.asyncckpt-commit.json"))
+        newer = json.dumps({**record, "version": record["version"] + 1}).encode()
+        if backend.remote:
+            store_for(path).put(f"{path}/.asyncckpt-commit.json", newer)
+        else:
+            with open(f"{path}/.asyncckpt-commit.json", "wb") as f:
+                f.write(newer)
+        assert core.latest_checkpoint(root) is None, root
+        assert not core.is_complete(path)
+        with pytest.raises(core.IncompleteCheckpointError):
+            core.Checkpointer().load({"w": torch.zeros(8)}, path)
 
 
 def _save_on_two_ranks(rank, world, root):
@@ -237,18 +258,18 @@ def test_kill_9_mid_upload_is_invisible_and_clean_removes_it(s3_root, capsys):
     latest = core.latest_checkpoint(root)
     assert latest in (None, f"{root}/step_000001")
     deadline = time.monotonic() + 10  # the writer dies with its parent (PR_SET_PDEATHSIG), a moment later
-    while any(leftover.alive for leftover in leftovers_under(root)) and time.monotonic() < deadline:
+    while any(leftover.alive for leftover in backend_for(root).find_leftovers(root)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    found = leftovers_under(root)
+    found = backend_for(root).find_leftovers(root)
     assert found and all(leftover.alive is False for leftover in found), found
-    uncommitted = [leftover.url for leftover in found if leftover.kind == "uncommitted"]
+    uncommitted = [leftover.path for leftover in found if leftover.kind == "uncommitted"]
     assert f"{root}/step_000002" in uncommitted
     with pytest.raises(core.IncompleteCheckpointError):
         core.Checkpointer().load({"step": None}, f"{root}/step_000002")
     assert main.main(["ls", root]) == main.EXIT_OK
     assert "INCOMPLETE" in capsys.readouterr().out
     assert main.main(["clean", root]) == main.EXIT_OK
-    assert leftovers_under(root) == []
+    assert backend_for(root).find_leftovers(root) == []
     assert store_for(root).incomplete_uploads(root) == []
     assert core.latest_checkpoint(root) == latest
 

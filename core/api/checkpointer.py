@@ -32,7 +32,6 @@ import torch.distributed as dist
 from asyncckpt.core.verify import integrity
 from asyncckpt.core.storage import leftovers, orphans
 from asyncckpt.core.api import lifecycle
-from asyncckpt.core.storage import locations
 from asyncckpt.core.formats import names
 from asyncckpt.core.storage import object_store as object_store_module
 from asyncckpt.core.writer.barrier import BarrierSpec
@@ -48,7 +47,7 @@ from asyncckpt.core.errors import (
     CorruptCheckpointError,
 )
 from asyncckpt.core.writer.file_requests import FileRequest, LinkRequest, RemoveRequest
-from asyncckpt.core.storage.object_checkpoints import ObjectFileRequest, ObjectRemoveRequest
+from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
 from asyncckpt.core.api.handles import SaveHandle
 from asyncckpt.core.loading.state_dict import load_checkpoint
@@ -146,7 +145,7 @@ class Checkpointer:
         anyway, streams by default (figures in docs/DESIGN.md).
         """
         self._check_open()
-        path = locations.normalize(path)
+        path = _normalize(path)
         group = process_group if process_group is not None else self.process_group
         collectives = (self.use_collectives if use_collectives is None else use_collectives) and dist_ready()
         overlap = self.overlap_staging if overlap_staging is None else overlap_staging
@@ -187,7 +186,7 @@ class Checkpointer:
              strict: bool = True, verify: Optional[bool] = None, use_collectives: Optional[bool] = None) -> None:
         """Load a committed checkpoint into ``state_dict`` in place, resharding as needed (``loading``).
         Waits for a save of ``path`` still in flight first."""
-        path = locations.normalize(path)
+        path = _normalize(path)
         self.wait_for(path)
         with object_store_module.using(self.object_store):
             load_checkpoint(state_dict, path, group=process_group if process_group is not None else self.process_group,
@@ -206,14 +205,13 @@ class Checkpointer:
         submission order, so repeated saves to one path keep their order.
         """
         self._check_open()
-        path = locations.normalize(path)
+        path = _normalize(path)
         self.ledger.raise_unobserved()
         image = self.files.image(obj, format, metadata)
         handle = self._admit("file", path, rank=rank_and_world(self.process_group)[0], step=step, label=label)
         slot = self.buffers.take_for_file(image.size, handle)
         handle.when_done(lambda: self.buffers.give_back(slot))
-        request = (ObjectFileRequest(path, image.size, self.object_store) if locations.is_url(path)
-                   else FileRequest(path, image.size, handle.rank, self.direct_io, self.io_threads))
+        request = FileRequest(path, image.size, handle.rank, self.direct_io, self.io_threads, object_store=self.object_store)
         self.stager.take_snapshot(handle, lambda: self.files.stage(image, slot), request,
                                   lambda: self.ledger.queue.submit([(handle, request, slot.buffer)]))
         return handle
@@ -270,15 +268,13 @@ class Checkpointer:
         before; with ``after``, only if that save succeeded. A directory is renamed out of every
         name a framework looks at first (into ``hidden_parent`` if given, on the same filesystem),
         then deleted once the writer has replied."""
-        paths = tuple(locations.normalize(p) for p in paths)
-        if any(map(locations.is_url, paths)):
-            if not all(map(locations.is_url, paths)):
-                raise ValueError(f"remove() takes local paths or URLs, not both at once: {paths}")
-            request = ObjectRemoveRequest(list(paths), self.object_store)
-        else:
-            request = RemoveRequest(list(paths), os.path.abspath(os.fspath(hidden_parent)) if hidden_parent else None)
-            if after is None and not self.ledger.queue.running and not self.pending():
-                return self._remove_here(request, paths)
+        paths = tuple(_normalize(p) for p in paths)
+        if len({backend_for(p).remote for p in paths}) > 1:
+            raise ValueError(f"remove() takes local paths or URLs, not both at once: {paths}")
+        request = RemoveRequest(list(paths), os.path.abspath(os.fspath(hidden_parent)) if hidden_parent else None,
+                                object_store=self.object_store)
+        if after is None and not self.ledger.queue.running and not self.pending():
+            return self._remove_here(request, paths)
         return self._queue_after("remove", ", ".join(paths), request, after, paths=paths)
 
     def _remove_here(self, request: RemoveRequest, paths: tuple[str, ...]) -> SaveHandle:
@@ -307,7 +303,7 @@ class Checkpointer:
                         keep_every: Optional[int], after: Optional[SaveHandle] = None) -> SaveHandle:
         """Delete the committed checkpoints under ``root`` (names matching ``pattern``, group 1 the
         step) that ``retention.select_deletions`` does not keep; with ``after``, only if that save succeeded."""
-        root = locations.normalize(root)
+        root = _normalize(root)
         return self._queue_after("retention", root, RetentionRequest(root, pattern, keep_last, keep_every, self.object_store),
                                  after)
 
@@ -315,8 +311,8 @@ class Checkpointer:
         """Copy the committed checkpoint ``path`` (a directory, or a single file) to the object-store
         ``url`` and commit it there, in the background, after everything queued before; with ``after``,
         only if that save succeeded (``mirror``; ``mirror.restore`` brings one back)."""
-        path, url = locations.normalize(path), locations.normalize(url)
-        if not locations.is_url(url):
+        path, url = _normalize(path), _normalize(url)
+        if not backend_for(url).remote:
             raise ValueError(f"mirror() copies to an object-store URL, not to {url}")
         return self._queue_after("mirror", url, MirrorRequest(path, url, self.object_store), after)
 
@@ -363,7 +359,7 @@ class Checkpointer:
     def wait_for(self, path: str | os.PathLike) -> None:
         """Wait for pending work on ``path`` (a read must never see a checkpoint being written);
         raise its failure if nobody has seen it."""
-        self.ledger.wait_for(locations.normalize(path))
+        self.ledger.wait_for(_normalize(path))
 
     def raise_failures(self) -> None:
         """Raise (once) a failure of earlier work that nobody has seen; never waits."""
@@ -372,12 +368,12 @@ class Checkpointer:
     def will_exist(self, path: str | os.PathLike) -> bool:
         """Whether ``path`` will exist once the queued work has run: what the last queued work on it
         does (a save or link creates it, a removal deletes it), else whether it exists now."""
-        path = locations.normalize(path)
+        path = _normalize(path)
         queued = self.ledger.will_exist(path)
         if queued is not None:
             return queued
         with object_store_module.using(self.object_store):
-            return locations.exists(path)
+            return backend_for(path).exists(path)
 
     def pending(self) -> list[SaveHandle]:
         """Checkpoints, removals and links not done yet, oldest first."""
@@ -398,7 +394,7 @@ class Checkpointer:
         it; raise ``CorruptCheckpointError`` naming the files (and keys) that are damaged. With
         ``everywhere`` (a collective: every rank calls it), the ranks check the data files of a
         sharded checkpoint side by side, and a problem found on any rank raises on every rank."""
-        path = locations.normalize(path)
+        path = _normalize(path)
         rank, world = rank_and_world(self.process_group) if everywhere else (0, 1)
         error: Optional[CheckpointError] = None
         report = None
@@ -505,12 +501,13 @@ class Checkpointer:
         return default_store() if self.use_collectives else None
 
     def _admit(self, kind: str, path: str, **details: Any) -> SaveHandle:
-        if kind in ("save", "file", "directory") and not locations.is_url(path):
+        if kind in ("save", "file", "directory") and not backend_for(path).remote:
             orphans.wait_for_orphans(os.path.dirname(path), self.timeout)  # never save over what one commits
         self.stats[kind] += 1
         handle = self.ledger.admit(kind, path, **details)
-        for url in filter(locations.is_url, handle.paths):  # the writer changed it: this process's listings are stale
-            handle.when_done(lambda url=url: object_store_module.forget_listings(url, self.object_store))
+        for path in handle.paths:  # the writer changed it: what this process cached of it is stale
+            backend = backend_for(path, self.object_store)
+            handle.when_done(lambda path=path, backend=backend: backend.forget_cached(path))
         return handle
 
     def _foreground(self, handle: SaveHandle, step: Callable[[], Any]) -> Any:
@@ -532,3 +529,8 @@ class Checkpointer:
             if not handle.done():
                 self.ledger.complete(handle, e)
             self.ledger.report_later(handle)
+
+
+def _normalize(path: str | os.PathLike) -> str:
+    """The form the core keeps a path in (``Backend.normalize``): the pending work is keyed by it."""
+    return backend_for(path).normalize(path)

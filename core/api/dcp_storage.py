@@ -23,15 +23,18 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from asyncckpt.core.storage import commit
-from asyncckpt.core.storage import locations
+from asyncckpt.core.storage import local
+from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.formats import names
 from asyncckpt.core.errors import CorruptCheckpointError
 from asyncckpt.core.loading.metadata_io import load_dcp_metadata, write_dcp_metadata
 from asyncckpt.core.snapshot.planner import byte_items, layout_for_plan, tensor_items
 from asyncckpt.core.loading.reader import RAW_DTYPES, Span, can_read_into, group_by_file, overlapping, read_spans
 from asyncckpt.core.snapshot.shared_buffer import StagingBuffer, copy_into
-from asyncckpt.core.formats.sidecar import ShareRecord, read_sidecar, write_rank_sidecar
-from asyncckpt.core.writer.shard_requests import LocalDestination, write_share
+from asyncckpt.core.formats.sidecar import ShareRecord
+from asyncckpt.core.storage.sidecars import read_sidecar, write_rank_sidecar
+from asyncckpt.core.storage.local import LocalDestination
+from asyncckpt.core.writer.shard_requests import write_share
 from asyncckpt.core.snapshot.tensor_copy import CopyThreads
 
 STAGED_BYTES = 64 << 20  # temporaries of a resharding read, at most, at a time
@@ -66,7 +69,7 @@ class AsyncCkptStorageWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator, before any rank writes: un-commit a checkpoint being overwritten in place,
         so a crash mid-save can never leave the old commit record over new, partial data."""
-        commit.uncommit(self.path)
+        backend_for(self.path).uncommit(self.path)
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -99,7 +102,7 @@ class AsyncCkptStorageWriter(StorageWriter):
         metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
         metadata.storage_meta = self.storage_meta()
         write_dcp_metadata(self.path, metadata)
-        commit.write_commit_record(self.path, {"save_id": self.save_id, "world_size": len(results), "step": None})
+        local.write_commit_record(self.path, {"save_id": self.save_id, "world_size": len(results), "step": None})
 
     def storage_meta(self) -> Optional[StorageMeta]:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -144,7 +147,7 @@ class AsyncCkptStorageReader(StorageReader):
     def _load_sidecars(self) -> dict[tuple[str, int], tuple[Any, int]]:
         """(file, start) -> (sidecar columns, item index), for every rank sidecar present (none for plain DCP)."""
         located: dict[tuple[str, int], tuple[Any, int]] = {}
-        for name in locations.list_names(self.path):
+        for name in backend_for(self.path).list_names(self.path):
             match = names.SIDECAR_PATTERN.match(name)
             if match is None:
                 continue

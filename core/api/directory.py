@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from asyncckpt.core.storage import commit
+from asyncckpt.core.storage import local
 from asyncckpt.core.storage import leftovers
 from asyncckpt.core.formats import names
 from asyncckpt.core.writer.barrier import BarrierSpec
@@ -68,7 +68,7 @@ class CommitDirRequest:
                 barrier.wait_commit()
                 return
             barrier.wait_all()
-            replaced = commit.publish_with_record(self.staging_dir, self.final_path, {
+            replaced = local.publish_with_record(self.staging_dir, self.final_path, {
                 "save_id": self.save_id, "world_size": self.barrier.world_size, "step": self.step,
                 "checksums": self._gather_checksums()})
             barrier.committed()

@@ -26,10 +26,11 @@ from asyncckpt.core.verify import checkpoint_kinds
 from asyncckpt.core.storage import commit
 from asyncckpt.core.verify import integrity
 from asyncckpt.core.storage import leftovers
-from asyncckpt.core.storage import locations
 from asyncckpt.core.formats import names
 from asyncckpt.core.cli import object_cli
 from asyncckpt.core.errors import CheckpointError
+from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.object_store import ObjectStoreError
 from asyncckpt.core.loading.metadata_io import load_dcp_metadata
 from asyncckpt.core.formats.names import DCP_METADATA_FILE
 
@@ -47,18 +48,6 @@ def _human(nbytes: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _tree_size(path: str) -> int:
-    """Bytes of every file under ``path`` (symlinks not followed: we report what this dir holds)."""
-    total = 0
-    for parent, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(parent, name)).st_size
-            except FileNotFoundError:  # a save or a cleanup running concurrently
-                pass
-    return total
-
-
 def _shape(size) -> str:
     return "[" + ", ".join(str(d) for d in size) + "]"
 
@@ -68,7 +57,8 @@ def cmd_ls(root: str) -> int:
     """One line per checkpoint of any kind (``checkpoint_kinds``): name, step, size, status, kind.
     Sorted by (step, time), like ``latest_checkpoint`` ranks them, so the last COMPLETE line is
     what a resume picks."""
-    if locations.is_url(root):
+    backend = backend_for(root)
+    if backend.remote:
         return object_cli.cmd_ls(root, _human)
     try:
         entries = checkpoint_kinds.checkpoints_under(root)
@@ -80,7 +70,7 @@ def cmd_ls(root: str) -> int:
         name = os.path.basename(entry.path)
         record = commit.read_commit_record(entry.path) if entry.kind != "file" else None
         when = (record or {}).get("committed_at_ns") or os.lstat(entry.path).st_mtime_ns
-        size = _tree_size(entry.path) if os.path.isdir(entry.path) else os.path.getsize(entry.path)
+        size = backend.used_bytes(entry.path) if os.path.isdir(entry.path) else os.path.getsize(entry.path)
         note = ", ".join(part for part in (
             entry.kind if entry.kind != "hidden" else "", entry.note, f"epoch {entry.epoch}" if entry.epoch is not None else "",
             "no checksums" if entry.status in ("COMPLETE", "NATIVE") and not entry.checksums else "") if part)
@@ -97,7 +87,7 @@ def cmd_ls(root: str) -> int:
 def cmd_inspect(path: str) -> int:
     """Describe a checkpoint from ``.metadata`` (what a loader will read) plus the sidecars
     (who wrote what, exact data offsets). Works for plain DCP checkpoints too (no sidecars)."""
-    if locations.is_url(path):
+    if backend_for(path).remote:
         return object_cli.cmd_inspect(path)
     entry = checkpoint_kinds.classify(path) if os.path.exists(path) else None
     if entry is None:
@@ -201,19 +191,21 @@ def _inspect_files(root: str, paths: list[str]) -> int:
 
 # ----------------------------------------------------------------------------------------- verify
 def cmd_verify(path: str, progress: bool = True) -> int:
-    """Re-check everything a load relies on (``integrity``; a URL: ``object_integrity``); report every
-    problem, not just the first. A directory holding checkpoints has each of them verified."""
-    url = locations.is_url(path)
-    path = path.rstrip("/") if url else path
-    entry = checkpoint_kinds.classify(path, read_step=False) if not url and os.path.exists(path) else None
-    if entry is None and not url and os.path.isdir(path) and checkpoint_kinds.checkpoints_under(path, read_step=False):
+    """Re-check everything a load relies on (``integrity``); report every problem, not just the first.
+    A local directory holding checkpoints has each of them verified. (A progress bar for local
+    checkpoints: a remote one is fetched whole before it is checked.)"""
+    backend = backend_for(path)
+    remote = backend.remote
+    path = path.rstrip("/") if remote else path
+    entry = checkpoint_kinds.classify(path, read_step=False) if not remote and os.path.exists(path) else None
+    if entry is None and not remote and os.path.isdir(path) and checkpoint_kinds.checkpoints_under(path, read_step=False):
         found = [e for e in checkpoint_kinds.checkpoints_under(path, read_step=False) if e.kind != "hidden"]
         return max((cmd_verify(e.path, progress) for e in sorted(found, key=lambda e: e.path)), default=EXIT_OK)
     try:
-        if entry is None and not url:
+        if entry is None and not remote:
             raise FileNotFoundError(path)
-        with tqdm(total=0 if url else integrity.total_bytes(path), unit="B", unit_scale=True, unit_divisor=1024,
-                  desc="verify", file=sys.stderr, disable=not progress or url, dynamic_ncols=True) as bar:
+        with tqdm(total=0 if remote else integrity.total_bytes(path), unit="B", unit_scale=True, unit_divisor=1024,
+                  desc="verify", file=sys.stderr, disable=not progress or remote, dynamic_ncols=True) as bar:
             report = integrity.check(path, on_problem=lambda m: tqdm.write(m, file=sys.stdout), progress=bar.update)
     except FileNotFoundError:
         print(f"asyncckpt verify: {path}: not a checkpoint this tool knows", file=sys.stderr)
@@ -234,25 +226,27 @@ def cmd_verify(path: str, progress: bool = True) -> int:
 
 # ------------------------------------------------------------------------------------------ clean
 def cmd_clean(root: str, min_age_s: float, dry_run: bool) -> int:
-    """Delete what crashed or killed saves left under ROOT (``leftovers``): at once what a process
-    that is gone left on this host; what was made on another host (whose writer this host cannot
-    see) only once untouched for ``min_age_s``. Never anything a live writer still uses."""
-    if locations.is_url(root):
-        return object_cli.cmd_clean(root, min_age_s, dry_run, _human)
-    if not os.path.isdir(root):
-        print(f"asyncckpt clean: {root}: not a directory", file=sys.stderr)
+    """Delete what crashed or killed saves left under ROOT (``Backend.find_leftovers``): at once what
+    a process that is gone left on this host; what was made on another host (whose writer this
+    host cannot see) only once untouched for ``min_age_s``. Never anything a live writer still uses."""
+    backend = backend_for(root)
+    root = backend.normalize(root)
+    try:
+        found = backend.find_leftovers(root)
+    except (OSError, ObjectStoreError) as e:
+        print(f"asyncckpt clean: {e}", file=sys.stderr)
         return EXIT_PROBLEM
     freed = count = 0
-    for leftover in leftovers.find(root):
-        name = os.path.basename(leftover.path)
+    for leftover in found:
+        name = leftover.path[len(root) + 1:]
         if not leftovers.removable(leftover, min_age_s):
             why = ("in use by a live writer" if leftover.alive else
                    f"its writer cannot be checked from this host; removed once untouched for {min_age_s:.0f} s")
             print(f"kept     {name}  ({why})")
             continue
-        size = _tree_size(leftover.path) if os.path.isdir(leftover.path) else os.lstat(leftover.path).st_size
+        size = leftover.size if leftover.size is not None else backend.used_bytes(leftover.path)
         if not dry_run:
-            leftovers.delete(leftover.path)
+            backend.delete_leftover(leftover)
         freed, count = freed + size, count + 1
         print(f"{'would remove' if dry_run else 'removed'}  {name}  {_human(size)}  ({leftover.kind} of {leftover.belongs_to})")
     print(f"{'would free' if dry_run else 'freed'} {_human(freed)} in {count} entr{'y' if count == 1 else 'ies'}")

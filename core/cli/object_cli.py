@@ -1,23 +1,23 @@
-"""``asyncckpt ls / inspect / clean`` for object-store URLs (``cli`` hands URLs here).
+"""``asyncckpt ls / inspect`` in an object store (``cli.main`` hands a remote backend's paths here).
 
-What they read is what ``object_checkpoints`` promises: commit objects from one delimited listing
-of the root (never the data objects of other checkpoints), a single file's checksum from its
-object metadata, owner markers for leftovers; ``inspect`` reads a checkpoint's commit object and
-DCP ``.metadata``, never its data objects. (``verify`` goes through ``integrity``, which hands
-URLs to ``object_integrity``.)
+What they read is what ``object_backend`` promises: commit objects from one delimited listing of
+the root (never the data objects of other checkpoints), a single file's checksum from its object
+metadata, owner markers for leftovers; ``inspect`` reads a checkpoint's commit object and DCP
+``.metadata``, never its data objects. (``verify`` and ``clean`` are the same for every backend:
+``cli.main``.)
 """
 from __future__ import annotations
 
 import posixpath
 import sys
-import time
 from typing import Callable
 
 from asyncckpt.core.verify import checkpoint_kinds
 from asyncckpt.core.storage import commit
 from asyncckpt.core.storage import file_checksums
 from asyncckpt.core.formats import names
-from asyncckpt.core.storage.object_checkpoints import committed_under, delete_leftover, leftovers_under, removable
+from asyncckpt.core.loading.metadata_io import load_dcp_metadata
+from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.storage.object_store import ObjectStoreError, store_for
 
 EXIT_OK, EXIT_PROBLEM, EXIT_INCOMPLETE = 0, 1, 2
@@ -35,7 +35,7 @@ def cmd_ls(root: str, human: Callable[[int], str]) -> int:
         print(f"asyncckpt ls: {e}", file=sys.stderr)
         return EXIT_PROBLEM
     rows = []
-    for url, record in committed_under(root):
+    for url, record in commit.committed_under(root):
         if record is not None:
             step = record.get("step") if isinstance(record.get("step"), int) else checkpoint_kinds.step_from_name(url)
             size = sum(record.get("files", {}).values())
@@ -47,8 +47,8 @@ def cmd_ls(root: str, human: Callable[[int], str]) -> int:
             step = checkpoint_kinds.step_from_name(entry.name)
             note = "file" if file_checksums.read_record(entry.url) else "file, no checksums"
             rows.append(((step if step is not None else -1, entry.modified), entry.name, step, entry.size, "COMPLETE", note))
-    for leftover in leftovers_under(root):
-        name = leftover.url[len(root) + 1:]
+    for leftover in backend_for(root).find_leftovers(root):
+        name = leftover.path[len(root) + 1:]
         step = checkpoint_kinds.step_from_name(leftover.belongs_to)
         rows.append(((step if step is not None else -1, leftover.modified), name, step, leftover.size, "INCOMPLETE",
                      leftover.kind))
@@ -82,8 +82,6 @@ def cmd_inspect(url: str) -> int:
     for name, size in sorted(files.items()):
         print(f"  {name}  {size} B")
     if names.DCP_METADATA_FILE in files:
-        from asyncckpt.core.loading.metadata_io import load_dcp_metadata
-
         for fqn, entry in load_dcp_metadata(url).state_dict_metadata.items():
             if hasattr(entry, "chunks"):  # TensorStorageMetadata
                 print(f"{fqn}  tensor  {str(entry.properties.dtype).removeprefix('torch.')}  "
@@ -99,30 +97,3 @@ def _exists_as_prefix(store, url: str) -> bool:
         return bool(store.list(url))
     except FileNotFoundError:
         return False
-
-
-def cmd_clean(root: str, min_age_s: float, dry_run: bool, human: Callable[[int], str]) -> int:
-    """Remove what killed or crashed writers left under ``root``: uncommitted prefixes, single-file
-    markers, incomplete multipart uploads (as ``cli.cmd_clean`` does for local leftovers)."""
-    root = root.rstrip("/")
-    freed = count = 0
-    try:
-        found = leftovers_under(root)
-    except ObjectStoreError as e:
-        print(f"asyncckpt clean: {e}", file=sys.stderr)
-        return EXIT_PROBLEM
-    for leftover in found:
-        name = leftover.url[len(root) + 1:]
-        if not removable(leftover, min_age_s):
-            why = ("in use by a live writer" if leftover.alive else
-                   f"its writer cannot be checked from this host; removed once untouched for {min_age_s:.0f} s")
-            print(f"kept     {name}  ({why})")
-            continue
-        if not dry_run:
-            delete_leftover(leftover)
-        freed, count = freed + leftover.size, count + 1
-        age = time.time() - leftover.modified
-        print(f"{'would remove' if dry_run else 'removed'}  {name}  {human(leftover.size)}  ({leftover.kind} of "
-              f"{leftover.belongs_to}, {age:.0f} s old)")
-    print(f"{'would free' if dry_run else 'freed'} {human(freed)} in {count} entr{'y' if count == 1 else 'ies'}")
-    return EXIT_OK

@@ -1,7 +1,16 @@
-"""Per-item checksums (xxh3-64: ~10x faster than CRC32 here, so verification is cheap)."""
+"""Per-item checksums (xxh3-64: ~10x faster than CRC32 here, so verification is cheap), and the
+checksum record of a native file (its size and xxh3, as a small JSON document).
+"""
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from typing import Optional
+
 import xxhash
+
+RECORD_FORMAT = "asyncckpt-file"
+RECORD_VERSION = 1
 
 
 # checksum(data) -> str: hex xxh3-64 of a bytes-like object (no copy for memoryviews / numpy
@@ -13,3 +22,28 @@ def checksum_stream():
     """An incremental xxh3-64 (``update(piece)`` …, then ``hexdigest()``): the same value as
     ``checksum`` of all the pieces joined, for items hashed piece by piece as they are read."""
     return xxhash.xxh3_64()
+
+
+# ------------------------------------------------------------------ the checksum record of a file
+@dataclass(frozen=True)
+class FileChecksum:
+    """A native file's size and xxh3-64, as recorded when it was written (``storage.file_checksums``)."""
+
+    size: int
+    xxh3: str
+
+
+def record_body(checksum: FileChecksum) -> str:
+    """The checksum record as stored (an extended attribute; an object's user metadata)."""
+    return json.dumps({"format": RECORD_FORMAT, "version": RECORD_VERSION, "size": checksum.size, "xxh3": checksum.xxh3})
+
+
+def parse_record(body: bytes) -> Optional[FileChecksum]:
+    """A stored checksum record, or None if it is not one."""
+    try:
+        record = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT or not isinstance(record.get("size"), int):
+        return None
+    return FileChecksum(record["size"], str(record.get("xxh3")))

@@ -15,7 +15,6 @@ the rank's data files are fsynced.
 from __future__ import annotations
 
 import json
-import os
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -24,10 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from asyncckpt.core.storage import locations
 from asyncckpt.core.errors import CorruptCheckpointError
-from asyncckpt.core.storage.fsio import atomic_write_bytes
-from asyncckpt.core.formats.names import sidecar_name
 from asyncckpt.core.formats.layout import RankLayout
 
 SIDECAR_FORMAT = "asyncckpt-rank"
@@ -110,11 +106,6 @@ def encode_sidecar(record: ShareRecord) -> bytes:
         ',"xxh3":', json.dumps(share.tensor_digests, separators=_COMPACT), "}",
         ',"objects":', json.dumps(objects, separators=_COMPACT), "}",
     )).encode()
-
-
-def write_rank_sidecar(directory: str, record: ShareRecord) -> None:
-    """Durably publish one rank's sidecar (tmp + fsync + rename): the rank's share is complete."""
-    atomic_write_bytes(os.path.join(directory, sidecar_name(record.rank)), encode_sidecar(record))
 
 
 # ------------------------------------------------------------------------------------- reading
@@ -283,10 +274,8 @@ def _columns_from_v1(path: str, record: dict) -> tuple[dict, dict, dict]:
     return tensors, objects, explicit
 
 
-def read_sidecar(directory: str, rank: int) -> Sidecar:
-    """Parse and check the sidecar of ``rank`` (version 1 or 2). FileNotFoundError if absent."""
-    path = locations.join(directory, sidecar_name(rank))
-    data = locations.read_bytes(path)
+def parse_sidecar(path: str, data: bytes) -> Sidecar:
+    """Parse and check a sidecar (version 1 or 2) read from ``path`` (named in errors)."""
     try:
         record = json.loads(data)
     except ValueError as e:
@@ -315,8 +304,3 @@ def read_sidecar(directory: str, rank: int) -> Sidecar:
 
 def _is_path(value: Any) -> bool:
     return isinstance(value, list) and _only((str, int), value)
-
-
-def read_rank_sidecar(directory: str, rank: int) -> dict:
-    """The sidecar of ``rank`` as a version-1 document (a dict per item), whatever its version."""
-    return read_sidecar(directory, rank).as_v1()

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
 
-from asyncckpt.core.integration import patching
+import asyncckpt.core.integration.patching as patching
 from asyncckpt.core.api.directory import DirectoryTransaction
 
 

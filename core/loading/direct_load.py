@@ -27,10 +27,12 @@ from typing import Iterator, Optional
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from asyncckpt.core.storage import locations
+from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.loading.metadata_io import DCP_METADATA_FILE, check_relative_path
 from asyncckpt.core.loading.reader import RAW_DTYPES, FileSpans, Span, can_read_into, overlapping, read_spans
-from asyncckpt.core.formats.sidecar import Sidecar, read_sidecar, sidecar_name
+from asyncckpt.core.formats.names import sidecar_name
+from asyncckpt.core.formats.sidecar import Sidecar
+from asyncckpt.core.storage.sidecars import read_sidecar
 from asyncckpt.core.snapshot.structure import flatten_state_dict, set_at
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -82,7 +84,8 @@ def committed_sidecars(root: str, record: dict) -> Optional[list[Sidecar]]:
     if not isinstance(files, dict) or not isinstance(world_size, int) or world_size < 1:
         return None  # e.g. a reduced record of a save through DCP's own API
     try:
-        if locations.size_of(locations.join(root, DCP_METADATA_FILE)) != files.get(DCP_METADATA_FILE):
+        backend = backend_for(root)
+        if backend.size_of(backend.join(root, DCP_METADATA_FILE)) != files.get(DCP_METADATA_FILE):
             return None  # replaced or damaged since the commit: let the checked path deal with it
         sidecars = [read_sidecar(root, rank) for rank in range(world_size) if sidecar_name(rank) in files]
     except FileNotFoundError:

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 
 from asyncckpt.core.formats import dcp_pickle
-from asyncckpt.core.storage import locations
+from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.formats.dcp_pickle import DCP_METADATA_FILE, DcpClasses
 from asyncckpt.core.errors import CorruptCheckpointError, UnsafeMetadataError
 from asyncckpt.core.storage.fsio import atomic_write_bytes
@@ -80,13 +80,10 @@ def check_relative_path(root: str, relative_path: str) -> str:
 
 
 def load_dcp_metadata(checkpoint_dir: str, file_name: str = DCP_METADATA_FILE) -> dcp_metadata.Metadata:
-    path = locations.join(checkpoint_dir, file_name)
+    backend = backend_for(checkpoint_dir)
+    path = backend.join(checkpoint_dir, file_name)
     try:
-        if locations.is_url(path):
-            metadata = _MetadataUnpickler(io.BytesIO(locations.read_bytes(path)), path).load()
-        else:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f, path).load()
+        metadata = _MetadataUnpickler(io.BytesIO(backend.read_bytes(path)), path).load()
     except FileNotFoundError:
         raise
     except UnsafeMetadataError:

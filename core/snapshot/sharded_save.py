@@ -23,13 +23,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.utils import _DistWrapper, find_state_dict_object, find_tensor_shard
 
-from asyncckpt.core.storage import locations
-from asyncckpt.core.formats import names
+from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.snapshot.buffer_pool import BufferPool, Slot
 from asyncckpt.core.snapshot.dist_env import rank_and_world
 from asyncckpt.core.errors import CheckpointWriteError
-from asyncckpt.core.loading.metadata_io import dcp_classes
+from asyncckpt.core.loading.metadata_io import dcp_classes, metadata_pickled_by_torch
 from asyncckpt.core.snapshot.plan_cache import CachedPlan, PlanCache, agree_on_structure
 from asyncckpt.core.snapshot.planner import (
     AsyncCkptSavePlanner,
@@ -76,7 +75,7 @@ class SaveTarget:
         staging directory, or, for a URL (no directory to share), nothing to meet (one rank)."""
         if self.store is not None and self.collectives and self.world > 1:
             return "store"
-        if locations.is_url(self.path):
+        if backend_for(self.path).remote:  # no directory the ranks share
             if self.world > 1:
                 raise CheckpointWriteError(f"saving {self.path} on {self.world} ranks needs torch.distributed (its "
                                            "ranks meet in its Store; use_collectives=False has no place to meet)")
@@ -165,19 +164,18 @@ class ShardedSaves:
             if speculation is not None:
                 speculation.abandon()
             raise
-        if locations.is_url(target.path):
-            staging_dir = target.path
-        else:
-            staging_dir = target.staging_dir or names.staging_dir_for(target.path, save_id)
+        staging_dir = target.staging_dir or backend_for(target.path).staging_dir_for(target.path, save_id)
         coordinator = target.rank == 0
         kind = target.barrier_kind()
+        classes = dcp_classes() if coordinator else None
         request = ShareRequest(
             save_id=save_id, final_path=target.path, staging_dir=staging_dir, rank=target.rank,
             world_size=target.world, coordinator=coordinator, structure_hash=str(key[0]), byte_items=objects,
             barrier=BarrierSpec(kind, save_id, target.world, staging_dir, target.path, self.timeout),
             direct_io=self.direct_io, io_threads=self.io_threads, step=target.step,
             extra_files=dict(target.extra_files or {}) if coordinator else {},
-            dcp_classes=dcp_classes() if coordinator else None, object_store=target.object_store,
+            dcp_classes=classes, metadata_by_torch=metadata_pickled_by_torch if coordinator and classes is None else None,
+            object_store=target.object_store,
             directory_barrier=target.directory_barrier,
         )
         return PreparedSave(slot, begin, request)

@@ -1,38 +1,36 @@
-"""Making a checkpoint visible: the commit record, publishing by rename, ``latest_checkpoint``.
+"""Which checkpoints are committed: the commit record of a checkpoint, and ``latest_checkpoint``.
 
-A checkpoint is written under a hidden staging name next to its final path (``names``). When
-every rank's share is durable, the coordinator writes DCP's ``.metadata`` and then our commit
-record (``.asyncckpt-commit.json``), fsyncs the directory, and renames it to its final name
-(atomically exchanging it with an older checkpoint at that path, deleted only afterwards). So a
-directory under its final name with a commit record is complete; anything else is not.
+A checkpoint is visible only once its commit record (``.asyncckpt-commit.json``) exists under its
+final name: a local directory gets it just before the rename that publishes it (``local``), an
+object-store prefix as the object created last (``object_backend``). Whatever the store, the
+record's bytes come from its backend and are parsed by the one parser in
+``formats.commit_record`` (which rejects a record of a newer version than this code knows).
+
+Kept free of torch: the background writer imports it.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import time
 from typing import Optional
 
-from asyncckpt.core.storage import locations, orphans
-from asyncckpt.core.formats import names
 from asyncckpt.core.errors import IncompleteCheckpointError
-from asyncckpt.core.storage.fsio import atomic_write_bytes, exchange_paths, fsync_dir
-
-COMMIT_FORMAT = "asyncckpt-commit"
-COMMIT_VERSION = 1
+from asyncckpt.core.formats import commit_record
+from asyncckpt.core.formats import names
+from asyncckpt.core.storage import orphans
+from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.object_store import ObjectStoreOptions
 
 
 def read_commit_record(path: str) -> Optional[dict]:
     """The commit record of the checkpoint at ``path`` (a directory, or an object-store prefix
     whose commit object it is), or None."""
+    backend = backend_for(path)
     try:
-        record = json.loads(locations.read_bytes(locations.join(path, names.COMMIT_RECORD)))
-    except (FileNotFoundError, NotADirectoryError, ValueError):
+        body = backend.read_bytes(backend.join(path, names.COMMIT_RECORD))
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    if not isinstance(record, dict) or record.get("format") != COMMIT_FORMAT or record.get("version", 0) > COMMIT_VERSION:
-        return None
-    return record
+    return commit_record.parse(body)
 
 
 def is_complete(path: str) -> bool:
@@ -42,7 +40,7 @@ def is_complete(path: str) -> bool:
 
 def require_complete(path: str) -> dict:
     """The commit record of ``path``; raises a clear error if it is missing or was never committed."""
-    if not locations.exists(path):
+    if not backend_for(path).exists(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     record = read_commit_record(path)
     if record is None or names.is_hidden(path):
@@ -52,25 +50,21 @@ def require_complete(path: str) -> dict:
     return record
 
 
+def committed_under(root: str, options: Optional[ObjectStoreOptions] = None) -> list[tuple[str, Optional[dict]]]:
+    """``(path, commit record or None)`` of every checkpoint name directly under ``root`` (an
+    object store reached with ``options``)."""
+    return [(path, commit_record.parse(body)) for path, body in backend_for(root, options).commit_bodies_under(root)]
+
+
 def latest_checkpoint(root: str, *, orphan_timeout: float = 600.0) -> Optional[str]:
     """The newest complete checkpoint directly under ``root`` (by step, then commit time), or None.
     A writer of a previous run still finishing a checkpoint there (its training process died after
     the save call returned, ``orphans``) is waited for first, up to ``orphan_timeout`` seconds: a
     restarted job resumes from the checkpoint it commits."""
-    if locations.is_url(root):
-        from asyncckpt.core.storage.object_checkpoints import committed_under
-
-        found = committed_under(root)
-    else:
+    if not backend_for(root).remote:
         orphans.wait_for_orphans(root, orphan_timeout)
-        try:
-            entries = os.listdir(root)
-        except FileNotFoundError:
-            return None
-        found = ((os.path.join(root, entry), read_commit_record(os.path.join(root, entry)))
-                 for entry in entries if not entry.startswith("."))
     best_key, best_path = None, None
-    for path, record in found:
+    for path, record in committed_under(root):
         if record is None:
             continue
         step = record.get("step")
@@ -84,75 +78,3 @@ def job_token() -> str:
     """Something every rank of one job shares without talking: torchrun's run id, else the rendezvous."""
     token = os.environ.get("TORCHELASTIC_RUN_ID") or f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
     return hashlib.blake2b(token.encode(), digest_size=4).hexdigest() if token != ":" else "local"
-
-
-def commit_record_bytes(record: dict) -> bytes:
-    """The commit record document: ``record`` with the format, version and commit time added."""
-    body = {"format": COMMIT_FORMAT, "version": COMMIT_VERSION, "committed_at_ns": time.time_ns(), **record}
-    return json.dumps(body, indent=1).encode()
-
-
-def write_commit_record(directory: str, record: dict) -> None:
-    atomic_write_bytes(os.path.join(directory, names.COMMIT_RECORD), commit_record_bytes(record))
-
-
-def uncommit(path: str) -> None:
-    """Durably remove the commit record, so ``path`` no longer counts as complete (before it is
-    overwritten in place)."""
-    record = os.path.join(path, names.COMMIT_RECORD)
-    if os.path.exists(record):
-        os.unlink(record)
-        fsync_dir(path)
-
-
-def publish_with_record(staging_dir: str, final_path: str, record: dict) -> Optional[str]:
-    """Coordinator: write the commit record (listing the checkpoint's files and sizes, those in
-    subdirectories by their relative paths), rename into place (``publish``), then drop the
-    writers' owner markers (until the rename they tell any cleaner that this staging directory
-    is in use)."""
-    files = {}
-    for directory, subdirectories, entries in os.walk(staging_dir):
-        subdirectories.sort()
-        for entry in sorted(entries):
-            if names.is_published_file(entry):
-                path = os.path.join(directory, entry)
-                files[os.path.relpath(path, staging_dir)] = os.path.getsize(path)
-        if directory != staging_dir:
-            fsync_dir(directory)  # the entries of files written into it
-    write_commit_record(staging_dir, {"files": files, **record})
-    replaced = publish(staging_dir, final_path)
-    for entry in os.listdir(final_path):
-        if names.OWNER_MARKER_PATTERN.match(entry):
-            os.unlink(os.path.join(final_path, entry))
-    return replaced
-
-
-def publish(staging_dir: str, final_path: str) -> Optional[str]:
-    """Rename the fully written, fsynced ``staging_dir`` to ``final_path``, replacing an older one;
-    returns where the replaced checkpoint now is (a hidden name), to be deleted once the commit is
-    reported: deleting a large tree (freeing extents, discards) takes ~0.1 s per GiB here, which
-    is not part of making the new checkpoint durable.
-
-    An existing checkpoint at ``final_path`` is swapped out atomically (renameat2 EXCHANGE), so
-    there is no moment with neither checkpoint at the final name. Without renameat2 it is first
-    renamed aside, never deleted before the new one is in place.
-    """
-    fsync_dir(staging_dir)
-    parent = os.path.dirname(os.path.abspath(final_path))
-    replaced = None
-    if os.path.lexists(final_path):
-        replaced = staging_dir
-        if not exchange_paths(staging_dir, final_path):
-            hidden = names.parse_hidden(os.path.basename(staging_dir))
-            replaced = names.hidden_path(final_path, "replaced", hidden.token, os.path.dirname(staging_dir))
-            os.rename(final_path, replaced)
-            os.rename(staging_dir, final_path)
-        else:  # the staging name now holds the old checkpoint: give it the name that says so
-            hidden = names.parse_hidden(os.path.basename(staging_dir))
-            aside = names.hidden_path(final_path, "replaced", hidden.token, os.path.dirname(staging_dir))
-            os.rename(staging_dir, aside)
-            replaced = aside
-    else:
-        os.rename(staging_dir, final_path)
-    fsync_dir(parent)
-    return replaced

@@ -135,14 +135,16 @@ def _staging_alive(path: str) -> Optional[bool]:
 
 @dataclass(frozen=True)
 class Leftover:
-    """A hidden entry of ours: ``alive`` True (a writer still uses it), False (a leftover), or
-    None (made elsewhere: cannot tell)."""
+    """A hidden entry of ours (or, in an object store, what a crashed writer left: ``object_backend``):
+    ``alive`` True (a writer still uses it), False (a leftover), or None (made elsewhere: cannot
+    tell). ``size`` where finding it measured it (object stores), else None (``Backend.used_bytes``)."""
 
     path: str
     kind: str
     belongs_to: str
     alive: Optional[bool]
     modified: float
+    size: Optional[int] = None
 
     def describe(self) -> str:
         state = {True: "in use", False: "left by a process that is gone", None: "owner unknown (another host?)"}

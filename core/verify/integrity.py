@@ -33,13 +33,13 @@ from typing import Callable, Optional, Sequence
 from asyncckpt.core.verify import checkpoint_kinds
 from asyncckpt.core.storage import commit
 from asyncckpt.core.storage import file_checksums
-from asyncckpt.core.storage import locations
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import checksum
 from asyncckpt.core.errors import CheckpointError, CorruptCheckpointError
-from asyncckpt.core.storage.file_checksums import FileChecksum
+from asyncckpt.core.formats.checksum import FileChecksum
+from asyncckpt.core.storage.backend import Backend, backend_for
 from asyncckpt.core.loading.metadata_io import check_relative_path, load_dcp_metadata
-from asyncckpt.core.formats.sidecar import read_rank_sidecar
+from asyncckpt.core.storage.sidecars import read_rank_sidecar
 
 # torch.save containers are zip files: a local file header first, the end-of-central-directory
 # record (22 bytes, no comment) last. Stock DCP loading needs both intact; our checksums cover
@@ -72,12 +72,43 @@ def check(path: str, *, on_problem: Callable[[str], None] = lambda message: None
           progress: Optional[Progress] = None, share: tuple[int, int] = (0, 1)) -> Report:
     """Check the checkpoint at ``path``; ``on_problem`` hears each problem as it is found. With
     ``share=(index, count)``, only the data files of the ranks ``index, index + count, ...`` of a
-    sharded checkpoint are read (the ranks of a job check their shares side by side). A URL is
-    checked by ``object_integrity`` (whole, whatever ``share`` says)."""
-    if locations.is_url(path):
-        from asyncckpt.core.verify.object_integrity import check as check_object
+    sharded checkpoint are read (the ranks of a job check their shares side by side). A checkpoint
+    in an object store is checked on a local copy of what its commit record lists
+    (``Backend.local_copy``: every byte has to be read anyway, and a copy under the same names is
+    the same checkpoint), every message naming the URL."""
+    backend = backend_for(path)
+    if not names.is_hidden(path) and backend.is_file(path):
+        report = Report(path, "file", "COMPLETE")
 
-        return check_object(path, on_problem=on_problem)
+        def problem(message: str) -> None:
+            report.problems.append(message)
+            on_problem(message)
+
+        _check_file(path, backend.basename(path), file_checksums.read_record(path), report, problem, progress)
+        return report
+    with backend.local_copy(path, _names_to_check(backend, path)) as local:
+        report = _check_local(local, lambda message: on_problem(message.replace(local, path)), progress, share)
+    report.path = path
+    report.problems = [message.replace(local, path) for message in report.problems]
+    return report
+
+
+def _names_to_check(backend: Backend, path: str) -> list[str]:
+    """What a check reads of the checkpoint at ``path``: what its commit record lists, with the
+    record and the sidecars; uncommitted, only what says what it is (sidecars, ``.metadata``)."""
+    record = commit.read_commit_record(path)
+    if record is not None:
+        return sorted(set(record.get("files", {})) | {names.COMMIT_RECORD} | {
+            names.sidecar_name(rank) for rank in range(record.get("world_size") or 0)})
+    try:
+        entries = backend.list_names(path)
+    except NotADirectoryError:  # a hidden file: a leftover
+        return []
+    return sorted(name for name in entries if name == names.DCP_METADATA_FILE or names.SIDECAR_PATTERN.match(name))
+
+
+def _check_local(path: str, on_problem: Callable[[str], None], progress: Optional[Progress],
+                 share: tuple[int, int]) -> Report:
     entry = checkpoint_kinds.classify(path, read_step=False)
     if entry is None:
         raise FileNotFoundError(f"{path}: not a checkpoint (a file, or a sharded or native checkpoint directory)")
@@ -89,9 +120,7 @@ def check(path: str, *, on_problem: Callable[[str], None] = lambda message: None
 
     if entry.status == "INCOMPLETE":
         return report
-    if entry.kind == "file":
-        _check_file(path, os.path.basename(path), file_checksums.read_record(path), report, problem, progress)
-    elif entry.status == "NATIVE":
+    if entry.status == "NATIVE":
         report.unverified = sorted(os.listdir(path))
     elif entry.kind == "directory":
         record = commit.read_commit_record(path)

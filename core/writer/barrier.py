@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from asyncckpt.core.formats import names
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
+from asyncckpt.core.storage.commit import read_commit_record
 
 POLL_MAX_DELAY = 0.005
 
@@ -151,7 +152,6 @@ class FileBarrier:
         pass  # the commit record under the final name is what the others wait for
 
     def wait_commit(self) -> None:
-        from asyncckpt.core.storage.commit import read_commit_record  # commit imports this module's names
 
         spec = self.spec
 

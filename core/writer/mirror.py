@@ -5,7 +5,7 @@ For frameworks that write local directories (Accelerate's ``checkpoint_N``, the 
 behind the save of ``path`` that runs only if it committed, in the background writer. It uploads
 the files the local commit record lists (memory-mapped, as multipart uploads) under ``url``/ and
 then creates the commit object there with the same record (files, sizes, checksums, step), so the
-mirror is a checkpoint of its own (``object_checkpoints``): ``latest_checkpoint(url_root)`` finds
+mirror is a checkpoint of its own (``object_backend``): ``latest_checkpoint(url_root)`` finds
 it, ``asyncckpt verify`` checks it. A single file is uploaded as one object with its checksum.
 
 ``restore(url, path)`` (training process, at resume, when the local copy is missing) downloads a
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import posixpath
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,9 +26,10 @@ from asyncckpt.core.storage import file_checksums
 from asyncckpt.core.storage import leftovers
 from asyncckpt.core.formats import names
 from asyncckpt.core.errors import CheckpointWriteError, IncompleteCheckpointError
+from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.storage.fsio import atomic_write_bytes, fsync_dir
-from asyncckpt.core.storage.object_checkpoints import CHECKSUM_METADATA, ObjectDestination
-from asyncckpt.core.storage.object_store import ObjectStoreOptions, store_for
+from asyncckpt.core.storage.local import attach_checksum, publish
+from asyncckpt.core.storage.object_store import ObjectStoreOptions
 from asyncckpt.core.writer.protocol import RequestContext
 
 
@@ -49,13 +49,21 @@ class MirrorRequest:
     options: Optional[ObjectStoreOptions] = None
 
     def run(self, context: RequestContext) -> None:
+        target = backend_for(self.url, self.options)
         if os.path.isfile(self.source):
-            self._file()
+            checksum = file_checksums.read_record(self.source)
+            mapping, size = _mapped(self.source)
+            try:
+                target.write_file(self.url, memoryview(mapping) if mapping is not None else memoryview(b""), size,
+                                  context.token(), checksum=lambda: checksum)
+            finally:
+                if mapping is not None:
+                    mapping.close()
             return
         record = commit.read_commit_record(self.source)
         if record is None:
             raise CheckpointWriteError(f"cannot mirror {self.source}: it is not a committed checkpoint")
-        place = ObjectDestination(self.url, self.options, coordinator=True)
+        place = target.destination(self.url, target.staging_dir_for(self.url, context.token()), coordinator=True)
         place.claim(0, context.token())
         for name in sorted(record.get("files", {})):
             mapping, size = _mapped(os.path.join(self.source, name))
@@ -66,35 +74,20 @@ class MirrorRequest:
                     mapping.close()
         place.publish(record)  # the local record as it is: files, sizes, checksums, step, commit time
 
-    def _file(self) -> None:
-        checksum = file_checksums.read_record(self.source)
-        metadata = {CHECKSUM_METADATA: file_checksums.record_body(checksum)} if checksum else None
-        mapping, size = _mapped(self.source)
-        try:
-            store_for(self.url, self.options).upload(
-                self.url, memoryview(mapping) if mapping is not None else memoryview(b""), size, metadata=metadata)
-        finally:
-            if mapping is not None:
-                mapping.close()
-
 
 def restore(url: str, path: str) -> str:
     """Download the committed checkpoint at ``url`` to the local ``path`` (which must not exist),
     published there atomically; returns ``path``. ``IncompleteCheckpointError`` if ``url`` holds no
     committed checkpoint."""
     path = os.path.abspath(path)
-    store = store_for(url)
-    try:
-        store.info(url)
-    except FileNotFoundError:
-        pass
-    else:  # a single-file object
-        checksum = file_checksums.read_record(url)
+    source = backend_for(url)
+    if source.is_file(url):
+        checksum = source.read_checksum_record(url)
         temporary = names.hidden_path(path, "tmp", leftovers.owner_token())
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        store.download(url, temporary)
+        source.download(url, temporary)
         if checksum is not None:
-            file_checksums.write_record(temporary, checksum)
+            attach_checksum(temporary, checksum)
         os.replace(temporary, path)
         fsync_dir(os.path.dirname(path))
         return path
@@ -104,9 +97,9 @@ def restore(url: str, path: str) -> str:
     staging = names.staging_dir_for(path, leftovers.owner_token())
     os.makedirs(staging)
     for name in sorted(record.get("files", {})):
-        store.download(posixpath.join(url, name), os.path.join(staging, name))
-    atomic_write_bytes(os.path.join(staging, names.COMMIT_RECORD), store.get(posixpath.join(url, names.COMMIT_RECORD)))
-    commit.publish(staging, path)
+        source.download(source.join(url, name), os.path.join(staging, name))
+    atomic_write_bytes(os.path.join(staging, names.COMMIT_RECORD), source.read_bytes(source.join(url, names.COMMIT_RECORD)))
+    publish(staging, path)
     return path
 
 
@@ -116,5 +109,5 @@ def restore_latest(url_root: str, local_root: str) -> Optional[str]:
     latest = commit.latest_checkpoint(url_root)
     if latest is None:
         return None
-    local = os.path.join(local_root, posixpath.basename(latest))
+    local = os.path.join(local_root, backend_for(latest).basename(latest))
     return local if os.path.exists(local) else restore(latest, local)

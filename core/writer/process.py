@@ -35,7 +35,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any, Callable, Optional
 
-from asyncckpt.core.storage import leftovers, locations, orphans
+from asyncckpt.core.storage import leftovers, orphans
+from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.writer import protocol
 from asyncckpt.core.writer.barrier import BarrierSpec, FileBarrier, StoreUnreachable, SurvivingBarrier, local_barrier
 from asyncckpt.core.writer.copy_progress import PROGRESS_BYTES
@@ -247,7 +248,7 @@ class _Context:
         if spec.kind != "store":
             return local_barrier(spec)
         in_store = RemoteBarrier(spec, self.writer.channel)
-        if locations.is_url(spec.staging_dir):
+        if backend_for(spec.staging_dir).remote:
             return in_store
         return SurvivingBarrier(in_store, FileBarrier(spec), lambda: self.writer.trainer.alive)
 
@@ -317,7 +318,7 @@ def _checkpoint_of(request: Any) -> Optional[tuple[str, str]]:
     None for work that commits nothing of its own."""
     final = getattr(request, "final_path", None)
     if final is not None and not getattr(request, "directory_barrier", None):
-        if locations.is_url(final):
+        if backend_for(final).remote:
             return None
         return os.path.dirname(getattr(request, "staging_dir", None) or final), os.path.basename(final)
     if getattr(request, "barrier", "absent") is None and isinstance(getattr(request, "path", None), str):

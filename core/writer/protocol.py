@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol, runtime_checkabl
 
 if TYPE_CHECKING:
     from asyncckpt.core.writer.barrier import Barrier, BarrierSpec
-    from asyncckpt.core.storage.file_checksums import FileChecksum
+    from asyncckpt.core.formats.checksum import FileChecksum
     from asyncckpt.core.formats.layout import RankLayout
 
 BUFFER, DROP, RUN, BARRIER_RESULT, STOP = "buffer", "drop", "run", "barrier-result", "stop"

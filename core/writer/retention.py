@@ -5,14 +5,13 @@ unpickles ``RetentionRequest`` and must not import torch.
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from asyncckpt.core.storage import commit
-from asyncckpt.core.storage import locations
-from asyncckpt.core.writer.file_requests import remove_paths
+from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.writer.file_requests import RemoveRequest
 from asyncckpt.core.writer.protocol import RequestContext
 
 
@@ -31,7 +30,7 @@ def select_deletions(committed_steps: list[int], keep_last: Optional[int], keep_
 @dataclass
 class RetentionRequest:
     """Applied by the background writer right after the save of the newest checkpoint, and only
-    if it committed (``protocol.Job.after``): deletions are atomic (``file_requests.remove_paths``)."""
+    if it committed (``protocol.Job.after``): deletions are atomic (``Backend.remove``)."""
 
     root: str
     pattern: str
@@ -40,31 +39,18 @@ class RetentionRequest:
     object_store: Any = None  # ObjectStoreOptions, for a URL root
 
     def run(self, context: RequestContext) -> None:
-        committed = committed_steps(self.root, re.compile(self.pattern))
+        committed = committed_steps(self.root, re.compile(self.pattern), self.object_store)
         doomed = [committed[step] for step in select_deletions(list(committed), self.keep_last, self.keep_every)]
-        if locations.is_url(self.root):
-            from asyncckpt.core.storage.object_checkpoints import ObjectRemoveRequest
-
-            ObjectRemoveRequest(doomed, self.object_store).run(context)
-        else:
-            remove_paths(doomed, context.token, context.after_reply)
+        RemoveRequest(doomed, object_store=self.object_store).run(context)
 
 
-def committed_steps(root: str, pattern: re.Pattern) -> dict[int, str]:
+def committed_steps(root: str, pattern: re.Pattern, options: Any = None) -> dict[int, str]:
     """step -> path of every committed checkpoint under ``root`` whose name matches ``pattern``
-    (for a URL, from the commit objects of one delimited listing)."""
-    if locations.is_url(root):
-        from asyncckpt.core.storage.object_checkpoints import committed_under
-
-        candidates = [(path, record is not None) for path, record in committed_under(root)]
-    else:
-        try:
-            candidates = [(os.path.join(root, name), None) for name in os.listdir(root)]
-        except FileNotFoundError:
-            return {}
+    (``commit.committed_under``: for a URL, the commit objects of one delimited listing)."""
+    backend = backend_for(root, options)
     found = {}
-    for path, committed in candidates:
-        match = pattern.match(locations.basename(path))
-        if match and (committed if committed is not None else commit.is_complete(path)):
+    for path, record in commit.committed_under(root, options):
+        match = pattern.match(backend.basename(path))
+        if match and record is not None:
             found[int(match.group(1))] = path
     return found

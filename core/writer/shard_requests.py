@@ -4,20 +4,17 @@
 behind ``AsyncCkptStorageWriter``, which implements torch.distributed.checkpoint's StorageWriter
 so that ``dcp.save`` can use it directly.
 
-Where the files go is a ``Destination``: a local staging directory renamed into place at the
-commit (``LocalDestination``), or an object-store prefix made visible by a create-only commit
-object (``object_checkpoints.ObjectDestination``, for URLs). The steps of a save are the same.
+Where the files go is a ``backend.Destination`` its backend gives: a local staging directory
+renamed into place at the commit (``local``), or an object-store prefix made visible by a
+create-only commit object (``object_backend``, for URLs). The steps of a save are the same.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
-from asyncckpt.core.storage import commit
 from asyncckpt.core.storage import diskio
-from asyncckpt.core.storage import leftovers
-from asyncckpt.core.storage import locations
 from asyncckpt.core.formats import names
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.formats.checksum import checksum
@@ -25,70 +22,11 @@ from asyncckpt.core.writer.copy_progress import split_image
 from asyncckpt.core.formats.dcp_pickle import DcpClasses, metadata_bytes
 from asyncckpt.core.errors import CheckpointWriteError, SnapshotCopyFailed
 from asyncckpt.core.writer.file_requests import fail_save
-from asyncckpt.core.storage.fsio import atomic_write_bytes
 from asyncckpt.core.formats.layout import RankLayout
-from asyncckpt.core.storage.leftovers import claim
+from asyncckpt.core.storage.backend import Destination, backend_for
+from asyncckpt.core.storage.sidecars import read_sidecar
 from asyncckpt.core.writer.protocol import RequestContext
-from asyncckpt.core.formats.sidecar import ShareItems, ShareRecord, encode_sidecar, read_sidecar
-
-
-class Destination(Protocol):
-    """Where the files of one save go, and how the save becomes visible."""
-
-    directory: str  # where its files are written (read back at the commit)
-
-    def claim(self, rank: int, token: str) -> None:
-        """This rank's writer uses it now (an owner marker: no cleaner takes it for a leftover)."""
-
-    def tidy(self, context: RequestContext) -> None:
-        """Leftovers of dead writers beside it go after the reply."""
-
-    def write_image(self, name: str, image: memoryview, size: int, wait_ready: Optional[Callable[[float], float]]) -> None:
-        """Durably write ``image[:size]`` as ``name`` (see ``diskio.write_image``)."""
-
-    def write_small(self, name: str, data: bytes) -> None:
-        """Durably write small bytes as ``name``."""
-
-    def write_atomic(self, name: str, data: bytes) -> None:
-        """Durably write ``name`` so that readers see all of it or nothing."""
-
-    def publish(self, record: dict) -> Optional[str]:
-        """Coordinator: make the checkpoint visible with its commit record; returns what an overwrite
-        replaced, to ``delete`` once the commit is reported."""
-
-    def delete(self, replaced: str, token: str) -> None: ...
-
-
-@dataclass
-class LocalDestination:
-    """A hidden staging directory beside the final path, renamed into place at the commit."""
-
-    directory: str
-    final_path: str
-    direct_io: bool = True
-    io_threads: int = 2
-
-    def claim(self, rank: int, token: str) -> None:
-        claim(self.directory, rank, token)
-
-    def tidy(self, context: RequestContext) -> None:
-        context.tidy(os.path.dirname(self.directory))
-
-    def write_image(self, name: str, image: memoryview, size: int, wait_ready: Optional[Callable[[float], float]]) -> None:
-        diskio.write_image(os.path.join(self.directory, name), image, size, direct=self.direct_io,
-                           threads=self.io_threads, wait_ready=wait_ready)
-
-    def write_small(self, name: str, data: bytes) -> None:
-        diskio.write_small_file(os.path.join(self.directory, name), data)
-
-    def write_atomic(self, name: str, data: bytes) -> None:
-        atomic_write_bytes(os.path.join(self.directory, name), data)
-
-    def publish(self, record: dict) -> Optional[str]:
-        return commit.publish_with_record(self.directory, self.final_path, record)
-
-    def delete(self, replaced: str, token: str) -> None:
-        leftovers.delete(replaced, token)
+from asyncckpt.core.formats.sidecar import ShareItems, ShareRecord, encode_sidecar
 
 
 @dataclass
@@ -110,17 +48,18 @@ class ShareRequest:
     extra_files: dict = field(default_factory=dict)  # name -> bytes, written by the coordinator before commit
     copy_generation: Optional[int] = None  # the snapshot copy may still run: stream it (see CopyProgress)
     dcp_classes: Optional[DcpClasses] = None  # the coordinator's: how to write DCP's .metadata without torch
+    # Without them: the function that pickles torch's own metadata objects (``metadata_io``), pickled
+    # by reference, so the writer imports it (and torch) only for such a save.
+    metadata_by_torch: Optional[Callable[[list, str, str], bytes]] = None
     object_store: Any = None  # ObjectStoreOptions when ``final_path`` is a URL
     # Set for a DCP directory inside a directory checkpoint: the directory's barrier, which this
     # share's failure fails; the directory's own commit publishes it (no commit of its own).
     directory_barrier: Optional[BarrierSpec] = None
 
     def destination(self) -> Destination:
-        if locations.is_url(self.final_path):
-            from asyncckpt.core.storage.object_checkpoints import ObjectDestination
-
-            return ObjectDestination(self.final_path, self.object_store, coordinator=self.coordinator)
-        return LocalDestination(self.staging_dir, self.final_path, self.direct_io, self.io_threads)
+        return backend_for(self.final_path, self.object_store).destination(
+            self.final_path, self.staging_dir, coordinator=self.coordinator, direct_io=self.direct_io,
+            io_threads=self.io_threads)
 
     def run(self, context: RequestContext) -> None:
         """The whole background part of a save for one rank: write the share and its sidecar,
@@ -134,7 +73,8 @@ class ShareRequest:
         place = self.destination()
         try:
             if self.directory_barrier is None:
-                place.tidy(context)
+                if place.tidy_parent() is not None:
+                    context.tidy(place.tidy_parent())
                 place.claim(self.rank, context.token())
             else:
                 os.makedirs(self.staging_dir, exist_ok=True)
@@ -231,8 +171,6 @@ def write_metadata(req: ShareRequest, place: Destination) -> None:
         place.write_atomic(name, data)
     if req.dcp_classes is not None:
         metadata = metadata_bytes(sidecars, req.dcp_classes, req.final_path, req.save_id)
-    else:  # this torch's metadata classes are not the ones dcp_pickle writes: pickle torch's own objects
-        from asyncckpt.core.loading.metadata_io import metadata_pickled_by_torch
-
-        metadata = metadata_pickled_by_torch(sidecars, req.final_path, req.save_id)
+    else:  # this torch's metadata classes are not the ones dcp_pickle writes: torch's own objects, pickled
+        metadata = req.metadata_by_torch(sidecars, req.final_path, req.save_id)
     place.write_atomic(names.DCP_METADATA_FILE, metadata)

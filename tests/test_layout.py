@@ -1,0 +1,88 @@
+"""The core's import structure: no import cycle among its modules (imports inside functions count:
+they only hide a cycle), and no package importing one above it in the layering
+errors < formats < storage < writer < snapshot / loading / verify < api < cli / integration.
+"""
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+CORE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core")
+LEVEL = {"errors": 0, "formats": 1, "storage": 2, "writer": 3, "snapshot": 4, "loading": 4, "verify": 4,
+         "api": 5, "cli": 6, "integration": 6}
+# Imports of a higher package that predate this check (not storage's): named, so that no new one creeps in.
+KNOWN_UPWARD = {
+    ("asyncckpt.core.loading.state_dict", "asyncckpt.core.api.dcp_storage"),
+    ("asyncckpt.core.snapshot.handoff", "asyncckpt.core.api.handles"),
+    ("asyncckpt.core.snapshot.handoff", "asyncckpt.core.api.pending"),
+    ("asyncckpt.core.writer.client", "asyncckpt.core.api.handles"),
+}
+
+
+def _modules() -> dict[str, str]:
+    found = {}
+    for directory, _subdirectories, files in os.walk(CORE):
+        for name in files:
+            if name.endswith(".py"):
+                relative = os.path.relpath(os.path.join(directory, name), os.path.dirname(CORE))[:-3].replace(os.sep, ".")
+                found["asyncckpt." + relative.removesuffix(".__init__")] = os.path.join(directory, name)
+    return found
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> the core modules it imports anywhere in its source (functions included)."""
+    modules = _modules()
+    edges: dict[str, set[str]] = {module: set() for module in modules}
+    for module, path in modules.items():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                candidates = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                candidates = [alias.name for alias in node.names]
+            else:
+                continue
+            edges[module] |= {c for c in candidates if c in modules and c != module and c != "asyncckpt.core"}
+    return edges
+
+
+def _package(module: str) -> str:
+    """``storage`` for ``asyncckpt.core.storage.local``, ``errors`` for ``asyncckpt.core.errors``."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else ""
+
+
+def test_the_check_sees_the_whole_core():
+    edges = _imports()
+    assert "asyncckpt.core.storage.backend" in edges and "asyncckpt.core.storage.local" in edges["asyncckpt.core.storage.backend"]
+
+
+def test_no_import_cycle_among_core_modules():
+    edges = _imports()
+    visiting, done, cycles = [], set(), []
+
+    def visit(module: str) -> None:
+        visiting.append(module)
+        for target in sorted(edges[module]):
+            if target in visiting:
+                cycles.append(visiting[visiting.index(target):] + [target])
+            elif target not in done:
+                visit(target)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(edges):
+        if module not in done:
+            visit(module)
+    assert cycles == [], " ; ".join(" -> ".join(cycle) for cycle in cycles)
+
+
+@pytest.mark.parametrize("package", sorted(LEVEL))
+def test_no_package_imports_one_above_it(package):
+    upward = sorted((module, target) for module, targets in _imports().items() for target in targets
+                    if _package(module) == package and _package(target) in LEVEL
+                    and LEVEL[_package(target)] > LEVEL[package] and (module, target) not in KNOWN_UPWARD)
+    assert upward == []
