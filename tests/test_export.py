@@ -1,0 +1,200 @@
+"""Exports to Hugging Face safetensors (background, after each commit, and ``asyncckpt export``) and
+user code run on each committed checkpoint (``on_commit``, the Trainer's ``on_save`` after the commit,
+``push_to_hub`` after the commit).
+
+Real parts: multi-process gloo saves of DTensors, the real Transformers Trainer with a real model
+class and ``from_pretrained``, PEFT, a real writer process killed with SIGKILL, a real RLIMIT_FSIZE
+(EFBIG, as on a full disk) in the writer. The Hugging Face Hub cannot be reached here: the upload
+is replaced at the ``huggingface_hub`` boundary (``Trainer``'s ``upload_folder``/``create_repo``).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dist_helper import run_on_ranks
+from asyncckpt.core import Checkpointer, CheckpointWriteError, ExportOptions, is_complete
+from asyncckpt.core.cli.main import main as cli
+from asyncckpt.core.storage import leftovers
+from asyncckpt.core.verify import integrity
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def exported(directory) -> dict[str, torch.Tensor]:
+    """Every tensor of an export, through safetensors' own loader, checking the index names every one."""
+    directory = Path(directory)
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    index = list(directory.glob("*.safetensors.index.json"))
+    if index:
+        weight_map = json.loads(index[0].read_text())["weight_map"]
+        assert set(weight_map) == set(tensors)
+        assert all(name in load_file(directory / file) for name, file in weight_map.items())
+    return tensors
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------- core, 2 ranks, DTensors
+def _dtensor_save(rank, world, root):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    full = {"embed.weight": torch.randn(50, 12), "proj.weight": torch.randn(12, 34),  # rows, columns
+            "proj.bias": torch.randn(34).to(torch.bfloat16), "scale": torch.tensor(3.5)}
+    placements = {"embed.weight": Shard(0), "proj.weight": Shard(1), "proj.bias": Shard(0)}
+    model = {k: distribute_tensor(v, mesh, [placements[k]]) if k in placements else v for k, v in full.items()}
+    options = ExportOptions(max_shard_size=1000, buffer_bytes=4096)  # several files; a buffer smaller than a tensor
+    with Checkpointer(export=options) as checkpointer:
+        checkpointer.async_save({"model": model, "optim": {"lr": 0.1, "m": torch.ones(3)}}, f"{root}/step_7", step=7)
+        checkpointer.wait()
+    return as_bytes(full)
+
+
+def as_bytes(tensors: dict) -> bytes:
+    """What a rank returns (tensors themselves would travel as shared memory its exit takes away)."""
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    return buffer.getvalue()
+
+
+def test_core_two_rank_dtensor_checkpoint_exports_whole_tensors_bitwise(tmp_path):
+    full = torch.load(io.BytesIO(run_on_ranks(_dtensor_save, 2, str(tmp_path), timeout=240)[0]))
+
+    export = tmp_path / "exports" / "step_7"
+    assert is_complete(str(export)) and is_complete(str(tmp_path / "step_7"))
+    assert same(exported(export), full)  # the model's keys without "model.", whole, dtypes as saved
+    assert len(list(export.glob("model-0000*-of-0000*.safetensors"))) > 1
+    assert cli(["verify", str(export), "--no-progress"]) == 0
+    module = torch.nn.Module()  # load_state_dict(strict=True) into modules of those shapes
+    module.embed, module.proj = torch.nn.Embedding(50, 12), torch.nn.Linear(12, 34)
+    module.register_buffer("scale", torch.tensor(0.0))
+    tensors = exported(export)
+    tensors["proj.weight"] = tensors["proj.weight"].T.contiguous()  # Linear stores [out, in]
+    tensors["proj.bias"] = tensors["proj.bias"].float()
+    module.load_state_dict(tensors, strict=True)
+
+
+def test_export_casts_to_the_dtype_asked_for_as_torch_does_bit_for_bit(tmp_path):
+    values = torch.cat([torch.randn(10_000), torch.tensor([float("nan"), -float("nan"), float("inf"), -0.0, 1e-40,
+                                                           3.4e38, 65504.0, 7e4, 1.0000001])])
+    state = {"model": {"a": values, "b": values.to(torch.bfloat16), "c": values.double(), "n": torch.arange(7)}}
+    with Checkpointer() as checkpointer:
+        checkpointer.save(state, str(tmp_path / "ck"))
+    for flag, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
+        assert cli(["export", str(tmp_path / "ck"), str(tmp_path / flag), "--dtype", flag, "--no-progress"]) == 0
+        got = exported(tmp_path / flag)
+        for key in "abc":
+            expected = state["model"][key].to(dtype)
+            bits = torch.int16 if dtype != torch.float32 else torch.int32
+            nan = expected.isnan()
+            assert got[key].dtype == dtype and torch.equal(got[key].isnan(), nan), (flag, key)
+            assert torch.equal(got[key][~nan].view(bits), expected[~nan].view(bits)), (flag, key)  # bit for bit
+        assert torch.equal(got["n"], state["model"]["n"])  # integers stay as they are
+
+
+# ----------------------------------------------------------------------------- offline, other writers
+def test_cli_exports_a_stock_dcp_checkpoint_and_a_torch_save_file(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)  # no asyncckpt
+    assert cli(["export", str(tmp_path / "dcp"), str(tmp_path / "out"), "--no-progress"]) == 0
+    fresh = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    fresh.load_state_dict(exported(tmp_path / "out"), strict=True)
+    assert same(fresh.state_dict(), model.state_dict())
+    torch.save({"state_dict": model.state_dict(), "epoch": 3}, tmp_path / "last.ckpt")  # Lightning's layout
+    assert cli(["export", str(tmp_path / "last.ckpt"), str(tmp_path / "out2"), "--no-progress"]) == 0
+    assert same(exported(tmp_path / "out2"), model.state_dict())
+    assert cli(["export", str(tmp_path / "nothing"), str(tmp_path / "out3"), "--no-progress"]) == 1
+    assert not (tmp_path / "out3").exists()
+
+
+def test_cli_exports_to_s3(tmp_path, s3_root):
+    from asyncckpt.core.verify import object_integrity
+
+    model = torch.nn.Linear(4, 3)
+    with Checkpointer() as checkpointer:
+        checkpointer.save({"model": model.state_dict()}, str(tmp_path / "ck"))
+    assert cli(["export", str(tmp_path / "ck"), f"{s3_root}/exports/ck", "--no-progress"]) == 0
+    assert object_integrity.check(f"{s3_root}/exports/ck").intact
+
+
+# ----------------------------------------------------------------------------- failures
+def test_kill9_during_an_export_leaves_no_export_and_the_checkpoint_intact(tmp_path):
+    state = {"model": {f"w{i}": torch.randn(256, 1024) for i in range(64)}}  # 64 MiB, read through 4 KiB
+    with Checkpointer() as checkpointer:
+        checkpointer.save(state, str(tmp_path / "ck"))
+    process = subprocess.Popen([sys.executable, "-m", "asyncckpt.core.cli", "export", str(tmp_path / "ck"),
+                                str(tmp_path / "out"), "--buffer", "4KiB", "--no-progress"], cwd=REPO)
+    deadline = time.monotonic() + 60
+    while not any(name.startswith(".out.") for name in os.listdir(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert process.poll() is None, "the export ended before it could be killed"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (tmp_path / "out").exists()  # nothing under the export's name
+    assert [leftover.kind for leftover in leftovers.find(str(tmp_path))] == ["staging"]
+    assert integrity.check(str(tmp_path / "ck")).intact
+    leftovers.clean(str(tmp_path))  # its writer is gone: a leftover
+    assert not leftovers.find(str(tmp_path))
+    assert cli(["export", str(tmp_path / "ck"), str(tmp_path / "out"), "--no-progress"]) == 0
+    assert same(exported(tmp_path / "out"), state["model"])
+
+
+def test_a_full_disk_during_a_background_export_names_the_checkpoint_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    state = {"model": {"w": torch.randn(512, 512).to(torch.bfloat16)}}  # 512 KiB saved; 1 MiB exported as float32
+    monkeypatch.setenv("ASYNCCKPT_WORKER_FSIZE_LIMIT", str(800 << 10))  # a real EFBIG in the writer
+    with Checkpointer(export=ExportOptions(dtype="float32")) as checkpointer:
+        first = checkpointer.async_save(state, str(tmp_path / "step_1"), step=1)
+        checkpointer.wait()  # the export's failure is logged, not raised: training goes on
+        second = checkpointer.async_save(state, str(tmp_path / "step_2"), step=2)
+        checkpointer.wait()
+    assert first.exception() is None and second.exception() is None
+    assert is_complete(str(tmp_path / "step_1")) and integrity.check(str(tmp_path / "step_1")).intact
+    assert not (tmp_path / "exports" / "step_1").exists() and not (tmp_path / "exports" / "step_2").exists()
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any(f"{tmp_path / 'step_1'}" in m and "the checkpoint is not affected" in m for m in messages), messages
+    assert not leftovers.find(str(tmp_path / "exports"))  # the failed export's staging directory is gone
+
+
+# ----------------------------------------------------------------------------- on_commit
+def test_on_commit_sees_each_checkpoint_complete_in_order_and_its_failure_names_the_checkpoint(tmp_path):
+    import shutil
+
+    seen = []
+
+    def copy_it(path: str) -> None:
+        shutil.copytree(path, tmp_path / "copies" / os.path.basename(path))  # FileNotFoundError if not there yet
+        seen.append(os.path.basename(path))
+        if path.endswith("step_3"):
+            raise ValueError("the evaluation failed")
+
+    model = torch.nn.Linear(64, 64)
+    with Checkpointer(on_commit=copy_it, max_in_flight=2) as checkpointer:
+        for step in range(1, 4):
+            checkpointer.async_save({"model": model.state_dict()}, str(tmp_path / f"step_{step}"), step=step)
+        with pytest.raises(CheckpointWriteError, match=r"step_3 \(step 3\) failed: ValueError: the evaluation failed"):
+            checkpointer.wait()
+        checkpointer.async_save({"model": model.state_dict()}, str(tmp_path / "step_4"), step=4)
+        checkpointer.wait()  # raised once
+    assert seen == ["step_1", "step_2", "step_3", "step_4"]
+    for step in seen:
+        assert integrity.check(str(tmp_path / "copies" / step)).intact  # a complete copy, commit record included
