@@ -198,3 +198,115 @@ def test_on_commit_sees_each_checkpoint_complete_in_order_and_its_failure_names_
     assert seen == ["step_1", "step_2", "step_3", "step_4"]
     for step in seen:
         assert integrity.check(str(tmp_path / "copies" / step)).intact  # a complete copy, commit record included
+
+
+# ----------------------------------------------------------------------------- the Transformers Trainer
+def _trainer(output_dir, callbacks, model=None, **arguments):
+    from torch.utils.data import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    class Tokens(Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    torch.manual_seed(0)
+    model = model or GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    args = TrainingArguments(output_dir=str(output_dir), max_steps=4, save_steps=2, per_device_train_batch_size=4,
+                             use_cpu=True, report_to=[], logging_strategy="no", **arguments)
+    return Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
+
+
+class CopyOnSave:
+    """A user's callback: copies ``checkpoint-N`` in ``on_save`` (FileNotFoundError when it is not there)."""
+
+    def __init__(self, into):
+        import shutil
+        from transformers import TrainerCallback
+
+        self.into, self.copied, self.threads = into, [], []
+
+        class Callback(TrainerCallback):
+            def on_save(inner, args, state, control, **kwargs):
+                name = f"checkpoint-{state.global_step}"
+                shutil.copytree(os.path.join(args.output_dir, name), os.path.join(self.into, name),
+                                dirs_exist_ok=True)  # the Trainer saves the last step twice (step and epoch end)
+                if name not in self.copied:
+                    self.copied.append(name)
+                self.threads.append(__import__("threading").current_thread().name)
+
+        self.callback = Callback()
+
+
+def test_trainer_exports_each_checkpoint_for_from_pretrained_and_on_save_finds_it_committed(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
+
+    user = CopyOnSave(str(tmp_path / "copies"))
+    trainer = _trainer(tmp_path / "run", [AsyncCheckpointCallback(export=ExportOptions(max_shard_size="100KB"),
+                                                                  on_save_after_commit=True), user.callback])
+    trainer.train()
+
+    assert user.copied == ["checkpoint-2", "checkpoint-4"] and set(user.threads) != {"MainThread"}
+    for name in user.copied:  # complete when on_save ran: commit record included, every checksum right
+        assert integrity.check(str(tmp_path / "copies" / name)).intact
+    export = tmp_path / "run" / "exports" / "checkpoint-4"
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= set(os.listdir(export))
+    loaded = AutoModelForCausalLM.from_pretrained(str(export))
+    trained = trainer.model.state_dict()
+    assert all(torch.equal(loaded.state_dict()[k], trained[k]) for k in trained)  # bit for bit, tied weights too
+    assert cli(["verify", str(export), "--no-progress"]) == 0
+
+
+def test_trainer_push_to_hub_uploads_each_checkpoint_after_its_commit_in_order(tmp_path, monkeypatch):
+    import threading
+    from concurrent.futures import Future
+
+    import huggingface_hub
+    from huggingface_hub import RepoUrl
+
+    from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
+
+    uploads = []
+
+    def upload_folder(self, *, repo_id, folder_path, path_in_repo=None, **kwargs):  # the Hub is not reachable here
+        uploads.append((os.path.basename(folder_path), is_complete(folder_path) if path_in_repo else None,
+                        threading.current_thread().name))
+        done = Future()
+        done.set_result(None)
+        return done
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo",
+                        lambda self, name, **kwargs: RepoUrl(f"https://huggingface.co/{name}"))
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    trainer = _trainer(tmp_path / "run", [AsyncCheckpointCallback()], push_to_hub=True, hub_strategy="all_checkpoints",
+                       hub_model_id="user/run")
+    trainer.train()
+
+    checkpoints = [(name, complete) for name, complete, _thread in uploads if complete is not None]
+    assert checkpoints == [("checkpoint-2", True), ("checkpoint-4", True)]  # after its commit, in order
+    assert all(thread.startswith("asyncckpt-on-commit") for _name, _c, thread in uploads[:4])  # off the training loop
+
+
+def test_trainer_peft_export_holds_the_adapter(tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
+
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False))
+    trainer = _trainer(tmp_path / "run", [AsyncCheckpointCallback(export="safetensors")], model=model)
+    trainer.train()
+
+    export = tmp_path / "run" / "exports" / "checkpoint-4"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(export))
+    fresh = peft.PeftModel.from_pretrained(
+        GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)), str(export))
+    lora = {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
+    assert lora and all(torch.equal(fresh.state_dict()[k], v) for k, v in lora.items())
