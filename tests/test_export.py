@@ -310,3 +310,121 @@ def test_trainer_peft_export_holds_the_adapter(tmp_path):
         GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)), str(export))
     lora = {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
     assert lora and all(torch.equal(fresh.state_dict()[k], v) for k, v in lora.items())
+
+
+# ----------------------------------------------------------------------------- Accelerate and Lightning, FSDP2
+def _accelerate_fsdp2_export(rank, world, root):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from asyncckpt.adapters.accelerate import enable_async_checkpointing
+    from test_fsdp import fsdp_accelerator, train
+
+    accelerator, model, optimizer = fsdp_accelerator("SHARDED_STATE_DICT")
+    handle = enable_async_checkpointing(accelerator, export=ExportOptions(max_shard_size="8KB"), inline_bytes=0)
+    train(model, optimizer, range(3), rank)
+    accelerator.save_state(f"{root}/checkpoint")
+    handle.wait()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    handle.remove()
+    return as_bytes(full) if rank == 0 else None
+
+
+def test_accelerate_fsdp2_sharded_checkpoint_exports_the_trained_model(tmp_path):
+    from test_fsdp import _model
+
+    full = torch.load(io.BytesIO(run_on_ranks(_accelerate_fsdp2_export, 2, str(tmp_path), timeout=300)[0]))
+    export = tmp_path / "exports" / "checkpoint"
+    assert is_complete(str(export)) and len(list(export.glob("model-*.safetensors"))) > 1
+    tensors = exported(export)
+    assert same(tensors, {k: v for k, v in full.items()})  # from both ranks' shards, bit for bit
+    _model().load_state_dict(tensors, strict=True)
+
+
+LIGHTNING_MODEL_PARALLEL = '''
+import sys, torch, lightning as L
+from torch.utils.data import DataLoader, TensorDataset
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.callbacks import ModelCheckpoint
+from asyncckpt.adapters.lightning import AsyncCkptIO
+from asyncckpt.core import ExportOptions
+
+class M(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+        for m in self.net:
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m, mesh=self.device_mesh["data_parallel"])
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+    def training_step(self, b, i):
+        return torch.nn.functional.mse_loss(self.net(b[0]), b[1])
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+if __name__ == "__main__":
+    root = sys.argv[1]
+    L.seed_everything(0, verbose=False)
+    x = torch.randn(64, 8)
+    committed = []
+    io = AsyncCkptIO(export=ExportOptions(add_prefix="module."), on_commit=committed.append)
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[io],
+                        callbacks=[ModelCheckpoint(dirpath=root + "/ckpts", every_n_train_steps=2, save_top_k=-1)],
+                        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
+    model = M()
+    trainer.fit(model, DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.global_rank == 0:
+        torch.save({"full": full, "committed": committed}, root + "/result.pt")
+'''
+
+
+def test_lightning_model_parallel_sharded_checkpoint_exports_the_module_with_the_chosen_prefix(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(LIGHTNING_MODEL_PARALLEL)
+    process = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert process.returncode == 0, process.stderr[-4000:]
+    result = torch.load(tmp_path / "result.pt", weights_only=False)
+    names = sorted(os.path.basename(p) for p in result["committed"])
+    assert names == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]  # on_commit, once each checkpoint committed
+    export = tmp_path / "ckpts" / "exports" / "epoch=0-step=4"
+    tensors = exported(export)
+    assert same(tensors, {f"module.{k}": v for k, v in result["full"].items()})
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    net.load_state_dict({k.removeprefix("module.net."): v for k, v in tensors.items()}, strict=True)
+
+
+def test_lightning_ckpt_files_are_exported_and_exports_follow_the_checkpoints_retention(tmp_path):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from asyncckpt.adapters.lightning import AsyncCkptIO
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    model = Module()
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[AsyncCkptIO(export="safetensors")],
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=1,
+                                                   monitor="step", mode="max")])
+    trainer.fit(model, DataLoader(TensorDataset(torch.randn(48, 4)), batch_size=4))
+
+    assert sorted(os.listdir(tmp_path / "exports")) == ["epoch=0-step=6"]  # those of removed .ckpt files went too
+    model.net.load_state_dict({k.removeprefix("net."): v for k, v in exported(tmp_path / "exports" / "epoch=0-step=6").items()},
+                              strict=True)
+    assert same(exported(tmp_path / "exports" / "epoch=0-step=6"), model.state_dict())

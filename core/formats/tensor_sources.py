@@ -110,10 +110,13 @@ def from_safetensors(paths: list[str]) -> dict[str, SourceTensor]:
     return tensors
 
 
+MODEL_KEYS = ("model.", "state_dict.")  # ours and Accelerate's ({"model": ..., "optim": ...}), Lightning's
+
+
 def model_prefix(tensors: dict[str, SourceTensor]) -> str:
-    """A DCP state dict holds the model under ``model`` (``{"model": ..., "optim": ...}``: ours,
-    Lightning's, Accelerate's): its keys. Anything else: every tensor."""
-    return "model." if any(key.startswith("model.") for key in tensors) else ""
+    """A DCP state dict holds the model under one key (``{"model": ..., "optim": ...}`` in ours and
+    Accelerate's, ``state_dict`` in Lightning's sharded checkpoints): its keys. Else every tensor."""
+    return next((prefix for prefix in MODEL_KEYS if any(key.startswith(prefix) for key in tensors)), "")
 
 
 def _safetensors_files(directory: str, entries: set[str]) -> Optional[tuple[str, list[str]]]:

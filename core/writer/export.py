@@ -54,8 +54,8 @@ class ExportOptions:
             ``save_pretrained(max_shard_size=...)``; one file is ``model.safetensors``, several get an index.
         dtype: write floating tensors in this dtype (``"bf16"``, ``"float16"``, ...); default: as saved.
         keys: export the tensors whose key starts with this, without it (``"model."``: the model of a
-            state dict ``{"model": ..., "optim": ...}``). Default: the checkpoint's model (``"model."``
-            where its keys have it, else every tensor).
+            state dict ``{"model": ..., "optim": ...}``). Default: the checkpoint's model (``"model."``,
+            or Lightning's ``"state_dict."``, where its keys have it, else every tensor).
         add_prefix: put before every exported name (e.g. ``"model."`` for a wrapped Transformers model).
         keep_last: keep only the newest so many exports in ``directory``; default (None): an export is
             removed once its checkpoint is gone (it follows the checkpoints' retention).
