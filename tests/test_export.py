@@ -292,7 +292,9 @@ def test_trainer_push_to_hub_uploads_each_checkpoint_after_its_commit_in_order(t
     assert all(thread.startswith("asyncckpt-on-commit") for _name, _c, thread in uploads[:4])  # off the training loop
 
 
-def test_trainer_peft_export_holds_the_adapter(tmp_path):
+@pytest.fixture
+def peft_run(tmp_path):
+    """A LoRA fine-tune of a base model saved in ``base/``: (the trained PeftModel, the run's directory)."""
     peft = pytest.importorskip("peft")
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -300,16 +302,34 @@ def test_trainer_peft_export_holds_the_adapter(tmp_path):
 
     torch.manual_seed(0)
     base = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False))
-    trainer = _trainer(tmp_path / "run", [AsyncCheckpointCallback(export="safetensors")], model=model)
+    base.save_pretrained(tmp_path / "base")
+    base = GPT2LMHeadModel.from_pretrained(tmp_path / "base")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"],
+                                                      init_lora_weights=False))
+    trainer = _trainer(tmp_path / "run", [AsyncCheckpointCallback()], model=model)
     trainer.train()
+    return trainer.model, tmp_path
 
-    export = tmp_path / "run" / "exports" / "checkpoint-4"
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(export))
-    fresh = peft.PeftModel.from_pretrained(
-        GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)), str(export))
-    lora = {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
+
+def test_a_peft_checkpoint_exports_the_adapter_alone_or_merged_as_chosen(peft_run):
+    import peft
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+
+    model, root = peft_run
+    checkpoint = root / "run" / "checkpoint-4"
+    assert cli(["export", str(checkpoint), str(root / "adapter"), "--no-progress"]) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(root / "adapter"))
+    fresh = peft.PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(root / "base"), str(root / "adapter"))
+    lora = {k: v for k, v in model.state_dict().items() if "lora_" in k}
     assert lora and all(torch.equal(fresh.state_dict()[k], v) for k, v in lora.items())
+
+    with Checkpointer() as checkpointer:  # in the background writer, as the export= option runs it
+        checkpointer.export(checkpoint, ExportOptions(directory=str(root / "merged"), peft="merged",
+                                                      base_model=str(root / "base"))).result()
+    loaded = AutoModelForCausalLM.from_pretrained(root / "merged" / "checkpoint-4")
+    reference = model.merge_and_unload().state_dict()
+    assert reference.keys() == loaded.state_dict().keys()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in reference.items())  # bit for bit
 
 
 # ----------------------------------------------------------------------------- Accelerate and Lightning, FSDP2

@@ -60,6 +60,11 @@ class ExportOptions:
         keep_last: keep only the newest so many exports in ``directory``; default (None): an export is
             removed once its checkpoint is gone (it follows the checkpoints' retention).
         buffer_bytes: the fixed buffer an export reads and writes through (its memory).
+        peft: a PEFT LoRA checkpoint (``adapter_model.safetensors``) is exported as ``"adapter"`` (alone, for
+            ``PeftModel.from_pretrained``) or ``"merged"`` (its base model with the adapter merged in, as
+            ``merge_and_unload`` gives it, for ``AutoModel*.from_pretrained``; reads the base model from
+            ``base_model`` or the adapter config's ``base_model_name_or_path``, a local directory; needs torch).
+        base_model: the base model's directory, for ``peft="merged"``.
     """
 
     directory: Optional[str] = None
@@ -69,6 +74,8 @@ class ExportOptions:
     add_prefix: str = ""
     keep_last: Optional[int] = None
     buffer_bytes: int = 64 << 20
+    peft: str = "adapter"
+    base_model: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.max_shard_size = parse_size(self.max_shard_size)
@@ -78,6 +85,8 @@ class ExportOptions:
             raise ValueError("keep_last must be >= 1")
         if self.buffer_bytes < 4096:
             raise ValueError("buffer_bytes must be at least 4096")
+        if self.peft not in ("adapter", "merged"):
+            raise ValueError(f"peft={self.peft!r}: 'adapter' or 'merged'")
 
     def target_for(self, checkpoint: str) -> str:
         """Where the export of ``checkpoint`` goes."""
@@ -98,14 +107,18 @@ def as_options(export: "ExportOptions | str | dict | None") -> Optional[ExportOp
     raise ValueError(f"export={export!r}: use 'safetensors' or an asyncckpt.core.ExportOptions")
 
 
-def read_source(checkpoint: str) -> Source:
+def read_source(checkpoint: str, options: ExportOptions) -> Source:
     """The tensors of ``checkpoint``: torch-free where ``tensor_sources`` knows its kind, else through torch."""
     source = tensor_sources.find(checkpoint)
-    if source is not None:
-        return source
-    from asyncckpt.core.loading import torch_sources  # a torch.save file or a stock DCP directory
+    if source is None:
+        from asyncckpt.core.loading import torch_sources  # a torch.save file or a stock DCP directory
 
-    return torch_sources.find(checkpoint)
+        return torch_sources.find(checkpoint)
+    if source.stem == "adapter_model" and options.peft == "merged":
+        from asyncckpt.core.loading import peft_merge  # the merge is torch's arithmetic, as peft's
+
+        return peft_merge.merged(source, options.base_model)
+    return source
 
 
 def _selected(source: Source, options: ExportOptions) -> list[tuple[OutputTensor, SourceTensor]]:
@@ -156,7 +169,8 @@ def _write_file(path: str, data: bytes) -> dict:
 
 def total_bytes(checkpoint: str, options: ExportOptions) -> int:
     """What an export of ``checkpoint`` reads (for a progress bar)."""
-    return sum(piece.nbytes for _out, tensor in _selected(read_source(checkpoint), options) for piece in tensor.pieces)
+    return sum(piece.nbytes for _out, tensor in _selected(read_source(checkpoint, options), options)
+               for piece in tensor.pieces)
 
 
 def export_checkpoint(checkpoint: str, target: str, options: ExportOptions, *, token: Optional[str] = None,
@@ -168,7 +182,7 @@ def export_checkpoint(checkpoint: str, target: str, options: ExportOptions, *, t
     staging = names.staging_dir_for(target, token)
     try:
         record = commit.read_commit_record(checkpoint) if os.path.isdir(checkpoint) else None
-        source = read_source(checkpoint)
+        source = read_source(checkpoint, options)
         chosen = _selected(source, options)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.makedirs(staging)
