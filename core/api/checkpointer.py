@@ -89,7 +89,8 @@ class Checkpointer:
             and checks. Default: ``object_store.configure``'s, else fsspec's defaults and the environment.
         on_commit: called with the path of every checkpoint once it committed (on each rank that
             saved it), on a thread of its own, in commit order, while training goes on (``commit_hooks``);
-            what it raises fails like a save, naming the checkpoint, at the next sync point.
+            what it raises fails like a save, naming the checkpoint, at the next sync point. (A
+            Checkpointer pickles with it: give a module-level function where it must pickle.)
         export: ``"safetensors"`` or an ``ExportOptions``: once a checkpoint committed, rank 0's
             background writer writes its model weights as Hugging Face safetensors (``Checkpointer.export``).
     """

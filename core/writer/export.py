@@ -22,6 +22,7 @@ checkpoint is read through ``core/loading/torch_sources.py`` (which imports torc
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -193,11 +194,10 @@ def export_checkpoint(checkpoint: str, target: str, options: ExportOptions, *, t
     except BaseException as e:
         if os.path.lexists(staging):
             leftovers.delete(staging, token)
-        if isinstance(e, CheckpointError) and checkpoint in str(e):
+        if not isinstance(e, Exception) or (isinstance(e, CheckpointError) and checkpoint in str(e)):
             raise
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise CheckpointWriteError(f"exporting checkpoint {checkpoint} to {target} failed: {type(e).__name__}: "
-                                   f"{reason}; the checkpoint is not affected", path=checkpoint) from e
+                                   f"{names.unhide(str(e))}; the checkpoint is not affected", path=checkpoint) from e
     if replaced is not None:
         leftovers.delete(replaced, token)
     return target
@@ -243,8 +243,32 @@ class ExportRequest:
 
     def run(self, context: RequestContext) -> None:
         context.tidy(os.path.dirname(self.target))  # a killed export's staging directory
-        export_checkpoint(self.checkpoint, self.target, self.options, token=context.token())
+        on_idle_cpu(lambda: export_checkpoint(self.checkpoint, self.target, self.options, token=context.token()))
         remove_paths(stale_exports(os.path.dirname(self.target), self.options.keep_last), context)
+
+
+def on_idle_cpu(work: Callable[[], object]) -> None:
+    """Run ``work`` in a thread of its own scheduled ``SCHED_IDLE``: the export takes the CPU time the
+    training loop leaves, rather than competing with it (docs/benchmarks_export.md). A thread of its
+    own, because an unprivileged thread cannot leave ``SCHED_IDLE`` again; where the policy is refused,
+    it runs as usual. What ``work`` raises is raised here."""
+    failure: list[BaseException] = []
+
+    def idle() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+        except (OSError, AttributeError):
+            pass
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - raised in the calling thread
+            failure.append(e)
+
+    thread = threading.Thread(target=idle, name="asyncckpt-export")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
 
 
 def stale_exports(root: str, keep_last: Optional[int]) -> list[str]:
