@@ -17,6 +17,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Optional
 
 from asyncckpt.core.storage.commit import is_complete, latest_checkpoint
+from asyncckpt.core.writer.export import ExportOptions
 from asyncckpt.core.errors import (
     CheckpointCancelledError,
     CheckpointError,
@@ -45,7 +46,7 @@ _LAZY = {
 
 __all__ = [
     "save", "async_save", "load", "latest_checkpoint", "is_complete", "wait", "default_checkpointer",
-    "Checkpointer", "SaveHandle", "CheckpointManager",
+    "Checkpointer", "SaveHandle", "CheckpointManager", "ExportOptions",
     "AsyncCkptStorageWriter", "AsyncCkptStorageReader", "AsyncCkptSavePlanner", "AsyncCkptLoadPlanner",
     "CheckpointError", "CheckpointCancelledError", "CheckpointTimeoutError", "CheckpointWriteError",
     "CorruptCheckpointError", "IncompleteCheckpointError", "StateDictMismatchError", "UnsafeMetadataError",

@@ -28,7 +28,7 @@ import logging
 import os
 import re
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -36,7 +36,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from asyncckpt.core import Checkpointer, is_complete
+from asyncckpt.core import Checkpointer, ExportOptions, is_complete
+from asyncckpt.core.writer.export import as_options as as_export_options
 from asyncckpt.core.snapshot import dist_env
 from asyncckpt.core.api import lifecycle
 from asyncckpt.core.integration import patching
@@ -78,6 +79,11 @@ class Options:
     mirror_to: an object-store URL (``s3://bucket/run``): the main process copies each committed ``checkpoint_N``
         there in the background (``Checkpointer.mirror``), and ``load_state()`` with no local ``checkpoint_N``
         restores the newest from there first (docs/object_store.md).
+    export: ``"safetensors"`` or an ``asyncckpt.core.ExportOptions``: after each commit, the main process's
+        writer exports the model as Hugging Face safetensors (with the model's ``config.json`` when it saved one),
+        by default to ``project_dir/exports/checkpoint_N`` (docs/accelerate.md).
+    on_commit: called with each ``checkpoint_N``'s path once it committed, on every process, off the training
+        loop (``Checkpointer(on_commit=...)``); what it raises fails like a save.
     """
 
     max_in_flight: int = 1
@@ -91,6 +97,8 @@ class Options:
     verify_on_resume: bool = True
     resume_from_intact: bool = False
     mirror_to: Optional[str] = None
+    export: Any = None
+    on_commit: Optional[Callable[[str], Any]] = None
 
 
 def enable_async_checkpointing(accelerator: Accelerator, **options: Any) -> "AsyncCheckpointing":
@@ -110,7 +118,8 @@ class AsyncCheckpointing:
         versions.require(SUPPORT)
         self.accelerator, self.options = accelerator, options
         self.checkpointer = Checkpointer(max_in_flight=options.max_in_flight, timeout=options.timeout,
-                                         direct_io=options.direct_io, io_threads=options.io_threads)
+                                         direct_io=options.direct_io, io_threads=options.io_threads,
+                                         on_commit=options.on_commit, export=self._export_options(options.export))
         self.last_written: list[str] = []  # files this process staged in its latest save_state()
         self._attach()
         dist_env.warn_if_launched_as_many(accelerator.num_processes, "Accelerate", "Launch with `accelerate launch` "
@@ -198,6 +207,13 @@ class AsyncCheckpointing:
         handle = tx.commit(mirror_to=self.options.mirror_to)
         if removals:
             self.checkpointer.remove(removals, after=handle, hidden_parent=hidden_parent)
+
+    def _export_options(self, export: Any) -> Optional[ExportOptions]:
+        """Exports go beside ``checkpoints/``, never into it (Accelerate counts every entry there)."""
+        options = as_export_options(export)
+        if options is not None and options.directory is None and self.accelerator.project_dir:
+            options = replace(options, directory=os.path.join(os.path.abspath(self.accelerator.project_dir), "exports"))
+        return options
 
     def _automatic_target(self) -> tuple[str, list[str], Optional[str]]:
         """What Accelerate's save_state does with automatic naming, with checkpoints in flight counted as

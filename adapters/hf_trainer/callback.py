@@ -28,7 +28,7 @@ from transformers import (AutoConfig, AutoProcessor, AutoTokenizer, PreTrainedCo
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from asyncckpt.core import Checkpointer
+from asyncckpt.core import Checkpointer, ExportOptions
 from asyncckpt.core.snapshot import dist_env
 from asyncckpt.core.api import lifecycle
 from asyncckpt.core.integration import patching
@@ -64,12 +64,23 @@ class AsyncCheckpointCallback(TrainerCallback):
         mirror_to: an object-store URL (``s3://bucket/run``): each committed ``checkpoint-N`` is copied there in
             the background (``Checkpointer.mirror``), and ``train(resume_from_checkpoint=True)`` with no local
             checkpoint restores the newest from there first (docs/object_store.md).
+        export: ``"safetensors"`` or an ``asyncckpt.core.ExportOptions``: after each ``checkpoint-N`` commits, the
+            main process's background writer writes the model as Hugging Face safetensors with its
+            ``config.json`` and ``generation_config.json`` (``AutoModel*.from_pretrained`` loads it), by default to
+            ``output_dir/exports/checkpoint-N``; a PEFT model's export is its adapter (``adapter_config.json`` and
+            ``adapter_model.safetensors``, for ``PeftModel.from_pretrained``). Ignored with a ``checkpointer`` of
+            your own: give it ``Checkpointer(export=...)``.
+        on_save_after_commit: the other callbacks' ``on_save`` run once the checkpoint committed (so they find
+            ``checkpoint-N`` complete), on a thread of their own while training goes on; what they raise fails
+            like a save. What they set on ``control`` there is not applied. With ``push_to_hub=True`` each
+            checkpoint is uploaded after its commit in the same way, whatever this option says.
     """
 
     def __init__(self, max_in_flight: int = 1, timeout: float = 600.0, direct_io: bool = True,
                  checkpointer: Optional[Checkpointer] = None, overlap_optimizer: bool = True,
                  verify_on_resume: bool = True, resume_from_intact: bool = False, mirror_to: Optional[str] = None,
-                 max_pending: Optional[int] = None) -> None:
+                 max_pending: Optional[int] = None, export: Optional[ExportOptions | str] = None,
+                 on_save_after_commit: bool = False) -> None:
         versions.require(SUPPORT)
         if max_pending is not None:  # its name until 0.1 (every other adapter and the core say max_in_flight)
             warnings.warn("AsyncCheckpointCallback(max_pending=...) is deprecated and will be removed in the next "
@@ -82,7 +93,9 @@ class AsyncCheckpointCallback(TrainerCallback):
         self.overlap_optimizer = overlap_optimizer
         self.verify_on_resume, self.resume_from_intact, self.mirror_to = verify_on_resume, resume_from_intact, mirror_to
         self.owns_checkpointer = checkpointer is None
-        self.checkpointer = checkpointer or Checkpointer(max_in_flight=max_in_flight, timeout=timeout, direct_io=direct_io)
+        self.on_save_after_commit = on_save_after_commit
+        self.checkpointer = checkpointer or Checkpointer(max_in_flight=max_in_flight, timeout=timeout, direct_io=direct_io,
+                                                         export=export)
         self.saver: Optional[AsyncCheckpointSaver] = None
 
     def __getstate__(self) -> dict:
@@ -123,7 +136,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         if trainer is not None and (self.saver is None or self.saver.trainer is not trainer):
             self.saver = AsyncCheckpointSaver(trainer, self.checkpointer, overlap_optimizer=self.overlap_optimizer,
                                               verify_on_resume=self.verify_on_resume, resume_from_intact=self.resume_from_intact,
-                                              mirror_to=self.mirror_to)
+                                              mirror_to=self.mirror_to, on_save_after_commit=self.on_save_after_commit)
 
 
 def _auto_model_classes() -> list[type]:

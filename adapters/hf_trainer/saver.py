@@ -48,8 +48,10 @@ class AsyncCheckpointSaver:
     still runs, around the asynchronous save)."""
 
     def __init__(self, trainer: Any, checkpointer: Checkpointer, *, overlap_optimizer: bool, verify_on_resume: bool,
-                 resume_from_intact: bool, mirror_to: Optional[str] = None) -> None:
+                 resume_from_intact: bool, mirror_to: Optional[str] = None, on_save_after_commit: bool = False) -> None:
         self.trainer, self.checkpointer, self.overlap_optimizer = trainer, checkpointer, overlap_optimizer
+        self.on_save_after_commit = on_save_after_commit
+        self.last_checkpoint: Optional[Any] = None  # the handle of the checkpoint the latest save began
         self.verify_on_resume, self.resume_from_intact, self.mirror_to = verify_on_resume, resume_from_intact, mirror_to
         if verify_on_resume or mirror_to:  # for the trainer's lifetime: every train() may resume
             patching.install(trainer, "train", self._resuming_intact)
@@ -69,6 +71,8 @@ class AsyncCheckpointSaver:
                       patching.install(self.trainer, "_finalize_training", self._finalize).restore]
         if self.overlap_optimizer:  # any optimizer step first waits for an overlapped optimizer.pt snapshot
             self._undo.append(self.checkpointer.guard_every_optimizer().remove)
+        if self.on_save_after_commit:
+            self._undo.append(patching.install(self.trainer.callback_handler, "on_save", self._on_save_after_commit).restore)
 
     def uninstall(self) -> None:
         for undo in self._undo:
@@ -85,6 +89,7 @@ class AsyncCheckpointSaver:
         if self.timings:  # how long the optimizer step after the last save waited for its overlapped snapshot
             self.timings[-1]["optimizer_step_waited_s"] = self.checkpointer.stager.staged_wait_s - self._staged_wait_mark
         timing = {"step": trainer.state.global_step, "waited_s": 0.0}
+        self.last_checkpoint = None
         try:
             if subclass.overrides_save_checkpoint(trainer):
                 self._save_with_subclass(model, trial, timing)
@@ -164,6 +169,7 @@ class AsyncCheckpointSaver:
         step = self.trainer.state.global_step
         tx = self.checkpointer.begin_directory(self._checkpoint_dir(run_dir), step=step, label=f"global step {step}")
         timing["waited_s"] = tx.handle.timings["waited_s"]  # for an earlier checkpoint (max_in_flight)
+        self.last_checkpoint = tx.handle
         return tx
 
     def _save_trainer_files(self, tx: Any, trial: Any) -> list:
@@ -207,10 +213,8 @@ class AsyncCheckpointSaver:
             self.checkpointer.run_staged(lambda: self._finish(tx, deferred, doomed))
         else:
             self._finish(tx, [], doomed)
-        if args.push_to_hub:  # async: the upload needs the files: wait for this commit first
-            self.checkpointer.wait_staged()
-            tx.handle.result()
-            self.trainer._push_from_checkpoint(tx.final_dir)
+        if args.push_to_hub:  # async: the upload needs the files: it runs once this checkpoint committed, in order
+            self.checkpointer.after_commit(tx.handle, self.trainer._push_from_checkpoint)
 
     def _finish(self, tx: Any, deferred: list, doomed: list[str]) -> None:
         """The deferred snapshots, the commit, then the rotation's deletions (in the writer's queue,
@@ -235,6 +239,20 @@ class AsyncCheckpointSaver:
         protected = {newest, os.path.abspath(best) if best else newest} & set(checkpoints)
         excess = len(checkpoints) - max(save_total_limit, len(protected))
         return [p for p in checkpoints if p not in protected][:max(0, excess)]
+
+    def _on_save_after_commit(self, original: Callable) -> Callable:
+        """The callbacks' ``on_save`` for a checkpoint saved asynchronously runs once it committed (on the
+        commit-hooks thread, with the Trainer's state as it was at the save), so that they find ``checkpoint-N``
+        complete; what they return to the Trainer's control is not applied (the Trainer moved on)."""
+        def on_save(args: Any, state: Any, control: Any) -> Any:
+            checkpoint = self.last_checkpoint
+            if checkpoint is None:  # saved synchronously: on disk already
+                return original(args, state, control)
+            state_then = copy.deepcopy(state)
+            self.checkpointer.after_commit(checkpoint, lambda _path: original(args, state_then, copy.copy(control)))
+            return control
+
+        return on_save
 
     # ------------------------------------------------------------------ the end of training
     def _resuming_intact(self, original: Callable) -> Callable:

@@ -34,7 +34,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
-from asyncckpt.core import Checkpointer, CheckpointWriteError
+from asyncckpt.core import Checkpointer, CheckpointWriteError, ExportOptions
 from asyncckpt.core.integration import versions
 from asyncckpt.core.api.handles import SaveHandle
 
@@ -69,11 +69,17 @@ class AsyncCkptIO(CheckpointIO):
         resume_from_intact: when Lightning picked the checkpoint itself (``ckpt_path="last"``,
             ``"best"``, ``"hpc"``) and it is damaged, resume from the newest other checkpoint in its
             directory that checks out, with a warning naming the one skipped.
+        export: ``"safetensors"`` or an ``asyncckpt.core.ExportOptions``: after each checkpoint commits, rank 0's
+            writer exports the ``LightningModule``'s state dict as Hugging Face safetensors, by default to
+            ``exports/<checkpoint name>`` beside it (``ExportOptions(keys=..., add_prefix=...)`` choose the names).
+        on_commit: called with each checkpoint's path once it committed, off the training loop
+            (``Checkpointer(on_commit=...)``); what it raises fails like a save, at the next save or teardown.
     """
 
     def __init__(self, *, max_in_flight: int = 2, timeout: float = 600.0, direct_io: bool = True,
                  io_threads: int = 2, sync_patterns: tuple[str, ...] = (),
-                 sync_on_exception: bool = True, verify_on_resume: bool = True, resume_from_intact: bool = False) -> None:
+                 sync_on_exception: bool = True, verify_on_resume: bool = True, resume_from_intact: bool = False,
+                 export: Optional[ExportOptions | str] = None, on_commit: Optional[Callable[[str], Any]] = None) -> None:
         versions.require(SUPPORT)
         super().__init__()
         self.max_in_flight, self.timeout, self.direct_io, self.io_threads = max_in_flight, timeout, direct_io, io_threads
@@ -81,7 +87,7 @@ class AsyncCkptIO(CheckpointIO):
         self.verify_on_resume, self.resume_from_intact = verify_on_resume, resume_from_intact
         self.picked_by_lightning: Optional[str] = None  # the path Lightning resolved "last"/"best"/"hpc" to
         self.checkpointer = Checkpointer(max_in_flight=max_in_flight, timeout=timeout, direct_io=direct_io,
-                                         io_threads=io_threads)
+                                         io_threads=io_threads, export=export, on_commit=on_commit)
         self._last_save: Optional[SaveHandle] = None  # removals wait for it
         integration.install()
 

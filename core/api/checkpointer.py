@@ -37,6 +37,7 @@ from asyncckpt.core.storage import object_store as object_store_module
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.snapshot.buffer_pool import BufferPool
 from asyncckpt.core.api.pending import PendingWork
+from asyncckpt.core.api.commit_hooks import CommitHooks, OnCommit
 from asyncckpt.core.api.directory import DirectoryTransaction
 from asyncckpt.core.snapshot.dist_env import any_rank, default_store, dist_ready, rank_and_world
 from asyncckpt.core.storage.commit import job_token
@@ -54,6 +55,8 @@ from asyncckpt.core.loading.state_dict import load_checkpoint
 from asyncckpt.core.writer.mirror import MirrorRequest, restore_latest
 from asyncckpt.core.storage.object_store import ObjectStoreOptions
 from asyncckpt.core.writer.retention import RetentionRequest
+from asyncckpt.core.writer.export import ExportOptions, ExportRequest, as_options
+from asyncckpt.core.loading.torch_sources import with_torch_readers
 from asyncckpt.core.snapshot.sharded_save import ShardedSaves
 from asyncckpt.core.snapshot.handoff import Stager
 from asyncckpt.core.snapshot.tensor_copy import CopyThreads
@@ -62,7 +65,7 @@ logger = logging.getLogger("asyncckpt.core")
 
 STATE_DICT = dict[str, Any]
 _OPTIONS = ("process_group", "use_collectives", "max_in_flight", "overlap_staging", "direct_io", "io_threads",
-            "timeout", "verify", "object_store", "writer_idle_timeout")
+            "timeout", "verify", "object_store", "writer_idle_timeout", "on_commit", "export")
 
 
 class Checkpointer:
@@ -88,12 +91,19 @@ class Checkpointer:
             and checks. Default: ``object_store.configure``'s, else fsspec's defaults and the environment.
         writer_idle_timeout: the background writer stops after this many seconds with nothing to do
             (None: only when the Checkpointer is torn down); the next save starts it again.
+        on_commit: called with the path of every checkpoint once it committed (on each rank that
+            saved it), on a thread of its own, in commit order, while training goes on (``commit_hooks``);
+            what it raises fails like a save, naming the checkpoint, at the next sync point. (A
+            Checkpointer pickles with it: give a module-level function where it must pickle.)
+        export: ``"safetensors"`` or an ``ExportOptions``: once a checkpoint committed, rank 0's
+            background writer writes its model weights as Hugging Face safetensors (``Checkpointer.export``).
     """
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None, use_collectives: bool = True,
                  max_in_flight: int = 1, overlap_staging: bool = False, direct_io: bool = True, io_threads: int = 2,
                  timeout: float = 600.0, verify: bool = True, object_store: Optional[ObjectStoreOptions] = None,
-                 writer_idle_timeout: Optional[float] = 30.0) -> None:
+                 writer_idle_timeout: Optional[float] = 30.0, on_commit: Optional[OnCommit] = None,
+                 export: Optional[ExportOptions | str] = None) -> None:
         self.process_group, self.use_collectives = process_group, use_collectives
         self.object_store = object_store
         self.max_in_flight, self.overlap_staging = max_in_flight, overlap_staging
@@ -101,6 +111,8 @@ class Checkpointer:
         self.writer_idle_timeout = writer_idle_timeout
         self.ledger = PendingWork(max_in_flight=max_in_flight, timeout=timeout, store=self._store,
                                   writer_idle_timeout=writer_idle_timeout)
+        self.on_commit, self.export_options = on_commit, as_options(export)
+        self.hooks = CommitHooks(self.ledger)
         self.buffers = BufferPool(self.ledger.queue.drop_buffer)
         self.copy_threads = CopyThreads()
         self.stager = Stager(self.ledger, self._store, timeout)
@@ -113,7 +125,8 @@ class Checkpointer:
         lifecycle.track(self)
 
     def __getstate__(self) -> dict:
-        return {name: getattr(self, name) for name in _OPTIONS if name != "process_group"}
+        state = {name: getattr(self, name) for name in _OPTIONS if name not in ("process_group", "export")}
+        return {**state, "export": self.export_options}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
@@ -327,6 +340,34 @@ class Checkpointer:
             dist.barrier(group=self.process_group)
         return restored
 
+    def export(self, path: str | os.PathLike, options: Optional[ExportOptions | str] = None, *,
+               after: Optional[SaveHandle] = None) -> SaveHandle:
+        """Write the model weights of the committed checkpoint ``path`` as Hugging Face safetensors
+        (``options.target_for(path)``, committed like a checkpoint) in the background writer, after
+        everything queued before; with ``after``, only if that save succeeded (``writer/export``). A
+        failed export is logged and fails its handle, never the checkpoint or later saves."""
+        path = os.path.abspath(os.fspath(path))
+        options = as_options(options or "safetensors")
+        target = options.target_for(path)
+        return self._queue_after("export", path, ExportRequest(path, target, with_torch_readers(options)), after, label=f"to {target}")
+
+    def after_commit(self, checkpoint: SaveHandle, action: OnCommit) -> SaveHandle:
+        """Run ``action(path)`` once the checkpoint of ``checkpoint`` committed, on the commit-hooks
+        thread (in commit order, off the training loop); returns its handle, which fails, like a
+        save, with what ``action`` raises, and is cancelled if the checkpoint does not commit."""
+        return self.hooks.on_commit(checkpoint, action)
+
+    def _queue_commit_work(self, checkpoint: SaveHandle) -> None:
+        """The ``on_commit`` code and the export of a checkpoint being saved, run once it committed."""
+        if self.on_commit is not None:
+            self.hooks.on_commit(checkpoint, self.on_commit)
+        options = self.export_options
+        if options is not None and checkpoint.rank == 0 and not backend_for(checkpoint.path).remote:
+            target = options.target_for(checkpoint.path)
+            request = ExportRequest(checkpoint.path, target, with_torch_readers(options))
+            self.hooks.after(checkpoint, "export", lambda handle: self.ledger.queue.submit([(handle, request, None)]),
+                             label=f"to {target}", done_by_action=True)
+
     def _queue_after(self, kind: str, path: str, request: Any, after: Optional[SaveHandle], **details: Any) -> SaveHandle:
         self._check_open()
         if after is not None:
@@ -488,6 +529,7 @@ class Checkpointer:
         try:
             self.stager.wait()
         finally:
+            self.hooks.stop()
             self.ledger.queue.stop()
             self.copy_threads.stop()
             self.sharded.close()
@@ -505,6 +547,8 @@ class Checkpointer:
             orphans.wait_for_orphans(os.path.dirname(path), self.timeout)  # never save over what one commits
         self.stats[kind] += 1
         handle = self.ledger.admit(kind, path, **details)
+        if handle.is_checkpoint:
+            self._queue_commit_work(handle)
         for path in handle.paths:  # the writer changed it: what this process cached of it is stale
             backend = backend_for(path, self.object_store)
             handle.when_done(lambda path=path, backend=backend: backend.forget_cached(path))

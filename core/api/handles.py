@@ -18,7 +18,7 @@ from asyncckpt.core.errors import CheckpointTimeoutError
 _VERBS = {
     "save": "saving checkpoint", "file": "saving checkpoint", "directory": "saving checkpoint",
     "member": "writing", "remove": "removing", "link": "linking", "retention": "applying retention in",
-    "mirror": "mirroring to",
+    "mirror": "mirroring to", "hook": "running the on_commit code of", "export": "exporting",
     "idle": "waiting for",
 }
 CHECKPOINT_KINDS = ("save", "file", "directory")
@@ -31,7 +31,7 @@ class SaveHandle:
     ``kind``: ``save`` (a sharded checkpoint), ``file`` (a native file), ``directory`` (a
     directory of native files: the handle of its commit), ``member`` (one file of a directory,
     whose failure is reported through the directory's handle), ``remove``, ``link``,
-    ``retention``, ``idle``.
+    ``retention``, ``hook`` (user code run once a checkpoint committed), ``export``, ``idle``.
     """
 
     def __init__(self, kind: str, path: str, *, rank: int, timeout: float, step: Optional[int] = None,

@@ -34,7 +34,7 @@ from asyncckpt.core.writer.protocol import Idle
 from asyncckpt.core.writer.client import WriterQueue
 
 logger = logging.getLogger("asyncckpt.core")
-_CREATES = ("save", "file", "directory", "link")
+_CREATES = ("save", "file", "directory", "link", "hook", "export")  # a hook or export leaves its checkpoint there
 _ON_RANK = re.compile(r"^rank (\S+): (.*)$", re.S)
 
 
@@ -93,6 +93,8 @@ class PendingWork:
         if self._reportable(handle, error):
             with self._lock:
                 self._unobserved.append(handle)
+        elif handle.kind == "export" and not isinstance(error, CheckpointCancelledError):
+            logger.error("%s", error)  # training goes on: the checkpoint is committed, only its copy failed
         for dependent in handle.dependents:  # the writer cancels them too; nobody need wait for it to say so
             self.complete(dependent, CheckpointCancelledError(dependent.cancelled_message()))
 
@@ -105,7 +107,7 @@ class PendingWork:
 
     @staticmethod
     def _reportable(handle: SaveHandle, error: BaseException) -> bool:
-        return handle.kind != "member" and not isinstance(error, CheckpointCancelledError)
+        return handle.kind not in ("member", "export") and not isinstance(error, CheckpointCancelledError)
 
     @staticmethod
     def _labelled(handle: SaveHandle, error: BaseException) -> CheckpointError:

@@ -5,6 +5,7 @@
     asyncckpt verify PATH    recheck a checkpoint (or every one under a directory); exit 0 good,
                              1 damaged, 2 incomplete
     asyncckpt clean ROOT     remove what crashed saves left (``leftovers``)
+    asyncckpt export CHECKPOINT OUT   its model as Hugging Face safetensors (``cli/export``)
 
 The tool reads only what the formats promise (see docs/FORMAT.md): the commit record, the JSON
 sidecars, ``.metadata`` through the restricted unpickler, safetensors headers, and torch.save
@@ -27,6 +28,7 @@ from asyncckpt.core.storage import commit
 from asyncckpt.core.verify import integrity
 from asyncckpt.core.storage import leftovers
 from asyncckpt.core.formats import names
+from asyncckpt.core.cli import export as export_cli
 from asyncckpt.core.cli import object_cli
 from asyncckpt.core.errors import CheckpointError
 from asyncckpt.core.storage.backend import backend_for
@@ -271,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="leftovers whose writer cannot be checked from this host (another host) only once "
                             "untouched for this long (default 3600); those of a process that is gone go at once")
     clean.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
+    export_cli.add_parser(commands)
     return parser
 
 
@@ -283,6 +286,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_inspect(args.path)
         if args.command == "clean":
             return cmd_clean(args.root, args.min_age, args.dry_run)
+        if args.command == "export":
+            return export_cli.run(args)
         return cmd_verify(args.path, progress=not args.no_progress)
     except BrokenPipeError:  # `asyncckpt inspect ... | head`: stop quietly, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

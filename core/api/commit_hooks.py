@@ -1,0 +1,77 @@
+"""What runs once a checkpoint committed: the user's ``on_commit`` code, and the queueing of its export.
+
+Users act on each checkpoint as it is saved (upload it, evaluate it, copy it, notify someone); with
+asynchronous saves the checkpoint exists only from its commit on. ``CommitHooks.after`` attaches
+such work to a checkpoint's handle when the save is made: a ``hook`` handle (and an ``export``
+handle) that depend on it. Once the checkpoint commits, the work runs on one thread of its own, in
+commit order, off the training loop and off the thread that reads the writer's replies. A hook that
+raises fails its handle like a failed save (named after the checkpoint, raised at the next sync
+point); if the checkpoint does not commit, its hooks and export are cancelled and named in its
+error. The handles count as pending work, so ``wait``, ``teardown`` and the exit drain wait for them.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from asyncckpt.core.errors import CheckpointCancelledError, CheckpointWriteError
+
+if TYPE_CHECKING:
+    from asyncckpt.core.api.handles import SaveHandle
+    from asyncckpt.core.api.pending import PendingWork
+
+OnCommit = Callable[[str], Any]  # called with the committed checkpoint's path
+
+
+class CommitHooks:
+    def __init__(self, ledger: "PendingWork") -> None:
+        self.ledger = ledger
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._lock = threading.Lock()
+
+    def after(self, checkpoint: "SaveHandle", kind: str, action: Callable[["SaveHandle"], None], *,
+              path: Optional[str] = None, label: Optional[str] = None, done_by_action: bool = False) -> "SaveHandle":
+        """A handle for ``action``, run on the hooks thread once ``checkpoint`` committed. The handle
+        completes when ``action`` returns (or raises), unless ``done_by_action``: then ``action``
+        hands it on (to the writer) and whoever runs it completes it."""
+        handle = self.ledger.admit(kind, path or checkpoint.path, rank=checkpoint.rank, step=checkpoint.step,
+                                   label=label or checkpoint.label, after=checkpoint)
+        handle.set_staged()
+
+        def run() -> None:
+            try:
+                action(handle)
+            except BaseException as error:  # noqa: BLE001 - delivered through the handle, like a failed save's
+                failure = CheckpointWriteError(f"{type(error).__name__}: {error}")
+                failure.__cause__ = error
+                self.ledger.complete(handle, failure)
+                return
+            if not done_by_action:
+                self.ledger.complete(handle, None)
+
+        def committed() -> None:
+            if checkpoint.exception() is not None:  # the ledger cancels dependents it knew of; this one too
+                self.ledger.complete(handle, CheckpointCancelledError(handle.cancelled_message()))
+            else:
+                self._submit(run)
+
+        checkpoint.when_done(committed)
+        return handle
+
+    def on_commit(self, checkpoint: "SaveHandle", hook: OnCommit) -> "SaveHandle":
+        """Run ``hook(path)`` once ``checkpoint`` committed; its handle fails with what it raises."""
+        return self.after(checkpoint, "hook", lambda _handle: hook(checkpoint.path))
+
+    def _submit(self, run: Callable[[], None]) -> None:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-on-commit")
+            self._executor.submit(run)
+
+    def stop(self) -> None:
+        """After everything was waited for: end the thread (a later commit starts another)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)

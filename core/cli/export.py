@@ -1,0 +1,69 @@
+"""``asyncckpt export CHECKPOINT OUT``: a checkpoint's model weights as Hugging Face safetensors.
+
+The same export the ``export=`` option runs in the background writer after each commit
+(``core/writer/export.py``), offline, for any checkpoint asyncckpt reads: ours (sharded in any
+world size, or a framework's directory), and what the frameworks write without asyncckpt (a stock
+DCP directory, an FSDP ``pytorch_model_fsdp_0/``, safetensors or ``torch.save`` files). ``OUT`` is a
+local directory, committed like a checkpoint, or an ``s3://`` URL (written locally first, in a
+temporary directory beside nothing of the user's, then uploaded and committed there: ``mirror``).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+
+from tqdm import tqdm
+
+from asyncckpt.core.errors import CheckpointError
+from asyncckpt.core.formats.hf_safetensors import parse_size
+from asyncckpt.core.storage import leftovers
+from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.loading.torch_sources import with_torch_readers
+from asyncckpt.core.writer.export import ExportOptions, export_checkpoint, total_bytes
+from asyncckpt.core.writer.mirror import MirrorRequest
+
+EXIT_OK, EXIT_PROBLEM = 0, 1
+
+
+class _Uploading:
+    """What ``MirrorRequest`` asks of its writer, in this process."""
+
+    def token(self) -> str:
+        return leftovers.owner_token()
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    export = commands.add_parser("export", help="write a checkpoint's model as Hugging Face safetensors (shards + "
+                                                "index, config.json copied), committed")
+    export.add_argument("checkpoint", metavar="CHECKPOINT")
+    export.add_argument("out", metavar="OUT", help="a directory (created; replaced if it holds an export) or s3:// URL")
+    export.add_argument("--max-shard-size", default="5GB", help="tensor bytes per file at most (default 5GB)")
+    export.add_argument("--dtype", default=None, help="write floating tensors as this dtype (bf16, fp16, fp32)")
+    export.add_argument("--keys", default=None, metavar="PREFIX",
+                        help="export the tensors whose key starts with PREFIX, without it (default: the model: "
+                             "'model.' where the keys have it, else every tensor)")
+    export.add_argument("--add-prefix", default="", metavar="PREFIX", help="put PREFIX before every exported name")
+    export.add_argument("--buffer", default="64MiB", help="the fixed buffer the export reads through (its memory)")
+    export.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        options = with_torch_readers(ExportOptions(max_shard_size=args.max_shard_size, dtype=args.dtype, keys=args.keys,
+                                                   add_prefix=args.add_prefix, buffer_bytes=parse_size(args.buffer)))
+        with tqdm(total=total_bytes(args.checkpoint, options), unit="B", unit_scale=True, unit_divisor=1024,
+                  desc="export", file=sys.stderr, disable=args.no_progress, dynamic_ncols=True) as bar:
+            destination = backend_for(args.out)
+            if not destination.remote:
+                target = export_checkpoint(args.checkpoint, args.out, options, progress=bar.update)
+            else:
+                with tempfile.TemporaryDirectory(prefix="asyncckpt-export-") as scratch:
+                    local = export_checkpoint(args.checkpoint, f"{scratch}/export", options, progress=bar.update)
+                    MirrorRequest(local, destination.normalize(args.out)).run(_Uploading())
+                target = args.out
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"asyncckpt export: {e}", file=sys.stderr)
+        return EXIT_PROBLEM
+    print(f"{target}: exported from {args.checkpoint}")
+    return EXIT_OK

@@ -1,0 +1,105 @@
+"""The tensors of checkpoints only torch reads, as export pieces (``tensor_sources`` has the rest).
+
+* A stock DCP directory (``.metadata`` and ``__{rank}_{n}.distcp``, written without asyncckpt, by
+  ``dcp.save`` or a framework's FSDP save): ``.metadata`` through the restricted unpickler
+  (``metadata_io``) gives every chunk and its container; each container is ``torch.load``-ed when the
+  export reaches it, so memory holds one chunk at a time. An Accelerate/Trainer checkpoint holding one
+  in ``pytorch_model_fsdp_0/`` is read from there.
+* A ``torch.save`` file (``pytorch_model.bin``, Lightning's ``.ckpt``: its ``state_dict``), loaded
+  memory-mapped and weights-only: nothing is read until the export copies it, and no code runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+from asyncckpt.core.formats.names import DCP_METADATA_FILE
+from asyncckpt.core.storage.tensor_sources import FSDP_MODEL_DIRS, Piece, Source, SourceTensor, model_prefix
+from asyncckpt.core.loading import peft_merge
+from asyncckpt.core.loading.metadata_io import check_relative_path, load_dcp_metadata
+
+if TYPE_CHECKING:
+    from asyncckpt.core.writer.export import ExportOptions
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _container_loader(path: str, offset: int, length: int):
+    def load() -> memoryview:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+        return _bytes_of(torch.load(io.BytesIO(data), weights_only=True, map_location="cpu"))
+
+    return load
+
+
+def from_dcp(directory: str) -> dict[str, SourceTensor]:
+    metadata = load_dcp_metadata(directory)
+    tensors: dict[str, SourceTensor] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        dtype = entry.properties.dtype
+        pieces = []
+        for chunk in entry.chunks:
+            info = metadata.storage_data[MetadataIndex(key, chunk.offsets)]
+            numel = 1
+            for size in chunk.sizes:
+                numel *= size
+            pieces.append(Piece(tuple(chunk.offsets), tuple(chunk.sizes), numel * dtype.itemsize,
+                                load=_container_loader(check_relative_path(directory, info.relative_path),
+                                                       info.offset, info.length)))
+        tensors[key] = SourceTensor(key, _dtype_name(dtype), tuple(entry.size), pieces)
+    return tensors
+
+
+def _flatten(value: Any, prefix: str, into: dict[str, torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        into[prefix.rstrip(".")] = value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _flatten(item, f"{prefix}{key}.", into)
+
+
+def from_torch_file(path: str) -> dict[str, SourceTensor]:
+    loaded = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded  # Lightning: its state_dict
+    flat: dict[str, torch.Tensor] = {}
+    _flatten(state, "", flat)
+    return {key: SourceTensor(key, _dtype_name(t.dtype), tuple(t.shape),
+                              [Piece((0,) * t.dim(), tuple(t.shape), t.numel() * t.element_size(),
+                                     load=lambda t=t: _bytes_of(t))])
+            for key, t in flat.items()}
+
+
+def find(path: str) -> Source:
+    """The tensors of the checkpoint at ``path``; ValueError if it is no kind an export reads."""
+    path = os.path.abspath(path)
+    if os.path.isfile(path):
+        return Source(path, from_torch_file(path), "", files_dir=os.path.dirname(path))
+    for directory in (path, *(os.path.join(path, name) for name in FSDP_MODEL_DIRS)):
+        if os.path.isfile(os.path.join(directory, DCP_METADATA_FILE)):
+            tensors = from_dcp(directory)
+            return Source(path, tensors, model_prefix(tensors), files_dir=path)
+    for name in ("pytorch_model.bin", "model.pt"):
+        if os.path.isfile(os.path.join(path, name)):
+            return Source(path, from_torch_file(os.path.join(path, name)), "", files_dir=path)
+    raise ValueError(f"{path}: not a checkpoint an export can read (a sharded checkpoint, safetensors files, "
+                     "a torch.save file)")
+
+
+def with_torch_readers(options: "ExportOptions") -> "ExportOptions":
+    """``options`` with the readers only torch can be (this module's ``find``, ``peft_merge.merged``)."""
+    return dataclasses.replace(options, read_with_torch=find, merge_with_torch=peft_merge.merged)
