@@ -132,14 +132,23 @@ def test_markers():
 
 
 def test_design_names_every_core_module():
-    """DESIGN.md's picture of the packages and its module table name every module of core/ (and the
-    table no other): a module added, renamed or removed shows up here, not as a stale picture."""
-    modules = {path.stem for path in (ROOT / "core").glob("*.py")} - {"__init__"}
+    """DESIGN.md's picture of the packages names every package of core/ and every module in it, and
+    its module table names each module as ``package/module.py`` (and no other): a module added,
+    renamed or removed shows up here, not as a stale picture."""
+    core = ROOT / "core"
+    modules = {path.relative_to(core).with_suffix("").as_posix() for path in core.rglob("*.py")
+               if path.stem not in ("__init__", "__main__") and "__pycache__" not in path.parts}
     design = ROOT / "docs" / "DESIGN.md"
-    picture = set(re.findall(r"\w+", parse(design)[0][0].code))
+    picture = parse(design)[0][0].code
+    for package in {module.split("/")[0] for module in modules if "/" in module}:
+        line = next((line for line in picture.splitlines() if f" {package}/ " in line), None)
+        assert line is not None, f"package {package}/ missing from DESIGN.md's picture"
+        block = picture[picture.index(line):].split("\n  │ ", 1)[0] if False else picture[picture.index(line):]
+        names_after = set(re.findall(r"\w+", block.split("/ ", 1)[1]))
+        missing = {m.split("/")[1] for m in modules if m.startswith(package + "/")} - names_after
+        assert not missing, f"modules of {package}/ missing from DESIGN.md's picture: {missing}"
     rows = [line for line in design.read_text().splitlines() if line.startswith("| `")]
-    table = set(re.findall(r"`(\w+)\.py`", "\n".join(rows)))
-    assert modules - picture == set(), "modules missing from DESIGN.md's picture"
+    table = set(re.findall(r"`([\w/]+)\.py`", "\n".join(rows)))
     assert table == modules, f"DESIGN.md's module table: missing {modules - table}, not in core/ {table - modules}"
 
 
