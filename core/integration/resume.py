@@ -19,14 +19,15 @@ What each adapter does on the framework's resume path, in this order:
      must not leave the model loaded from the newer checkpoint, nor an older one half-applied), and
      while it hashes a ``torch.save`` file it unpickles it too (``weights_only``, onto the CPU): the
      framework's own ``torch.load`` of that file inside ``Verified.serving()`` receives that object
-     instead of reading the file again. Other files (safetensors, JSON) are hashed with buffered
-     reads, so the framework's load finds their pages in the cache.
+     instead of reading the file again. Other files (safetensors, JSON) are hashed through a mapping
+     (``hashed_reads.mapped_problem``), so the framework's load, which maps them too, finds their
+     pages in the cache without a copy having been made.
 
 Why not check first and then let the framework read: the two passes cannot overlap. The framework's
 ``torch.load`` of a cold file overlaps the disk with its own work (the kernel reads ahead while it
 builds tensors); a check that reads first leaves the disk idle during the load and the CPU idle
-during the check, so a cold resume took ~1.3x the framework's own load; hashing inside the load costs
-the hash alone (docs/benchmarks_resume.md). Files without a checksum (written without asyncckpt) are
+during the check, so a cold resume cost the framework's own load plus a disk read; hashing inside the
+load costs the hash alone (docs/benchmarks_resume.md). Files without a checksum (written without asyncckpt) are
 loaded by the framework exactly as it would: there is nothing to check.
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch
 from asyncckpt.core.api import lifecycle
 from asyncckpt.core.errors import CheckpointError
 from asyncckpt.core.integration import patching
-from asyncckpt.core.loading.hashed_reads import HashedFile
+from asyncckpt.core.loading.hashed_reads import HashedFile, mapped_problem
 from asyncckpt.core.storage import file_checksums
 from asyncckpt.core.storage import locations
 from asyncckpt.core.storage.file_checksums import FileChecksum
@@ -146,9 +147,9 @@ def verify(checkpointer: Any, path: str, *, everywhere: bool = False) -> Verifie
     kept: dict[str, Any] = {}
 
     def check_and_keep(file: str, expected: FileChecksum, progress: Optional[Callable[[int], None]]) -> Optional[str]:
-        with open(file, "rb") as f:
-            if f.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
-                return file_checksums.problem(file, expected, progress)
+        with open(file, "rb", buffering=0) as f:
+            if f.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:  # not torch.save's: safetensors (mapped by its loader), JSON
+                return mapped_problem(file, expected)
         saved_on: set[str] = set()
 
         def onto_cpu(storage: Any, location: str) -> Any:
