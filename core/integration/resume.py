@@ -27,8 +27,8 @@ Why not check first and then let the framework read: the two passes cannot overl
 ``torch.load`` of a cold file overlaps the disk with its own work (the kernel reads ahead while it
 builds tensors); a check that reads first leaves the disk idle during the load and the CPU idle
 during the check, so a cold resume cost the framework's own load plus a disk read; hashing inside the
-load costs the hash alone (docs/benchmarks_resume.md). Files without a checksum (written without asyncckpt) are
-loaded by the framework exactly as it would: there is nothing to check.
+load costs the hash alone (docs/benchmarks_resume.md). Files without a checksum (written without
+asyncckpt) are loaded by the framework exactly as it would: there is nothing to check.
 """
 from __future__ import annotations
 

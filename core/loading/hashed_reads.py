@@ -20,8 +20,8 @@ page cache; only what it never read comes from the disk).
 
 A file its loader maps instead of reading (safetensors) is checked by ``mapped_problem``, which hashes
 it through a mapping of its own: its pages enter the page cache without being copied anywhere, and the
-loader's mapping then finds them there. Hashing it with ``read()`` into a buffer first cost ~0.8 s of CPU
-per GiB more than the loader's own load on this machine; through a mapping, ~0.07 s (the hash).
+loader's mapping then finds them there. Hashing it with ``read()`` into a buffer first cost several times
+the hash itself in CPU (a copy out of the page cache the loader never needed).
 
 Kept free of torch (``torch.load`` takes any file object with ``readinto``/``seek``/``tell``).
 """
