@@ -347,7 +347,7 @@ def render_md(R: dict, command: str) -> str:
       "slowdown of the core against torch.save, dcp.async_save and Lightning's AsyncCheckpointIO "
       "([training loop](benchmarks_training.md), `benchmarks/train_bench.py`). Also by their own scripts: "
       "[FSDP](benchmarks_fsdp.md) (`benchmarks/fsdp_bench.py`), [verification on resume](benchmarks_verify.md) "
-      "(`benchmarks/verify_bench.py`), [object storage](benchmarks_object_store.md) "
+      "(`benchmarks/verify_bench.py`), [a cold-cache resume](benchmarks_resume.md) (`benchmarks/resume_bench.py`), [object storage](benchmarks_object_store.md) "
       "(`benchmarks/object_store_bench.py`), [the writer's start and teardown](benchmarks_lifecycle.md) "
       "(`benchmarks/restart_bench.py`).")
     w("")

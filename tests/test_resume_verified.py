@@ -118,7 +118,7 @@ def test_a_damaged_sharded_checkpoint_is_refused_by_lightnings_sharded_load(tmp_
 
 
 # ---------------------------------------------------------------------- Accelerate
-def _accelerator(project: Path, **options):
+def _accelerator(project: Path, width: int = 256, **options):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import ProjectConfiguration
@@ -131,7 +131,7 @@ def _accelerator(project: Path, **options):
                                                                    automatic_checkpoint_naming=True))
     handle = enable_async_checkpointing(acc, **options) if options.get("adapter", True) else None
     torch.manual_seed(0)
-    model = torch.nn.Linear(256, 256)
+    model = torch.nn.Linear(width, width)
     opt = torch.optim.AdamW(model.parameters())
     model, opt = acc.prepare(model, opt)
     return acc, handle, model
@@ -182,7 +182,8 @@ def test_accelerate_loads_a_natively_written_checkpoint_unchecked(tmp_path):
 
 
 # ---------------------------------------------------------------------- Transformers
-def _train(out: Path, resume=None, **options):
+def _train(out: Path, resume=None, max_steps: int = 10, width: int = 0, **options):
+    """Train (or resume) to ``max_steps``, saving every 5 steps; a ``width`` makes the model wider."""
     from test_hf_trainer import Toy, Net, _args
     from transformers import Trainer, TrainerCallback
 
@@ -195,7 +196,11 @@ def _train(out: Path, resume=None, **options):
             StartedAt.step = state.global_step
 
     torch.manual_seed(0)
-    trainer = Trainer(model=Net(), args=_args(out, max_steps=10, save_steps=5, save_total_limit=None),
+    model = Net()
+    if width:
+        model.body = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                         torch.nn.ReLU(), torch.nn.Linear(width, 1))
+    trainer = Trainer(model=model, args=_args(out, max_steps=max_steps, save_steps=5, save_total_limit=None),
                       train_dataset=Toy(), callbacks=[AsyncCheckpointCallback(**options), StartedAt()])
     trainer.train(resume_from_checkpoint=resume)
     return StartedAt.step

@@ -24,6 +24,7 @@ Reads top to bottom as:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -39,8 +40,7 @@ from accelerate.utils import DistributedType
 from asyncckpt.core import Checkpointer, ExportOptions, is_complete
 from asyncckpt.core.writer.export import as_options as as_export_options
 from asyncckpt.core.snapshot import dist_env
-from asyncckpt.core.api import lifecycle
-from asyncckpt.core.integration import patching
+from asyncckpt.core.integration import patching, resume
 from asyncckpt.core.integration import versions
 
 from .capture import Capture
@@ -224,7 +224,7 @@ class AsyncCheckpointing:
         entries = self.checkpointer.checkpoints_in(root, [os.path.join(root, name) for name in os.listdir(root)])
         removals = []
         if config.total_limit is not None and len(entries) + 1 > config.total_limit and acc.is_main_process:
-            numbered = sorted((int(m[0]), p) for p in entries if (m := _ACCELERATE_NUMBER.findall(p)))
+            numbered = sorted((n, p) for p in entries if (n := _accelerate_number(p)) is not None)
             removals = [p for _, p in numbered[: len(entries) + 1 - config.total_limit]]
             logger.info("asyncckpt: deleting %s once checkpoint_%d is committed (total_limit=%d)",
                         [os.path.basename(p) for p in removals], config.iteration, config.total_limit)
@@ -246,33 +246,30 @@ class AsyncCheckpointing:
 
     # ------------------------------------------------------------------ load_state, end_training
     def load_state(self, original: Callable, input_dir: Optional[str] = None, *args: Any, **kwargs: Any) -> Any:
-        """Before Accelerate picks the newest checkpoint_N, every save of this process (through any
-        Accelerator) must be committed; the checkpoint is checked before anything is loaded from it;
+        """Before Accelerate picks the newest checkpoint_N, this process's saves there are committed; the
+        checkpoint is checked before anything is loaded from it, its files read once (``resume.verify``);
         afterwards, fix ``iteration`` (accelerate #3306)."""
-        for checkpointer in lifecycle.live():
-            checkpointer.wait()
-        if self.options.mirror_to and input_dir is None and self.accelerator.project_dir:
-            self.checkpointer.restore_mirrored(self.options.mirror_to, os.path.join(self.accelerator.project_dir, "checkpoints"))
-        if self.options.verify_on_resume:
-            input_dir = self._intact(input_dir)
-        result = original(self.accelerator, input_dir, *args, **kwargs)
+        acc = self.accelerator
+        root = os.path.join(acc.project_dir, "checkpoints") if acc.project_dir else None
+        if input_dir is not None or root is not None:
+            resume.wait_for_saves(input_dir if input_dir is not None else root)
+        if self.options.mirror_to and input_dir is None and root is not None:
+            self.checkpointer.restore_mirrored(self.options.mirror_to, root)
+        verified = self._intact(input_dir, root) if self.options.verify_on_resume else None
+        with verified.serving() if verified else contextlib.nullcontext():
+            result = original(acc, verified.path if verified and input_dir is None else input_dir, *args, **kwargs)
         self._fix_iteration()
         return result
 
-    def _intact(self, input_dir: Optional[str]) -> Optional[str]:
-        acc = self.accelerator
-        if input_dir is not None:
-            self.checkpointer.require_intact(input_dir)
-            return input_dir
-        if not (acc.project_configuration.automatic_checkpoint_naming and acc.project_dir):
+    def _intact(self, input_dir: Optional[str], root: Optional[str]) -> Optional[resume.Verified]:
+        if input_dir is not None:  # the user's choice: never replaced by another
+            return resume.verify(self.checkpointer, input_dir)
+        newest_first = resume.candidates(root, _accelerate_number) \
+            if root is not None and self.accelerator.project_configuration.automatic_checkpoint_naming else []
+        if not newest_first:
             return None  # Accelerate raises its own error for this
-        root = os.path.join(acc.project_dir, "checkpoints")
-        newest_first = sorted((os.path.join(root, name) for name in os.listdir(root)),
-                              key=lambda p: int(_ACCELERATE_NUMBER.findall(p)[0]), reverse=True)
-        if self.options.resume_from_intact:
-            return self.checkpointer.newest_intact(newest_first)
-        self.checkpointer.require_intact(newest_first[0])
-        return newest_first[0]
+        return resume.first_intact(newest_first if self.options.resume_from_intact else newest_first[:1],
+                                   lambda path: resume.verify(self.checkpointer, path))
 
     def end_training(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
         """The run ended: wait for every save, stop the background writer (it starts again if needed)."""
@@ -308,6 +305,12 @@ def _dispatching(name: str) -> Callable[[Callable], Callable]:
         return method
 
     return make
+
+
+def _accelerate_number(path: str) -> Optional[int]:
+    """Accelerate's own sort key for the entries of ``checkpoints/`` (the last number in the name)."""
+    found = _ACCELERATE_NUMBER.findall(path)
+    return int(found[0]) if found else None
 
 
 def _replaceable(final_dir: str) -> bool:

@@ -21,6 +21,7 @@ reads the checkpoint back; the folder exists already), it runs as it is, synchro
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
@@ -36,7 +37,7 @@ from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
 from asyncckpt.core import Checkpointer
 from asyncckpt.core.snapshot import dist_env
-from asyncckpt.core.integration import patching
+from asyncckpt.core.integration import patching, resume
 
 from . import subclass
 from .capture import capture_into
@@ -256,22 +257,27 @@ class AsyncCheckpointSaver:
 
     # ------------------------------------------------------------------ the end of training
     def _resuming_intact(self, original: Callable) -> Callable:
-        """``train(resume_from_checkpoint=...)``: the checkpoint is checked before anything is loaded
-        from it; with ``True`` and ``resume_from_intact``, a damaged newest one gives way to the
-        newest that checks out."""
+        """``train(resume_from_checkpoint=...)``: this process's saves into ``output_dir`` are committed
+        first, and the checkpoint is checked before anything is loaded from it, its files read once
+        (``resume.verify``); with ``True`` and ``resume_from_intact``, a damaged newest one gives way to
+        the newest that checks out."""
         def train(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
             output_dir = self.trainer.args.output_dir
-            if resume_from_checkpoint is True and self.mirror_to and not get_last_checkpoint(output_dir):
-                self.checkpointer.restore_mirrored(self.mirror_to, output_dir)  # nothing local: the newest mirrored one
+            if resume_from_checkpoint is True:
+                resume.wait_for_saves(output_dir)
+                if self.mirror_to and not get_last_checkpoint(output_dir):
+                    self.checkpointer.restore_mirrored(self.mirror_to, output_dir)  # nothing local: the newest mirrored one
+            verified = None
             last = resume_from_checkpoint is True and get_last_checkpoint(output_dir)
             if last and self.verify_on_resume:  # the Trainer would pick it
-                older = [p for p in reversed(sort_checkpoints(output_dir)) if p != last]
-                resume_from_checkpoint = self.checkpointer.newest_intact([last, *older]) if self.resume_from_intact \
-                    else self.checkpointer.require_intact(last).path
+                older = [p for p in reversed(sort_checkpoints(output_dir)) if p != last] if self.resume_from_intact else []
+                verified = resume.first_intact([last, *older], lambda path: resume.verify(self.checkpointer, path))
+                resume_from_checkpoint = verified.path
             elif resume_from_checkpoint and resume_from_checkpoint is not True and self.verify_on_resume \
                     and os.path.exists(resume_from_checkpoint):  # else the Trainer's own "Can't find a valid checkpoint"
-                self.checkpointer.require_intact(resume_from_checkpoint)
-            return original(resume_from_checkpoint, *args, **kwargs)
+                verified = resume.verify(self.checkpointer, os.fspath(resume_from_checkpoint))
+            with verified.serving() if verified else contextlib.nullcontext():
+                return original(resume_from_checkpoint, *args, **kwargs)
 
         return train
 

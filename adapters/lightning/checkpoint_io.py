@@ -23,7 +23,6 @@ A save that failed in the background raises at the next save, removal, load or t
 from __future__ import annotations
 
 import fnmatch
-import glob
 import io
 import os
 import sys
@@ -35,7 +34,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
 from asyncckpt.core import Checkpointer, CheckpointWriteError, ExportOptions
-from asyncckpt.core.integration import versions
+from asyncckpt.core.integration import resume, versions
 from asyncckpt.core.api.handles import SaveHandle
 
 from . import integration
@@ -114,14 +113,26 @@ class AsyncCkptIO(CheckpointIO):
 
     def load_checkpoint(self, path: _PATH, map_location: Optional[Callable] = lambda storage, loc: storage,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Wait for pending writes (on every rank under DDP), check the file, then load like ``TorchCheckpointIO``."""
+        """Wait for pending writes (on every rank under DDP), then load like ``TorchCheckpointIO``, the
+        file's checksum computed over the bytes ``torch.load`` reads (``resume.load_file``)."""
         self.checkpointer.wait(everywhere=True)
-        if self.verify_on_resume and not _is_local(path):
+
+        def load(file: Any) -> dict[str, Any]:
+            if isinstance(file, (str, os.PathLike)):  # nothing to check (or a URL, checked below)
+                return TorchCheckpointIO().load_checkpoint(file, map_location=map_location, weights_only=weights_only)
+            return torch.load(file, map_location=map_location, weights_only=weights_only)  # its pl_load, of an open file
+
+        if not self.verify_on_resume:
+            return load(path)
+        if not _is_local(path):
             self.checkpointer.require_intact(path)
-        elif self.verify_on_resume:
-            path = self.intact(path, lambda: sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(path)), "*.ckpt")),
-                                                    key=os.path.getmtime, reverse=True))
-        return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return load(path)
+        path = os.path.abspath(os.fspath(path))
+        paths = [path]
+        if self.resume_from_intact and path == self.picked_by_lightning:  # older ones in its directory may stand in
+            paths += [p for p in resume.candidates(os.path.dirname(path), _checkpoint_file_mtime)
+                      if os.path.realpath(p) != os.path.realpath(path)]
+        return resume.first_intact(paths, lambda candidate: resume.load_file(candidate, load))
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove ``path`` after the save queued last, and only if that save committed."""
@@ -164,15 +175,6 @@ class AsyncCkptIO(CheckpointIO):
         step, label = _step_and_label(checkpoint)
         self._saved(self.checkpointer.async_save(converted, path, step=step, label=label, extra_files=meta), path)
 
-    def intact(self, path: _PATH, older: Callable[[], list[str]], everywhere: bool = False) -> str:
-        """``path`` once it checked out; or, when Lightning picked it and it is damaged, the newest of
-        ``older()`` that does (``resume_from_intact``)."""
-        path = os.path.abspath(os.fspath(path))
-        if self.resume_from_intact and path == self.picked_by_lightning:
-            return self.checkpointer.newest_intact([path] + [p for p in older() if os.path.realpath(p) != os.path.realpath(path)])
-        self.checkpointer.require_intact(path, everywhere=everywhere)
-        return path
-
     def _saved(self, handle: SaveHandle, path: str) -> None:
         self._last_save = handle
         name = os.path.basename(path)
@@ -194,6 +196,10 @@ def _step_and_label(checkpoint: Any) -> tuple[Optional[int], Optional[str]]:
         return None, None
     step = checkpoint["global_step"]
     return step, f"epoch={checkpoint.get('epoch')}, global_step={step}"
+
+
+def _checkpoint_file_mtime(path: str) -> Optional[float]:
+    return os.path.getmtime(path) if path.endswith(".ckpt") and os.path.isfile(path) else None
 
 
 def _is_local(path: _PATH) -> bool:

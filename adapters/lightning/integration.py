@@ -43,7 +43,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, St
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
 from asyncckpt.core.api import lifecycle
-from asyncckpt.core.integration import patching, wait_for_orphans
+from asyncckpt.core.integration import patching, resume, wait_for_orphans
 
 
 def plugin_of(strategy: Any) -> Optional[Any]:
@@ -131,7 +131,7 @@ def _sharded_load(original: Callable) -> Callable:
         if io is not None:
             io.checkpointer.wait(everywhere=True)
             if io.verify_on_resume and os.path.isdir(checkpoint_path):  # a single file: the plugin's load checks it
-                checkpoint_path = io.intact(checkpoint_path, lambda: [], everywhere=True)
+                resume.verify(io.checkpointer, os.path.abspath(os.fspath(checkpoint_path)), everywhere=True)
         return original(self, checkpoint_path, *args, **kwargs)
 
     return load_checkpoint

@@ -20,7 +20,6 @@ fresh one, with nothing in flight.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import time
 from collections import Counter
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from asyncckpt.core.verify import integrity
+from asyncckpt.core.storage import file_checksums
 from asyncckpt.core.storage import leftovers, orphans
 from asyncckpt.core.api import lifecycle
 from asyncckpt.core.formats import names
@@ -61,7 +61,6 @@ from asyncckpt.core.snapshot.sharded_save import ShardedSaves
 from asyncckpt.core.snapshot.handoff import Stager
 from asyncckpt.core.snapshot.tensor_copy import CopyThreads
 
-logger = logging.getLogger("asyncckpt.core")
 
 STATE_DICT = dict[str, Any]
 _OPTIONS = ("process_group", "use_collectives", "max_in_flight", "overlap_staging", "direct_io", "io_threads",
@@ -430,18 +429,21 @@ class Checkpointer:
         return [p for p in found + in_flight if self.will_exist(p)]
 
     # ------------------------------------------------------------------ before a framework loads a checkpoint
-    def require_intact(self, path: str | os.PathLike, *, everywhere: bool = False) -> integrity.Report:
+    def require_intact(self, path: str | os.PathLike, *, everywhere: bool = False,
+                       check_file: integrity.FileCheck = file_checksums.problem) -> integrity.Report:
         """Check a checkpoint against its checksums (``integrity``) before anything is loaded from
         it; raise ``CorruptCheckpointError`` naming the files (and keys) that are damaged. With
         ``everywhere`` (a collective: every rank calls it), the ranks check the data files of a
-        sharded checkpoint side by side, and a problem found on any rank raises on every rank."""
+        sharded checkpoint side by side, and a problem found on any rank raises on every rank.
+        ``check_file`` checks each file that has a checksum (a resume's loads the file for the
+        framework while hashing it: ``asyncckpt.core.integration.resume``)."""
         path = _normalize(path)
         rank, world = rank_and_world(self.process_group) if everywhere else (0, 1)
         error: Optional[CheckpointError] = None
         report = None
         try:
             with object_store_module.using(self.object_store):
-                report = integrity.require_intact(path, share=(rank, world))
+                report = integrity.require_intact(path, share=(rank, world), check_file=check_file)
         except CheckpointError as e:
             error = e
         if everywhere and any_rank(error is not None, self.process_group) and error is None:
@@ -450,22 +452,6 @@ class Checkpointer:
         if error is not None:
             raise error
         return report
-
-    def newest_intact(self, candidates: list[str]) -> str:
-        """The first of ``candidates`` (the one a framework picked, then older ones) that checks out;
-        each one skipped is named in a warning. Raises the first one's error if none does."""
-        first_error: Optional[CheckpointError] = None
-        for candidate in candidates:
-            try:
-                self.require_intact(candidate)
-            except CheckpointError as e:
-                first_error = first_error or e
-                logger.warning("asyncckpt: not resuming from %s: %s", candidate, e)
-                continue
-            if candidate != candidates[0]:
-                logger.warning("asyncckpt: resuming from %s instead (the newest checkpoint that checks out)", candidate)
-            return candidate
-        raise first_error
 
     # ------------------------------------------------------------------ overlapping snapshots with training
     def run_staged(self, function: Callable[[], None]) -> None:

@@ -5,21 +5,22 @@ replaces framework functions (``patching``, reversible and contract-checked agai
 ``versions`` names), drains and waits for saves in flight (``lifecycle``), asks torch.distributed
 what the core asks (``dist_env``), captures the framework's own ``dcp.save`` calls
 (``capturing_dcp_saves``), hands native files' bytes over (``tensor_bytes``), checksums small
-records (``checksum``), and waits for the writer of a previous run still finishing a checkpoint
-(``wait_for_orphans``). Everything else under ``asyncckpt.core`` is private: its sub-packages
+records (``checksum``), waits for the writer of a previous run still finishing a checkpoint
+(``wait_for_orphans``), and resumes through one helper (``resume``: candidates, newest intact, a
+check that reads each file once). Everything else under ``asyncckpt.core`` is private: its sub-packages
 (``api``, ``snapshot``, ``writer``, ``storage``, ``formats``, ``loading``, ``verify``, ``cli``) may
 change in any release; a test keeps adapters to this module and the public API.
 """
 from asyncckpt.core.api import lifecycle
 from asyncckpt.core.api.handles import SaveHandle
 from asyncckpt.core.formats.checksum import checksum
-from asyncckpt.core.integration import patching, versions
+from asyncckpt.core.integration import patching, resume, versions
 from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves
 from asyncckpt.core.snapshot import dist_env
 from asyncckpt.core.snapshot.file_snapshots import tensor_bytes
 from asyncckpt.core.storage.orphans import wait_for_orphans
 
 __all__ = [
-    "SaveHandle", "capturing_dcp_saves", "checksum", "dist_env", "lifecycle", "patching", "tensor_bytes",
+    "SaveHandle", "capturing_dcp_saves", "checksum", "dist_env", "lifecycle", "patching", "resume", "tensor_bytes",
     "versions", "wait_for_orphans",
 ]

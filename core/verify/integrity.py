@@ -47,6 +47,9 @@ from asyncckpt.core.storage.sidecars import read_rank_sidecar
 _ZIP_LOCAL_HEADER, _ZIP_END, _ZIP_END_SIZE = b"PK\x03\x04", b"PK\x05\x06", 22
 
 Progress = Callable[[int], None]
+# How a file with a recorded checksum is checked: what is wrong with it, or None. The default reads it
+# for nothing else; a resume passes one that loads it for the framework while hashing (integration.resume).
+FileCheck = Callable[[str, FileChecksum, Optional[Progress]], Optional[str]]
 logger = logging.getLogger("asyncckpt")
 
 
@@ -69,10 +72,12 @@ class Report:
 
 
 def check(path: str, *, on_problem: Callable[[str], None] = lambda message: None,
-          progress: Optional[Progress] = None, share: tuple[int, int] = (0, 1)) -> Report:
+          progress: Optional[Progress] = None, share: tuple[int, int] = (0, 1),
+          check_file: FileCheck = file_checksums.problem) -> Report:
     """Check the checkpoint at ``path``; ``on_problem`` hears each problem as it is found. With
     ``share=(index, count)``, only the data files of the ranks ``index, index + count, ...`` of a
-    sharded checkpoint are read (the ranks of a job check their shares side by side). A checkpoint
+    sharded checkpoint are read (the ranks of a job check their shares side by side); ``check_file``
+    checks each file that has a checksum (a resume's hashes the bytes the framework loads). A checkpoint
     in an object store is checked on a local copy of what its commit record lists
     (``Backend.local_copy``: every byte has to be read anyway, and a copy under the same names is
     the same checkpoint), every message naming the URL."""
@@ -84,10 +89,12 @@ def check(path: str, *, on_problem: Callable[[str], None] = lambda message: None
             report.problems.append(message)
             on_problem(message)
 
-        _check_file(path, backend.basename(path), file_checksums.read_record(path), report, problem, progress)
+        _check_file(path, backend.basename(path), file_checksums.read_record(path), report, problem, progress,
+                    check_file)
         return report
     with backend.local_copy(path, _names_to_check(backend, path)) as local:
-        report = _check_local(local, lambda message: on_problem(message.replace(local, path)), progress, share)
+        report = _check_local(local, lambda message: on_problem(message.replace(local, path)), progress, share,
+                              check_file)
     report.path = path
     report.problems = [message.replace(local, path) for message in report.problems]
     return report
@@ -108,7 +115,7 @@ def _names_to_check(backend: Backend, path: str) -> list[str]:
 
 
 def _check_local(path: str, on_problem: Callable[[str], None], progress: Optional[Progress],
-                 share: tuple[int, int]) -> Report:
+                 share: tuple[int, int], check_file: FileCheck) -> Report:
     entry = checkpoint_kinds.classify(path, read_step=False)
     if entry is None:
         raise FileNotFoundError(f"{path}: not a checkpoint (a file, or a sharded or native checkpoint directory)")
@@ -131,7 +138,7 @@ def _check_local(path: str, on_problem: Callable[[str], None], progress: Optiona
                 continue  # removed: a difference
             expected = record.get("checksums", {}).get(name)
             _check_file(os.path.join(path, name), name, FileChecksum(expected["size"], expected["xxh3"]) if expected else None,
-                        report, problem, progress, size)
+                        report, problem, progress, check_file, size)
         for subdirectory, part_files in sorted(sharded.items()):
             _check_sharded(os.path.join(path, subdirectory), {"files": part_files}, report,
                            lambda message, prefix=subdirectory: problem(f"{prefix}/{message}"),
@@ -186,25 +193,30 @@ def _item_bytes(path: str, record: dict) -> int:
     return sum(item["nbytes"] for sidecar in sidecars.values() for item in sidecar["items"])
 
 
-def require_intact(path: str, share: tuple[int, int] = (0, 1)) -> Report:
+def require_intact(path: str, share: tuple[int, int] = (0, 1), check_file: FileCheck = file_checksums.problem) -> Report:
     """``check``, raising ``CorruptCheckpointError`` (naming the checkpoint, the files, the keys) if
     anything is wrong, ``IncompleteCheckpointError`` if it was never committed; files removed or
     added since the commit get one warning naming them."""
-    report = check(path, share=share)
+    report = check(path, share=share, check_file=check_file)
     if report.differences:
         logger.warning("asyncckpt: %s differs from what was committed (%s); resuming from it as it is, unverified "
                        "where it differs", path, ", ".join(report.differences))
     if report.status == "INCOMPLETE":
         commit.require_complete(path)  # raises, saying so
     if report.problems:
-        shown = "; ".join(report.problems[:5]) + (f"; and {len(report.problems) - 5} more" if len(report.problems) > 5 else "")
-        raise CorruptCheckpointError(f"checkpoint {path} is damaged: {shown} (asyncckpt verify {path} lists every problem)",
-                                     path=path)
+        raise damaged(path, report.problems)
     return report
 
 
+def damaged(path: str, problems: list[str]) -> CorruptCheckpointError:
+    """The error for a checkpoint found damaged: its path and the first few problems."""
+    shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+    return CorruptCheckpointError(f"checkpoint {path} is damaged: {shown} (asyncckpt verify {path} lists every problem)",
+                                  path=path)
+
+
 def _check_file(path: str, name: str, expected: Optional[FileChecksum], report: Report, problem: Callable[[str], None],
-                progress: Optional[Progress], committed_size: Optional[int] = None) -> None:
+                progress: Optional[Progress], check_file: FileCheck, committed_size: Optional[int] = None) -> None:
     if expected is None:  # no checksum: written natively, or before asyncckpt recorded them
         actual = os.path.getsize(path) if os.path.exists(path) else None
         if committed_size is not None and actual != committed_size:
@@ -212,7 +224,7 @@ def _check_file(path: str, name: str, expected: Optional[FileChecksum], report: 
                     f"{committed_size} B")
         report.unverified.append(name)
         return
-    found = file_checksums.problem(path, expected, progress)
+    found = check_file(path, expected, progress)
     report.checked_files += 1
     report.checked_bytes += expected.size
     if found:
@@ -288,7 +300,7 @@ def _check_sharded(path: str, record: dict, report: Report, problem: Callable[[s
             continue  # parsed and cross-checked below: structure, not data to checksum
         expected = record.get("checksums", {}).get(name)
         _check_file(os.path.join(path, name), name, FileChecksum(expected["size"], expected["xxh3"]) if expected else None,
-                    report, problem, progress, size)
+                    report, problem, progress, file_checksums.problem, size)
     _check_metadata(path, sidecars, problem)
     index, count = share
     for name, items in sorted(per_file.items()):

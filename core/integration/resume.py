@@ -1,0 +1,189 @@
+"""Resuming a framework from a checkpoint, for every adapter: which one, whether it is intact, and a check
+that reads each file once.
+
+What each adapter does on the framework's resume path, in this order:
+
+1. ``wait_for_saves(place)``: this process's saves still in flight to that checkpoint or directory
+   are committed first (a resume right after a save reads it whole), and so are those a writer of a
+   previous run is still finishing there after its training process died (``storage.orphans``).
+2. ``candidates(root, key)``: the checkpoints under ``root`` in the framework's own naming, newest
+   first (``key`` is the framework's sort key: a step in the name, or a file's mtime).
+3. ``first_intact(candidates, attempt)``: the framework's pick, or with ``resume_from_intact`` the
+   newest that checks out; one warning for each one skipped (and its error), one naming the one used.
+4. The check itself, which is also the read:
+
+   * a single file the adapter loads itself (Lightning's ``.ckpt``): ``load_file`` gives the
+     framework's own ``torch.load`` a ``HashedFile``, which hashes the bytes as they are read; the
+     object is returned only if they match.
+   * a directory the framework loads file by file (Accelerate's ``load_state``, the Trainer's
+     resume): ``verify`` checks every file before the framework loads any (a damaged optimizer file
+     must not leave the model loaded from the newer checkpoint, nor an older one half-applied), and
+     while it hashes a ``torch.save`` file it unpickles it too (``weights_only``, onto the CPU): the
+     framework's own ``torch.load`` of that file inside ``Verified.serving()`` receives that object
+     instead of reading the file again. Other files (safetensors, JSON) are hashed through a mapping
+     (``hashed_reads.mapped_problem``), so the framework's load, which maps them too, finds their
+     pages in the cache without a copy having been made.
+
+Why not check first and then let the framework read: the two passes cannot overlap. The framework's
+``torch.load`` of a cold file overlaps the disk with its own work (the kernel reads ahead while it
+builds tensors); a check that reads first leaves the disk idle during the load and the CPU idle
+during the check, so a cold resume cost the framework's own load plus a disk read; hashing inside the
+load costs the hash alone (docs/benchmarks_resume.md). Files without a checksum (written without
+asyncckpt) are loaded by the framework exactly as it would: there is nothing to check.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, TypeVar
+
+import torch
+
+from asyncckpt.core.api import lifecycle
+from asyncckpt.core.errors import CheckpointError
+import asyncckpt.core.integration.patching as patching
+from asyncckpt.core.loading.hashed_reads import HashedFile, mapped_problem
+from asyncckpt.core.storage import file_checksums
+from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.orphans import wait_for_orphans
+from asyncckpt.core.storage.file_checksums import FileChecksum
+from asyncckpt.core.verify import integrity
+
+T = TypeVar("T")
+logger = logging.getLogger("asyncckpt")
+
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save files are zip archives
+_READ_BUFFER = 128 << 10  # small reads (zip headers, small tensors) served from one buffered read
+_CPU = ("cpu", torch.device("cpu"))
+
+
+def wait_for_saves(place: str, orphan_timeout: float = 600.0) -> None:
+    """Commit this process's saves still in flight to ``place`` (a checkpoint, or a directory of them)
+    or anywhere under it, in every live Checkpointer; raise a failed one. Then wait (bounded) for an
+    orphaned writer finishing a checkpoint there: it logs beside its staging directory, in ``place``
+    or its parent (Accelerate stages beside ``checkpoints/``)."""
+    place = os.path.abspath(os.fspath(place))
+    for checkpointer in lifecycle.live():
+        for handle in checkpointer.pending():
+            if handle.path == place or handle.path.startswith(place + os.sep):
+                checkpointer.wait_for(handle.path)
+    for folder in (place, os.path.dirname(place)):
+        wait_for_orphans(folder, orphan_timeout)
+
+
+def candidates(root: str, key: Callable[[str], Optional[float]]) -> list[str]:
+    """The entries of ``root`` that ``key`` knows (it returns None for the others), newest (largest
+    key) first; no ``root``, none."""
+    entries = [os.path.join(root, name) for name in os.listdir(root)] if os.path.isdir(root) else []
+    keyed = [(key(path), path) for path in entries]
+    return [path for value, path in sorted((kp for kp in keyed if kp[0] is not None), reverse=True)]
+
+
+def first_intact(paths: list[str], attempt: Callable[[str], T]) -> T:
+    """``attempt(path)`` for the first of ``paths`` (the framework's pick, then older ones) whose
+    attempt raises no ``CheckpointError``; each one skipped is named in a warning. Raises the first
+    one's error if none checks out."""
+    first_error: Optional[CheckpointError] = None
+    for path in paths:
+        try:
+            result = attempt(path)
+        except CheckpointError as e:
+            first_error = first_error or e
+            logger.warning("asyncckpt: not resuming from %s: %s", path, e)
+            continue
+        if path != paths[0]:
+            logger.warning("asyncckpt: resuming from %s instead (the newest checkpoint that checks out)", path)
+        return result
+    raise first_error
+
+
+def load_file(path: str, load: Callable[[Any], T]) -> T:
+    """``load(f)``, the framework's own load of the single file ``path`` given an open file ``f`` that
+    hashes what is read from it; the result only if the bytes are those written, else
+    ``CorruptCheckpointError`` naming the file. A file without a checksum: ``load(path)``, unchanged."""
+    expected = file_checksums.read_record(path)
+    if expected is None:
+        return load(path)
+    result, found = _hashed_load(path, expected, load)
+    if found:
+        raise integrity.damaged(path, [f"{os.path.basename(path)}: {found}"])
+    return result
+
+
+@dataclass
+class Verified:
+    """A checkpoint directory checked for a resume, holding the objects its check unpickled from its
+    ``torch.save`` files until the framework's own ``torch.load`` asks for them (``serving``)."""
+
+    path: str
+    report: integrity.Report
+    kept: dict[str, Any] = field(default_factory=dict)  # file path -> what torch.load(path, map_location="cpu") gives
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """While the framework loads: its ``torch.load`` of a kept file, onto the CPU, gets the kept object
+        (once; any other call reads as usual). What it did not ask for is dropped on the way out. With
+        nothing kept (no checksums: written without asyncckpt), ``torch.load`` is left alone."""
+        if not self.kept:
+            yield
+            return
+        original = torch.load
+
+        def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(f, (str, os.PathLike)) and not args and map_location in (None, *_CPU) \
+                    and not kwargs.get("mmap") and kwargs.keys() <= {"weights_only", "mmap"}:
+                kept = self.kept.pop(os.path.abspath(os.fspath(f)), None)
+                if kept is not None:
+                    return kept
+            return original(f, map_location, *args, **kwargs)
+
+        try:
+            with patching.patched(torch, "load", load):
+                yield
+        finally:
+            self.kept.clear()
+
+
+def verify(checkpointer: Any, path: str, *, everywhere: bool = False) -> Verified:
+    """``checkpointer.require_intact(path)``, unpickling each ``torch.save`` file of it as it is hashed
+    and keeping what it holds for the framework's load (``Verified.serving``)."""
+    kept: dict[str, Any] = {}
+
+    def check_and_keep(file: str, expected: FileChecksum, progress: Optional[Callable[[int], None]]) -> Optional[str]:
+        with open(file, "rb", buffering=0) as f:
+            if f.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:  # not torch.save's: safetensors (mapped by its loader), JSON
+                return mapped_problem(file, expected)
+        saved_on: set[str] = set()
+
+        def onto_cpu(storage: Any, location: str) -> Any:
+            saved_on.add(location)
+            return storage
+
+        try:
+            loaded, found = _hashed_load(file, expected, lambda f: torch.load(f, map_location=onto_cpu, weights_only=True))
+        except Exception:  # noqa: BLE001 - intact, but not for weights_only (an RNG state's numpy arrays, a
+            return None    # pickled class): the framework loads it itself, with the globals it allows
+        if found is None and saved_on <= {"cpu"}:  # then map_location=None gives the same
+            kept[os.path.abspath(file)] = loaded
+        return found
+
+    report = checkpointer.require_intact(path, everywhere=everywhere, check_file=check_and_keep)
+    return Verified(backend_for(path).normalize(path), report, kept)
+
+
+def _hashed_load(path: str, expected: FileChecksum, load: Callable[[Any], T]) -> tuple[Optional[T], Optional[str]]:
+    """``load`` reading ``path`` through a ``HashedFile``: (its result, what is wrong with the file).
+    If ``load`` raises: (None, the damage) when the bytes are damaged, else its error, raised."""
+    raw = HashedFile(path, expected)
+    with io.BufferedReader(raw, buffer_size=_READ_BUFFER) as f:
+        try:
+            result = load(f)
+        except Exception:
+            found = raw.problem()
+            if found is None:
+                raise
+            return None, found
+        return result, raw.problem()

@@ -1,0 +1,206 @@
+"""The resume helper every adapter uses (``asyncckpt.core.integration.resume``): with ``resume_from_intact``
+each framework resumes from the newest checkpoint that checks out, skipping every damaged newer one with
+a warning naming it; and a resume reads each checkpoint file once: its checksum is computed over the
+bytes the framework's load uses, never in a pass of its own before it.
+
+"Read once" is observed in the kernel's count of the bytes the calling thread read (``rchar`` in
+``/proc/thread-self/io``: every ``read``/``pread`` byte, from the page cache or the disk; the
+process's own count also takes in its reaped children, such as a background writer that stopped): a
+resume that checked the files and then loaded them counted the ``torch.save`` files twice (and the
+mapped safetensors files once).
+"""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncckpt.core.loading.hashed_reads import HashedFile
+from asyncckpt.core.storage.file_checksums import FileChecksum
+from asyncckpt.core.formats.checksum import checksum
+from test_resume_verified import _accelerator, _lightning_resume, damage
+
+IO_COUNTERS = Path("/proc/thread-self/io")
+needs_io_counters = pytest.mark.skipif(not IO_COUNTERS.exists(), reason="no per-thread I/O accounting")
+
+
+def bytes_read() -> int:
+    """What this thread has read through read-family system calls so far (cache hits included)."""
+    return int(next(line for line in IO_COUNTERS.read_text().splitlines() if line.startswith("rchar:")).split()[1])
+
+
+def torch_file_bytes(path: Path) -> int:
+    """The size of the ``torch.save`` files (zip archives) in a checkpoint directory: the files a
+    loader reads; safetensors files are mapped (their pages never pass through ``read``)."""
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file() and f.read_bytes()[:4] == b"PK\x03\x04")
+
+
+# ---------------------------------------------------------------------- the hashed reads themselves
+@pytest.mark.parametrize("order", ["in order", "shuffled", "not at all"])
+def test_a_hashed_file_checks_every_byte_however_the_loader_reads(tmp_path, order):
+    """Whatever a loader reads, in whatever order (a zip reader starts at the end), ``problem()``
+    covers the whole file: bytes it never read are damage too."""
+    data = bytearray(os.urandom(3 << 20 | 12345))
+    path = tmp_path / "file"
+    path.write_bytes(data)
+    expected = FileChecksum(len(data), checksum(bytes(data)))
+    pieces = [(start, min(start + 300_000, len(data))) for start in range(0, len(data), 300_000)]
+    if order == "shuffled":
+        random.Random(0).shuffle(pieces)
+    reads = [] if order == "not at all" else pieces
+
+    def read_all() -> HashedFile:
+        f = HashedFile(str(path), expected)
+        for start, end in reads:
+            f.seek(start)
+            f.read(end - start)
+        return f
+
+    intact = HashedFile(str(path), expected)
+    for start, end in reads:
+        intact.seek(start)
+        assert intact.read(end - start) == bytes(data[start:end])
+    assert intact.problem() is None
+    with open(path, "r+b") as f:  # one flipped byte near the end, in a part read last (or never)
+        f.seek(len(data) - 5)
+        f.write(bytes([data[-5] ^ 0x01]))
+    assert "checksum mismatch" in read_all().problem()
+    os.truncate(path, len(data) // 2)
+    assert read_all().problem().startswith("truncated")
+
+
+def test_a_checkpoint_without_checksums_leaves_torch_load_alone(tmp_path):
+    """Written without asyncckpt: nothing to check, so the framework's load runs exactly as it would."""
+    from safetensors.torch import save_file
+
+    from asyncckpt import core
+    from asyncckpt.core.integration import resume
+
+    save_file({"w": torch.ones(2)}, tmp_path / "model.safetensors")  # what Accelerate writes, natively
+    torch.save({"state": {}, "param_groups": []}, tmp_path / "optimizer.bin")
+    load = torch.load
+    with core.Checkpointer() as checkpointer:
+        verified = resume.verify(checkpointer, str(tmp_path))
+    assert verified.report.status == "NATIVE" and not verified.kept
+    with verified.serving():
+        assert torch.load is load
+
+
+# ---------------------------------------------------------------------- newest intact, per adapter
+def test_lightning_skips_every_damaged_newer_checkpoint(tmp_path, caplog):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from test_lightning import QUIET, TinyModule, data
+
+    from asyncckpt.adapters.lightning import AsyncCkptIO
+
+    root = tmp_path / "ckpts"
+    L.Trainer(max_epochs=3, plugins=[AsyncCkptIO()], **QUIET,
+              callbacks=[ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, save_last=True)]
+              ).fit(TinyModule(), data())
+    damage(root / "last.ckpt", "flip")
+    damage(root / "epoch=2-step=24.ckpt", "truncate")
+    with caplog.at_level("WARNING", logger="asyncckpt"):
+        assert _lightning_resume(root, resume_from_intact=True) == 16
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("asyncckpt: not resuming from")]
+    assert len(skipped) == 2 and "last.ckpt" in skipped[0] and "epoch=2-step=24.ckpt" in skipped[1], skipped
+    assert "resuming from" in caplog.text and "epoch=1-step=16.ckpt instead" in caplog.text
+
+
+def test_accelerate_skips_every_damaged_newer_checkpoint(tmp_path, caplog):
+    pytest.importorskip("accelerate")
+    acc, handle, model = _accelerator(tmp_path)
+    saved = []
+    for _ in range(3):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        acc.save_state()
+        saved.append(model.weight.detach().clone())
+    handle.remove()
+    damage(tmp_path / "checkpoints" / "checkpoint_2" / "optimizer.bin", "flip")
+    damage(tmp_path / "checkpoints" / "checkpoint_1" / "model.safetensors", "flip")
+    acc, handle, model = _accelerator(tmp_path, resume_from_intact=True)
+    with caplog.at_level("WARNING", logger="asyncckpt"):
+        acc.load_state()
+    assert torch.equal(model.weight, saved[0])  # checkpoint_0: the newest intact one
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("asyncckpt: not resuming from")]
+    assert len(skipped) == 2 and "checkpoint_2" in skipped[0] and "checkpoint_1" in skipped[1], skipped
+    assert "checkpoint_0 instead" in caplog.text
+    handle.remove()
+
+
+def test_trainer_skips_every_damaged_newer_checkpoint(tmp_path, caplog):
+    pytest.importorskip("transformers")
+    from test_resume_verified import _train
+
+    out = tmp_path / "out"
+    _train(out, max_steps=15)
+    damage(out / "checkpoint-15" / "model.safetensors", "truncate")
+    damage(out / "checkpoint-10" / "optimizer.pt", "flip")
+    with caplog.at_level("WARNING", logger="asyncckpt"):
+        assert _train(out, resume=True, resume_from_intact=True, max_steps=15) == 5
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("asyncckpt: not resuming from")]
+    assert len(skipped) == 2 and "checkpoint-15" in skipped[0] and "checkpoint-10" in skipped[1], skipped
+    assert "checkpoint-5 instead" in caplog.text
+
+
+# ---------------------------------------------------------------------- each file read once
+@needs_io_counters
+def test_lightning_resume_reads_the_file_once(tmp_path):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from test_lightning import QUIET, TinyModule, data
+
+    from asyncckpt.adapters.lightning import AsyncCkptIO
+
+    io = AsyncCkptIO()
+    L.Trainer(max_epochs=1, plugins=[io], **QUIET,
+              callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="model", save_last=False)]
+              ).fit(TinyModule(ballast=1 << 22), data())  # a 16 MiB checkpoint
+    path = tmp_path / "model.ckpt"
+    io.load_checkpoint(path)  # imports and first-use work out of the way
+    before = bytes_read()
+    loaded = io.load_checkpoint(path)
+    read = bytes_read() - before
+    assert loaded["state_dict"]["ballast"].numel() == 1 << 22
+    assert path.stat().st_size <= read < 1.1 * path.stat().st_size, (read, path.stat().st_size)
+    damage(path, "flip")
+    with pytest.raises(Exception, match="model.ckpt: checksum mismatch"):
+        io.load_checkpoint(path)
+
+
+@needs_io_counters
+def test_accelerate_load_state_reads_each_file_once(tmp_path):
+    pytest.importorskip("accelerate")
+    acc, handle, model = _accelerator(tmp_path, width=1024)  # ~4 MiB of weights, ~8 MiB of AdamW state
+    model(torch.randn(2, 1024)).sum().backward()
+    acc._optimizers[0].step()
+    acc.save_state()
+    handle.remove()
+    checkpoint = tmp_path / "checkpoints" / "checkpoint_0"
+    acc, handle, model = _accelerator(tmp_path, width=1024)
+    acc.load_state()
+    before = bytes_read()
+    acc.load_state()
+    read = bytes_read() - before
+    assert torch_file_bytes(checkpoint) <= read < 1.1 * torch_file_bytes(checkpoint), (read, torch_file_bytes(checkpoint))
+    assert acc._optimizers[0].state_dict()["state"][0]["exp_avg"].abs().sum() > 0  # the optimizer state is back
+    handle.remove()
+
+
+@needs_io_counters
+def test_trainer_resume_reads_each_file_once(tmp_path):
+    pytest.importorskip("transformers")
+    from test_resume_verified import _train
+
+    out = tmp_path / "out"
+    _train(out, max_steps=5, width=1024)
+    checkpoint = out / "checkpoint-5"
+    _train(out, resume=str(checkpoint), max_steps=5, width=1024)  # first-use work out of the way
+    before = bytes_read()
+    assert _train(out, resume=str(checkpoint), max_steps=5, width=1024) == 5
+    read = bytes_read() - before
+    assert torch_file_bytes(checkpoint) <= read < 1.1 * torch_file_bytes(checkpoint), (read, torch_file_bytes(checkpoint))
