@@ -86,3 +86,31 @@ def test_no_package_imports_one_above_it(package):
                     if _package(module) == package and _package(target) in LEVEL
                     and LEVEL[_package(target)] > LEVEL[package] and (module, target) not in KNOWN_UPWARD)
     assert upward == []
+
+
+def test_adapters_use_only_the_public_api_and_the_integration_interface():
+    """An adapter imports ``asyncckpt.core`` (its ``__all__``) and ``asyncckpt.core.integration`` (its
+    modules and ``__all__``), nothing else of the core: the rest is private and may change."""
+    import asyncckpt.core as core
+    import asyncckpt.core.integration as integration
+
+    adapters = os.path.join(os.path.dirname(CORE), "adapters")
+    allowed = {"asyncckpt.core": set(core.__all__), "asyncckpt.core.integration": set(integration.__all__)}
+    offending = []
+    for directory, _subdirectories, files in os.walk(adapters):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(directory, name)
+            with open(path) as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("asyncckpt.core"):
+                    if node.module in allowed:
+                        offending += [f"{path}: {node.module}.{a.name}" for a in node.names if a.name not in allowed[node.module]]
+                    elif not node.module.startswith("asyncckpt.core.integration."):
+                        offending.append(f"{path}: {node.module}")
+                elif isinstance(node, ast.Import):
+                    offending += [f"{path}: {a.name}" for a in node.names if a.name.startswith("asyncckpt.core.")
+                                  and not a.name.startswith("asyncckpt.core.integration")]
+    assert offending == [], offending

@@ -38,8 +38,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from asyncckpt.core import Checkpointer, ExportOptions, is_complete
-from asyncckpt.core.writer.export import as_options as as_export_options
-from asyncckpt.core.snapshot import dist_env
+from asyncckpt.core.integration import export_options
+from asyncckpt.core.integration import dist_env
 from asyncckpt.core.integration import patching, resume
 from asyncckpt.core.integration import versions
 
@@ -210,7 +210,7 @@ class AsyncCheckpointing:
 
     def _export_options(self, export: Any) -> Optional[ExportOptions]:
         """Exports go beside ``checkpoints/``, never into it (Accelerate counts every entry there)."""
-        options = as_export_options(export)
+        options = export_options(export)
         if options is not None and options.directory is None and self.accelerator.project_dir:
             options = replace(options, directory=os.path.join(os.path.abspath(self.accelerator.project_dir), "exports"))
         return options

@@ -30,7 +30,7 @@ from accelerate.utils.other import clean_state_dict_for_safetensors
 
 from asyncckpt.core.integration import patching
 from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves
-from asyncckpt.core.snapshot.file_snapshots import tensor_bytes
+from asyncckpt.core.integration import tensor_bytes
 
 if TYPE_CHECKING:
     from .adapter import AsyncCheckpointing

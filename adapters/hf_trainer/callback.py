@@ -29,8 +29,8 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from asyncckpt.core import Checkpointer, ExportOptions
-from asyncckpt.core.snapshot import dist_env
-from asyncckpt.core.api import lifecycle
+from asyncckpt.core.integration import dist_env
+from asyncckpt.core.integration import lifecycle
 from asyncckpt.core.integration import patching
 from asyncckpt.core.integration import versions
 

@@ -40,7 +40,7 @@ import torch
 import transformers.modeling_utils as modeling_utils
 
 from asyncckpt.core.integration import patching
-from asyncckpt.core.formats.checksum import checksum
+from asyncckpt.core.integration import checksum
 from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves
 
 # one save's captures at a time in a process (the Trainer saves from its main thread); reentrant: a subclass's

@@ -36,7 +36,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
 from asyncckpt.core import Checkpointer
-from asyncckpt.core.snapshot import dist_env
+from asyncckpt.core.integration import dist_env
 from asyncckpt.core.integration import patching, resume
 
 from . import subclass

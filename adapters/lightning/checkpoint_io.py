@@ -35,7 +35,7 @@ from lightning.fabric.utilities.types import _PATH
 
 from asyncckpt.core import Checkpointer, CheckpointWriteError, ExportOptions
 from asyncckpt.core.integration import resume, versions
-from asyncckpt.core.api.handles import SaveHandle
+from asyncckpt.core.integration import SaveHandle
 
 from . import integration
 from .support import SUPPORT

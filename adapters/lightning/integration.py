@@ -42,7 +42,7 @@ from lightning.pytorch.core import saving
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
-from asyncckpt.core.api import lifecycle
+from asyncckpt.core.integration import lifecycle
 from asyncckpt.core.integration import patching, resume, wait_for_orphans
 
 

@@ -7,7 +7,7 @@ what the core asks (``dist_env``), captures the framework's own ``dcp.save`` cal
 (``capturing_dcp_saves``), hands native files' bytes over (``tensor_bytes``), checksums small
 records (``checksum``), waits for the writer of a previous run still finishing a checkpoint
 (``wait_for_orphans``), and resumes through one helper (``resume``: candidates, newest intact, a
-check that reads each file once). Everything else under ``asyncckpt.core`` is private: its sub-packages
+check that reads each file once), and reads an ``export=`` option (``export_options``). Everything else under ``asyncckpt.core`` is private: its sub-packages
 (``api``, ``snapshot``, ``writer``, ``storage``, ``formats``, ``loading``, ``verify``, ``cli``) may
 change in any release; a test keeps adapters to this module and the public API.
 """
@@ -19,8 +19,9 @@ from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves
 from asyncckpt.core.snapshot import dist_env
 from asyncckpt.core.snapshot.file_snapshots import tensor_bytes
 from asyncckpt.core.storage.orphans import wait_for_orphans
+from asyncckpt.core.writer.export import as_options as export_options
 
 __all__ = [
     "SaveHandle", "capturing_dcp_saves", "checksum", "dist_env", "lifecycle", "patching", "resume", "tensor_bytes",
-    "versions", "wait_for_orphans",
+    "versions", "wait_for_orphans", "export_options",
 ]
