@@ -26,7 +26,7 @@ from tqdm import tqdm
 from asyncckpt.core.verify import checkpoint_kinds
 from asyncckpt.core.storage import commit
 from asyncckpt.core.verify import integrity
-from asyncckpt.core.storage import leftovers
+from asyncckpt.core.storage import leftovers, orphans
 from asyncckpt.core.formats import names
 from asyncckpt.core.cli import export as export_cli
 from asyncckpt.core.cli import object_cli
@@ -68,8 +68,12 @@ def cmd_ls(root: str) -> int:
         print(f"asyncckpt ls: {root}: {e.strerror}", file=sys.stderr)
         return EXIT_PROBLEM
     rows = []
+    finishing = {what: token for token, names_finishing in orphans.at_work(root).items() for what in names_finishing}
     for entry in entries:
         name = os.path.basename(entry.path)
+        hidden = names.parse_hidden(name)
+        if hidden is not None and hidden.name in finishing:  # its training process died after the save returned
+            entry.note = f"being finished by the writer {finishing[hidden.name]} of a training process that died"
         record = commit.read_commit_record(entry.path) if entry.kind != "file" else None
         when = (record or {}).get("committed_at_ns") or os.lstat(entry.path).st_mtime_ns
         size = backend.used_bytes(entry.path) if os.path.isdir(entry.path) else os.path.getsize(entry.path)

@@ -6,7 +6,7 @@ waits for it, so it says what it does in one log file beside the checkpoints it 
 (``.asyncckpt-writer.log`` in the checkpoint's parent directory), one line per event, each naming
 the writer by its owner token (host, boot, pid: ``leftovers.owner_alive`` judges it):
 
-    2026-11-26T08:00:00Z writer 1a2b3c4d5e6f-4242-9f0e1d: training process 4200 died; finishing checkpoint-5
+    2026-11-26T08:00:00Z writer 1a2b3c4d5e6f-4242-9f0e1d: finishing checkpoint-5 (training process 4200 died)
     2026-11-26T08:00:01Z writer 1a2b3c4d5e6f-4242-9f0e1d: committed checkpoint-5
     2026-11-26T08:00:01Z writer 1a2b3c4d5e6f-4242-9f0e1d: exiting
 
@@ -28,7 +28,8 @@ from typing import Optional
 from asyncckpt.core.storage import leftovers
 
 LOG_NAME = ".asyncckpt-writer.log"
-_LINE = re.compile(r"^\S+ writer (?P<token>\S+): (?P<event>finishing|committed|not committed|exiting|gave up)\b(?: (?P<what>.*))?$")
+_LINE = re.compile(r"^\S+ writer (?P<token>\S+): (?P<event>finishing|committed|not committed|exiting|gave up)\b"
+                   r"(?: (?P<what>[^\s:]+))?")
 logger = logging.getLogger("asyncckpt.core")
 
 
