@@ -97,8 +97,8 @@ def test_resharding_load(tmp_path):
     """Every case saves on one group size and loads on another; one launch per group size runs all its steps
     (each launch starts its ranks and process group once), the saves of a size before its loads."""
     paths = {case: str(tmp_path / case) for case in RESHARDING}
-    saves = {world: [(case, _save, paths[case], placement) for case, ((w, placement), _) in RESHARDING.items() if w == world]
-             for world in (1, 2, 4)}
+    saves = {world: [(case, _save, paths[case], placement)
+                     for case, ((w, placement), _) in RESHARDING.items() if w == world] for world in (1, 2, 4)}
     loads = [(case, _load, paths[case], placement) for case, (_, (w, placement)) in RESHARDING.items() if w == 2]
     run_on_ranks(_run_steps, 1, saves[1])
     run_on_ranks(_run_steps, 4, saves[4])

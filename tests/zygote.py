@@ -13,8 +13,9 @@ state as it was after import. The zygote refuses to fork if importing started a 
 only the forking thread; locks held by the others would stay held).
 
 Run as a program, this file is the zygote: ``python zygote.py MODULE...``; it reads one JSON request a
-line (``{"argv": [...], "stderr": path, "new_session": bool}``) and answers ``ZYGOTE started PID``, then ``ZYGOTE exited PID
-CODE`` (CODE as ``Popen.returncode``: negative for a signal) once that child ended.
+line (``{"argv": [...], "stderr": path, "new_session": bool}``) and answers ``ZYGOTE started PID``,
+then ``ZYGOTE exited PID CODE`` (CODE as ``Popen.returncode``: negative for a signal) once that child
+ended.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class ForkedRun:
         while (line := self.read_line(timeout)) is not None:
             if line == text:
                 return
-        raise AssertionError(f"the program exited ({self.returncode}) before printing {text!r}:\n{self.stderr()[-3000:]}")
+        raise AssertionError(f"the program exited ({self.returncode}) before printing {text!r}:\n"
+                             f"{self.stderr()[-3000:]}")
 
     def kill(self) -> None:
         """SIGKILL the child, unless it is known to have exited (the zygote reaps it at once)."""
