@@ -6,7 +6,9 @@ disk. ``Zygote(modules)`` starts a process that imports ``modules`` once and the
 ``run(script, *args)``, forks a child that runs ``script`` as ``__main__`` with those arguments, as
 ``python script *args`` would: a module ``__main__`` of its own, ``sys.argv``, the script's folder first
 on ``sys.path``, stdin from /dev/null, stderr to a file, and the interpreter's normal exit (atexit hooks,
-non-daemon threads) when the script ends. Its stdout is the zygote's, line by line.
+non-daemon threads) when the script ends. Its stdout is the zygote's, line by line. A run counts as
+exited once it and every process it started (a background writer) have exited and been reaped: the
+next run never sees a process of the last one, not even a zombie.
 
 Only for tests whose point does not need a fresh interpreter: the child shares the imported modules'
 state as it was after import. The zygote refuses to fork if importing started a thread (a fork copies
@@ -31,6 +33,7 @@ import types
 from pathlib import Path
 
 READY, STARTED, EXITED = "ZYGOTE ready", "ZYGOTE started", "ZYGOTE exited"
+_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
 class ForkedRun:
@@ -157,12 +160,17 @@ def _run_as_main(request: dict) -> None:
 
 
 def _serve(modules: list[str]) -> None:
+    import ctypes
     import importlib
 
     for module in modules:
         importlib.import_module(module)
     if threading.active_count() != 1:
         raise RuntimeError(f"importing {modules} started threads, a fork would not copy them: {threading.enumerate()}")
+    # What a run leaves behind when it dies (its writer, killed with it) becomes our child, not init's: we reap
+    # it, so a run has exited once every process it started has, and the next run finds them gone.
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
     print(READY, flush=True)
     for line in sys.stdin:
         request = json.loads(line)
@@ -172,8 +180,13 @@ def _serve(modules: list[str]) -> None:
         if pid == 0:
             _run_as_main(request)
         print(f"{STARTED} {pid}", flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(f"{EXITED} {pid} {os.waitstatus_to_exitcode(status)}", flush=True)
+        code = None
+        with contextlib.suppress(ChildProcessError):  # raised once no child is left
+            while True:
+                ended, status = os.waitpid(-1, 0)
+                if ended == pid:
+                    code = os.waitstatus_to_exitcode(status)
+        print(f"{EXITED} {pid} {code}", flush=True)
 
 
 if __name__ == "__main__":
