@@ -4,7 +4,7 @@ Starting a training program costs its imports (torch and a framework: tens of se
 machine), more than the run itself in a test that starts it only to kill it and look at what is left on
 disk. ``Zygote(modules)`` starts a process that imports ``modules`` once and then, for each
 ``run(script, *args)``, forks a child that runs ``script`` as ``__main__`` with those arguments, as
-``python script *args`` would: a module ``__main__`` of its own, ``sys.argv``, the script's folder first
+``python script *args`` would (or, for ``run(None, *args, module=name)``, as ``python -m name`` would): a module ``__main__`` of its own, ``sys.argv``, the script's folder first
 on ``sys.path``, stdin from /dev/null, stderr to a file, and the interpreter's normal exit (atexit hooks,
 non-daemon threads) when the script ends. Its stdout is the zygote's, line by line. A run counts as
 exited once it and every process it started (a background writer) have exited and been reaped: the
@@ -15,7 +15,7 @@ state as it was after import. The zygote refuses to fork if importing started a 
 only the forking thread; locks held by the others would stay held).
 
 Run as a program, this file is the zygote: ``python zygote.py MODULE...``; it reads one JSON request a
-line (``{"argv": [...], "stderr": path, "new_session": bool}``) and answers ``ZYGOTE started PID``,
+line (``{"argv": [...], "module": name or null, "stderr": path, "new_session": bool}``) and answers ``ZYGOTE started PID``,
 then ``ZYGOTE exited PID CODE`` (CODE as ``Popen.returncode``: negative for a signal) once that child
 ended.
 """
@@ -48,9 +48,10 @@ class ForkedRun:
         if self.returncode is not None:
             return None
         line = self.zygote.next_line(timeout)
-        if line.startswith(f"{EXITED} {self.pid} "):
-            self.returncode = int(line.split()[-1])
-            return None
+        last, exited, code = line.partition(f"{EXITED} {self.pid} ")  # after a last line without its newline
+        if exited:
+            self.returncode = int(code)
+            return last or None
         return line
 
     def wait_for_line(self, text: str, timeout: float = 300) -> None:
@@ -113,12 +114,15 @@ class Zygote:
             raise AssertionError(f"the zygote exited ({self._proc.wait()}):\n{self._stderr.read()[-3000:]}")
         return line
 
-    def run(self, script: Path, *args: str, new_session: bool = False, timeout: float = 300) -> ForkedRun:
-        """Fork a child that runs ``script`` with ``args`` (in a session and process group of its own with
-        ``new_session``, as ``Popen(start_new_session=True)``); returns once it has started."""
+    def run(self, script: Path | None, *args: str, module: str | None = None, new_session: bool = False,
+            timeout: float = 300) -> ForkedRun:
+        """Fork a child that runs ``script`` with ``args`` (or ``python -m module args`` where ``script`` is
+        None), in a session and process group of its own with ``new_session`` (as
+        ``Popen(start_new_session=True)``); returns once it has started."""
         self._runs += 1
         stderr_path = self.workdir / f"run-{self._runs}.stderr"
-        request = {"argv": [str(script), *map(str, args)], "stderr": str(stderr_path), "new_session": new_session}
+        request = {"argv": [str(script or module), *map(str, args)], "module": module, "stderr": str(stderr_path),
+                   "new_session": new_session}
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
         line = self.next_line(timeout)
@@ -149,8 +153,14 @@ def _run_as_main(request: dict) -> None:
     os.dup2(stderr, 2)
     os.close(devnull)
     os.close(stderr)
-    script = request["argv"][0]
     sys.argv = list(request["argv"])
+    if request["module"]:
+        import runpy
+
+        sys.path[0] = os.getcwd()  # as ``python -m`` has it
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        sys.exit(0)
+    script = request["argv"][0]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     main = types.ModuleType("__main__")
     main.__file__ = script
@@ -176,10 +186,16 @@ def _serve(modules: list[str]) -> None:
         request = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
+        announced, announce = os.pipe()
         pid = os.fork()
         if pid == 0:
+            os.close(announce)
+            os.read(announced, 1)  # returns once the zygote has said STARTED: the run's output comes after it
+            os.close(announced)
             _run_as_main(request)
+        os.close(announced)
         print(f"{STARTED} {pid}", flush=True)
+        os.close(announce)
         code = None
         with contextlib.suppress(ChildProcessError):  # raised once no child is left
             while True:
