@@ -38,9 +38,10 @@ def state_dict() -> dict:
 def cli(zygote: Zygote, *args: str | os.PathLike) -> subprocess.CompletedProcess:
     """``python -m asyncckpt.core.cli.main *args`` as a fresh process forked from ``zygote``, which imported
     the CLI (and torch) once for all the runs."""
-    run = zygote.run(None, *args, module="asyncckpt.core.cli.main", timeout=120)
+    command = [sys.executable, "-m", "asyncckpt.core.cli.main", *map(str, args)]
+    run = zygote.run(None, *command[3:], module=command[2], timeout=120)
     stdout = "".join(line + "\n" for line in run.remaining_lines(timeout=120))
-    return subprocess.CompletedProcess(run.pid, run.returncode, stdout, run.stderr())
+    return subprocess.CompletedProcess(command, run.returncode, stdout, run.stderr())
 
 
 def sidecar_item(checkpoint: Path, fqn: str) -> dict:

@@ -22,6 +22,7 @@ ended.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import queue
@@ -181,6 +182,9 @@ def _serve(modules: list[str]) -> None:
     # it, so a run has exited once every process it started has, and the next run finds them gone.
     if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+    # What the imports made is shared with every child until written to: frozen, the children's garbage
+    # collections (their exit's above all) do not touch it, so their exit costs no copy of it (1.1 s -> 0.4 s).
+    gc.freeze()
     print(READY, flush=True)
     for line in sys.stdin:
         request = json.loads(line)
