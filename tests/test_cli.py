@@ -116,7 +116,8 @@ def runs(good, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         "verify_damaged_directory": ("verify", native / "damaged" / "checkpoint_1", "--no-progress"),
     }
     # what the CLI imports, not the CLI itself (``-m`` of an imported module warns)
-    with Zygote(["torch.distributed.checkpoint", "asyncckpt.core", "tqdm"], dict(os.environ), tmp_path_factory.mktemp("cli")) as zygote:
+    with Zygote(["torch.distributed.checkpoint", "asyncckpt.core", "tqdm"], dict(os.environ),
+                tmp_path_factory.mktemp("cli")) as zygote:
         return {name: cli(zygote, *args) for name, args in commands.items()}
 
 

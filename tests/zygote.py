@@ -3,21 +3,21 @@
 Starting a training program costs its imports (torch and a framework: tens of seconds each on a busy
 machine), more than the run itself in a test that starts it only to kill it and look at what is left on
 disk. ``Zygote(modules)`` starts a process that imports ``modules`` once and then, for each
-``run(script, *args)``, forks a child that runs ``script`` as ``__main__`` with those arguments, as
-``python script *args`` would (or, for ``run(None, *args, module=name)``, as ``python -m name`` would): a module ``__main__`` of its own, ``sys.argv``, the script's folder first
-on ``sys.path``, stdin from /dev/null, stderr to a file, and the interpreter's normal exit (atexit hooks,
-non-daemon threads) when the script ends. Its stdout is the zygote's, line by line. A run counts as
-exited once it and every process it started (a background writer) have exited and been reaped: the
-next run never sees a process of the last one, not even a zombie.
+``run(script, *args)``, forks a child that runs ``script`` as ``python script *args`` would (or, for
+``run(None, *args, module=name)``, as ``python -m name *args`` would): a module ``__main__`` of its own,
+``sys.argv``, ``sys.path[0]``, stdin from /dev/null, stderr to a file, and the interpreter's normal exit
+(atexit hooks, non-daemon threads) when the script ends. Its stdout is the zygote's, line by line. A run
+counts as exited once it and every process it started (a background writer) have exited and been
+reaped: the next run never meets a process of the last one, not even a zombie.
 
 Only for tests whose point does not need a fresh interpreter: the child shares the imported modules'
 state as it was after import. The zygote refuses to fork if importing started a thread (a fork copies
 only the forking thread; locks held by the others would stay held).
 
 Run as a program, this file is the zygote: ``python zygote.py MODULE...``; it reads one JSON request a
-line (``{"argv": [...], "module": name or null, "stderr": path, "new_session": bool}``) and answers ``ZYGOTE started PID``,
-then ``ZYGOTE exited PID CODE`` (CODE as ``Popen.returncode``: negative for a signal) once that child
-ended.
+line (``{"argv": [...], "module": name or null, "stderr": path, "new_session": bool}``) and answers
+``ZYGOTE started PID``, then ``ZYGOTE exited PID CODE`` (CODE as ``Popen.returncode``: negative for a
+signal) once that child and what it started have ended.
 """
 from __future__ import annotations
 
