@@ -15,8 +15,8 @@ state as it was after import. The zygote refuses to fork if importing started a 
 only the forking thread; locks held by the others would stay held).
 
 Run as a program, this file is the zygote: ``python zygote.py MODULE...``; it reads one JSON request a
-line (``{"argv": [...], "module": name or null, "stderr": path, "new_session": bool}``) and answers
-``ZYGOTE started PID``, then ``ZYGOTE exited PID CODE`` (CODE as ``Popen.returncode``: negative for a
+line (``{"argv": [...], "module": name or null, "stderr": path, "cwd": path or null, "new_session": bool}``),
+answers ``ZYGOTE started PID``, then ``ZYGOTE exited PID CODE`` (CODE as ``Popen.returncode``: negative for a
 signal) once that child and what it started have ended.
 """
 from __future__ import annotations
@@ -115,15 +115,15 @@ class Zygote:
             raise AssertionError(f"the zygote exited ({self._proc.wait()}):\n{self._stderr.read()[-3000:]}")
         return line
 
-    def run(self, script: Path | None, *args: str, module: str | None = None, new_session: bool = False,
-            timeout: float = 300) -> ForkedRun:
+    def run(self, script: Path | None, *args: str, module: str | None = None, cwd: Path | None = None,
+            new_session: bool = False, timeout: float = 300) -> ForkedRun:
         """Fork a child that runs ``script`` with ``args`` (or ``python -m module args`` where ``script`` is
-        None), in a session and process group of its own with ``new_session`` (as
-        ``Popen(start_new_session=True)``); returns once it has started."""
+        None), in ``cwd`` (the zygote's where None), in a session and process group of its own with
+        ``new_session`` (as ``Popen(start_new_session=True)``); returns once it has started."""
         self._runs += 1
         stderr_path = self.workdir / f"run-{self._runs}.stderr"
         request = {"argv": [str(script or module), *map(str, args)], "module": module, "stderr": str(stderr_path),
-                   "new_session": new_session}
+                   "cwd": str(cwd) if cwd else None, "new_session": new_session}
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
         line = self.next_line(timeout)
@@ -148,6 +148,8 @@ def _run_as_main(request: dict) -> None:
     """In the forked child: become ``python argv[0] argv[1:]``; ends with SystemExit (the normal exit)."""
     if request["new_session"]:
         os.setsid()
+    if request["cwd"]:
+        os.chdir(request["cwd"])
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     stderr = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
