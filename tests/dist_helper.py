@@ -41,15 +41,19 @@ def _entry(fn, rank, world_size, port, args, results, init_process_group, enviro
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    succeeded = False
     try:
         if init_process_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
         results.put((rank, "ok", fn(rank, world_size, *args)))
+        succeeded = True
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if init_process_group and dist.is_initialized():
             try:
+                if succeeded:  # a rank done early must not close its connections while a peer still makes them
+                    dist.barrier()
                 dist.destroy_process_group()
             except Exception:
                 pass
@@ -61,7 +65,8 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 180.0, init_proces
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, rank, world_size, port, args, results, init_process_group, dict(os.environ)), daemon=False)
+        ctx.Process(target=_entry, daemon=False,
+                    args=(fn, rank, world_size, port, args, results, init_process_group, dict(os.environ)))
         for rank in range(world_size)
     ]
     for p in procs:

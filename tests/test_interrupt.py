@@ -22,6 +22,7 @@ import pytest
 
 from asyncckpt.core import is_complete
 from asyncckpt.core.formats import names
+from test_kill_rotation import IMPORTS  # what each adapter's program imports
 from zygote import Zygote
 
 COMMON = """
@@ -94,12 +95,6 @@ PROGRAMS = {
         trainer = Trainer(model=Net(), args=args, train_dataset=Toy(), callbacks=[AsyncCheckpointCallback(), Report()])
         trainer.train(resume_from_checkpoint=mode == "resume")
     """),
-}
-# What each program imports: its zygote imports them once, and both runs are forks of it.
-IMPORTS = {
-    "lightning": ["lightning", "asyncckpt.adapters.lightning"],
-    "accelerate": ["accelerate", "asyncckpt.adapters.accelerate"],
-    "hf_trainer": ["transformers.trainer", "asyncckpt.adapters.hf_trainer"],
 }
 NATIVE_EXIT = {"lightning": 1, "accelerate": -signal.SIGINT, "hf_trainer": -signal.SIGINT}  # Lightning: sys.exit(1)
 
