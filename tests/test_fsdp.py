@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import time
 from pathlib import Path
 
@@ -360,8 +359,7 @@ def test_kill9_during_fsdp_saves_leaves_only_complete_checkpoints(tmp_path):
                 job.wait_for_line("READY")
                 time.sleep(delay_ms / 1000)
             finally:
-                if job.returncode is None:
-                    os.killpg(job.pid, signal.SIGKILL)  # torchrun and both ranks
+                job.kill()  # its process group: torchrun and both ranks
                 job.wait()
             visible = sorted((root / "checkpoints").iterdir())
             assert visible, f"nothing visible after a kill {delay_ms} ms into rotation"

@@ -129,7 +129,7 @@ def test_ctrl_c_keeps_every_save_that_returned_and_resume_continues(tmp_path, ad
             out = run.remaining_lines(timeout=120)
         finally:
             if run.returncode is None:
-                os.killpg(run.pid, signal.SIGKILL)
+                run.kill()  # its process group
                 run.wait()
         err = run.stderr()
         saved += [line.split()[1] for line in out if line.startswith("SAVED ")]

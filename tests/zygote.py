@@ -40,8 +40,8 @@ _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 class ForkedRun:
     """One run of the program in a forked child: its stdout lines, its kill and its exit code."""
 
-    def __init__(self, zygote: Zygote, pid: int, stderr_path: Path):
-        self.zygote, self.pid, self.stderr_path = zygote, pid, stderr_path
+    def __init__(self, zygote: Zygote, pid: int, stderr_path: Path, own_group: bool):
+        self.zygote, self.pid, self.stderr_path, self.own_group = zygote, pid, stderr_path, own_group
         self.returncode: int | None = None
 
     def read_line(self, timeout: float) -> str | None:
@@ -64,10 +64,14 @@ class ForkedRun:
                              f"{self.stderr()[-3000:]}")
 
     def kill(self) -> None:
-        """SIGKILL the child, unless it is known to have exited (the zygote reaps it at once)."""
+        """SIGKILL the child (its process group, where it has one of its own), unless it is known to have
+        exited (the zygote reaps it at once)."""
         if self.returncode is None:
             with contextlib.suppress(ProcessLookupError):  # exited, not yet read from the zygote
-                os.kill(self.pid, signal.SIGKILL)
+                if self.own_group:
+                    os.killpg(self.pid, signal.SIGKILL)
+                else:
+                    os.kill(self.pid, signal.SIGKILL)
 
     def remaining_lines(self, timeout: float = 300) -> list[str]:
         """The child's stdout lines up to its exit (then ``returncode`` is set)."""
@@ -89,7 +93,7 @@ class Zygote:
     """A process that imported ``modules`` and forks one run of a program at a time (a context manager)."""
 
     def __init__(self, modules: list[str], env: dict[str, str], workdir: Path, timeout: float = 600):
-        self.workdir, self._runs = workdir, 0
+        self.workdir, self._runs, self._last_run = workdir, 0, None
         self._stderr = open(workdir / "zygote.stderr", "w+")
         self._proc = subprocess.Popen([sys.executable, __file__, *modules], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env)
@@ -129,12 +133,15 @@ class Zygote:
         line = self.next_line(timeout)
         while not line.startswith(f"{STARTED} "):
             line = self.next_line(timeout)
-        return ForkedRun(self, int(line.split()[-1]), stderr_path)
+        self._last_run = ForkedRun(self, int(line.split()[-1]), stderr_path, new_session)
+        return self._last_run
 
     def __enter__(self) -> Zygote:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        if self._last_run is not None:  # a test that failed half way leaves no program running on
+            self._last_run.kill()
         self._proc.stdin.close()  # the zygote's loop ends
         try:
             self._proc.wait(60)
@@ -146,8 +153,6 @@ class Zygote:
 
 def _run_as_main(request: dict) -> None:
     """In the forked child: become ``python argv[0] argv[1:]``; ends with SystemExit (the normal exit)."""
-    if request["new_session"]:
-        os.setsid()
     if request["cwd"]:
         os.chdir(request["cwd"])
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -192,16 +197,24 @@ def _serve(modules: list[str]) -> None:
         request = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
-        announced, announce = os.pipe()
+        set_up, tell_set_up = os.pipe()  # the child -> the zygote: its session is made
+        go, tell_go = os.pipe()  # the zygote -> the child: STARTED is out, the run's own output may follow
         pid = os.fork()
         if pid == 0:
-            os.close(announce)
-            os.read(announced, 1)  # returns once the zygote has said STARTED: the run's output comes after it
-            os.close(announced)
+            os.close(set_up)
+            os.close(tell_go)
+            if request["new_session"]:
+                os.setsid()
+            os.close(tell_set_up)
+            os.read(go, 1)  # returns at the zygote's close
+            os.close(go)
             _run_as_main(request)
-        os.close(announced)
+        os.close(tell_set_up)
+        os.close(go)
+        os.read(set_up, 1)  # returns at the child's close: once STARTED is out, its group can be signalled
+        os.close(set_up)
         print(f"{STARTED} {pid}", flush=True)
-        os.close(announce)
+        os.close(tell_go)
         code = None
         with contextlib.suppress(ChildProcessError):  # raised once no child is left
             while True:
