@@ -67,6 +67,10 @@ PROGRAMS = {
         model, opt = acc.prepare(model, opt)
         if mode == "once":
             acc.load_state()
+        else:  # number on after the last trial's checkpoints, as a resumed run does (Accelerate refuses to overwrite)
+            named = os.listdir(os.path.join(root, "checkpoints")) if os.path.isdir(os.path.join(root, "checkpoints")) else []
+            acc.project_configuration.iteration = 1 + max((int(n.split("_")[1]) for n in named if n.startswith("checkpoint_")),
+                                                          default=-1)
         for i in range(100000 if mode == "loop" else 1):
             model(torch.randn(2, 8)).square().mean().backward(); opt.step(); opt.zero_grad()
             acc.save_state(); announce(i)
