@@ -5,6 +5,11 @@ group (unless ``init_process_group=False``: then only RANK/WORLD_SIZE are set, t
 path needs no communication), calls ``fn(rank, world_size, *args)`` and returns every rank's
 result. Any rank's exception, or a rank that does not finish within ``timeout``, fails the call
 with each rank's traceback.
+
+Ranks start from a fork server (``multiprocessing``'s ``forkserver``) that imported torch, its
+distributed checkpointing and ``asyncckpt.core`` once per test session: a rank is a fork of that
+clean, single-threaded process, so it does not pay those imports again, as a spawned rank would
+(seconds per rank on a busy machine). It gets the caller's environment as it is at the call.
 """
 from __future__ import annotations
 
@@ -23,33 +28,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, args, results, init_process_group):
+# What every rank needs: imported by the fork server before it forks any rank.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor", "asyncckpt.core"]
+
+
+def _entry(fn, rank, world_size, port, args, results, init_process_group, environ):
+    os.environ.clear()
+    os.environ.update(environ)  # the fork server's environment is the one it started with
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    succeeded = False
     try:
         if init_process_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
         results.put((rank, "ok", fn(rank, world_size, *args)))
+        succeeded = True
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if init_process_group and dist.is_initialized():
             try:
+                if succeeded:  # a rank done early must not close its connections while a peer still makes them
+                    dist.barrier()
                 dist.destroy_process_group()
             except Exception:
                 pass
 
 
 def run_on_ranks(fn, world_size: int, *args, timeout: float = 180.0, init_process_group: bool = True) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # used when the server starts (the first call of the session)
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, rank, world_size, port, args, results, init_process_group), daemon=False)
+        ctx.Process(target=_entry, daemon=False,
+                    args=(fn, rank, world_size, port, args, results, init_process_group, dict(os.environ)))
         for rank in range(world_size)
     ]
     for p in procs:

@@ -1,8 +1,9 @@
-"""The ``asyncckpt`` command line, run as users run it: a subprocess on real checkpoints.
+"""The ``asyncckpt`` command line, run as users run it: a process of its own on real checkpoints.
 
-Every CLI process imports torch (~2 s), so the module prepares all scenarios once (checkpoints
-written with ``asyncckpt.core.save``, then copied and damaged), runs all the commands
-concurrently, and each test asserts on its own command's output and exit code.
+Every CLI process imports torch (seconds), so the module prepares all scenarios once (checkpoints
+written with ``asyncckpt.core.save``, then copied and damaged), runs all the commands, each a
+fork of one process that imported torch once (``zygote.py``), and each test asserts on its own
+command's output and exit code.
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ from asyncckpt.core.storage import leftovers
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.names import COMMIT_RECORD
 from asyncckpt.core.storage.sidecars import read_rank_sidecar
+from zygote import Zygote
 
 STAGING_NAME = ".step_000020.asyncckpt-staging-0123abcd"
 
@@ -34,9 +35,13 @@ def state_dict() -> dict:
     }
 
 
-def cli(*args: str | os.PathLike) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "asyncckpt.core.cli.main", *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+def cli(zygote: Zygote, *args: str | os.PathLike) -> subprocess.CompletedProcess:
+    """``python -m asyncckpt.core.cli.main *args`` as a fresh process forked from ``zygote``, which imported
+    the CLI (and torch) once for all the runs."""
+    command = [sys.executable, "-m", "asyncckpt.core.cli.main", *map(str, args)]
+    run = zygote.run(None, *command[3:], module=command[2], timeout=120)
+    stdout = "".join(line + "\n" for line in run.remaining_lines(timeout=120))
+    return subprocess.CompletedProcess(command, run.returncode, stdout, run.stderr())
 
 
 def sidecar_item(checkpoint: Path, fqn: str) -> dict:
@@ -110,9 +115,10 @@ def runs(good, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         "verify_flipped_file": ("verify", native / "damaged" / "epoch=0-step=5.ckpt", "--no-progress"),
         "verify_damaged_directory": ("verify", native / "damaged" / "checkpoint_1", "--no-progress"),
     }
-    with ThreadPoolExecutor(len(commands)) as pool:
-        futures = {name: pool.submit(cli, *args) for name, args in commands.items()}
-    return {name: future.result() for name, future in futures.items()}
+    # what the CLI imports, not the CLI itself (``-m`` of an imported module warns)
+    with Zygote(["torch.distributed.checkpoint", "asyncckpt.core", "tqdm"], dict(os.environ),
+                tmp_path_factory.mktemp("cli")) as zygote:
+        return {name: cli(zygote, *args) for name, args in commands.items()}
 
 
 def _native_kinds(root: Path) -> Path:

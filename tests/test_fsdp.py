@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,6 +27,7 @@ import pytest
 import torch
 
 from dist_helper import run_on_ranks
+from zygote import ForkedRun, Zygote
 
 pytest.importorskip("accelerate")
 
@@ -326,16 +324,13 @@ handle.remove()
 """
 
 
-def _torchrun(script: Path, *args: str, **popen) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(_free_port()), str(script), *args], env=env, start_new_session=True, **popen)
-
-
-def _free_port() -> int:
+def _torchrun(zygote: Zygote, script: Path, *args: str) -> ForkedRun:
+    """``torchrun --nproc_per_node 2 script *args`` in a process group of its own, forked from ``zygote``
+    (torchrun's own torch import is paid once; its ranks are fresh processes, as torchrun starts them)."""
     from dist_helper import free_port
 
-    return free_port()
+    return zygote.run(None, "--nproc_per_node", "2", "--master_port", str(free_port()), str(script), *args,
+                      module="torch.distributed.run", new_session=True)
 
 
 def _assert_loadable(checkpoint: Path, scratch: Path) -> None:
@@ -354,22 +349,23 @@ def test_kill9_during_fsdp_saves_leaves_only_complete_checkpoints(tmp_path):
     script, root = tmp_path / "train.py", tmp_path / "run"
     script.write_text(KILL_PROGRAM.format(tests=str(Path(__file__).parent)))
     delays = random.Random("fsdp-kill").sample(range(0, 1500, 50), KILL_TRIALS)
-    for trial, delay_ms in enumerate(delays):
-        job = _torchrun(script, "loop", str(root), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        try:
-            for line in job.stdout:
-                if line.strip() == "READY":
-                    break
-            time.sleep(delay_ms / 1000)
-        finally:
-            os.killpg(job.pid, signal.SIGKILL)  # torchrun and both ranks
-            job.wait(30)
-        visible = sorted((root / "checkpoints").iterdir())
-        assert visible, f"nothing visible after a kill {delay_ms} ms into rotation"
-        for checkpoint in visible:
-            _assert_loadable(checkpoint, tmp_path / f"merged-{trial}-{checkpoint.name}")
-    resumed = _torchrun(script, "once", str(root), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _, err = resumed.communicate(timeout=240)
-    assert resumed.returncode == 0, err[-3000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # a job counts as ended once torchrun, its ranks and their writers have all ended (the zygote reaps them)
+    with Zygote(["torch.distributed.launcher.api", "torch.distributed.elastic.multiprocessing"], env,
+                tmp_path) as zygote:
+        for trial, delay_ms in enumerate(delays):
+            job = _torchrun(zygote, script, "loop", str(root))
+            try:
+                job.wait_for_line("READY")
+                time.sleep(delay_ms / 1000)
+            finally:
+                job.kill()  # its process group: torchrun and both ranks
+                job.wait()
+            visible = sorted((root / "checkpoints").iterdir())
+            assert visible, f"nothing visible after a kill {delay_ms} ms into rotation"
+            for checkpoint in visible:
+                _assert_loadable(checkpoint, tmp_path / f"merged-{trial}-{checkpoint.name}")
+        resumed = _torchrun(zygote, script, "once", str(root))
+        assert resumed.wait(timeout=240) == 0, resumed.stderr()[-3000:]
     leftovers = [entry for parent in (root, root / "checkpoints") for entry in os.listdir(parent) if names.parse_hidden(entry)]
     assert leftovers == [], leftovers

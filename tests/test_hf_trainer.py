@@ -32,6 +32,7 @@ from transformers.trainer_callback import ExportableState  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from dist_helper import free_port  # noqa: E402
+from zygote import Zygote  # noqa: E402
 
 from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback  # noqa: E402
 from asyncckpt.core import Checkpointer, CheckpointWriteError, is_complete  # noqa: E402
@@ -555,45 +556,48 @@ def _writer_of(pid):
 
 
 def test_kill9_during_save_then_resume_from_last_complete(tmp_path):
-    (tmp_path / "kill.py").write_text(KILL_PROGRAM)
-    out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "kill.py", str(out), "200"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    caught = None
-    try:
-        for line in proc.stdout:  # after each save returns, catch the writer with that folder half written
-            match = re.match(r"SAVED (\d+)", line)
-            if not match or int(match.group(1)) < 4:
-                continue
-            step, writer = int(match.group(1)), _writer_of(proc.pid)
-            final, deadline = out / f"checkpoint-{step}", time.monotonic() + 5
-            while time.monotonic() < deadline and not final.exists():
-                staged = [n for n in os.listdir(out) if n.startswith(f".checkpoint-{step}.asyncckpt-staging-")]
-                if staged and os.path.exists(out / staged[0] / "model.safetensors"):
-                    os.kill(writer, signal.SIGSTOP)  # model written, optimizer.pt not yet: freeze right here
-                    if not final.exists():
-                        caught = (step, staged[0], sorted(os.listdir(out / staged[0])))
+    script, out = tmp_path / "kill.py", tmp_path / "out"
+    script.write_text(KILL_PROGRAM)
+    # both runs are forks of one process that imported transformers once: fresh processes, without the imports
+    with Zygote(["torch", "transformers.trainer", "asyncckpt.adapters.hf_trainer"],
+                {**os.environ, "OMP_NUM_THREADS": "1"}, tmp_path) as zygote:
+        run = zygote.run(script, out, "200")
+        caught = None
+        try:
+            while (line := run.read_line(timeout=300)) is not None:  # after each save returns, catch the writer
+                match = re.match(r"SAVED (\d+)", line)                # with that folder half written
+                if not match or int(match.group(1)) < 4:
+                    continue
+                step, writer = int(match.group(1)), _writer_of(run.pid)
+                final, deadline = out / f"checkpoint-{step}", time.monotonic() + 5
+                while time.monotonic() < deadline and not final.exists():
+                    staged = [n for n in os.listdir(out) if n.startswith(f".checkpoint-{step}.asyncckpt-staging-")]
+                    if staged and os.path.exists(out / staged[0] / "model.safetensors"):
+                        os.kill(writer, signal.SIGSTOP)  # model written, optimizer.pt not yet: freeze right here
+                        if not final.exists():
+                            caught = (step, staged[0], sorted(os.listdir(out / staged[0])))
+                        break
+                    time.sleep(0.001)
+                if caught:
                     break
-                time.sleep(0.001)
-            if caught:
-                break
-            if writer is not None:
-                os.kill(writer, signal.SIGCONT)
-        assert caught, "never caught a save in the middle of its write"
-        proc.send_signal(signal.SIGKILL)  # the training process; its writer dies with it (PDEATHSIG)
-    finally:
-        proc.kill()
-        proc.wait(30)
-    step, staging, staged_files = caught
-    assert "model.safetensors" in staged_files and COMMIT_RECORD not in staged_files  # caught half written
-    assert not (out / f"checkpoint-{step}").exists()
-    last = get_last_checkpoint(str(out))  # the Trainer's own discovery: the last complete checkpoint
-    assert os.path.basename(last) == f"checkpoint-{step - 2}" and is_complete(last)
-    assert _files(Path(last)) == ["model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt",
-                                  "trainer_state.json", "training_args.bin"]
+                if writer is not None:
+                    os.kill(writer, signal.SIGCONT)
+            assert caught, "never caught a save in the middle of its write"
+        finally:
+            run.kill()  # the training process; its writer dies with it (PDEATHSIG)
+            run.wait()
+        step, staging, staged_files = caught
+        assert "model.safetensors" in staged_files and COMMIT_RECORD not in staged_files  # caught half written
+        assert not (out / f"checkpoint-{step}").exists()
+        last = get_last_checkpoint(str(out))  # the Trainer's own discovery: the last complete checkpoint
+        assert os.path.basename(last) == f"checkpoint-{step - 2}" and is_complete(last)
+        assert _files(Path(last)) == ["model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt",
+                                      "trainer_state.json", "training_args.bin"]
 
-    resumed = _run([sys.executable, "kill.py", str(out), str(step + 4), "resume"], tmp_path)
-    assert f"BEGIN {step - 2}" in resumed and f"DONE {step + 4}" in resumed, resumed
+        resumed = zygote.run(script, out, step + 4, "resume")
+        lines = resumed.remaining_lines()
+    assert resumed.returncode == 0, resumed.stderr()[-6000:]
+    assert f"BEGIN {step - 2}" in lines and f"DONE {step + 4}" in lines, lines
     assert _checkpoints(out) == [f"checkpoint-{step + 2}", f"checkpoint-{step + 4}"]
     _assert_committed(out)  # the killed run's staging folder was cleaned up at train begin
 

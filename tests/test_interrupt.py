@@ -6,14 +6,14 @@ each time a save call returns; SIGINT goes to the group at a random moment. The 
 does not receive it (a session of its own), so every save that returned before the interrupt is
 committed when the process has exited, as natively every completed save is on disk; the process
 exits as it would without the adapter; and the next run resumes from the newest checkpoint.
+Both runs are forks of one process that imported the framework once (``zygote.py``), each in a
+fresh process (the interrupted one in a session of its own), as ``python train.py`` would be.
 """
 from __future__ import annotations
 
 import os
 import random
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -22,6 +22,8 @@ import pytest
 
 from asyncckpt.core import is_complete
 from asyncckpt.core.formats import names
+from test_kill_rotation import IMPORTS  # what each adapter's program imports
+from zygote import Zygote
 
 COMMON = """
 import os, sys, torch
@@ -123,37 +125,36 @@ def test_ctrl_c_keeps_every_save_that_returned_and_resume_continues(tmp_path, ad
     script, root = tmp_path / "train.py", tmp_path / "run"
     script.write_text(PROGRAMS[adapter])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([sys.executable, str(script), "run", str(root)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)  # its own process group
-    saved = []
-    try:
-        for line in proc.stdout:
-            if line.startswith("SAVED "):
-                saved.append(line.split()[1])
-                if len(saved) == 3:
-                    break
-        time.sleep(random.Random(adapter).uniform(0.0, 0.4))
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    saved += [line.split()[1] for line in out.splitlines() if line.startswith("SAVED ")]
-    assert proc.returncode == NATIVE_EXIT[adapter], err[-3000:]
-    assert "KeyboardInterrupt" in err or adapter == "lightning"
-    # No failed save (every message of ours starts "asyncckpt: ", a writer's failure included: the training
-    # process reports it) and no traceback of a writer (it runs as ``python -m``: runpy would be in its frames).
-    assert "asyncckpt: " not in err and "runpy" not in err, err[-3000:]
-    for name in saved:  # every save that returned before the interrupt is committed
-        assert _complete(adapter, _checkpoint(adapter, root, name)), (name, saved)
-    parents = [root, root / "checkpoints"]  # where staging directories and temporary files are
-    assert not [e for p in parents if p.is_dir() for e in os.listdir(p) if names.parse_hidden(e)]
+    with Zygote(["torch", *IMPORTS[adapter]], env, tmp_path) as zygote:
+        run = zygote.run(script, "run", root, new_session=True)  # its own process group
+        saved = []
+        try:
+            while len(saved) < 3 and (line := run.read_line(timeout=300)) is not None:
+                if line.startswith("SAVED "):
+                    saved.append(line.split()[1])
+            time.sleep(random.Random(adapter).uniform(0.0, 0.4))
+            os.killpg(run.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+            out = run.remaining_lines(timeout=120)
+        finally:
+            if run.returncode is None:
+                run.kill()  # its process group
+                run.wait()
+        err = run.stderr()
+        saved += [line.split()[1] for line in out if line.startswith("SAVED ")]
+        assert run.returncode == NATIVE_EXIT[adapter], err[-3000:]
+        assert "KeyboardInterrupt" in err or adapter == "lightning"
+        # No failed save (every message of ours starts "asyncckpt: ", a writer's failure included: the training
+        # process reports it) and no traceback of a writer (it runs as ``python -m``: runpy would be in its frames).
+        assert "asyncckpt: " not in err and "runpy" not in err, err[-3000:]
+        for name in saved:  # every save that returned before the interrupt is committed
+            assert _complete(adapter, _checkpoint(adapter, root, name)), (name, saved)
+        parents = [root, root / "checkpoints"]  # where staging directories and temporary files are
+        assert not [e for p in parents if p.is_dir() for e in os.listdir(p) if names.parse_hidden(e)]
 
-    resumed = subprocess.run([sys.executable, str(script), "resume", str(root)], capture_output=True, text=True,
-                             env=env, timeout=180)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    start = int(next(line.split()[1] for line in resumed.stdout.splitlines() if line.startswith("START ")))
+        resumed = zygote.run(script, "resume", root)
+        out = resumed.remaining_lines(timeout=180)
+    assert resumed.returncode == 0, resumed.stderr()[-3000:]
+    start = int(next(line.split()[1] for line in out if line.startswith("START ")))
     assert start > 0  # not from scratch
 
 

@@ -5,14 +5,14 @@ deletes an older checkpoint), kills it after a random delay, and then looks at w
 would see: every checkpoint under the framework's own names must be complete (its commit record
 and all its files, loadable). Whatever a kill interrupts (a save, a deletion) may leave only a
 hidden leftover, which the next run's first save removes. 7 trials per adapter, 21 in all; the
-delays are random but seeded, so a failure can be replayed.
+delays are random but seeded, so a failure can be replayed. Each trial is a fresh process forked from
+one that imported the framework once (``zygote.py``): what a kill leaves does not depend on how the
+process started, and the imports would cost more than the trials.
 """
 from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -22,6 +22,7 @@ import torch
 
 from asyncckpt.core import is_complete
 from asyncckpt.core.formats import names
+from zygote import Zygote
 
 TRIALS = 7
 
@@ -66,6 +67,10 @@ PROGRAMS = {
         model, opt = acc.prepare(model, opt)
         if mode == "once":
             acc.load_state()
+        else:  # number on after the last trial's checkpoints, as a resumed run does (Accelerate refuses to overwrite)
+            named = os.listdir(os.path.join(root, "checkpoints")) if os.path.isdir(os.path.join(root, "checkpoints")) else []
+            acc.project_configuration.iteration = 1 + max((int(n.split("_")[1]) for n in named if n.startswith("checkpoint_")),
+                                                          default=-1)
         for i in range(100000 if mode == "loop" else 1):
             model(torch.randn(2, 8)).square().mean().backward(); opt.step(); opt.zero_grad()
             acc.save_state(); announce(i)
@@ -110,35 +115,45 @@ def _assert_complete(adapter: str, checkpoint: Path) -> None:
     assert expected <= set(os.listdir(checkpoint)), (checkpoint, os.listdir(checkpoint))
 
 
+# What each program imports: its zygote imports them once, and every trial is a fork of it.
+IMPORTS = {
+    "hf_trainer": ["transformers.trainer", "asyncckpt.adapters.hf_trainer"],
+    "accelerate": ["accelerate", "asyncckpt.adapters.accelerate"],
+    "lightning": ["lightning", "asyncckpt.adapters.lightning"],
+}
+
+
+def _hidden_parents(adapter: str, root: Path) -> list[Path]:
+    """Where a kill can leave hidden entries: beside the checkpoints."""
+    return [root, root / "checkpoints"] if adapter == "accelerate" else [root]
+
+
 def _run_trials(adapter: str, tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(PROGRAMS[adapter])
     root = tmp_path / "run"
     delays = random.Random(f"{adapter}-kill").sample(range(0, 2500, 50), TRIALS)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    for delay_ms in delays:
-        proc = subprocess.Popen([sys.executable, str(script), "loop", str(root)], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True, env=env)
-        try:
-            for line in proc.stdout:
-                if line.strip() == "READY":
-                    break
-            time.sleep(delay_ms / 1000)
-        finally:
-            proc.kill()
-            proc.wait(30)
-        assert proc.returncode == -9, f"the program ended on its own (exit {proc.returncode}) before the kill"
-        seen = _framework_sees(adapter, root)
-        assert seen, f"nothing visible after a kill {delay_ms} ms into rotation"
-        for checkpoint in seen:
-            _assert_complete(adapter, checkpoint)
-    # what the kills left is hidden, and the next run's save removes it (its writers are gone)
-    subprocess.run([sys.executable, str(script), "once", str(root)], check=True, env=env, capture_output=True,
-                   timeout=180)
-    hidden_parents = [root, root / "checkpoints"] if adapter == "accelerate" else [root]
-    leftovers = [entry for parent in hidden_parents if parent.is_dir() for entry in os.listdir(parent)
-                 if names.parse_hidden(entry)]
-    assert leftovers == [], leftovers
+    with Zygote(["torch", *IMPORTS[adapter]], env, tmp_path) as zygote:
+        for delay_ms in delays:
+            run = zygote.run(script, "loop", root)
+            try:
+                run.wait_for_line("READY")
+                time.sleep(delay_ms / 1000)
+            finally:
+                run.kill()
+            assert run.wait() == -9, f"the program ended on its own (exit {run.returncode}) before the kill"
+            seen = _framework_sees(adapter, root)
+            assert seen, f"nothing visible after a kill {delay_ms} ms into rotation"
+            for checkpoint in seen:
+                _assert_complete(adapter, checkpoint)
+        # what the kills left is hidden, and the next run's save removes it (its writers are gone: the zygote
+        # reaped them, as it reaps every process a run started before it reports the run's exit)
+        once = zygote.run(script, "once", root)
+        assert once.wait() == 0, once.stderr()[-3000:]
+    hidden = [entry for parent in _hidden_parents(adapter, root) if parent.is_dir() for entry in os.listdir(parent)
+              if names.parse_hidden(entry)]
+    assert hidden == [], hidden
     for checkpoint in _framework_sees(adapter, root):
         _assert_complete(adapter, checkpoint)
 

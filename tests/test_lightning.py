@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint, O
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from asyncckpt.adapters.lightning import AsyncCkptIO, AsyncCkptSaveError  # noqa: E402
+from zygote import Zygote  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -520,19 +521,22 @@ def test_lightning_cli_config_records_the_plugin_and_reads_it_back(tmp_path):
     pytest.importorskip("jsonargparse")
     script = tmp_path / "cli.py"
     script.write_text(CLI_SCRIPT)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    with Zygote(["lightning.pytorch.cli", "lightning.pytorch.demos.boring_classes", "asyncckpt.adapters.lightning"],
+                env, tmp_path) as zygote:  # the three runs are forks of one process that imported Lightning once
+        def run(*args):
+            proc = zygote.run(script, str(tmp_path / "run"), *args, cwd=tmp_path)
+            stdout = "\n".join(proc.remaining_lines(timeout=180))
+            assert proc.returncode == 0, proc.stderr()[-3000:]
+            assert "Unable to serialize" not in proc.stderr() + stdout
+            return stdout
 
-    def run(*args):
-        proc = subprocess.run([PYTHON, str(script), str(tmp_path / "run"), *args], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=180, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "Unable to serialize" not in proc.stderr + proc.stdout
-        return proc.stdout
-
-    assert "PLUGIN asyncckpt.adapters.lightning.checkpoint_io.AsyncCkptIO max_in_flight=3" in run("fit", "--spec-default")
-    configs = list((tmp_path / "run").rglob("config.yaml"))
-    assert len(configs) == 1
-    text = configs[0].read_text()
-    assert "class_path: asyncckpt.adapters.lightning.AsyncCkptIO" in text and "max_in_flight: 3" in text
-    assert "max_in_flight=3" in run("fit", "--config", str(configs[0]), "--trainer.default_root_dir", str(tmp_path / "again"))
-    assert "max_in_flight=2" in run("fit", "--trainer.plugins=asyncckpt.adapters.lightning.AsyncCkptIO",
-                                    "--trainer.default_root_dir", str(tmp_path / "cli"))
+        assert "PLUGIN asyncckpt.adapters.lightning.checkpoint_io.AsyncCkptIO max_in_flight=3" in run("fit", "--spec-default")
+        configs = list((tmp_path / "run").rglob("config.yaml"))
+        assert len(configs) == 1
+        text = configs[0].read_text()
+        assert "class_path: asyncckpt.adapters.lightning.AsyncCkptIO" in text and "max_in_flight: 3" in text
+        assert "max_in_flight=3" in run("fit", "--config", str(configs[0]), "--trainer.default_root_dir",
+                                        str(tmp_path / "again"))
+        assert "max_in_flight=2" in run("fit", "--trainer.plugins=asyncckpt.adapters.lightning.AsyncCkptIO",
+                                        "--trainer.default_root_dir", str(tmp_path / "cli"))

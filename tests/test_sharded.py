@@ -55,8 +55,14 @@ def assert_state_matches_reference(state):
     assert state["step"] == 7 and state["meta"] == {"name": "run", "lrs": [0.1, 0.2]}
 
 
+def plain_state():
+    return {"model": {"w": full_tensor("w"), "b": full_tensor("b", (12,))}, "plain": full_tensor("plain", (5, 3)),
+            "step": 7, "meta": {"name": "run", "lrs": [0.1, 0.2]}}
+
+
 def _save(rank, world, path, placement):
-    core.save(sharded_state(world, placement), path)
+    """Save the reference state: sharded by ``placement``, or as plain tensors where it is None."""
+    core.save(plain_state() if placement is None else sharded_state(world, placement), path)
     core.default_checkpointer().close()
     return sorted(os.listdir(path))
 
@@ -68,38 +74,43 @@ def _load(rank, world, path, placement):
     core.default_checkpointer().close()
 
 
-def _save_plain(rank, world, path):
-    core.save({"model": {"w": full_tensor("w"), "b": full_tensor("b", (12,))}, "plain": full_tensor("plain", (5, 3)),
-               "step": 7, "meta": {"name": "run", "lrs": [0.1, 0.2]}}, path)
-    core.default_checkpointer().close()
+def _run_steps(rank, world, steps):
+    """Run (case, step, path, placement) steps in order on this group, naming the case that fails."""
+    for case, step, path, placement in steps:
+        try:
+            step(rank, world, path, placement)
+        except Exception as error:
+            raise AssertionError(f"resharding case {case}: {step.__name__} on {world} rank(s) failed") from error
 
 
-@pytest.mark.parametrize(
-    "saved, loaded",
-    [
-        ((1, None), (2, Shard(0))),  # 1 -> 2
-        ((2, Shard(0)), (1, None)),  # 2 -> 1
-        ((2, Shard(0)), (2, Shard(1))),  # 2 -> 2, other placement
-        ((4, Shard(1)), (2, Shard(0))),  # 4 -> 2
-        ((2, None), (2, Shard(1))),  # replicated -> sharded
-    ],
-    ids=["1to2", "2to1", "2to2-Shard0-to-Shard1", "4to2", "replicated-to-sharded"],
-)
-def test_resharding_load(tmp_path, saved, loaded):
-    path = str(tmp_path / "ckpt")
-    (save_world, save_placement), (load_world, load_placement) = saved, loaded
-    if save_placement is None:
-        run_on_ranks(_save_plain, save_world, path)
-    else:
-        run_on_ranks(_save, save_world, path, save_placement)
-    assert core.is_complete(path)
-    if load_placement is None:
-        target = {"model": {"w": torch.zeros(8, 12), "b": torch.zeros(12)}, "plain": torch.zeros(5, 3), "step": None,
-                  "meta": {"name": None, "lrs": None}}
-        core.load(target, path)
-        assert_state_matches_reference(target)
-    else:
-        run_on_ranks(_load, load_world, path, load_placement)
+# case: (ranks that save, placement or None for plain tensors), (ranks that load, placement or None)
+RESHARDING = {
+    "1to2": ((1, None), (2, Shard(0))),
+    "2to1": ((2, Shard(0)), (1, None)),
+    "2to2-Shard0-to-Shard1": ((2, Shard(0)), (2, Shard(1))),
+    "4to2": ((4, Shard(1)), (2, Shard(0))),
+    "replicated-to-sharded": ((2, None), (2, Shard(1))),
+}
+
+
+def test_resharding_load(tmp_path):
+    """Every case saves on one group size and loads on another; one launch per group size runs all its steps
+    (each launch starts its ranks and process group once), the saves of a size before its loads."""
+    paths = {case: str(tmp_path / case) for case in RESHARDING}
+    saves = {world: [(case, _save, paths[case], placement)
+                     for case, ((w, placement), _) in RESHARDING.items() if w == world] for world in (1, 2, 4)}
+    loads = [(case, _load, paths[case], placement) for case, (_, (w, placement)) in RESHARDING.items() if w == 2]
+    run_on_ranks(_run_steps, 1, saves[1])
+    run_on_ranks(_run_steps, 4, saves[4])
+    run_on_ranks(_run_steps, 2, saves[2] + loads)
+    for case, path in paths.items():
+        assert core.is_complete(path), case
+    for case, (_, (load_world, _)) in RESHARDING.items():
+        if load_world == 1:
+            target = {"model": {"w": torch.zeros(8, 12), "b": torch.zeros(12)}, "plain": torch.zeros(5, 3),
+                      "step": None, "meta": {"name": None, "lrs": None}}
+            core.load(target, paths[case])
+            assert_state_matches_reference(target)
 
 
 def _save_replicated(rank, world, path, n_tensors, numel):
@@ -147,10 +158,13 @@ def _stock_dcp_load(rank, world, path):
     assert_state_matches_reference(target)
 
 
+def _save_then_stock_dcp_load(rank, world, path):
+    _save(rank, world, path, Shard(1))
+    _stock_dcp_load(rank, world, path)
+
+
 def test_stock_dcp_reader_loads_our_sharded_checkpoint(tmp_path):
-    path = str(tmp_path / "ckpt")
-    run_on_ranks(_save, 2, path, Shard(1))
-    run_on_ranks(_stock_dcp_load, 2, path)
+    run_on_ranks(_save_then_stock_dcp_load, 2, str(tmp_path / "ckpt"))
 
 
 def _plan_cache_scenario(rank, world, root):
