@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
