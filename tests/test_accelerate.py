@@ -216,7 +216,8 @@ KILL_SCRIPT = textwrap.dedent("""
     if sys.argv[1] == "crash":
         step(); acc.save_state(); handle.wait()            # checkpoint_0 committed
         # The writer is fast (~2 GB/s here): freeze it once the first file of checkpoint_1 is complete, so
-        # that the kill lands mid-save every time (the kill takes the frozen writer with it).
+        # that the kill lands mid-save every time. Both processes die (a writer outlives its training
+        # process and would finish the save: this is the loss of both, as when a node goes down).
         writer, frozen = handle.checkpointer.ledger.queue.writer_pid, threading.Event()
         def freeze_writer_mid_save():
             while True:
@@ -228,6 +229,7 @@ KILL_SCRIPT = textwrap.dedent("""
         step(); acc.save_state()                           # checkpoint_1: snapshot taken, write in flight
         assert frozen.wait(60)
         print("KILL", flush=True)
+        os.kill(writer, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
     acc.load_state()                                       # the newest *complete* checkpoint
     print("RESUMED iteration", acc.project_configuration.iteration, flush=True)
@@ -237,7 +239,7 @@ KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_kill9_mid_save_then_resume_from_last_complete(tmp_path):
+def test_kill9_of_trainer_and_writer_mid_save_then_resume_from_last_complete(tmp_path):
     (tmp_path / "kill.py").write_text(KILL_SCRIPT)
     crashed = _run(["kill.py", "crash"], tmp_path)
     assert crashed.returncode == -9 and "KILL" in crashed.stdout, crashed.stderr[-3000:]

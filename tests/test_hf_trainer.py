@@ -584,7 +584,9 @@ def test_kill9_during_save_then_resume_from_last_complete(tmp_path):
                     os.kill(writer, signal.SIGCONT)
             assert caught, "never caught a save in the middle of its write"
         finally:
-            run.kill()  # the training process; its writer dies with it (PDEATHSIG)
+            if caught:  # the frozen writer too: a writer outlives its training process and would finish
+                os.kill(writer, signal.SIGKILL)  # the save (this is the loss of both, as when a node goes down)
+            run.kill()
             run.wait()
         step, staging, staged_files = caught
         assert "model.safetensors" in staged_files and COMMIT_RECORD not in staged_files  # caught half written

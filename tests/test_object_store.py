@@ -247,9 +247,24 @@ def _kill_mid_upload(root: str) -> None:
             if line.strip() == "submitted 2":
                 break
         time.sleep(0.4)  # the writer is uploading step 2's 192 MiB
+        for writer in _writers_of(proc.pid):  # both die, as when a node goes down (a writer alone would
+            os.kill(writer, signal.SIGKILL)   # finish the upload its training process handed over)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(30)
+
+
+def _writers_of(pid: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"asyncckpt.core.writer.process" in argv and str(pid).encode() in argv:
+            found.append(int(entry))
+    return found
 
 
 def test_kill_9_mid_upload_is_invisible_and_clean_removes_it(s3_root, capsys):
@@ -257,7 +272,7 @@ def test_kill_9_mid_upload_is_invisible_and_clean_removes_it(s3_root, capsys):
     _kill_mid_upload(root)
     latest = core.latest_checkpoint(root)
     assert latest in (None, f"{root}/step_000001")
-    deadline = time.monotonic() + 10  # the writer dies with its parent (PR_SET_PDEATHSIG), a moment later
+    deadline = time.monotonic() + 10  # the killed processes may not be reaped yet
     while any(leftover.alive for leftover in backend_for(root).find_leftovers(root)) and time.monotonic() < deadline:
         time.sleep(0.1)
     found = backend_for(root).find_leftovers(root)
