@@ -378,6 +378,8 @@ def render(result: dict) -> str:
                      f"the checkpoint committed {r['committed_after_sigterm_s']:.1f} s after the SIGTERM "
                      f"({'within' if r['within_grace'] else 'beyond'} the {GRACE_S:.0f} s grace period; "
                      f"visible when the trainer was dead: {r['visible_at_death']}).")
+    lines += ["", "Seeds (drawn from the `--seed` above): " + "; ".join(
+        f"{name} {', '.join(str(r['seed']) for r in result['trials'] if r['kind'] == name)}" for name in kinds) + "."]
     failed = [f for k in kinds.values() for f in k["failed"]]
     lines += ["", f"Failures: {len(failed)}." if not failed else f"Failures: {len(failed)}:"]
     lines += [f"- {f}" for f in failed]
@@ -393,7 +395,14 @@ def main() -> int:
     parser.add_argument("--dir", default=None)
     parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "survival_stress.json"))
     parser.add_argument("--markdown", default=str(REPO / "benchmarks" / "results" / "survival_stress.md"))
+    parser.add_argument("--from-json", action="store_true", help="only render --json into --markdown again")
     args = parser.parse_args()
+    if args.from_json:
+        with open(args.json) as f:
+            markdown = render(json.load(f))
+        with open(args.markdown, "w") as f:
+            f.write(markdown)
+        return 0
     args.seed = random.randrange(10**6) if args.seed is None else args.seed
     log(f"master seed {args.seed}")
     rng = random.Random(args.seed)
