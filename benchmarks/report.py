@@ -349,7 +349,8 @@ def render_md(R: dict, command: str) -> str:
       "[FSDP](benchmarks_fsdp.md) (`benchmarks/fsdp_bench.py`), [verification on resume](benchmarks_verify.md) "
       "(`benchmarks/verify_bench.py`), [a cold-cache resume](benchmarks_resume.md) (`benchmarks/resume_bench.py`), [object storage](benchmarks_object_store.md) "
       "(`benchmarks/object_store_bench.py`), [the writer's start and teardown](benchmarks_lifecycle.md) "
-      "(`benchmarks/restart_bench.py`).")
+      "(`benchmarks/restart_bench.py`), [surviving the trainer's death](benchmarks_survival.md) "
+      "(`benchmarks/survival_bench.py`; kill trials: `benchmarks/stress_survival.py`).")
     w("")
     I = R.get("interference") or {}
     if I:

@@ -5,10 +5,15 @@ Usage: survival_child.py ROOT SEED MODE [RANK WORLD PORT]
                    ``returned`` once the call returned, then trains on (sleeps) until killed.
   MODE "snapshot": the same, but the snapshot copy of ``next`` stops halfway and prints ``copying``:
                    the process is killed in the middle of its snapshot.
-Every tensor of ``next`` is ``values(SEED, i)``; ``base`` holds zeros. With RANK/WORLD/PORT the
+  MODE "closed":   ``async_save`` of ``next`` and the removal of ``base`` after it, then closes its end of
+                   the writer's socket and prints ``closed``, as a dying process does before its exit is
+                   known (the writer's replies then fail).
+Every tensor of ``next`` is ``values(SEED, i)``; ``base`` holds zeros. ``SURVIVAL_ELEMENTS`` in the
+environment sets each tensor's length. With RANK/WORLD/PORT the
 ranks meet in a gloo process group (a TCPStore served by rank 0's process) and each saves its shard.
 """
 import os
+import socket
 import sys
 import time
 
@@ -18,12 +23,14 @@ import torch.distributed as dist
 from asyncckpt import core
 from asyncckpt.core.snapshot import shared_buffer
 
-TENSORS, ELEMENTS = 8, 8 << 20  # 256 MiB: the write outlasts the moment the call returns
+TENSORS = 8
+# 256 MiB: the write outlasts the moment the call returns (stress_survival.py grows it where it does not)
+ELEMENTS = int(os.environ.get("SURVIVAL_ELEMENTS", 8 << 20))
 
 
-def values(seed: int, index: int, rank: int = 0) -> torch.Tensor:
+def values(seed: int, index: int, rank: int = 0, elements: int = ELEMENTS) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed * 1000 + index * 10 + rank)
-    return torch.rand(ELEMENTS, generator=generator)
+    return torch.rand(elements, generator=generator)
 
 
 def main() -> None:
@@ -53,6 +60,11 @@ def main() -> None:
 
         shared_buffer._copy_group = stopping_copy
     handle = checkpointer.async_save(state, os.path.join(root, "next"))
+    if mode == "closed":
+        checkpointer.remove([os.path.join(root, "base")], after=handle)
+        socket.socket(fileno=os.dup(checkpointer.ledger.queue._writer.conn.fileno())).shutdown(socket.SHUT_RDWR)
+        print("closed", flush=True)
+        time.sleep(3600)
     print("returned", flush=True)
     try:
         handle.result()

@@ -30,11 +30,14 @@ from zygote import Zygote
 COMMON = """
 import os, sys, torch
 mode, root = sys.argv[1], sys.argv[2]
-torch.manual_seed(0)
+torch.manual_seed(int(os.environ.get("SEED", "0")))
 WIDTH = int(os.environ.get("WIDTH", "1024"))  # the kill -9 test grows the state until a save outlasts the kill
 def die_if_asked(point):  # the kill -9 test: SIGKILL at this point, from inside (no scheduling delay)
     if os.environ.get("KILL_AT") == point:
         import signal; os.kill(os.getpid(), signal.SIGKILL)
+def keep_reference(net, optimizer):  # stress_survival.py: what the save about to be made holds, kept natively
+    if os.environ.get("REFERENCE"):
+        torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, os.environ.pop("REFERENCE"))
 def model():
     return torch.nn.Sequential(torch.nn.Linear(8, WIDTH), torch.nn.Linear(WIDTH, 512), torch.nn.Linear(512, 1))
 """
@@ -55,6 +58,7 @@ PROGRAMS = {
                 print(f"START {trainer.global_step}", flush=True); trainer.should_stop = mode == "resume"
         class Saved(ModelCheckpoint):
             def _save_checkpoint(self, trainer, filepath):
+                if os.path.basename(filepath) == "last.ckpt": keep_reference(trainer.lightning_module, trainer.optimizers[0])
                 super()._save_checkpoint(trainer, filepath); print(f"SAVED {os.path.basename(filepath)}", flush=True)
                 if os.path.basename(filepath) == "last.ckpt": die_if_asked("saved")
         x = torch.randn(1024, 8)
@@ -78,8 +82,10 @@ PROGRAMS = {
             print(f"START {acc.project_configuration.iteration}", flush=True)
         for i in range(100000 if mode == "run" else 1):
             net(torch.randn(2, 8)).square().mean().backward(); opt.step(); opt.zero_grad()
+            if i == 0: keep_reference(net, opt)
             if i == 1: die_if_asked("next step")  # the first save's optimizer snapshot is complete
             print(f"SAVED {os.path.basename(acc.save_state())}", flush=True)
+            if i == 0: die_if_asked("saved")  # stress_survival.py: at once (no optimizer state is snapshot later)
         acc.end_training()
     """),
     "hf_trainer": COMMON + textwrap.dedent("""
@@ -98,7 +104,8 @@ PROGRAMS = {
             def on_train_begin(self, args, state, control, **kwargs):
                 print(f"START {state.global_step}", flush=True); control.should_training_stop = mode == "resume"
             def on_save(self, args, state, control, **kwargs): print(f"SAVED checkpoint-{state.global_step}", flush=True)
-            def on_step_end(self, args, state, control, **kwargs):
+            def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+                if state.global_step == 1: keep_reference(model, optimizer)  # checkpoint-1 is saved after this
                 if state.global_step == 2: die_if_asked("next step")  # after step 2's optimizer step
         args = TrainingArguments(output_dir=root, per_device_train_batch_size=2, max_steps=100000,
                                  save_steps=1, report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no")

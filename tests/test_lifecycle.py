@@ -260,3 +260,23 @@ def test_a_removal_with_nothing_pending_starts_no_writer(tmp_path, ours_running)
         assert sorted(os.listdir(tmp_path)) == []
     finally:
         checkpointer.close()
+
+
+def test_a_writer_started_for_a_run_is_kept_until_teardown(tmp_path, ours_running):
+    """``start()`` (what an adapter calls when a framework's run begins) keeps the writer through idle
+    stretches, so that a run's saves never wait for its restart; ``teardown()`` stops it."""
+    import time
+
+    from asyncckpt.core import Checkpointer
+
+    checkpointer = Checkpointer(writer_idle_timeout=0.2)
+    try:
+        checkpointer.start()
+        checkpointer.save({"w": torch.ones(16)}, tmp_path / "a")
+        pid = checkpointer.ledger.queue.writer_pid
+        time.sleep(1.5)  # several idle timeouts
+        assert checkpointer.ledger.queue.writer_pid == pid
+        checkpointer.teardown()
+        assert ours_running()[1] == []
+    finally:
+        checkpointer.close()

@@ -190,3 +190,23 @@ def test_ls_shows_a_checkpoint_an_orphaned_writer_is_finishing(tmp_path):
     listed = subprocess.run([sys.executable, "-m", "asyncckpt.core.cli", "ls", str(tmp_path)], capture_output=True,
                             text=True, timeout=120)
     assert "being finished" not in listed.stdout, listed.stdout
+
+
+def test_replies_that_cannot_be_sent_do_not_stop_the_writer(tmp_path):
+    """The training process's end of the socket is closed before the writer learns of its exit (a dying
+    process closes its files before its parent is told: the window a kill -9 under load hits): the
+    writer's replies fail, and it still commits the save, runs the removal queued behind it, and exits
+    without a traceback."""
+    root = str(tmp_path / "closed")
+    proc = subprocess.Popen([sys.executable, CHILD, root, "5", "closed"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_line(proc, "closed")
+        wait_until(lambda: core.is_complete(os.path.join(root, "next")) and not os.path.exists(os.path.join(root, "base")),
+                   60, "the save and the removal queued behind it did not both happen")
+        no_writer_left([proc])
+    finally:
+        kill([proc])
+    _, err = proc.communicate(timeout=30)
+    assert "Traceback" not in err, err[-3000:]
+    assert_holds(os.path.join(root, "next"), 5, 1)

@@ -88,8 +88,9 @@ class Checkpointer:
         object_store: how to reach and use an object store for ``s3://...`` (any fsspec URL) paths:
             ``storage_options``, multipart part size, parallel requests; for its writer and for its loads
             and checks. Default: ``object_store.configure``'s, else fsspec's defaults and the environment.
-        writer_idle_timeout: the background writer stops after this many seconds with nothing to do
-            (None: only when the Checkpointer is torn down); the next save starts it again.
+        writer_idle_timeout: a writer started by a save (not by ``start()``) stops after this many
+            seconds with nothing to do (None: only when the Checkpointer is torn down); the next save
+            starts it again.
         on_commit: called with the path of every checkpoint once it committed (on each rank that
             saved it), on a thread of its own, in commit order, while training goes on (``commit_hooks``);
             what it raises fails like a save, naming the checkpoint, at the next sync point. (A
@@ -481,9 +482,10 @@ class Checkpointer:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Start the background writer now, in the background (it starts at the first save
-        otherwise, which then waits for it)."""
+        otherwise, which then waits for it), and keep it until ``teardown()``: a framework's run
+        starts it, and its saves never wait for a writer stopped when idle (``writer_idle_timeout``)."""
         self._check_open()
-        self.ledger.queue.start()
+        self.ledger.queue.start(hold=True)
 
     def teardown(self) -> None:
         """Drain, then stop the writer process and every thread of ours (a framework's run ended);

@@ -7,9 +7,11 @@ that the writer runs only if that earlier job succeeded.
 
 The writer process is started on first use (``start()`` earlier, where the caller has a better
 moment) and stopped by ``stop()``: after a framework's run ends, nothing of ours keeps running;
-the next submit starts a new one and registers the staging buffers with it again. A writer left
-with nothing to do for ``idle_timeout`` seconds stops by itself (saves made outside a framework's
-run, or a removal by a process that saves nothing), so none idles until the interpreter exits.
+the next submit starts a new one and registers the staging buffers with it again. A writer started
+on first use and then left with nothing to do for ``idle_timeout`` seconds stops by itself (saves
+made outside a framework's run), so none idles until the interpreter exits; one started for a run
+(``start(hold=True)``: the adapters do at the run's start) stays until ``stop()``, so the saves of
+a run never pay for its restart (docs/benchmarks_survival.md).
 
 A reader thread takes the writer's replies and completes the handles (``on_outcome``). It also
 runs the writer's barrier calls against the torch.distributed Store (``barrier.StoreBarrier``):
@@ -92,6 +94,7 @@ class WriterQueue:
         self._on_outcome, self._store = on_outcome, store
         self.timeout, self.idle_timeout = timeout, idle_timeout
         self._writer: Optional[_Writer] = None
+        self._held = False  # a run holds the writer: no idle stop until ``stop()``
         self._retiring: list[_Writer] = []  # stopped when idle, still exiting
         self._jobs: dict[int, SaveHandle] = {}
         self._job_ids = itertools.count()
@@ -105,10 +108,11 @@ class WriterQueue:
     def writer_pid(self) -> Optional[int]:
         return self._writer.process.pid if self.running else None
 
-    def start(self) -> None:
+    def start(self, hold: bool = False) -> None:
         """Start the writer process now if it is not running (it starts in the background: the
-        first request queues behind its start-up)."""
+        first request queues behind its start-up); with ``hold``, keep it until ``stop()``."""
         with self._lock:
+            self._held = self._held or hold
             if not self.running:
                 self._writer = _Writer(self._read_replies, self.timeout)
 
@@ -162,6 +166,7 @@ class WriterQueue:
         with self._lock:
             writer, self._writer = self._writer, None
             retiring, self._retiring = self._retiring, []
+            self._held = False
         if writer is not None and not writer.stopping:
             writer.stopping = True
             try:
@@ -175,7 +180,7 @@ class WriterQueue:
         """The reader thread heard nothing for ``idle_timeout`` s: with no job in flight, stop the
         writer (under the lock, so no job can be sent to it meanwhile: the next one starts a new one)."""
         with self._lock:
-            if self._writer is not writer or self._jobs or writer.stopping:
+            if self._writer is not writer or self._jobs or writer.stopping or self._held:
                 return
             writer.stopping = True
             self._writer = None

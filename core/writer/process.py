@@ -99,6 +99,10 @@ class Channel:
     def send(self, *message: Any) -> None:
         try:
             self.conn.send(message)
+        except (BrokenPipeError, ConnectionResetError):
+            # Its end is closed: it died. A process that dies closes its files before its parent (and our
+            # watch) learns of its exit, so this comes first under load: nobody to tell; the work goes on.
+            pass
         except OSError:
             if self.trainer.alive and os.getppid() == self.trainer.pid:
                 raise

@@ -1,0 +1,448 @@
+#!/usr/bin/env python
+"""Kill trials: a save that returned survives the trainer's death (issue 26), many times over.
+
+    .venv/bin/python benchmarks/stress_survival.py [--seed S] [--scale 1.0]
+    # writes benchmarks/results/survival_stress.json and benchmarks/results/survival_stress.md
+
+Real processes, real kills, outside the default test run (``tests/test_survival.py`` and
+``tests/test_interrupt.py`` run a few trials of each kind; this runs many):
+
+  core, 1 rank     ``tests/survival_child.py`` saves a base, then ``async_save``; SIGKILL as soon
+                   as it printed that the call returned
+  core, 2 ranks    the same in a gloo group of 2; every rank killed at once once both returned
+                   (the Store dies with rank 0: the writers meet by marker files)
+  snapshot         killed in the middle of its snapshot copy (1 and 2 ranks): nothing may commit
+  lightning, accelerate, hf_trainer
+                   the programs of ``tests/test_interrupt.py``: SIGKILL from inside once the save
+                   returned (Lightning ``last.ckpt``, Accelerate ``save_state`` whose snapshot is
+                   complete when it returns) or once the next step ended (the Trainer, which
+                   snapshots the optimizer state while the next step runs: the guarantee starts when
+                   that is complete); the program keeps a native copy of what it saved just before
+                   the call
+  sigterm          SIGTERM to the trainer's whole process group while a 1 GiB save is in flight,
+                   SIGKILL after a 30 s grace period if it still runs
+
+A trial *counts* only if the checkpoint was not yet visible when the trainer was dead: otherwise it
+proves nothing, and the state of that kind grows (x2) for its next trials. For every trial the
+checkpoint must be committed, check intact (``asyncckpt verify``'s checks) and load equal to what
+was saved; a killed snapshot must leave nothing but ``base``; and no writer process whose argv names
+the dead trainer's pid may remain. Each trial's seed is printed and recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from harness import git_meta, log  # noqa: E402
+from survival_child import TENSORS, values  # noqa: E402
+from test_interrupt import PROGRAMS  # noqa: E402
+from test_survival import CHILD, kill, start, wait_for_line, writers_of  # noqa: E402
+
+from asyncckpt import core  # noqa: E402
+from asyncckpt.core.storage import leftovers, orphans  # noqa: E402
+from asyncckpt.core.verify import integrity  # noqa: E402
+
+CORE_ELEMENTS = 8 << 20  # per tensor, 8 tensors per rank: 256 MiB, as in tests/test_survival.py
+CORE_ELEMENTS_MAX = 64 << 20  # 2 GiB per rank
+ADAPTER_WIDTH, ADAPTER_WIDTH_MAX = 65536, 262144  # model + Adam: ~0.4 GiB, ~1.6 GiB
+SIGTERM_ELEMENTS = 32 << 20  # 1 GiB
+GRACE_S = 30.0
+PF_EXITING = 0x4  # /proc/PID/stat flags: the process is exiting
+# The checkpoint each adapter program hands over before it dies, relative to its root.
+KEPT = {"lightning": "last.ckpt", "accelerate": "checkpoints/checkpoint_0", "hf_trainer": "checkpoint-1"}
+
+
+class TrialFailed(AssertionError):
+    pass
+
+
+def check(condition: bool, what: str) -> None:
+    if not condition:
+        raise TrialFailed(what)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def no_writer_left(procs: list[subprocess.Popen], timeout: float = 90) -> float:
+    """Seconds until no writer process naming one of these trainers' pids runs (fails the trial past ``timeout``)."""
+    t0 = time.monotonic()
+    check(wait_until(lambda: not writers_of(procs), timeout),
+          f"a writer of trainer(s) {[p.pid for p in procs]} still runs {timeout:.0f} s after the kill")
+    return time.monotonic() - t0
+
+
+def dying(pid: int) -> bool:
+    """Whether the process runs no more code of its own: exiting (the kernel's PF_EXITING flag: its
+    memory may still be being freed), a zombie, or gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return True
+    return fields[0] in "ZX" or bool(int(fields[6]) & PF_EXITING)
+
+
+def visible_when_dead(procs: list[subprocess.Popen], visible: Callable[[], bool],
+                      timeout: float = 300) -> tuple[bool, float]:
+    """Whether the checkpoint was visible at the moment every trainer had died (polled each ms), and
+    that moment; then reap them. Waiting for the exit status instead would also wait for the kernel to
+    free their memory, which takes up to a second for a few GiB while the writers go on."""
+    deadline = time.monotonic() + timeout
+    while not all(dying(proc.pid) for proc in procs):
+        check(time.monotonic() < deadline, f"trainer(s) {[p.pid for p in procs]} still alive after {timeout:.0f} s")
+        time.sleep(0.001)
+    dead, seen = time.monotonic(), visible()
+    for proc in procs:
+        proc.wait(60)
+    return seen, dead
+
+
+def check_log(lines: list[str], name: str) -> None:
+    """The orphans' log says nothing failed. It holds lines only where a writer learnt of its trainer's
+    death (the kernel tells it once the trainer's memory is freed) before that save committed."""
+    check(not any(f"not committed {name}" in line or "gave up" in line for line in lines), f"the orphans' log: {lines}")
+
+
+def logged_commit(row: dict) -> bool:
+    return any("committed " in line and "not committed" not in line for line in row.get("log", []))
+
+
+def check_intact(path: str) -> None:
+    report = integrity.check(path)
+    check(report.status == "COMPLETE" and report.intact and not report.unverified and not report.differences,
+          f"{path}: {report.status}, problems {report.problems}, unverified {report.unverified}, "
+          f"differences {report.differences}")
+
+
+def check_core_holds(path: str, seed: int, world: int, elements: int) -> None:
+    expected = {f"r{rank}.t{i}": values(seed, i, rank, elements) for rank in range(world) for i in range(TENSORS)}
+    state = {key: torch.empty(elements) for key in expected}
+    core.load(state, path)
+    for key, value in expected.items():
+        check(torch.equal(state[key], value), f"{path}: {key} differs from what the save call was given")
+
+
+def logged(root: str, name: str) -> list[str]:
+    """The lines of the orphans' logs under ``root`` that name ``name``."""
+    lines = []
+    for parent, _, files in os.walk(root):
+        if orphans.LOG_NAME in files:
+            with open(os.path.join(parent, orphans.LOG_NAME)) as f:
+                lines += [line.rstrip("\n") for line in f if name in line]
+    return lines
+
+
+# ------------------------------------------------------------------------------------------ trials
+def core_returned(root: str, seed: int, world: int, elements: int) -> dict:
+    procs = start(root, seed, "returned", world, env={"SURVIVAL_ELEMENTS": str(elements)})
+    path = os.path.join(root, "next")
+    try:
+        for proc in procs:
+            wait_for_line(proc, "returned")
+        for proc in procs:
+            proc.send_signal(signal.SIGKILL)
+        visible, t_dead = visible_when_dead(procs, lambda: core.is_complete(path))
+    finally:
+        kill(procs)
+    check(wait_until(lambda: core.is_complete(path), 120), f"{path} not committed 120 s after the kill")
+    commit_s = time.monotonic() - t_dead
+    writers_s = no_writer_left(procs)
+    check(core.latest_checkpoint(root) == path, f"latest_checkpoint is {core.latest_checkpoint(root)}, not {path}")
+    check_intact(path)
+    check_core_holds(path, seed, world, elements)
+    log_lines = logged(root, "next")
+    check_log(log_lines, "next")
+    check(not list(leftovers.find(root)), f"hidden leftovers after the commit: {list(leftovers.find(root))}")
+    return {"visible_at_death": visible, "commit_after_death_s": commit_s, "writers_gone_s": writers_s,
+            "gib": world * TENSORS * elements * 4 / 2**30, "log": log_lines}
+
+
+def core_snapshot(root: str, seed: int, world: int, elements: int) -> dict:
+    procs = start(root, seed, "snapshot", world, env={"SURVIVAL_ELEMENTS": str(elements)})
+    try:
+        for proc in procs:
+            wait_for_line(proc, "copying")
+    finally:
+        kill(procs)
+    writers_s = no_writer_left(procs)
+    path = os.path.join(root, "next")
+    check(not os.path.exists(path), f"{path} exists after a kill during its snapshot")
+    check(core.latest_checkpoint(root) == os.path.join(root, "base"), f"latest_checkpoint is {core.latest_checkpoint(root)}")
+    leftovers.clean(root)
+    left = sorted(set(os.listdir(root)) - {orphans.LOG_NAME})
+    check(left == ["base"], f"after clean: {left}")
+    return {"visible_at_death": False, "committed": False, "writers_gone_s": writers_s,
+            "gib": world * TENSORS * elements * 4 / 2**30}
+
+
+def _tensors_equal(saved: Any, reference: Any, where: str) -> int:
+    """Compare nested tensors; returns how many were compared."""
+    if isinstance(reference, torch.Tensor):
+        check(isinstance(saved, torch.Tensor) and torch.equal(saved, reference), f"{where} differs from what was saved")
+        return 1
+    if isinstance(reference, dict):
+        check(isinstance(saved, dict) and set(saved) >= set(reference), f"{where}: keys {list(reference)} not all saved")
+        return sum(_tensors_equal(saved[k], v, f"{where}.{k}") for k, v in reference.items())
+    return 0
+
+
+def adapter_holds(adapter: str, path: Path, reference: dict) -> int:
+    """The adapter's checkpoint at ``path`` holds the reference's model and optimizer tensors."""
+    if adapter == "lightning":
+        checkpoint = torch.load(path, weights_only=False)
+        model, optimizer = checkpoint["state_dict"], checkpoint["optimizer_states"][0]
+    else:
+        from safetensors.torch import load_file
+
+        model = load_file(path / "model.safetensors")
+        optimizer = torch.load(path / ("optimizer.bin" if adapter == "accelerate" else "optimizer.pt"), weights_only=False)
+    compared = _tensors_equal(model, reference["model"], f"{path} model")
+    compared += _tensors_equal(optimizer["state"], reference["optimizer"]["state"], f"{path} optimizer state")
+    check(compared >= 2 * len(reference["model"]), f"{path}: only {compared} tensors compared")
+    return compared
+
+
+def adapter_trial(root: str, seed: int, adapter: str, width: int) -> dict:
+    os.makedirs(root)
+    script, run, reference = Path(root) / "train.py", Path(root) / "run", Path(root) / "reference.pt"
+    script.write_text(PROGRAMS[adapter])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WIDTH": str(width), "SEED": str(seed),
+           "KILL_AT": "next step" if adapter == "hf_trainer" else "saved", "REFERENCE": str(reference)}
+    proc = subprocess.Popen([sys.executable, str(script), "run", str(run)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    kept = run / KEPT[adapter]
+    committed = (lambda: kept.is_file()) if adapter == "lightning" else (lambda: core.is_complete(str(kept)))
+    try:  # it kills itself; not communicate(): the orphaned writer holds the pipes open until it is done
+        visible, t_dead = visible_when_dead([proc], committed)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    check(proc.returncode == -signal.SIGKILL, f"the program exited {proc.returncode}, not by SIGKILL")
+    out, err = proc.communicate(timeout=180)
+    saved = [line.split()[1] for line in out.splitlines() if line.startswith("SAVED ")]
+    check(kept.name in saved, f"{kept.name} was not handed over before the kill (saved {saved}): {err[-2000:]}")
+    check(wait_until(committed, 120), f"{kept} was handed over before the kill and is not committed")
+    commit_s = time.monotonic() - t_dead
+    writers_s = no_writer_left([proc])
+    check_intact(str(kept))
+    compared = adapter_holds(adapter, kept, torch.load(reference, weights_only=False))
+    state_gib = os.path.getsize(reference) / 2**30
+    log_lines = logged(str(run), kept.name)
+    check_log(log_lines, kept.name)
+    return {"visible_at_death": visible, "commit_after_death_s": commit_s, "writers_gone_s": writers_s,
+            "tensors_compared": compared, "reference_gib": state_gib, "log": log_lines}
+
+
+def sigterm_trial(root: str, seed: int, elements: int) -> dict:
+    """SIGTERM to the trainer's process group while the save is in flight; SIGKILL after the grace period."""
+    path = os.path.join(root, "next")
+    proc = subprocess.Popen([sys.executable, CHILD, root, str(seed), "returned"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "SURVIVAL_ELEMENTS": str(elements)}, start_new_session=True)
+    try:
+        wait_for_line(proc, "returned")
+        os.killpg(proc.pid, signal.SIGTERM)  # what a scheduler's preemption sends
+        t_term = time.monotonic()
+        try:
+            visible, t_dead = visible_when_dead([proc], lambda: core.is_complete(path), timeout=GRACE_S)
+            needed_kill = False
+        except TrialFailed:  # alive past the grace period
+            os.killpg(proc.pid, signal.SIGKILL)
+            visible, t_dead = visible_when_dead([proc], lambda: core.is_complete(path))
+            needed_kill = True
+        dead_s = t_dead - t_term
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    check(wait_until(lambda: core.is_complete(path), 120), f"{path} not committed after SIGTERM")
+    committed_s = time.monotonic() - t_term
+    writers_s = no_writer_left([proc])
+    check_intact(path)
+    check_core_holds(path, seed, 1, elements)
+    log_lines = logged(root, "next")
+    check_log(log_lines, "next")
+    return {"log": log_lines, "visible_at_death": visible, "trainer_dead_s": dead_s, "trainer_returncode": proc.returncode,
+            "sigkill_needed": needed_kill, "committed_after_sigterm_s": committed_s,
+            "within_grace": committed_s <= GRACE_S, "writers_gone_s": writers_s, "gib": TENSORS * elements * 4 / 2**30}
+
+
+# ------------------------------------------------------------------------------------------ driver
+def run_trials(plan: list[tuple[str, Callable[[str, int, int], dict], int, int, int]], base: str,
+               rng: random.Random) -> list[dict]:
+    """Run each kind's trials; a kind whose checkpoint was visible at the kill grows its state (x2)."""
+    results = []
+    for kind, trial, count, size, size_max in plan:
+        for index in range(count):
+            seed = rng.randrange(10**6)
+            root = os.path.join(base, f"{kind}-{index}")
+            log(f"{kind} trial {index}: seed {seed}, size {size}")
+            t0 = time.monotonic()
+            row: dict[str, Any] = {"kind": kind, "trial": index, "seed": seed, "size": size}
+            try:
+                row.update(trial(root, seed, size))
+                row["ok"] = True
+            except Exception as e:
+                row.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-3000:])
+            row["wall_s"] = time.monotonic() - t0
+            row["counted"] = row["ok"] and not row.get("visible_at_death", True) if kind != "snapshot" else row["ok"]
+            log(f"  {'ok' if row['ok'] else 'FAILED: ' + row['error']}; visible at death: {row.get('visible_at_death')}; "
+                f"{row['wall_s']:.1f} s")
+            results.append(row)
+            shutil.rmtree(root, ignore_errors=True)
+            if row.get("visible_at_death") and size < size_max:
+                size = min(size * 2, size_max)
+    return results
+
+
+def summarize(rows: list[dict]) -> dict:
+    kinds: dict[str, dict] = {}
+    for row in rows:
+        k = kinds.setdefault(row["kind"], {"trials": 0, "ok": 0, "counted": 0, "visible_at_death": 0, "logged": 0,
+                                           "failed": [], "sizes": []})
+        k["logged"] += row["counted"] and logged_commit(row)
+        k["trials"] += 1
+        k["ok"] += row["ok"]
+        k["counted"] += row["counted"]
+        k["visible_at_death"] += bool(row.get("visible_at_death"))
+        if row["size"] not in k["sizes"]:
+            k["sizes"].append(row["size"])
+        if not row["ok"]:
+            k["failed"].append({"trial": row["trial"], "seed": row["seed"], "error": row["error"]})
+        for key in ("commit_after_death_s", "writers_gone_s", "committed_after_sigterm_s"):
+            if key in row:
+                k.setdefault(key + "_max", 0.0)
+                k[key + "_max"] = max(k[key + "_max"], row[key])
+    return kinds
+
+
+def render(result: dict) -> str:
+    meta, kinds = result["meta"], result["kinds"]
+    total = sum(k["trials"] for k in kinds.values())
+    lines = [
+        "# Kill trials: a save that returned survives the trainer's death",
+        "",
+        f"`benchmarks/stress_survival.py --seed {result['args']['seed']}` at {meta['git_commit'][:7]}"
+        f"{' (core/ modified: ' + meta['core_dirty'] + ')' if meta['core_dirty'] else ''}, {meta['started']}; "
+        f"{total} trials in {result['wall_s'] / 60:.1f} min; load average {meta['loadavg_before'][0]:.2f} before, "
+        f"{meta['loadavg_after'][0]:.2f} after (`uptime`: {meta['uptime_before']}; 2 vCPUs shared with other jobs).",
+        "",
+        "A trial counts only if the checkpoint was not yet visible when the trainer was dead (else the state of",
+        "that kind grows for its next trials). Every trial requires: the checkpoint committed, intact by",
+        "`asyncckpt verify`'s checks and loading equal to what was saved (a kill during the snapshot: nothing",
+        "committed, only `base` left after `clean`), and no writer process naming the dead trainer's pid left.",
+        "",
+        "| kind | trials | passed | counted | visible at death | orphan logged its commit | sizes | max commit after death s | max until no writer s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, k in kinds.items():
+        commit = k.get("commit_after_death_s_max", k.get("committed_after_sigterm_s_max"))
+        lines.append(f"| {name} | {k['trials']} | {k['ok']} | {k['counted']} | {k['visible_at_death']} | {'-' if name == 'snapshot' else k['logged']} | "
+                     f"{', '.join(map(str, k['sizes']))} | {'-' if commit is None else f'{commit:.1f}'} | "
+                     f"{k.get('writers_gone_s_max', 0):.1f} |")
+    lines += ["", "\"Orphan logged its commit\": counted trials whose writer learnt of the trainer's death before it "
+              "committed (the kernel tells it once the trainer's memory is freed), and so logged `finishing` and `committed` "
+              "in `.asyncckpt-writer.log`; in the others it committed first, as if the trainer were alive.", "",
+              "Sizes: core kinds, elements per tensor (8 fp32 tensors per rank); adapters, the model's `WIDTH` "
+              "(65536: ~0.4 GiB of model and Adam state).", ""]
+    sigterm = [r for r in result["trials"] if r["kind"] == "sigterm" and r["ok"]]
+    for r in sigterm:
+        lines.append(f"SIGTERM to the process group during a {r['gib']:.1f} GiB save: the trainer was dead after "
+                     f"{r['trainer_dead_s']:.2f} s (exit status {r['trainer_returncode']}, SIGKILL needed: {r['sigkill_needed']}), "
+                     f"the checkpoint committed {r['committed_after_sigterm_s']:.1f} s after the SIGTERM "
+                     f"({'within' if r['within_grace'] else 'beyond'} the {GRACE_S:.0f} s grace period; "
+                     f"visible when the trainer was dead: {r['visible_at_death']}).")
+    lines += ["", "Seeds (drawn from the `--seed` above): " + "; ".join(
+        f"{name} {', '.join(str(r['seed']) for r in result['trials'] if r['kind'] == name)}" for name in kinds) + "."]
+    failed = [f for k in kinds.values() for f in k["failed"]]
+    lines += ["", f"Failures: {len(failed)}." if not failed else f"Failures: {len(failed)}:"]
+    lines += [f"- {f}" for f in failed]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=None, help="seeds every trial's seed (default: random, printed)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every kind's trial count")
+    parser.add_argument("--only", default=None, help="comma-separated kinds to run")
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "survival_stress.json"))
+    parser.add_argument("--markdown", default=str(REPO / "benchmarks" / "results" / "survival_stress.md"))
+    parser.add_argument("--from-json", action="store_true", help="only render --json into --markdown again")
+    args = parser.parse_args()
+    if args.from_json:
+        with open(args.json) as f:
+            markdown = render(json.load(f))
+        with open(args.markdown, "w") as f:
+            f.write(markdown)
+        return 0
+    args.seed = random.randrange(10**6) if args.seed is None else args.seed
+    log(f"master seed {args.seed}")
+    rng = random.Random(args.seed)
+
+    def n(count: int) -> int:
+        return max(1, round(count * args.scale))
+
+    adapters = [(name, lambda root, seed, width, name=name: adapter_trial(root, seed, name, width), n(4),
+                 ADAPTER_WIDTH, ADAPTER_WIDTH_MAX) for name in ("lightning", "accelerate", "hf_trainer")]
+    plan = [
+        ("core 1 rank", lambda root, seed, size: core_returned(root, seed, 1, size), n(8), CORE_ELEMENTS, CORE_ELEMENTS_MAX),
+        ("core 2 ranks", lambda root, seed, size: core_returned(root, seed, 2, size), n(6), CORE_ELEMENTS, CORE_ELEMENTS_MAX),
+        ("snapshot", lambda root, seed, size: core_snapshot(root, seed, 1 + seed % 2, size), n(5), CORE_ELEMENTS, CORE_ELEMENTS),
+        *adapters,
+        ("sigterm", lambda root, seed, size: sigterm_trial(root, seed, size), n(2), SIGTERM_ELEMENTS, SIGTERM_ELEMENTS),
+    ]
+    if args.only:
+        wanted = set(args.only.split(","))
+        plan = [p for p in plan if p[0] in wanted]
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    meta = {**git_meta(), "started": datetime.datetime.now().isoformat(timespec="seconds"), "python": platform.python_version(),
+            "torch": torch.__version__, "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(), "uptime_before": uptime}
+    base = tempfile.mkdtemp(prefix="stress_survival_", dir=args.dir)
+    t0 = time.monotonic()
+    try:
+        rows = run_trials(plan, base, rng)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    meta["loadavg_after"] = os.getloadavg()
+    meta["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    result = {"meta": meta, "args": vars(args), "wall_s": time.monotonic() - t0, "kinds": summarize(rows), "trials": rows}
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    markdown = render(result)
+    with open(args.markdown, "w") as f:
+        f.write(markdown)
+    print(markdown)
+    return 0 if all(row["ok"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
