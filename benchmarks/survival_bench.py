@@ -379,7 +379,7 @@ def render(result: dict) -> str:
             f"A 30 s SIGTERM grace period: the synchronous save needs {native:.1f} s of it ({100 * native / GRACE_S:.0f}%) "
             f"before training can stop; ours needs the stall, {stall_a:.2f} s ({100 * stall_a / GRACE_S:.1f}%), and the "
             f"writer then commits within {durable_a:.1f} s of the call, through the grace period and past the trainer's "
-            f"exit (a SIGKILL at its end does not reach the writer, which runs in a session of its own).",
+            f"exit (the writer ignores the SIGTERM; the SIGKILL at the end of the grace period, which a container runtime or SLURM sends to every process of the job, comes long after the commit).",
             "",
         ]
         restart = res["restart"]
