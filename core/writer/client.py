@@ -98,7 +98,7 @@ class WriterQueue:
         self._retiring: list[_Writer] = []  # stopped when idle, still exiting
         self._jobs: dict[int, SaveHandle] = {}
         self._job_ids = itertools.count()
-        self._lock = threading.RLock()  # held while sending: two submitting threads cannot reorder the queue
+        self._lock = threading.RLock()  # held while sending: two senders cannot reorder or interleave messages
 
     @property
     def running(self) -> bool:
@@ -167,12 +167,12 @@ class WriterQueue:
             writer, self._writer = self._writer, None
             retiring, self._retiring = self._retiring, []
             self._held = False
-        if writer is not None and not writer.stopping:
-            writer.stopping = True
-            try:
-                writer.conn.send((protocol.STOP,))
-            except OSError:
-                pass
+            if writer is not None and not writer.stopping:
+                writer.stopping = True
+                try:
+                    writer.conn.send((protocol.STOP,))
+                except OSError:
+                    pass
         for old in retiring + ([writer] if writer is not None else []):
             old.retire(timeout)
 
@@ -240,7 +240,8 @@ class WriterQueue:
         except BaseException as e:  # sent back: the writer's request raises it
             error = protocol.error_text(e)
         try:
-            writer.conn.send((protocol.BARRIER_RESULT, error))
+            with self._lock:  # never between a BUFFER message and its file descriptor (``submit``)
+                writer.conn.send((protocol.BARRIER_RESULT, error))
         except OSError:
             pass  # the writer is gone; the loop sees EOF next
 
