@@ -11,23 +11,9 @@ import pytest
 import torch
 
 from asyncckpt import core
+from writers import writers_of
 
 HERE = os.path.dirname(__file__)
-
-
-def _writer_processes_of(parent_pid: int) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"asyncckpt.core.writer.process" in argv and str(parent_pid).encode() in argv:
-            found.append(int(pid))
-    return found
 
 
 def _run_and_kill(root: str, mode: str, kill_after_submitted: int) -> int:
@@ -58,9 +44,9 @@ def _assert_consistent(path: str) -> int:
 
 def _assert_no_orphan(pid: int) -> None:
     deadline = time.monotonic() + 10
-    while _writer_processes_of(pid) and time.monotonic() < deadline:
+    while writers_of(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _writer_processes_of(pid) == [], "background writer survived its killed parent"
+    assert writers_of(pid) == [], "background writer survived its killed parent"
 
 
 def test_kill_mid_save_keeps_last_complete_checkpoint(tmp_path):

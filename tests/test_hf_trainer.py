@@ -32,6 +32,7 @@ from transformers.trainer_callback import ExportableState  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from dist_helper import free_port  # noqa: E402
+from writers import writers_of  # noqa: E402
 from zygote import Zygote  # noqa: E402
 
 from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback  # noqa: E402
@@ -543,18 +544,6 @@ KILL_PROGRAM = textwrap.dedent('''
 ''')
 
 
-def _writer_of(pid):
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"asyncckpt.core.writer.process" in argv and str(pid).encode() in argv:
-                return int(entry)
-    return None
-
-
 def test_kill9_during_save_then_resume_from_last_complete(tmp_path):
     script, out = tmp_path / "kill.py", tmp_path / "out"
     script.write_text(KILL_PROGRAM)
@@ -568,7 +557,7 @@ def test_kill9_during_save_then_resume_from_last_complete(tmp_path):
                 match = re.match(r"SAVED (\d+)", line)                # with that folder half written
                 if not match or int(match.group(1)) < 4:
                     continue
-                step, writer = int(match.group(1)), _writer_of(run.pid)
+                step, writer = int(match.group(1)), next(iter(writers_of(run.pid)), None)
                 final, deadline = out / f"checkpoint-{step}", time.monotonic() + 5
                 while time.monotonic() < deadline and not final.exists():
                     staged = [n for n in os.listdir(out) if n.startswith(f".checkpoint-{step}.asyncckpt-staging-")]

@@ -25,6 +25,7 @@ import pytest
 from asyncckpt.core import is_complete
 from asyncckpt.core.formats import names
 from test_kill_rotation import IMPORTS  # what each adapter's program imports
+from writers import writers_of
 from zygote import Zygote
 
 COMMON = """
@@ -167,19 +168,6 @@ def test_ctrl_c_keeps_every_save_that_returned_and_resume_continues(tmp_path, ad
     assert start > 0  # not from scratch
 
 
-def _writers_of(pid: int) -> list[int]:
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"asyncckpt.core.writer.process" in argv and str(pid).encode() in argv:
-            found.append(int(entry))
-    return found
-
-
 @pytest.mark.parametrize("adapter", ["lightning", "accelerate", "hf_trainer"])
 def test_kill_9_after_a_save_returned_keeps_it_and_resume_continues_from_it(tmp_path, adapter):
     """SIGKILL to the training process right after a save call returned (Lightning), or once the
@@ -207,7 +195,7 @@ def test_kill_9_after_a_save_returned_keeps_it_and_resume_continues_from_it(tmp_
     saved = [line.split()[1] for line in out.splitlines() if line.startswith("SAVED ")]
     assert kept.name in saved, (saved, err[-3000:])
     deadline = time.monotonic() + 120
-    while _writers_of(proc.pid):
+    while writers_of(proc.pid):
         assert time.monotonic() < deadline, "the orphaned writer still runs"
         time.sleep(0.1)
     assert _complete(adapter, kept), f"{kept.name} was handed over before the kill and is not committed"

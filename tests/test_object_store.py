@@ -26,6 +26,7 @@ from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.storage.object_store import ObjectStoreError, ObjectStoreOptions, store_for
 from dist_helper import run_on_ranks
 from s3_server import S3Server
+from writers import writers_of
 
 HERE = os.path.dirname(__file__)
 
@@ -247,24 +248,11 @@ def _kill_mid_upload(root: str) -> None:
             if line.strip() == "submitted 2":
                 break
         time.sleep(0.4)  # the writer is uploading step 2's 192 MiB
-        for writer in _writers_of(proc.pid):  # both die, as when a node goes down (a writer alone would
+        for writer in writers_of(proc.pid):  # both die, as when a node goes down (a writer alone would
             os.kill(writer, signal.SIGKILL)   # finish the upload its training process handed over)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(30)
-
-
-def _writers_of(pid: int) -> list[int]:
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"asyncckpt.core.writer.process" in argv and str(pid).encode() in argv:
-            found.append(int(entry))
-    return found
 
 
 def test_kill_9_mid_upload_is_invisible_and_clean_removes_it(s3_root, capsys):

@@ -20,25 +20,11 @@ import torch
 from asyncckpt import core
 from asyncckpt.core.storage import leftovers, orphans
 from dist_helper import free_port
+from writers import writers_of
 from survival_child import ELEMENTS, TENSORS, values
 
 HERE = os.path.dirname(__file__)
 CHILD = os.path.join(HERE, "survival_child.py")
-
-
-def writers_of(procs: list[subprocess.Popen]) -> list[int]:
-    """The background writers started by these training processes (still running, orphaned or not)."""
-    parents = {str(proc.pid).encode() for proc in procs}
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"asyncckpt.core.writer.process" in argv and parents & set(argv):
-            found.append(int(pid))
-    return found
 
 
 def start(root: str, seed: int, mode: str, world: int = 1, env: dict | None = None) -> list[subprocess.Popen]:
@@ -83,7 +69,7 @@ def assert_holds(path: str, seed: int, world: int) -> None:
 
 
 def no_writer_left(procs: list[subprocess.Popen]) -> None:
-    wait_until(lambda: not writers_of(procs), 60, "an orphaned writer still runs after its work")
+    wait_until(lambda: not writers_of(*(proc.pid for proc in procs)), 60, "an orphaned writer still runs after its work")
 
 
 def test_a_returned_save_is_committed_after_kill_9_single_and_multi_rank(tmp_path):
@@ -161,14 +147,14 @@ def test_sigterm_to_every_process_during_a_large_save_commits_it_within_the_grac
     root = str(tmp_path / "preempted")
     procs = start(root, 5, "returned")
     wait_for_line(procs[0], "returned")
-    writers = writers_of(procs)
+    writers = writers_of(*(proc.pid for proc in procs))
     assert writers, "no writer of the training process found"
     terminated = time.monotonic()
     for pid in [procs[0].pid, *writers]:
         os.kill(pid, signal.SIGTERM)
     procs[0].wait(30)
     assert procs[0].returncode == -signal.SIGTERM
-    wait_until(lambda: not writers_of(procs), 30, "the writer outlived the 30 s grace period")
+    wait_until(lambda: not writers_of(*(proc.pid for proc in procs)), 30, "the writer outlived the 30 s grace period")
     assert time.monotonic() - terminated < 30
     assert core.is_complete(os.path.join(root, "next"))
     assert_holds(os.path.join(root, "next"), 5, 1)
