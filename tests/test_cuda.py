@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_helper import free_port
-
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # The launcher tests run on 2 GPUs where there are 2 (sharded across ranks), else on the one there is (the
 # launcher's FSDP path with a world of 1: NCCL refuses two ranks on one device).
@@ -71,8 +69,10 @@ def _torchrun(tmp_path: Path, program: str, *args: str, timeout: float = 600) ->
     script = tmp_path / "program.py"
     script.write_text(textwrap.dedent(program))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS), "--master_port",
-                           str(free_port()), str(script), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    # --standalone: the launcher binds its rendezvous port itself (a port picked here and handed over can be taken
+    # in between: a resume run once failed EADDRINUSE).
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
+                           str(script), *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 ACCELERATE_FSDP = """
