@@ -3,22 +3,23 @@ each framework resumes from the newest checkpoint that checks out, skipping ever
 a warning naming it; and a resume reads each checkpoint file once: its checksum is computed over the
 bytes the framework's load uses, never in a pass of its own before it.
 
-"Read once" is observed in the kernel's count of the bytes the calling thread read (``rchar`` in
-``/proc/thread-self/io``: every ``read``/``pread`` byte, from the page cache or the disk; the
-process's own count also takes in its reaped children, such as a background writer that stopped): a
-resume that checked the files and then loaded them counted the ``torch.save`` files twice (and the
-mapped safetensors files once).
+"Read once" is observed in the kernel's count of the bytes the process brought in from the disk
+(``read_bytes`` in ``/proc/self/io``: reads and page faults of a mapping alike, every thread), with the
+checkpoint's pages evicted from the page cache first: a resume that checks a file on its own pass and
+then lets the framework read it again reads it twice unless the first pass left it cached, so the test
+also counts what the calling thread read through read-family system calls (``rchar`` in
+``/proc/thread-self/io``, cache hits included): the framework's own reads of the ``torch.save`` files,
+and no more (the check reads through a mapping, on a thread of its own).
 """
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from asyncckpt.core.loading.hashed_reads import HashedFile
+from asyncckpt.core.loading.hashed_reads import BackgroundCheck
 from asyncckpt.core.storage.file_checksums import FileChecksum
 from asyncckpt.core.formats.checksum import checksum
 from test_resume_verified import _accelerator, _lightning_resume, damage
@@ -27,9 +28,31 @@ IO_COUNTERS = Path("/proc/thread-self/io")
 needs_io_counters = pytest.mark.skipif(not IO_COUNTERS.exists(), reason="no per-thread I/O accounting")
 
 
+def io_counter(name: str, counters: Path = IO_COUNTERS) -> int:
+    return int(next(line for line in counters.read_text().splitlines() if line.startswith(name + ":")).split()[1])
+
+
 def bytes_read() -> int:
     """What this thread has read through read-family system calls so far (cache hits included)."""
-    return int(next(line for line in IO_COUNTERS.read_text().splitlines() if line.startswith("rchar:")).split()[1])
+    return io_counter("rchar")
+
+
+def bytes_from_disk() -> int:
+    """What this process (every thread) has brought in from the disk so far, page faults included."""
+    return io_counter("read_bytes", Path("/proc/self/io"))
+
+
+def evict(path: Path) -> int:
+    """Drop the pages of ``path`` (a file, or every file under a directory) from the page cache; their bytes."""
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    os.sync()
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return sum(f.stat().st_size for f in files)
 
 
 def torch_file_bytes(path: Path) -> int:
@@ -38,38 +61,23 @@ def torch_file_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file() and f.read_bytes()[:4] == b"PK\x03\x04")
 
 
-# ---------------------------------------------------------------------- the hashed reads themselves
-@pytest.mark.parametrize("order", ["in order", "shuffled", "not at all"])
-def test_a_hashed_file_checks_every_byte_however_the_loader_reads(tmp_path, order):
-    """Whatever a loader reads, in whatever order (a zip reader starts at the end), ``problem()``
-    covers the whole file: bytes it never read are damage too."""
-    data = bytearray(os.urandom(3 << 20 | 12345))
+# ---------------------------------------------------------------------- the check beside the load
+def test_a_background_check_covers_every_byte(tmp_path):
+    """The thread hashes the whole file whatever the loader reads: a flipped byte at the very end, a
+    truncated or a missing file are each named."""
+    data = bytearray(os.urandom(40 << 20 | 12345))  # more than two of its pieces
     path = tmp_path / "file"
     path.write_bytes(data)
     expected = FileChecksum(len(data), checksum(bytes(data)))
-    pieces = [(start, min(start + 300_000, len(data))) for start in range(0, len(data), 300_000)]
-    if order == "shuffled":
-        random.Random(0).shuffle(pieces)
-    reads = [] if order == "not at all" else pieces
-
-    def read_all() -> HashedFile:
-        f = HashedFile(str(path), expected)
-        for start, end in reads:
-            f.seek(start)
-            f.read(end - start)
-        return f
-
-    intact = HashedFile(str(path), expected)
-    for start, end in reads:
-        intact.seek(start)
-        assert intact.read(end - start) == bytes(data[start:end])
-    assert intact.problem() is None
-    with open(path, "r+b") as f:  # one flipped byte near the end, in a part read last (or never)
+    assert BackgroundCheck(str(path), expected).problem() is None
+    with open(path, "r+b") as f:
         f.seek(len(data) - 5)
         f.write(bytes([data[-5] ^ 0x01]))
-    assert "checksum mismatch" in read_all().problem()
+    assert "checksum mismatch" in BackgroundCheck(str(path), expected).problem()
     os.truncate(path, len(data) // 2)
-    assert read_all().problem().startswith("truncated")
+    assert BackgroundCheck(str(path), expected).problem().startswith("truncated")
+    path.unlink()
+    assert BackgroundCheck(str(path), expected).problem().startswith("missing")
 
 
 def test_a_checkpoint_without_checksums_leaves_torch_load_alone(tmp_path):
@@ -162,11 +170,13 @@ def test_lightning_resume_reads_the_file_once(tmp_path):
               ).fit(TinyModule(ballast=1 << 22), data())  # a 16 MiB checkpoint
     path = tmp_path / "model.ckpt"
     io.load_checkpoint(path)  # imports and first-use work out of the way
-    before = bytes_read()
+    size = evict(path)
+    before, before_disk = bytes_read(), bytes_from_disk()
     loaded = io.load_checkpoint(path)
-    read = bytes_read() - before
+    read, from_disk = bytes_read() - before, bytes_from_disk() - before_disk
     assert loaded["state_dict"]["ballast"].numel() == 1 << 22
-    assert path.stat().st_size <= read < 1.1 * path.stat().st_size, (read, path.stat().st_size)
+    assert size <= read < 1.1 * size, (read, size)  # Lightning's own reads of the file, and nothing of ours
+    assert from_disk < 1.1 * size, (from_disk, size)  # the check found the pages the load brought in, or v.v.
     damage(path, "flip")
     with pytest.raises(Exception, match="model.ckpt: checksum mismatch"):
         io.load_checkpoint(path)
@@ -183,10 +193,12 @@ def test_accelerate_load_state_reads_each_file_once(tmp_path):
     checkpoint = tmp_path / "checkpoints" / "checkpoint_0"
     acc, handle, model = _accelerator(tmp_path, width=1024)
     acc.load_state()
-    before = bytes_read()
+    size = evict(checkpoint)
+    before, before_disk = bytes_read(), bytes_from_disk()
     acc.load_state()
-    read = bytes_read() - before
+    read, from_disk = bytes_read() - before, bytes_from_disk() - before_disk
     assert torch_file_bytes(checkpoint) <= read < 1.1 * torch_file_bytes(checkpoint), (read, torch_file_bytes(checkpoint))
+    assert from_disk < 1.1 * size, (from_disk, size)
     assert acc._optimizers[0].state_dict()["state"][0]["exp_avg"].abs().sum() > 0  # the optimizer state is back
     handle.remove()
 
@@ -200,7 +212,9 @@ def test_trainer_resume_reads_each_file_once(tmp_path):
     _train(out, max_steps=5, width=1024)
     checkpoint = out / "checkpoint-5"
     _train(out, resume=str(checkpoint), max_steps=5, width=1024)  # first-use work out of the way
-    before = bytes_read()
+    size = evict(checkpoint)
+    before, before_disk = bytes_read(), bytes_from_disk()
     assert _train(out, resume=str(checkpoint), max_steps=5, width=1024) == 5
-    read = bytes_read() - before
+    read, from_disk = bytes_read() - before, bytes_from_disk() - before_disk
+    assert from_disk < 1.1 * size, (from_disk, size)
     assert torch_file_bytes(checkpoint) <= read < 1.1 * torch_file_bytes(checkpoint), (read, torch_file_bytes(checkpoint))

@@ -113,14 +113,12 @@ class AsyncCkptIO(CheckpointIO):
 
     def load_checkpoint(self, path: _PATH, map_location: Optional[Callable] = lambda storage, loc: storage,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Wait for pending writes (on every rank under DDP), then load like ``TorchCheckpointIO``, the
-        file's checksum computed over the bytes ``torch.load`` reads (``resume.load_file``)."""
+        """Wait for pending writes (on every rank under DDP), then load with ``TorchCheckpointIO``, the
+        file's checksum computed beside the load, over the pages it reads (``resume.load_file``)."""
         self.checkpointer.wait(everywhere=True)
 
-        def load(file: Any) -> dict[str, Any]:
-            if isinstance(file, (str, os.PathLike)):  # nothing to check (or a URL, checked below)
-                return TorchCheckpointIO().load_checkpoint(file, map_location=map_location, weights_only=weights_only)
-            return torch.load(file, map_location=map_location, weights_only=weights_only)  # its pl_load, of an open file
+        def load(file: _PATH) -> dict[str, Any]:
+            return TorchCheckpointIO().load_checkpoint(file, map_location=map_location, weights_only=weights_only)
 
         if not self.verify_on_resume:
             return load(path)

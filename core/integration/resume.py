@@ -12,14 +12,14 @@ What each adapter does on the framework's resume path, in this order:
    newest that checks out; one warning for each one skipped (and its error), one naming the one used.
 4. The check itself, which is also the read:
 
-   * a single file the adapter loads itself (Lightning's ``.ckpt``): ``load_file`` gives the
-     framework's own ``torch.load`` a ``HashedFile``, which hashes the bytes as they are read; the
-     object is returned only if they match.
+   * a single file the adapter loads itself (Lightning's ``.ckpt``): ``load_file`` runs the framework's
+     own load of the path, unchanged, while a thread of its own hashes the file
+     (``hashed_reads.BackgroundCheck``); the object is returned only if the bytes match.
    * a directory the framework loads file by file (Accelerate's ``load_state``, the Trainer's
      resume): ``verify`` checks every file before the framework loads any (a damaged optimizer file
      must not leave the model loaded from the newer checkpoint, nor an older one half-applied), and
-     while it hashes a ``torch.save`` file it unpickles it too (``weights_only``, onto the CPU): the
-     framework's own ``torch.load`` of that file inside ``Verified.serving()`` receives that object
+     while a thread hashes a ``torch.save`` file it unpickles it too (``weights_only``, onto the CPU):
+     the framework's own ``torch.load`` of that file inside ``Verified.serving()`` receives that object
      instead of reading the file again. Other files (safetensors, JSON) are hashed through a mapping
      (``hashed_reads.mapped_problem``), so the framework's load, which maps them too, finds their
      pages in the cache without a copy having been made.
@@ -27,14 +27,14 @@ What each adapter does on the framework's resume path, in this order:
 Why not check first and then let the framework read: the two passes cannot overlap. The framework's
 ``torch.load`` of a cold file overlaps the disk with its own work (the kernel reads ahead while it
 builds tensors); a check that reads first leaves the disk idle during the load and the CPU idle
-during the check, so a cold resume cost the framework's own load plus a disk read; hashing inside the
-load costs the hash alone (docs/benchmarks_resume.md). Files without a checksum (written without
+during the check, so a cold resume cost the framework's own load plus a disk read; hashing beside the
+load, on the other core, over the pages the load brings in (or brings them in for it), costs neither
+(docs/benchmarks_resume.md). Files without a checksum (written without
 asyncckpt) are loaded by the framework exactly as it would: there is nothing to check.
 """
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 from dataclasses import dataclass, field
@@ -45,7 +45,7 @@ import torch
 from asyncckpt.core.api import lifecycle
 from asyncckpt.core.errors import CheckpointError
 import asyncckpt.core.integration.patching as patching
-from asyncckpt.core.loading.hashed_reads import HashedFile, mapped_problem
+from asyncckpt.core.loading.hashed_reads import BackgroundCheck, mapped_problem
 from asyncckpt.core.storage import file_checksums
 from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.storage.orphans import wait_for_orphans
@@ -56,7 +56,6 @@ T = TypeVar("T")
 logger = logging.getLogger("asyncckpt")
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save files are zip archives
-_READ_BUFFER = 128 << 10  # small reads (zip headers, small tensors) served from one buffered read
 _CPU = ("cpu", torch.device("cpu"))
 
 
@@ -100,14 +99,14 @@ def first_intact(paths: list[str], attempt: Callable[[str], T]) -> T:
     raise first_error
 
 
-def load_file(path: str, load: Callable[[Any], T]) -> T:
-    """``load(f)``, the framework's own load of the single file ``path`` given an open file ``f`` that
-    hashes what is read from it; the result only if the bytes are those written, else
-    ``CorruptCheckpointError`` naming the file. A file without a checksum: ``load(path)``, unchanged."""
+def load_file(path: str, load: Callable[[str], T]) -> T:
+    """``load(path)``, the framework's own load of the single file ``path``, while its checksum is computed
+    beside it; the result only if the bytes are those written, else ``CorruptCheckpointError`` naming the
+    file. A file without a checksum: ``load(path)`` alone."""
     expected = file_checksums.read_record(path)
     if expected is None:
         return load(path)
-    result, found = _hashed_load(path, expected, load)
+    result, found = _load_while_checking(path, expected, load)
     if found:
         raise integrity.damaged(path, [f"{os.path.basename(path)}: {found}"])
     return result
@@ -163,7 +162,8 @@ def verify(checkpointer: Any, path: str, *, everywhere: bool = False) -> Verifie
             return storage
 
         try:
-            loaded, found = _hashed_load(file, expected, lambda f: torch.load(f, map_location=onto_cpu, weights_only=True))
+            loaded, found = _load_while_checking(file, expected,
+                                                 lambda f: torch.load(f, map_location=onto_cpu, weights_only=True))
         except Exception:  # noqa: BLE001 - intact, but not for weights_only (an RNG state's numpy arrays, a
             return None    # pickled class): the framework loads it itself, with the globals it allows
         if found is None and saved_on <= {"cpu"}:  # then map_location=None gives the same
@@ -174,16 +174,15 @@ def verify(checkpointer: Any, path: str, *, everywhere: bool = False) -> Verifie
     return Verified(backend_for(path).normalize(path), report, kept)
 
 
-def _hashed_load(path: str, expected: FileChecksum, load: Callable[[Any], T]) -> tuple[Optional[T], Optional[str]]:
-    """``load`` reading ``path`` through a ``HashedFile``: (its result, what is wrong with the file).
+def _load_while_checking(path: str, expected: FileChecksum, load: Callable[[str], T]) -> tuple[Optional[T], Optional[str]]:
+    """``load(path)`` while a ``BackgroundCheck`` hashes the file: (its result, what is wrong with the file).
     If ``load`` raises: (None, the damage) when the bytes are damaged, else its error, raised."""
-    raw = HashedFile(path, expected)
-    with io.BufferedReader(raw, buffer_size=_READ_BUFFER) as f:
-        try:
-            result = load(f)
-        except Exception:
-            found = raw.problem()
-            if found is None:
-                raise
-            return None, found
-        return result, raw.problem()
+    check = BackgroundCheck(path, expected)
+    try:
+        result = load(path)
+    except Exception:
+        found = check.problem()
+        if found is None:
+            raise
+        return None, found
+    return result, check.problem()
