@@ -1,6 +1,6 @@
 """Where the ranks of a save meet: the two ``Barrier`` implementations, on real torch.distributed ranks.
 
-Both are driven the way the writers drive them (every rank arrives once its share is durable,
+Both (the markers on a filesystem and in a bucket of the S3 server the tests start) are driven the way the writers drive them (every rank arrives once its share is durable,
 rank 0 waits for all and commits, the others wait for the commit), with a rank that fails and a
 rank that never arrives; then whole saves of each kind (sharded, directory) go through the Store
 barrier across ranks, with an I/O failure on one rank.
@@ -14,16 +14,24 @@ import pytest
 import torch
 
 from asyncckpt import core
+from asyncckpt.core.formats import commit_record, names
 from asyncckpt.core.storage import local
-from asyncckpt.core.writer.barrier import BarrierSpec, FileBarrier, StoreBarrier
+from asyncckpt.core.storage.object_store import store_for
+from asyncckpt.core.writer.barrier import BarrierSpec, MarkerBarrier, StoreBarrier
 from asyncckpt.core.snapshot.dist_env import default_store
 from dist_helper import run_on_ranks
 
 
 def _barrier(kind: str, root: str, key: str, world: int, timeout: float):
-    staging = os.path.join(root, f".ckpt-{key}.asyncckpt-staging-{key}")
-    spec = BarrierSpec(kind, key, world, staging, os.path.join(root, f"ckpt-{key}"), timeout)
-    return FileBarrier(spec) if kind == "files" else StoreBarrier(default_store(), spec)
+    final = os.path.join(root, f"ckpt-{key}")
+    staging = final if kind == "objects" else os.path.join(root, f".ckpt-{key}.asyncckpt-staging-{key}")  # in place
+    spec = BarrierSpec(kind, key, world, staging, final, timeout)
+    return StoreBarrier(default_store(), spec) if kind == "store" else MarkerBarrier(spec)
+
+
+@pytest.fixture(params=["store", "files", "objects"])
+def kind_and_root(request, tmp_path) -> tuple[str, str]:
+    return request.param, request.getfixturevalue("s3_root") if request.param == "objects" else str(tmp_path)
 
 
 def _meet(rank, world, kind, root, scenario):
@@ -42,6 +50,9 @@ def _meet(rank, world, kind, root, scenario):
             if kind == "files":  # the commit record under the final name is what the others wait for
                 os.makedirs(barrier.spec.final_path)
                 local.write_commit_record(barrier.spec.final_path, {"save_id": scenario})
+            elif kind == "objects":
+                url = f"{barrier.spec.final_path}/{names.COMMIT_RECORD}"
+                store_for(url).put(url, commit_record.encode({"files": {}, "save_id": scenario}))
             barrier.committed()
         else:
             barrier.wait_commit()
@@ -50,24 +61,21 @@ def _meet(rank, world, kind, root, scenario):
         return f"{type(e).__name__}: {e}", time.monotonic() - started
 
 
-@pytest.mark.parametrize("kind", ["store", "files"])
-def test_barrier_all_arrive_then_commit(tmp_path, kind):
-    seen = run_on_ranks(_meet, 3, kind, str(tmp_path), "all")
+def test_barrier_all_arrive_then_commit(kind_and_root):
+    seen = run_on_ranks(_meet, 3, *kind_and_root, "all")
     assert [outcome for outcome, _ in seen] == ["ok"] * 3
 
 
-@pytest.mark.parametrize("kind", ["store", "files"])
-def test_a_failing_rank_ends_every_wait_at_once_naming_it(tmp_path, kind):
-    seen = run_on_ranks(_meet, 3, kind, str(tmp_path), "fails")
+def test_a_failing_rank_ends_every_wait_at_once_naming_it(kind_and_root):
+    seen = run_on_ranks(_meet, 3, *kind_and_root, "fails")
     assert seen[2][0] == "failed"
     for outcome, elapsed in seen[:2]:  # rank 0 in wait_all, rank 1 in wait_commit
         assert outcome == "CheckpointWriteError: rank 2: OSError: [Errno 28] No space left on device", outcome
         assert elapsed < 3.0  # not the timeout: the failure ended the wait
 
 
-@pytest.mark.parametrize("kind", ["store", "files"])
-def test_a_rank_that_never_arrives_is_a_bounded_wait_naming_it(tmp_path, kind):
-    seen = run_on_ranks(_meet, 3, kind, str(tmp_path), "absent")
+def test_a_rank_that_never_arrives_is_a_bounded_wait_naming_it(kind_and_root):
+    seen = run_on_ranks(_meet, 3, *kind_and_root, "absent")
     coordinator, waiting = seen[0], seen[2]
     assert coordinator[0] == "CheckpointTimeoutError: rank(s) [1] did not finish writing within 4s (not committed)"
     assert 3.5 < coordinator[1] < 15

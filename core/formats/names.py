@@ -55,6 +55,12 @@ def done_marker_name(rank: int) -> str:
     return f"__{rank}.done"
 
 
+def barrier_place_name(save_key: str) -> str:
+    """Under an object-store checkpoint's prefix: where the ranks of one save leave their markers
+    (``done_marker_name``...; hidden, so never published)."""
+    return f".asyncckpt-barrier-{save_key}"
+
+
 def error_marker_name(rank: int) -> str:
     """In a staging directory: this rank's share failed, and why (file barrier)."""
     return f"__{rank}.error.json"

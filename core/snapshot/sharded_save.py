@@ -171,7 +171,7 @@ class ShardedSaves:
         request = ShareRequest(
             save_id=save_id, final_path=target.path, staging_dir=staging_dir, rank=target.rank,
             world_size=target.world, coordinator=coordinator, structure_hash=str(key[0]), byte_items=objects,
-            barrier=BarrierSpec(kind, save_id, target.world, staging_dir, target.path, self.timeout),
+            barrier=BarrierSpec(kind, save_id, target.world, staging_dir, target.path, self.timeout, target.object_store),
             direct_io=self.direct_io, io_threads=self.io_threads, step=target.step,
             extra_files=dict(target.extra_files or {}) if coordinator else {},
             dcp_classes=classes, metadata_by_torch=metadata_pickled_by_torch if coordinator and classes is None else None,

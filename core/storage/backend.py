@@ -143,6 +143,20 @@ class Backend(Protocol):
     def download(self, path: str, local_path: str) -> None:
         """Copy the file or object ``path`` into the local file ``local_path``, durably."""
 
+    # ---------------------------------------------------------------- where ranks meet (``writer.barrier``)
+    marker_poll_s: float  # the longest a barrier waits between two looks at its markers (a listing or a read)
+
+    def barrier_place(self, staging_dir: str, key: str) -> str:
+        """Where the ranks of the save ``key`` leave their markers: its staging directory, or a hidden
+        place of the save's own under it where saves share one (an object store writes in place)."""
+
+    def write_marker(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Leave a small coordination file (not fsynced: it says what happened, the data was made
+        durable before); ``exclusive``: only if there is none yet (the first one stays)."""
+
+    def delete_markers(self, paths: list[str]) -> None:
+        """Remove coordination files (absent ones are fine)."""
+
     # ---------------------------------------------------------------- removing
     def uncommit(self, path: str) -> None:
         """Durably remove the commit record, so ``path`` no longer counts as complete."""

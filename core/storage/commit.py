@@ -22,10 +22,10 @@ from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.storage.object_store import ObjectStoreOptions
 
 
-def read_commit_record(path: str) -> Optional[dict]:
+def read_commit_record(path: str, options: Optional[ObjectStoreOptions] = None) -> Optional[dict]:
     """The commit record of the checkpoint at ``path`` (a directory, or an object-store prefix
-    whose commit object it is), or None."""
-    backend = backend_for(path)
+    whose commit object it is, reached with ``options``), or None."""
+    backend = backend_for(path, options)
     try:
         body = backend.read_bytes(backend.join(path, names.COMMIT_RECORD))
     except (FileNotFoundError, NotADirectoryError):

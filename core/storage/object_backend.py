@@ -9,8 +9,9 @@ it becomes visible when rank 0's writer creates its commit object ``.asyncckpt-c
 never overwrites another. Everything that finds or lists checkpoints (``latest_checkpoint``,
 retention, ``asyncckpt ls``) reads commit objects, from a delimited listing of the root (one
 level: the checkpoints' names, never their data objects); a prefix without one is never
-returned. Ranks meet through the torch.distributed Store (``barrier.StoreBarrier``), never by
-listing the bucket.
+returned. Ranks meet through the torch.distributed Store (``barrier.StoreBarrier``) while their
+training processes live; each also leaves a marker object under a hidden prefix of the save's own
+(``barrier_place``), where writers whose training processes died meet instead (``barrier.MarkerBarrier``).
 
 While a save runs, each rank's writer keeps an owner marker ``.asyncckpt-owner-{rank}`` (its
 owner token, ``leftovers``) under the prefix; the commit deletes them. A single file
@@ -143,6 +144,19 @@ class ObjectBackend:
     def list_names(self, path: str) -> list[str]:
         """Objects and sub-prefixes one level down, by a delimited listing: nothing deeper is listed."""
         return [entry.name for entry in self.store(path).list(path)]
+
+    marker_poll_s = 0.1  # each look is a LIST or GET request, billed
+
+    def barrier_place(self, staging_dir: str, key: str) -> str:
+        return posixpath.join(staging_dir, names.barrier_place_name(key))  # hidden prefix: never published
+
+    def write_marker(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        with contextlib.suppress(FileExistsError):
+            self.store(path).put(path, data, exclusive=exclusive)
+
+    def delete_markers(self, paths: list[str]) -> None:
+        if paths:
+            self.store(paths[0]).delete(paths)
 
     def read_pieces(self, path: str, piece_bytes: int) -> Iterator[memoryview]:
         data = memoryview(self.read_bytes(path))  # one GET: the object is read whole anyway

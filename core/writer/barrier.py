@@ -5,32 +5,34 @@ share is durable before it commits, and every other rank waits until the coordin
 A failure on any rank must end both waits on every rank, and a rank that never arrives must end
 them after the save's timeout, naming it. ``Barrier`` is that contract; there are two:
 
-* ``FileBarrier``: marker files in the save's staging directory, polled. Needs nothing but the
-  shared filesystem the checkpoint is written to: used without torch.distributed
-  (``use_collectives=False``). On NFS, attribute and listing caches can delay what other nodes
-  see by seconds.
+* ``MarkerBarrier``: marker files in the save's staging directory (on an object store, marker
+  objects under a hidden prefix of the save's own), polled. Needs nothing but the storage the
+  checkpoint is written to: used without torch.distributed (``use_collectives=False``), and by
+  writers whose training processes are gone. On NFS, attribute and listing caches can delay what
+  other nodes see by seconds.
 * ``StoreBarrier``: keys in the torch.distributed Store that every process group has (the
   rendezvous store, a TCP server on rank 0): used whenever a process group exists. Nothing is
-  listed or polled on the checkpoint's filesystem, so it also serves object storage. The Store
-  lives in the training process; the background writer, which does not load torch, reaches it
-  through its writer queue (``RemoteBarrier``, see ``protocol``).
+  listed or polled on the checkpoint's storage. The Store lives in the training process; the
+  background writer, which does not load torch, reaches it through its writer queue
+  (``RemoteBarrier``, see ``protocol``).
 
-Both poll every few milliseconds: a writer waits only once its own share is durable, when the
-others are usually a few tens of milliseconds behind, and longer sleeps left each wait late.
+On a local filesystem and in the Store they poll every few milliseconds: a writer waits only once its
+own share is durable, when the others are usually a few tens of milliseconds behind, and longer
+sleeps left each wait late. An object store is polled less often (``Backend.marker_poll_s``): each
+look is a request.
 
 Kept free of torch: the writer imports it.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from asyncckpt.core.formats import names
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
+from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.storage.commit import read_commit_record
 
 POLL_MAX_DELAY = 0.005
@@ -46,6 +48,7 @@ class BarrierSpec:
     staging_dir: str
     final_path: str
     timeout: float
+    object_store: Any = None  # ObjectStoreOptions where ``final_path`` is a URL
 
 
 class Barrier(Protocol):
@@ -86,35 +89,34 @@ def poll(condition: Callable[[], Any], timeout: float, on_timeout: Callable[[], 
         delay = min(delay * 1.5, max_delay)
 
 
-# ----------------------------------------------------------------------------- files
-class FileBarrier:
-    """Markers in the staging directory: ``__{rank}.done``, ``__{rank}.error.json`` and
-    ``ABORTED.json``; the commit is the commit record under the final name."""
+# ----------------------------------------------------------------------------- markers
+class MarkerBarrier:
+    """Markers where the checkpoint is written (``Backend.barrier_place``): ``__{rank}.done``,
+    ``__{rank}.error.json`` and ``ABORTED.json``; the commit is the commit record under the final name."""
 
     def __init__(self, spec: BarrierSpec) -> None:
         self.spec = spec
+        self.backend = backend_for(spec.staging_dir, spec.object_store)
+        self.place = self.backend.barrier_place(spec.staging_dir, spec.key)
 
     def _path(self, name: str) -> str:
-        return os.path.join(self.spec.staging_dir, name)
+        return self.backend.join(self.place, name)
 
     def arrive(self, rank: int) -> None:
-        os.makedirs(self.spec.staging_dir, exist_ok=True)
-        with open(self._path(names.done_marker_name(rank)), "w") as f:  # coordination only: the
-            f.write(self.spec.key)  # share itself was made durable before
+        self.backend.write_marker(self._path(names.done_marker_name(rank)), self.spec.key.encode())
 
     def fail(self, rank: int, reason: str) -> None:
         record = json.dumps({"rank": rank, "error": reason}).encode()
         try:
-            os.makedirs(self.spec.staging_dir, exist_ok=True)
-            _write_new(self._path(names.error_marker_name(rank)), record)
-            _write_new(self._path(names.ABORT_MARKER), record)  # the first failure is the one reported
-        except OSError:
-            pass  # the disk itself may be what failed: the others then time out instead
+            self.backend.write_marker(self._path(names.error_marker_name(rank)), record, exclusive=True)
+            self.backend.write_marker(self._path(names.ABORT_MARKER), record, exclusive=True)  # the first failure is reported
+        except Exception:  # noqa: BLE001 - the storage itself may be what failed: the others then time out instead
+            pass
 
-    def _abort_reason(self) -> Optional[dict]:
+    def _abort_reason(self, name: str = names.ABORT_MARKER) -> Optional[dict]:
+        """The failure recorded in the marker ``name`` (the first one reported: ``ABORTED.json``)."""
         try:
-            with open(self._path(names.ABORT_MARKER), "rb") as f:
-                return json.load(f)
+            return json.loads(self.backend.read_bytes(self._path(name)))
         except (FileNotFoundError, ValueError):
             return None
 
@@ -127,11 +129,12 @@ class FileBarrier:
         def everyone_arrived() -> bool:
             nonlocal present
             try:
-                present = set(os.listdir(spec.staging_dir))
+                present = set(self.backend.list_names(self.place))
             except FileNotFoundError:
                 return False
-            if present & errors or names.ABORT_MARKER in present:
-                reason = self._abort_reason() or {"rank": "?", "error": "aborted"}
+            if present & errors or names.ABORT_MARKER in present:  # ABORTED.json may not be there yet: its rank's is
+                reason = self._abort_reason() or self._abort_reason(min(present & errors, default=names.ABORT_MARKER))
+                reason = reason or {"rank": "?", "error": "aborted"}
                 raise failure_error(reason["rank"], reason["error"])
             return present >= done
 
@@ -139,24 +142,21 @@ class FileBarrier:
             absent = sorted(r for r in range(spec.world_size) if names.done_marker_name(r) not in present)
             return _missing_error(spec, absent)
 
-        poll(everyone_arrived, spec.timeout, missing, max_delay=POLL_MAX_DELAY * max(1.0, spec.world_size / 64))
+        poll(everyone_arrived, spec.timeout, missing, max_delay=self.backend.marker_poll_s * max(1.0, spec.world_size / 64))
         self.forget_arrivals()
 
     def forget_arrivals(self) -> None:
-        """Coordinator, every rank arrived: the arrival markers go before the directory is published."""
-        for rank in range(self.spec.world_size):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path(names.done_marker_name(rank)))
+        """Coordinator, every rank arrived: the arrival markers go before the checkpoint is published."""
+        self.backend.delete_markers([self._path(names.done_marker_name(rank)) for rank in range(self.spec.world_size)])
 
     def committed(self) -> None:
         pass  # the commit record under the final name is what the others wait for
 
     def wait_commit(self) -> None:
-
         spec = self.spec
 
         def committed_or_failed() -> bool:
-            record = read_commit_record(spec.final_path)
+            record = read_commit_record(spec.final_path, spec.object_store)
             if record is not None and record.get("save_id") == spec.key:
                 return True
             reason = self._abort_reason()
@@ -164,19 +164,7 @@ class FileBarrier:
                 raise failure_error(reason["rank"], reason["error"])
             return False
 
-        poll(committed_or_failed, spec.timeout, lambda: _no_commit_error(spec))
-
-
-def _write_new(path: str, data: bytes) -> None:
-    """Create ``path`` with ``data`` unless it exists (the first writer wins)."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
+        poll(committed_or_failed, spec.timeout, lambda: _no_commit_error(spec), max_delay=self.backend.marker_poll_s)
 
 
 def _missing_error(spec: BarrierSpec, absent: list[int]) -> CheckpointTimeoutError:
@@ -234,7 +222,7 @@ class StoreBarrier:
 
 
 class SoloBarrier:
-    """A save of one rank where no marker files can go (an object-store URL): nobody to wait for."""
+    """A save of one rank to an object store without a process group: nobody to wait for."""
 
     def __init__(self, spec: BarrierSpec) -> None:
         self.spec = spec
@@ -262,11 +250,11 @@ class StoreUnreachable(Exception):
 
 class SurvivingBarrier:
     """A Store barrier that outlives the training processes: the ranks meet in the Store while it can
-    be reached, and every arrival and failure is also left as a marker in the staging directory
-    (``FileBarrier``'s), so that writers whose training processes died meet there instead and
-    finish the saves handed to them. One small file per rank and save is all it costs the others."""
+    be reached, and every arrival and failure is also left as a marker where the checkpoint is written
+    (``MarkerBarrier``'s), so that writers whose training processes died meet there instead and
+    finish the saves handed to them. One small file (object) per rank and save is all it costs the others."""
 
-    def __init__(self, store_barrier: Barrier, files: FileBarrier, reachable: Callable[[], bool]) -> None:
+    def __init__(self, store_barrier: Barrier, files: MarkerBarrier, reachable: Callable[[], bool]) -> None:
         self.store_barrier, self.files, self.reachable = store_barrier, files, reachable
 
     def _in_store(self, method: str, *args: Any) -> bool:
@@ -284,8 +272,8 @@ class SurvivingBarrier:
         self._in_store("arrive", rank)
 
     def fail(self, rank: int, reason: str) -> None:
+        self._in_store("fail", rank, reason)  # first: writing the markers may be slow, or what fails (storage gone)
         self.files.fail(rank, reason)
-        self._in_store("fail", rank, reason)
 
     def wait_all(self) -> None:
         if self._in_store("wait_all"):
@@ -304,7 +292,7 @@ class SurvivingBarrier:
 def local_barrier(spec: BarrierSpec, store: Optional[Any] = None) -> Barrier:
     """The barrier of ``spec`` in a process that can reach it directly."""
     if spec.kind == "files":
-        return FileBarrier(spec)
+        return MarkerBarrier(spec)
     if spec.kind == "solo":
         return SoloBarrier(spec)
     if store is None:

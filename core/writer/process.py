@@ -11,8 +11,9 @@ A save handed over survives the training process. If the training process dies (
 killer, a crash) the writer finishes every request it was given before (they are in its socket,
 and their snapshots in its shared memory), commits them, runs the work queued behind them, and
 exits; a request whose snapshot copy was not complete fails, and its save is never committed.
-Orphaned, it bounds its work by the saves' timeout, meets the other ranks' writers by marker files
-when the Store died with the training processes (``barrier.SurvivingBarrier``), and says what it
+Orphaned, it bounds its work by the saves' timeout, meets the other ranks' writers by markers (files,
+or objects on an object store) when the Store died with the training processes
+(``barrier.SurvivingBarrier``), and says what it
 does in a log beside the checkpoint (``storage.orphans``).
 
 It does not import torch (~190 MiB of private memory per process) unless it coordinates a sharded
@@ -38,7 +39,7 @@ from typing import Any, Callable, Optional
 from asyncckpt.core.storage import leftovers, orphans
 from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.writer import protocol
-from asyncckpt.core.writer.barrier import BarrierSpec, FileBarrier, StoreUnreachable, SurvivingBarrier, local_barrier
+from asyncckpt.core.writer.barrier import BarrierSpec, MarkerBarrier, StoreUnreachable, SurvivingBarrier, local_barrier
 from asyncckpt.core.writer.copy_progress import PROGRESS_BYTES
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
 
@@ -251,10 +252,7 @@ class _Context:
     def barrier(self, spec: BarrierSpec):
         if spec.kind != "store":
             return local_barrier(spec)
-        in_store = RemoteBarrier(spec, self.writer.channel)
-        if backend_for(spec.staging_dir).remote:
-            return in_store
-        return SurvivingBarrier(in_store, FileBarrier(spec), lambda: self.writer.trainer.alive)
+        return SurvivingBarrier(RemoteBarrier(spec, self.writer.channel), MarkerBarrier(spec), lambda: self.writer.trainer.alive)
 
     def after_reply(self, action: Callable[[], None]) -> None:
         self.writer.after_replies.append(action)
