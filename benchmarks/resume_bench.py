@@ -15,7 +15,8 @@ fraction of the checkpoint still resident is measured (``mincore``), and reporte
   native    the framework without asyncckpt: Lightning's ``TorchCheckpointIO().load_checkpoint``,
             Accelerate's ``load_state(dir)``, the Trainer's ``train(resume_from_checkpoint=dir)``
   before    the adapter as of ``--base-rev`` (check every file, then let the framework load it)
-  after     the adapter as it is (``asyncckpt.core.integration.resume``: the check is the load's read)
+  after     the adapter as it is (``asyncckpt.core.integration.resume``: the framework loads the files its
+            own way while a thread hashes them beside it, over the pages the load reads)
   disk      reading the checkpoint's files into a held buffer, 8 MiB at a time: the disk's part
 
 The Trainer's figure is its ``train(resume_from_checkpoint=...)`` up to where its first step would
@@ -375,8 +376,8 @@ def write_markdown(result: dict, path: str) -> None:
              f"were evicted ({'drop_caches + ' if args['drop_caches'] else ''}`posix_fadvise(DONTNEED)`); at most "
              f"{100 * max(r['resident_before_rep_max'] for r in result['results'].values()):.1f}% of them were "
              "still cached at the start of a rep (`mincore`). **native** = the framework's own load without "
-             "asyncckpt; **before** = check every file, then the framework's load; **after** = the check computed "
-             "over the bytes the load reads (`asyncckpt.core.integration.resume`); **disk** = reading the files "
+             "asyncckpt; **before** = check every file, then the framework's load; **after** = the framework's load "
+             "with the check beside it, on a thread, over the same pages (`asyncckpt.core.integration.resume`); **disk** = reading the files "
              "into a held buffer. Target: after <= 1.1x native.", "",
              "| adapter | what is timed | bytes | disk s | native s | before s | after s | before / native | after / native "
              "| before / native, min | after / native, min | target met (medians) |",
@@ -403,10 +404,11 @@ def write_markdown(result: dict, path: str) -> None:
               "differ by up to 3x in wall time, the disk's included, so a median of a few reps says little and the "
               "`min` columns (the least disturbed rep of each mode) say more. What the change does shows in both: "
               "`before` read every file for the check and then let the framework read it again, the disk's time "
-              "not overlapped with the load's work; `after` reads once, inside the load, and adds the hash of the "
-              "bytes (the `after - native` CPU column: xxh3-64 of ~1 GiB, the same for the three adapters). "
-              "Whether that fits in 1.1x of the framework's load depends on how much of the load's CPU time the "
-              "disk hides, which on this machine changes from rep to rep.", ""]
+              "not overlapped with the load's work; `after` lets the framework load the files its own way while a "
+              "thread of ours hashes them beside it (xxh3-64 in 16 MiB pieces, which releases the GIL: the other "
+              "core): one disk read, whichever of the two touches a page first bringing it in for the other, so "
+              "the hash thread also reads ahead for the load, which can make `after` faster than `native`. What "
+              "it costs is the hash's CPU time (the `after - native` column), on the core the load leaves idle.", ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
 
