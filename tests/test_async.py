@@ -145,9 +145,9 @@ def _writer_holds_torch(checkpointer) -> bool:
 
 
 def test_writer_never_loads_torch(tmp_path):
-    """torch costs the writer ~190 MiB of its own memory: native files, directory transactions,
-    removals, retention and sharded saves (whose DCP metadata rank 0's writer pickles itself,
-    see dcp_pickle) must not load it."""
+    """torch costs the writer ~190 MiB of its own memory (and ~1 s of CPU to import): native files,
+    directory transactions, removals, retention, sharded saves (whose DCP metadata rank 0's writer
+    pickles itself, see dcp_pickle) and exports of what asyncckpt wrote must not load it."""
     manager = core.CheckpointManager(tmp_path / "managed", keep_last=1, checkpointer=core.Checkpointer())
     ck = manager.checkpointer
     ck.save_file({"w": torch.ones(3), "step": 2}, tmp_path / "a.pt")
@@ -163,6 +163,8 @@ def test_writer_never_loads_torch(tmp_path):
     for step in (1, 2):  # sharded saves, then retention deleting step 1
         manager.save(step, {"w": torch.full((4,), float(step)), "step": step})
     assert manager.steps() == [2] and not _writer_holds_torch(ck)
+    ck.export(core.latest_checkpoint(str(tmp_path / "managed")), core.ExportOptions(directory=str(tmp_path / "export"))).result()
+    assert os.listdir(tmp_path / "export") and not _writer_holds_torch(ck)
     loaded = {"w": torch.zeros(4), "step": 0}
     dcp.load(loaded, checkpoint_id=core.latest_checkpoint(str(tmp_path / "managed")))  # torch's own reader unpickles the writer's .metadata
     assert loaded["step"] == 2 and torch.equal(loaded["w"], torch.full((4,), 2.0))

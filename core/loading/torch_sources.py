@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
@@ -22,9 +22,8 @@ from asyncckpt.core.formats.names import DCP_METADATA_FILE
 from asyncckpt.core.storage.tensor_sources import FSDP_MODEL_DIRS, Piece, Source, SourceTensor, model_prefix
 from asyncckpt.core.loading import peft_merge
 from asyncckpt.core.loading.metadata_io import check_relative_path, load_dcp_metadata
+from asyncckpt.core.writer.export import ExportOptions, ImportedOnCall
 
-if TYPE_CHECKING:
-    from asyncckpt.core.writer.export import ExportOptions
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -100,6 +99,8 @@ def find(path: str) -> Source:
                      "a torch.save file)")
 
 
-def with_torch_readers(options: "ExportOptions") -> "ExportOptions":
-    """``options`` with the readers only torch can be (this module's ``find``, ``peft_merge.merged``)."""
-    return dataclasses.replace(options, read_with_torch=find, merge_with_torch=peft_merge.merged)
+def with_torch_readers(options: ExportOptions) -> ExportOptions:
+    """``options`` with the readers only torch can be (this module's ``find``, ``peft_merge.merged``), named:
+    the writer imports them (and torch) only if it calls them."""
+    return dataclasses.replace(options, read_with_torch=ImportedOnCall(__name__, find.__name__),
+                               merge_with_torch=ImportedOnCall(peft_merge.__name__, peft_merge.merged.__name__))
