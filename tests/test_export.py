@@ -127,14 +127,46 @@ def test_cli_exports_a_stock_dcp_checkpoint_and_a_torch_save_file(tmp_path):
     assert not (tmp_path / "out3").exists()
 
 
-def test_cli_exports_to_s3(tmp_path, s3_root):
+def test_cli_exports_to_and_from_s3(tmp_path, s3_root):
     from asyncckpt.core.verify import integrity
 
     model = torch.nn.Linear(4, 3)
     with Checkpointer() as checkpointer:
         checkpointer.save({"model": model.state_dict()}, str(tmp_path / "ck"))
+        checkpointer.save({"model": model.state_dict()}, f"{s3_root}/run/ck")
     assert cli(["export", str(tmp_path / "ck"), f"{s3_root}/exports/ck", "--no-progress"]) == 0
     assert integrity.check(f"{s3_root}/exports/ck").intact
+    assert cli(["export", f"{s3_root}/run/ck", str(tmp_path / "from_s3"), "--no-progress"]) == 0
+    assert same(exported(tmp_path / "from_s3"), model.state_dict())
+    assert cli(["export", f"{s3_root}/run/nothing", str(tmp_path / "none"), "--no-progress"]) == 1
+    assert not (tmp_path / "none").exists()
+
+
+def _download(url: str, directory: Path) -> Path:
+    from asyncckpt.core.writer.mirror import restore
+
+    return Path(restore(url, str(directory)))
+
+
+def test_checkpoints_saved_to_s3_are_exported_there_in_the_background(tmp_path, s3_root):
+    """``export=`` on a Checkpointer saving to s3://: each committed checkpoint's export is committed
+    under ``exports/`` beside it in the bucket (verifiable, loadable), and follows the checkpoints' retention."""
+    from asyncckpt.core.verify import integrity
+
+    models = [torch.nn.Linear(4, 3) for _ in range(2)]
+    with Checkpointer(export="safetensors") as checkpointer:
+        for step, model in enumerate(models):
+            checkpointer.save({"model": model.state_dict()}, f"{s3_root}/run/step_{step}", step=step)
+        checkpointer.wait()
+        for step, model in enumerate(models):
+            assert integrity.check(f"{s3_root}/run/exports/step_{step}").intact
+            assert same(exported(_download(f"{s3_root}/run/exports/step_{step}", tmp_path / f"e{step}")),
+                        model.state_dict())
+        checkpointer.remove([f"{s3_root}/run/step_0"]).result()
+        checkpointer.save({"model": models[1].state_dict()}, f"{s3_root}/run/step_2", step=2)
+        checkpointer.wait()
+    assert not is_complete(f"{s3_root}/run/exports/step_0")  # its checkpoint is gone
+    assert is_complete(f"{s3_root}/run/exports/step_1") and is_complete(f"{s3_root}/run/exports/step_2")
 
 
 # ----------------------------------------------------------------------------- failures

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from asyncckpt import core
+from asyncckpt.core.storage.backend import backend_for
 from dist_helper import run_on_ranks
 
 
@@ -198,11 +199,17 @@ def _no_collectives(rank, world, path):
     core.default_checkpointer().close()
 
 
-def test_use_collectives_false_needs_no_process_group(tmp_path):
-    path = str(tmp_path / "ckpt")
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_use_collectives_false_needs_no_process_group(tmp_path, where, request):
+    """The ranks meet by markers: files in the staging directory, or objects in the bucket."""
+    root = str(tmp_path) if where == "local" else request.getfixturevalue("s3_root")
+    path = f"{root}/ckpt"
     run_on_ranks(_no_collectives, 2, path, init_process_group=False)
     assert core.is_complete(path)
-    assert os.path.exists(os.path.join(path, "__1.asyncckpt.json"))
+    assert backend_for(path).exists(f"{path}/__1.asyncckpt.json")
+    left = [name for name in backend_for(path).list_names(path)
+            if name.startswith(".asyncckpt-") and name != ".asyncckpt-commit.json" or name.endswith(".done")]
+    assert left == [], left  # no marker (or owner marker) left behind
 
 
 def test_partial_and_strict_load(tmp_path):

@@ -362,7 +362,7 @@ class Checkpointer:
         if self.on_commit is not None:
             self.hooks.on_commit(checkpoint, self.on_commit)
         options = self.export_options
-        if options is not None and checkpoint.rank == 0 and not backend_for(checkpoint.path).remote:
+        if options is not None and checkpoint.rank == 0:
             target = options.target_for(checkpoint.path)
             request = ExportRequest(checkpoint.path, target, with_torch_readers(options))
             self.hooks.after(checkpoint, "export", lambda handle: self.ledger.queue.submit([(handle, request, None)]),

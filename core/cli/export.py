@@ -3,34 +3,23 @@
 The same export the ``export=`` option runs in the background writer after each commit
 (``core/writer/export.py``), offline, for any checkpoint asyncckpt reads: ours (sharded in any
 world size, or a framework's directory), and what the frameworks write without asyncckpt (a stock
-DCP directory, an FSDP ``pytorch_model_fsdp_0/``, safetensors or ``torch.save`` files). ``OUT`` is a
-local directory, committed like a checkpoint, or an ``s3://`` URL (written locally first, in a
-temporary directory beside nothing of the user's, then uploaded and committed there: ``mirror``).
+DCP directory, an FSDP ``pytorch_model_fsdp_0/``, safetensors or ``torch.save`` files), local or at an
+``s3://`` URL. ``OUT`` is a local directory, committed like a checkpoint, or an ``s3://`` URL (see
+``export_checkpoint`` for what goes through a temporary directory).
 """
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 
 from tqdm import tqdm
 
 from asyncckpt.core.errors import CheckpointError
 from asyncckpt.core.formats.hf_safetensors import parse_size
-from asyncckpt.core.storage import leftovers
-from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.loading.torch_sources import with_torch_readers
 from asyncckpt.core.writer.export import ExportOptions, export_checkpoint, total_bytes
-from asyncckpt.core.writer.mirror import MirrorRequest
 
 EXIT_OK, EXIT_PROBLEM = 0, 1
-
-
-class _Uploading:
-    """What ``MirrorRequest`` asks of its writer, in this process."""
-
-    def token(self) -> str:
-        return leftovers.owner_token()
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -54,14 +43,7 @@ def run(args: argparse.Namespace) -> int:
                                                    add_prefix=args.add_prefix, buffer_bytes=parse_size(args.buffer)))
         with tqdm(total=total_bytes(args.checkpoint, options), unit="B", unit_scale=True, unit_divisor=1024,
                   desc="export", file=sys.stderr, disable=args.no_progress, dynamic_ncols=True) as bar:
-            destination = backend_for(args.out)
-            if not destination.remote:
-                target = export_checkpoint(args.checkpoint, args.out, options, progress=bar.update)
-            else:
-                with tempfile.TemporaryDirectory(prefix="asyncckpt-export-") as scratch:
-                    local = export_checkpoint(args.checkpoint, f"{scratch}/export", options, progress=bar.update)
-                    MirrorRequest(local, destination.normalize(args.out)).run(_Uploading())
-                target = args.out
+            target = export_checkpoint(args.checkpoint, args.out, options, progress=bar.update)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"asyncckpt export: {e}", file=sys.stderr)
         return EXIT_PROBLEM

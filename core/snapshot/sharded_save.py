@@ -71,14 +71,11 @@ class SaveTarget:
     directory_barrier: Optional[BarrierSpec] = None
 
     def barrier_kind(self) -> str:
-        """How its ranks meet: the Store whenever there is one to meet in; else marker files in the
-        staging directory, or, for a URL (no directory to share), nothing to meet (one rank)."""
+        """How its ranks meet: the Store whenever there is one to meet in; else markers where the
+        checkpoint is written (files, or objects); one rank saving to a URL has nobody to meet."""
         if self.store is not None and self.collectives and self.world > 1:
             return "store"
-        if backend_for(self.path).remote:  # no directory the ranks share
-            if self.world > 1:
-                raise CheckpointWriteError(f"saving {self.path} on {self.world} ranks needs torch.distributed (its "
-                                           "ranks meet in its Store; use_collectives=False has no place to meet)")
+        if backend_for(self.path).remote and self.world == 1:
             return "solo"
         return "files"
 

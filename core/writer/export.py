@@ -14,7 +14,9 @@ checkpoint. Like a checkpoint, it is written under a hidden staging name, fsynce
 record listing every file's checksum (so ``asyncckpt verify`` checks it), and renamed into place:
 visible only complete. A failure (a full disk, a damaged checkpoint) raises an error naming the
 checkpoint; the checkpoint itself is only read. Exports are kept as long as their checkpoint
-exists, or the newest ``keep_last``.
+exists, or the newest ``keep_last``. A checkpoint in an object store is downloaded into a temporary
+directory first (local space its size: the pieces are read with ``pread``), and an export for an object
+store is written into one, then uploaded and committed there (``mirror``).
 
 Kept free of torch for the checkpoints ``tensor_sources`` reads; a torch.save file or a stock DCP
 checkpoint is read through ``core/loading/torch_sources.py`` (which imports torch).
@@ -23,21 +25,23 @@ from __future__ import annotations
 
 import importlib
 import os
+import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from asyncckpt.core.errors import CheckpointError, CheckpointWriteError
-from asyncckpt.core.formats import names
+from asyncckpt.core.formats import commit_record, names
 from asyncckpt.core.formats.checksum import checksum_stream
 from asyncckpt.core.formats.hf_safetensors import (FLOATING, OutputTensor, dtype_name, index_bytes, parse_size,
                                                    plan_shards)
 from asyncckpt.core.storage import tensor_sources
 from asyncckpt.core.storage.tensor_sources import Source, SourceTensor
 from asyncckpt.core.storage import commit, leftovers, local
+from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.storage.fsio import fsync_dir
 from asyncckpt.core.writer.assembly import PieceReader, write_tensor
-from asyncckpt.core.storage.local import remove_paths
+from asyncckpt.core.writer.mirror import restore, upload
 from asyncckpt.core.writer.protocol import RequestContext
 
 EXPORT_FORMAT = "hf-safetensors"
@@ -99,10 +103,10 @@ class ExportOptions:
 
     def target_for(self, checkpoint: str) -> str:
         """Where the export of ``checkpoint`` goes."""
-        checkpoint = os.path.abspath(checkpoint)
-        root = self.directory or os.path.join(os.path.dirname(checkpoint), "exports")
+        checkpoint = backend_for(checkpoint).normalize(checkpoint)
+        root = self.directory or os.path.join(os.path.dirname(checkpoint), "exports")  # os.path: '/' in URLs too
         name, suffix = os.path.splitext(os.path.basename(checkpoint))
-        return os.path.join(os.path.abspath(root), name if suffix in _FILE_SUFFIXES else name + suffix)
+        return os.path.join(backend_for(root).normalize(root), name if suffix in _FILE_SUFFIXES else name + suffix)
 
 
 @dataclass(frozen=True)
@@ -188,8 +192,11 @@ def _write_file(path: str, data: bytes) -> dict:
     return checksum
 
 
-def total_bytes(checkpoint: str, options: ExportOptions) -> int:
-    """What an export of ``checkpoint`` reads (for a progress bar)."""
+def total_bytes(checkpoint: str, options: ExportOptions) -> Optional[int]:
+    """What an export of ``checkpoint`` reads (for a progress bar); None for one in an object store
+    (known once it is downloaded)."""
+    if backend_for(checkpoint).remote:
+        return None
     return sum(piece.nbytes for _out, tensor in _selected(read_source(checkpoint, options), options)
                for piece in tensor.pieces)
 
@@ -197,9 +204,33 @@ def total_bytes(checkpoint: str, options: ExportOptions) -> int:
 def export_checkpoint(checkpoint: str, target: str, options: ExportOptions, *, token: Optional[str] = None,
                       progress: Optional[Callable[[int], None]] = None) -> str:
     """Write the export of ``checkpoint`` to ``target`` (replacing an older one there), committed;
-    returns ``target``. Raises ``CheckpointWriteError`` naming the checkpoint."""
-    checkpoint, target = os.path.abspath(checkpoint), os.path.abspath(target)
+    returns ``target``. Either may be an object-store URL. Raises ``CheckpointWriteError`` naming the
+    checkpoint."""
+    source, destination = backend_for(checkpoint), backend_for(target)
+    checkpoint, target = source.normalize(checkpoint), destination.normalize(target)
     token = token or leftovers.owner_token()
+    try:
+        if not source.remote and not destination.remote:
+            _export(checkpoint, target, options, token, progress, export_of=checkpoint)
+            return target
+        with tempfile.TemporaryDirectory(prefix="asyncckpt-export-") as scratch:
+            local = restore(checkpoint, os.path.join(scratch, "checkpoint", source.basename(checkpoint))) \
+                if source.remote else checkpoint
+            staged = os.path.join(scratch, "export", destination.basename(target)) if destination.remote else target
+            _export(local, staged, options, token, progress, export_of=checkpoint)
+            if destination.remote:
+                upload(staged, target, token)
+    except BaseException as e:
+        if not isinstance(e, Exception) or (isinstance(e, CheckpointError) and checkpoint in str(e)):
+            raise
+        raise CheckpointWriteError(f"exporting checkpoint {checkpoint} to {target} failed: {type(e).__name__}: "
+                                   f"{names.unhide(str(e))}; the checkpoint is not affected", path=checkpoint) from e
+    return target
+
+
+def _export(checkpoint: str, target: str, options: ExportOptions, token: str,
+            progress: Optional[Callable[[int], None]], export_of: str) -> None:
+    """``export_checkpoint`` from a local checkpoint to a local target."""
     staging = names.staging_dir_for(target, token)
     try:
         record = commit.read_commit_record(checkpoint) if os.path.isdir(checkpoint) else None
@@ -210,17 +241,13 @@ def export_checkpoint(checkpoint: str, target: str, options: ExportOptions, *, t
         checksums = _write_export(source, chosen, staging, options, progress)
         replaced = local.publish_with_record(staging, target, {
             "save_id": token, "world_size": 1, "step": (record or {}).get("step"), "checksums": checksums,
-            "export_of": checkpoint, "export_format": EXPORT_FORMAT})
-    except BaseException as e:
+            "export_of": export_of, "export_format": EXPORT_FORMAT})
+    except BaseException:
         if os.path.lexists(staging):
             leftovers.delete(staging, token)
-        if not isinstance(e, Exception) or (isinstance(e, CheckpointError) and checkpoint in str(e)):
-            raise
-        raise CheckpointWriteError(f"exporting checkpoint {checkpoint} to {target} failed: {type(e).__name__}: "
-                                   f"{names.unhide(str(e))}; the checkpoint is not affected", path=checkpoint) from e
+        raise
     if replaced is not None:
         leftovers.delete(replaced, token)
-    return target
 
 
 def _write_export(source: Source, chosen: list[tuple[OutputTensor, SourceTensor]], staging: str,
@@ -262,10 +289,11 @@ class ExportRequest:
     options: ExportOptions
 
     def run(self, context: RequestContext) -> None:
-        context.tidy(os.path.dirname(self.target))  # a killed export's staging directory
+        root = os.path.dirname(self.target)
+        if not backend_for(root).remote:
+            context.tidy(root)  # a killed export's staging directory
         on_idle_cpu(lambda: export_checkpoint(self.checkpoint, self.target, self.options, token=context.token()))
-        remove_paths(stale_exports(os.path.dirname(self.target), self.options.keep_last), context.token(),
-                     context.after_reply)
+        backend_for(root).remove(stale_exports(root, self.options.keep_last), context.token(), context.after_reply)
 
 
 def on_idle_cpu(work: Callable[[], object]) -> None:
@@ -319,9 +347,8 @@ def stale_exports(root: str, keep_last: Optional[int]) -> list[str]:
     """The committed exports under ``root`` to delete: beyond the newest ``keep_last``, or (without
     ``keep_last``) those whose checkpoint no longer exists. Never the newest."""
     exports = []
-    for entry in os.listdir(root):
-        path = os.path.join(root, entry)
-        record = commit.read_commit_record(path) if not names.is_hidden(path) else None
+    for path, body in backend_for(root).commit_bodies_under(root):
+        record = commit_record.parse(body)
         if record is not None and record.get("export_format") == EXPORT_FORMAT:
             step = record.get("step")
             exports.append(((step if isinstance(step, int) else -1, record.get("committed_at_ns", 0)), path, record))
@@ -329,5 +356,6 @@ def stale_exports(root: str, keep_last: Optional[int]) -> list[str]:
     candidates = exports[:-1]
     if keep_last is not None:
         return [path for _key, path, _record in exports[:-keep_last]]
-    return [path for _key, path, record in candidates if not os.path.exists(str(record.get("export_of")))]
+    return [path for _key, path, record in candidates
+            if not backend_for(str(record.get("export_of"))).exists(str(record.get("export_of")))]
 

@@ -49,30 +49,35 @@ class MirrorRequest:
     options: Optional[ObjectStoreOptions] = None
 
     def run(self, context: RequestContext) -> None:
-        target = backend_for(self.url, self.options)
-        if os.path.isfile(self.source):
-            checksum = file_checksums.read_record(self.source)
-            mapping, size = _mapped(self.source)
-            try:
-                target.write_file(self.url, memoryview(mapping) if mapping is not None else memoryview(b""), size,
-                                  context.token(), checksum=lambda: checksum)
-            finally:
-                if mapping is not None:
-                    mapping.close()
-            return
-        record = commit.read_commit_record(self.source)
-        if record is None:
-            raise CheckpointWriteError(f"cannot mirror {self.source}: it is not a committed checkpoint")
-        place = target.destination(self.url, target.staging_dir_for(self.url, context.token()), coordinator=True)
-        place.claim(0, context.token())
-        for name in sorted(record.get("files", {})):
-            mapping, size = _mapped(os.path.join(self.source, name))
-            try:
-                place.write_image(name, memoryview(mapping) if mapping is not None else memoryview(b""), size, None)
-            finally:
-                if mapping is not None:
-                    mapping.close()
-        place.publish(record)  # the local record as it is: files, sizes, checksums, step, commit time
+        upload(self.source, self.url, context.token(), self.options)
+
+
+def upload(source: str, url: str, token: str, options: Optional[ObjectStoreOptions] = None) -> None:
+    """Upload the committed local checkpoint (or single file) ``source`` to ``url`` and commit it there."""
+    target = backend_for(url, options)
+    if os.path.isfile(source):
+        checksum = file_checksums.read_record(source)
+        mapping, size = _mapped(source)
+        try:
+            target.write_file(url, memoryview(mapping) if mapping is not None else memoryview(b""), size, token,
+                              checksum=lambda: checksum)
+        finally:
+            if mapping is not None:
+                mapping.close()
+        return
+    record = commit.read_commit_record(source)
+    if record is None:
+        raise CheckpointWriteError(f"cannot mirror {source}: it is not a committed checkpoint")
+    place = target.destination(url, target.staging_dir_for(url, token), coordinator=True)
+    place.claim(0, token)
+    for name in sorted(record.get("files", {})):
+        mapping, size = _mapped(os.path.join(source, name))
+        try:
+            place.write_image(name, memoryview(mapping) if mapping is not None else memoryview(b""), size, None)
+        finally:
+            if mapping is not None:
+                mapping.close()
+    place.publish(record)  # the local record as it is: files, sizes, checksums, step, commit time
 
 
 def restore(url: str, path: str) -> str:
