@@ -299,7 +299,8 @@ meanwhile: it takes the CPU time training leaves (before the group was niced, th
 2-thread loop by 64%: the group competed with training's as an equal). With the loop on every core
 (torch's default here, 2 threads), what it leaves is the moments its threads wait, and what the export costs it is
 mostly what its reads and writes cost the kernel and the hypervisor, which the raw write of the same bytes shows
-on its own. With the loop on one core, as a GPU trainer's main thread, the export runs beside it. The export runs on
+on its own. With the loop on one core, as a GPU trainer's main thread, the export runs beside it. With a real GPU
+training loop (an H100, `docs/benchmarks_cuda.md`), the loop ran as fast during an export as without one. The export runs on
 rank 0's writer only (every rank's pieces are read there, from the shared file system); spreading it over the
 ranks' writers was not built.
 """
