@@ -224,6 +224,19 @@ KINDS = {"lightning": Lightning, "accelerate": Accelerate, "hf_trainer": HfTrain
 
 
 # ------------------------------------------------------------------------------------------ the page cache
+def touch_memory(nbytes: int) -> None:
+    """Touch ``nbytes`` of fresh memory and free it, just before a rep: this VM hands memory freed a few
+    seconds ago back to its host, and touching it again costs ~3 s per GiB (/work/shared/research/machine.md,
+    1a), which hit a rep's allocations and page cache at random (the same work took 0.7 to 2.6 s of CPU).
+    Touched now, the memory the rep's process and its cold read allocate is the guest's, whatever the mode."""
+    if nbytes:
+        block = bytearray(nbytes)
+        view = memoryview(block)
+        for start in range(0, nbytes, 1 << 26):
+            view[start:start + (1 << 26)] = bytes(min(1 << 26, nbytes - start))  # every page written
+        del view, block
+
+
 def evict(paths: list[str]) -> None:
     os.sync()
     for path in paths:
@@ -334,6 +347,7 @@ def run_adapter(adapter: str, args, base_path: str) -> dict:
                 evict(files)
                 if args.drop_caches:
                     drop_caches()
+                touch_memory(int(args.touch_gib * 2**30))
                 if rep:
                     resident.append(resident_fraction(files))
                 started = time.perf_counter()
@@ -375,7 +389,9 @@ def write_markdown(result: dict, path: str) -> None:
              f"{' + uncommitted changes' if meta['core_dirty'] else ''}). Before every rep the checkpoint's pages "
              f"were evicted ({'drop_caches + ' if args['drop_caches'] else ''}`posix_fadvise(DONTNEED)`); at most "
              f"{100 * max(r['resident_before_rep_max'] for r in result['results'].values()):.1f}% of them were "
-             "still cached at the start of a rep (`mincore`). **native** = the framework's own load without "
+             f"still cached at the start of a rep (`mincore`), and {args.get('touch_gib', 0):g} GiB of memory were touched "
+             "and freed (this VM returns freed memory to its host, and touching it again costs ~3 s per GiB, "
+             "which hit the reps' allocations at random: `touch_memory`). **native** = the framework's own load without "
              "asyncckpt; **before** = check every file, then the framework's load; **after** = the framework's load "
              "with the check beside it, on a thread, over the same pages (`asyncckpt.core.integration.resume`); **disk** = reading the files "
              "into a held buffer. Target: after <= 1.1x native.", "",
@@ -421,6 +437,7 @@ def main() -> int:
     parser.add_argument("--base-rev", default="120899b")
     parser.add_argument("--drop-caches", action="store_true")
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--touch-gib", type=float, default=3.0, help="memory touched and freed before every rep (0: none)")
     parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "resume.json"))
     parser.add_argument("--markdown", default=str(REPO / "docs" / "benchmarks_resume.md"))
     parser.add_argument("--markdown-only", action="store_true", help="rewrite the markdown from --json, measuring nothing")
