@@ -153,6 +153,10 @@ class Zygote:
 
 def _run_as_main(request: dict) -> None:
     """In the forked child: become ``python argv[0] argv[1:]``; ends with SystemExit (the normal exit)."""
+    # Ctrl-C raises KeyboardInterrupt, as in a program started from a terminal, however the tests were started:
+    # a shell's background job (`cmd &`) ignores SIGINT, and an ignored SIGINT stays ignored in every child (once,
+    # a Ctrl-C test's training then ran on for 5,000 steps and filled the disk).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if request["cwd"]:
         os.chdir(request["cwd"])
     devnull = os.open(os.devnull, os.O_RDONLY)
