@@ -15,6 +15,7 @@ ranks meet in a gloo process group (a TCPStore served by rank 0's process) and e
 import os
 import socket
 import sys
+import threading
 import time
 
 import torch
@@ -50,10 +51,12 @@ def main() -> None:
     if mode == "snapshot":
         real_copy = shared_buffer._copy_group
         copied = []
+        announced = threading.Lock()
 
         def stopping_copy(views, sources):
             if copied:
-                print("copying", flush=True)
+                if announced.acquire(blocking=False):  # once: two copy lanes printing at once interleave their lines
+                    print("copying", flush=True)
                 time.sleep(3600)
             copied.append(len(views))
             real_copy(views, sources)
