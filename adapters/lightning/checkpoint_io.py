@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fnmatch
 import io
+import logging
 import os
 import sys
 from typing import Any, Callable, Optional
@@ -39,6 +40,8 @@ from asyncckpt.core.integration import SaveHandle
 
 from . import integration
 from .support import SUPPORT
+
+logger = logging.getLogger("asyncckpt")
 
 #: A checkpoint save (or removal) that failed in the background; ``path`` and ``step`` say which.
 AsyncCkptSaveError = CheckpointWriteError
@@ -138,9 +141,18 @@ class AsyncCkptIO(CheckpointIO):
 
     def teardown(self) -> None:
         """The run ended: wait for every save (on every rank), raise a failed one, stop the writer.
-        The Trainer calls it; with Fabric, call it on every process at the end of the run."""
+        The Trainer calls it; with Fabric, call it on every process at the end of the run. When the run
+        is ending with an error already (the Trainer tears down inside its ``except``, a failed save's
+        included), another failed save is logged, not raised: raised, it would replace the error the run
+        ended with (under load a second failed save could surface here before the first's error did)."""
+        ending_with = sys.exc_info()[1]
         try:
             self.checkpointer.wait(everywhere=True)
+        except CheckpointWriteError as error:
+            if ending_with is None:
+                raise
+            logger.error("asyncckpt: %s (the run was already ending with %s: %s)", error, type(ending_with).__name__,
+                         ending_with)
         finally:
             self.checkpointer.teardown()
 
