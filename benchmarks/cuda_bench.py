@@ -89,11 +89,11 @@ def d2h(state: Any, reps: int) -> list[dict]:
 
 
 def fsync_tree(path: str) -> None:
+    from asyncckpt.core.storage.fsio import fsync_file
+
     for root, _, files in os.walk(path):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+            fsync_file(os.path.join(root, name))
 
 
 def torch_save(state: Any, root: str, reps: int) -> list[dict]:

@@ -92,7 +92,7 @@ def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
 def no_writer_left(procs: list[subprocess.Popen], timeout: float = 90) -> float:
     """Seconds until no writer process naming one of these trainers' pids runs (fails the trial past ``timeout``)."""
     t0 = time.monotonic()
-    check(wait_until(lambda: not writers_of(procs), timeout),
+    check(wait_until(lambda: not writers_of(*(p.pid for p in procs)), timeout),
           f"a writer of trainer(s) {[p.pid for p in procs]} still runs {timeout:.0f} s after the kill")
     return time.monotonic() - t0
 

@@ -21,6 +21,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def fsync_file(path: str) -> None:
+    """Make the content of the file at ``path`` durable (one written by someone else: a copy, a download)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so readers see either nothing/the old file, or all of it."""
     tmp = names.hidden_path(path, "tmp", owner_token())

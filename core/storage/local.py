@@ -36,7 +36,7 @@ from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import FileChecksum, parse_record, record_body
 from asyncckpt.core.storage import diskio
 from asyncckpt.core.storage import leftovers
-from asyncckpt.core.storage.fsio import atomic_write_bytes, exchange_paths, fsync_dir
+from asyncckpt.core.storage.fsio import atomic_write_bytes, exchange_paths, fsync_dir, fsync_file
 from asyncckpt.core.storage.leftovers import Leftover
 
 CHECKSUM_ATTRIBUTE = "user.asyncckpt.checksum"
@@ -314,11 +314,7 @@ class LocalBackend:
 
     def download(self, path: str, local_path: str) -> None:
         shutil.copyfile(path, local_path)
-        fd = os.open(local_path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(local_path)
 
     def uncommit(self, path: str) -> None:
         record = os.path.join(path, names.COMMIT_RECORD)

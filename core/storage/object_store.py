@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional
 
 from asyncckpt.core.errors import CheckpointError, CorruptCheckpointError
+from asyncckpt.core.storage.fsio import fsync_file
 
 DEFAULT_PART_BYTES = 32 << 20
 DEFAULT_CONCURRENCY = 8
@@ -349,11 +350,7 @@ class ObjectStore:
     def download(self, url: str, local_path: str) -> None:
         """Copy the object ``url`` into the local file ``local_path``, durably (fsynced)."""
         self._run("read", url, lambda: self.fs._get_file(self.path(url), local_path))
-        fd = os.open(local_path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(local_path)
 
     def info(self, url: str) -> dict:
         """The object's size and (S3) user metadata; FileNotFoundError if absent."""
