@@ -36,15 +36,16 @@ from asyncckpt.core.errors import (
 
 if TYPE_CHECKING:
     from asyncckpt.core.api.checkpointer import Checkpointer, SaveHandle
-    from asyncckpt.core.api.dcp_storage import AsyncCkptStorageReader, AsyncCkptStorageWriter
+    from asyncckpt.core.api.dcp_writer import AsyncCkptStorageWriter
+    from asyncckpt.core.loading.dcp_reader import AsyncCkptStorageReader
     from asyncckpt.core.api.manager import CheckpointManager
     from asyncckpt.core.snapshot.planner import AsyncCkptLoadPlanner, AsyncCkptSavePlanner
 
 # The names that need torch, imported on first use: the background writer runs as
 # ``python -m asyncckpt.core.writer.process``, which executes this file, and must not load torch for it.
 _LAZY = {
-    "Checkpointer": "api.checkpointer", "SaveHandle": "api.handles", "CheckpointManager": "api.manager",
-    "AsyncCkptStorageReader": "api.dcp_storage", "AsyncCkptStorageWriter": "api.dcp_storage",
+    "Checkpointer": "api.checkpointer", "SaveHandle": "writer.handles", "CheckpointManager": "api.manager",
+    "AsyncCkptStorageReader": "loading.dcp_reader", "AsyncCkptStorageWriter": "api.dcp_writer",
     "AsyncCkptLoadPlanner": "snapshot.planner", "AsyncCkptSavePlanner": "snapshot.planner",
 }
 

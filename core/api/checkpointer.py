@@ -36,7 +36,7 @@ from asyncckpt.core.formats import names
 from asyncckpt.core.storage import object_store as object_store_module
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.snapshot.buffer_pool import BufferPool
-from asyncckpt.core.api.pending import PendingWork
+from asyncckpt.core.writer.pending import PendingWork
 from asyncckpt.core.api.commit_hooks import CommitHooks, OnCommit
 from asyncckpt.core.api.directory import DirectoryTransaction
 from asyncckpt.core.snapshot.dist_env import any_rank, default_store, dist_ready, rank_and_world
@@ -50,7 +50,7 @@ from asyncckpt.core.errors import (
 from asyncckpt.core.writer.file_requests import FileRequest, LinkRequest, RemoveRequest
 from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
-from asyncckpt.core.api.handles import SaveHandle
+from asyncckpt.core.writer.handles import SaveHandle
 from asyncckpt.core.loading.state_dict import load_checkpoint
 from asyncckpt.core.writer.mirror import MirrorRequest, restore_latest
 from asyncckpt.core.storage.object_store import ObjectStoreOptions

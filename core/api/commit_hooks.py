@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from asyncckpt.core.errors import CheckpointCancelledError, CheckpointWriteError
 
 if TYPE_CHECKING:
-    from asyncckpt.core.api.handles import SaveHandle
-    from asyncckpt.core.api.pending import PendingWork
+    from asyncckpt.core.writer.handles import SaveHandle
+    from asyncckpt.core.writer.pending import PendingWork
 
 OnCommit = Callable[[str], Any]  # called with the committed checkpoint's path
 

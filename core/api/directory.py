@@ -32,9 +32,9 @@ from asyncckpt.core.writer.file_requests import BytesRequest, FileRequest
 from asyncckpt.core.writer.protocol import RequestContext
 
 if TYPE_CHECKING:
-    from asyncckpt.core.api.pending import PendingWork
+    from asyncckpt.core.writer.pending import PendingWork
     from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
-    from asyncckpt.core.api.handles import SaveHandle
+    from asyncckpt.core.writer.handles import SaveHandle
     from asyncckpt.core.snapshot.sharded_save import SaveTarget, ShardedSaves
     from asyncckpt.core.snapshot.handoff import Stager
 

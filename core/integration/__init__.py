@@ -12,7 +12,7 @@ check that reads each file once), and reads an ``export=`` option (``export_opti
 change in any release; a test keeps adapters to this module and the public API.
 """
 from asyncckpt.core.api import lifecycle
-from asyncckpt.core.api.handles import SaveHandle
+from asyncckpt.core.writer.handles import SaveHandle
 from asyncckpt.core.formats.checksum import checksum
 from asyncckpt.core.integration import patching, resume, versions
 from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves

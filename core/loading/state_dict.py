@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from asyncckpt.core.storage import commit
-from asyncckpt.core.api.dcp_storage import AsyncCkptStorageReader
+from asyncckpt.core.loading.dcp_reader import AsyncCkptStorageReader
 from asyncckpt.core.loading.direct_load import paused_gc, plan_direct_load
 from asyncckpt.core.snapshot.dist_env import dist_ready
 from asyncckpt.core.errors import CheckpointError

@@ -23,9 +23,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from asyncckpt.core.writer.barrier import local_barrier
-from asyncckpt.core.api.pending import PendingWork
+from asyncckpt.core.writer.pending import PendingWork
 from asyncckpt.core.errors import CheckpointError, CheckpointTimeoutError, CheckpointWriteError
-from asyncckpt.core.api.handles import SaveHandle
+from asyncckpt.core.writer.handles import SaveHandle
 from asyncckpt.core.snapshot.shared_buffer import CopyInProgress
 
 logger = logging.getLogger("asyncckpt.core")

@@ -39,7 +39,7 @@ from asyncckpt.core.errors import (
     CheckpointWriteError,
     SnapshotCopyFailed,
 )
-from asyncckpt.core.api.handles import SaveHandle
+from asyncckpt.core.writer.handles import SaveHandle
 
 Outcome = Callable[[SaveHandle, Optional[BaseException]], None]
 

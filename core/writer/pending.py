@@ -29,7 +29,7 @@ from asyncckpt.core.errors import (
     CheckpointTimeoutError,
     CheckpointWriteError,
 )
-from asyncckpt.core.api.handles import SaveHandle
+from asyncckpt.core.writer.handles import SaveHandle
 from asyncckpt.core.writer.protocol import Idle
 from asyncckpt.core.writer.client import WriterQueue
 
