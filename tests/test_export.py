@@ -167,6 +167,9 @@ def test_checkpoints_saved_to_s3_are_exported_there_in_the_background(tmp_path, 
         checkpointer.wait()
     assert not is_complete(f"{s3_root}/run/exports/step_0")  # its checkpoint is gone
     assert is_complete(f"{s3_root}/run/exports/step_1") and is_complete(f"{s3_root}/run/exports/step_2")
+    with Checkpointer() as checkpointer:  # asked for explicitly, by URL
+        checkpointer.export(f"{s3_root}/run/step_1", ExportOptions(directory=f"{s3_root}/by_hand")).result()
+    assert same(exported(_download(f"{s3_root}/by_hand/step_1", tmp_path / "by_hand")), models[1].state_dict())
 
 
 # ----------------------------------------------------------------------------- failures

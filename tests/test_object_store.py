@@ -58,8 +58,56 @@ def test_round_trip_one_rank(s3_root, capsys):
     capsys.readouterr()
     assert main.main(["inspect", f"{root}/step_000005"]) == main.EXIT_OK
     shown = capsys.readouterr().out
-    assert "COMPLETE, step 5, world size 1" in shown and "w  tensor  float32  [512, 1024]  1 chunk(s)" in shown
+    assert "COMPLETE, step 5, world size 1" in shown and "w  tensor  float32  [512, 1024]  2097152 B  1 chunk(s)" in shown
     assert "small.299  tensor  float32  [17]" in shown and "meta.name  object" in shown
+    assert "    chunk at [0, 0] size [512, 1024]: rank 0, 2097152 B data in __0_0.distcp [" in shown  # from the sidecar
+    assert "  rank 0: 301 tensor chunk(s) 2117552 B, 2 object(s)" in shown
+
+
+def test_ls_and_inspect_read_a_bucket_as_a_directory(s3_root, tmp_path, capsys):
+    """One ``ls`` and one ``inspect`` for every store: the same checkpoints written to a directory and
+    to a bucket list as the same rows (name, step, status, kind) and inspect alike."""
+    listings = {}
+    for root in (str(tmp_path / "run"), f"{s3_root}/run"):
+        state = {"w": reference("w", (64, 32)), "step": 4}
+        with core.Checkpointer() as checkpointer:
+            checkpointer.save(state, f"{root}/step_000004", step=4)
+            checkpointer.save(state, f"{root}/step_000006", step=6)
+            remote = backend_for(root).remote
+            directory = tmp_path / "local" / "checkpoint_5" if remote else f"{root}/checkpoint_5"
+            with checkpointer.begin_directory(directory, step=5) as tx:
+                tx.save_file({"w": state["w"]}, "model.bin")
+                saved = tx.commit()
+            if remote:  # a directory of native files reaches a bucket as a mirror
+                checkpointer.mirror(directory, f"{root}/checkpoint_5", after=saved)
+                with pytest.raises(ValueError, match="written to a local path; to keep it in an object store, mirror it"):
+                    checkpointer.begin_directory(f"{root}/checkpoint_8", step=8)
+                with pytest.raises(ValueError, match="a symbolic link lives on a local file system"):
+                    checkpointer.link(f"{root}/step_000004", f"{root}/latest")
+            checkpointer.save_file({"state_dict": {"w": state["w"]}, "global_step": 7}, f"{root}/epoch=0-step=7.ckpt")
+            checkpointer.wait()
+        backend = backend_for(root)
+        commit_of_6 = backend.join(root, "step_000006", ".asyncckpt-commit.json")
+        os.unlink(commit_of_6) if not backend.remote else store_for(root).delete([commit_of_6])  # a save that crashed
+        capsys.readouterr()
+        assert main.main(["ls", root]) == main.EXIT_OK
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+        listings[backend.remote] = [(row[0], row[1], row[4], " ".join(row[5:])) for row in rows]
+        assert main.main(["inspect", f"{root}/step_000004"]) == main.EXIT_OK
+        shown = capsys.readouterr().out
+        assert "COMPLETE, step 4, world size 1" in shown and "w  tensor  float32  [64, 32]  8192 B  1 chunk(s)" in shown
+        assert "  rank 0: 1 tensor chunk(s) 8192 B, 1 object(s)" in shown
+        assert main.main(["inspect", f"{root}/step_000006"]) == main.EXIT_INCOMPLETE
+        assert main.main(["inspect", f"{root}/epoch=0-step=7.ckpt"]) == main.EXIT_OK
+        assert "single file, " in capsys.readouterr().out
+        assert main.main(["inspect", f"{root}/checkpoint_5"]) == main.EXIT_OK
+        assert "model.bin" in capsys.readouterr().out
+    assert listings[False] == listings[True] == [
+        ("step_000004", "4", "COMPLETE", "(sharded)"),
+        ("checkpoint_5", "5", "COMPLETE", "(directory)"),
+        ("step_000006", "6", "INCOMPLETE", "(sharded, no commit record)"),
+        ("epoch=0-step=7.ckpt", "7", "COMPLETE", "(file, epoch 0)"),
+    ], listings
 
 
 def test_load_finds_damage_and_refuses_uncommitted(s3_root):

@@ -241,6 +241,10 @@ class Checkpointer:
         The directory is staged as a hidden sibling of ``final_dir``, or in ``staging_parent`` (same
         filesystem) when a framework counts or lists every entry of the final directory's parent."""
         self._check_open()
+        if backend_for(final_dir).remote:
+            raise ValueError(f"begin_directory({os.fspath(final_dir)!r}): a directory of native files is written to a local "
+                             "path; to keep it in an object store, mirror it there once committed (Checkpointer.mirror, "
+                             "or the adapters' mirror option)")
         self.stager.wait()  # the previous directory may still be committed from the staging thread
         self.ledger.raise_unobserved()
         final_dir = os.path.abspath(os.fspath(final_dir))
@@ -309,6 +313,9 @@ class Checkpointer:
              after: Optional[SaveHandle] = None) -> SaveHandle:
         """Point ``linkpath`` at ``target`` (relative symlink, replaced atomically) in the
         background, after everything queued before; with ``after``, only if that save succeeded."""
+        if backend_for(target).remote or backend_for(linkpath).remote:
+            raise ValueError(f"link({os.fspath(target)!r}, {os.fspath(linkpath)!r}): a symbolic link lives on a local "
+                             "file system, not in an object store")
         target, linkpath = os.path.abspath(os.fspath(target)), os.path.abspath(os.fspath(linkpath))
         return self._queue_after("link", linkpath, LinkRequest(target, linkpath), after, label=f"-> {os.path.basename(target)}")
 
@@ -346,7 +353,7 @@ class Checkpointer:
         (``options.target_for(path)``, committed like a checkpoint) in the background writer, after
         everything queued before; with ``after``, only if that save succeeded (``writer/export``). A
         failed export is logged and fails its handle, never the checkpoint or later saves."""
-        path = os.path.abspath(os.fspath(path))
+        path = _normalize(path)
         options = as_options(options or "safetensors")
         target = options.target_for(path)
         return self._queue_after("export", path, ExportRequest(path, target, with_torch_readers(options)), after, label=f"to {target}")

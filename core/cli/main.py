@@ -24,14 +24,12 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from tqdm import tqdm
 
 from asyncckpt.core.verify import checkpoint_kinds
-from asyncckpt.core.storage import commit
 from asyncckpt.core.verify import integrity
 from asyncckpt.core.storage import leftovers, orphans
 from asyncckpt.core.formats import names
 from asyncckpt.core.cli import export as export_cli
-from asyncckpt.core.cli import object_cli
 from asyncckpt.core.errors import CheckpointError
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.backend import Backend, backend_for
 from asyncckpt.core.storage.object_store import ObjectStoreError
 from asyncckpt.core.loading.metadata_io import load_dcp_metadata
 from asyncckpt.core.formats.names import DCP_METADATA_FILE
@@ -50,37 +48,39 @@ def _human(nbytes: int) -> str:
     raise AssertionError("unreachable")
 
 
+def _trimmed(path: str) -> str:
+    """``ckpt/step_10/`` or ``s3://b/run/`` named as ``ckpt/step_10`` / ``s3://b/run``."""
+    return path.rstrip("/") or path
+
+
 def _shape(size) -> str:
     return "[" + ", ".join(str(d) for d in size) + "]"
 
 
 # --------------------------------------------------------------------------------------------- ls
 def cmd_ls(root: str) -> int:
-    """One line per checkpoint of any kind (``checkpoint_kinds``): name, step, size, status, kind.
-    Sorted by (step, time), like ``latest_checkpoint`` ranks them, so the last COMPLETE line is
-    what a resume picks."""
+    """One line per checkpoint of any kind, and per leftover (``checkpoint_kinds``): name, step,
+    size, status, kind. Sorted by (step, time), like ``latest_checkpoint`` ranks them, so the last
+    COMPLETE line is what a resume picks. The same for a directory and an object-store prefix."""
     backend = backend_for(root)
-    if backend.remote:
-        return object_cli.cmd_ls(root, _human)
     try:
         entries = checkpoint_kinds.checkpoints_under(root)
-    except OSError as e:
-        print(f"asyncckpt ls: {root}: {e.strerror}", file=sys.stderr)
+    except (OSError, ObjectStoreError) as e:
+        print(f"asyncckpt ls: {root}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return EXIT_PROBLEM
     rows = []
     finishing = {what: token for token, names_finishing in orphans.at_work(root).items() for what in names_finishing}
     for entry in entries:
-        name = os.path.basename(entry.path)
+        name = backend.basename(entry.path)
         hidden = names.parse_hidden(name)
         if hidden is not None and hidden.name in finishing:  # its training process died after the save returned
             entry.note = f"being finished by the writer {finishing[hidden.name]} of a training process that died"
-        record = commit.read_commit_record(entry.path) if entry.kind != "file" else None
-        when = (record or {}).get("committed_at_ns") or os.lstat(entry.path).st_mtime_ns
-        size = backend.used_bytes(entry.path) if os.path.isdir(entry.path) else os.path.getsize(entry.path)
+        size = entry.size if entry.size is not None else backend.used_bytes(entry.path)
         note = ", ".join(part for part in (
             entry.kind if entry.kind != "hidden" else "", entry.note, f"epoch {entry.epoch}" if entry.epoch is not None else "",
             "no checksums" if entry.status in ("COMPLETE", "NATIVE") and not entry.checksums else "") if part)
-        rows.append(((entry.step if entry.step is not None else -1, when, name), name, entry.step, size, entry.status, note))
+        rows.append(((entry.step if entry.step is not None else -1, entry.modified, name), name, entry.step, size,
+                     entry.status, note))
     rows.sort(key=lambda row: row[0])
     width = max((len(row[1]) for row in rows), default=0)
     for _key, name, step, size, status, note in rows:
@@ -91,39 +91,59 @@ def cmd_ls(root: str) -> int:
 
 # ---------------------------------------------------------------------------------------- inspect
 def cmd_inspect(path: str) -> int:
-    """Describe a checkpoint from ``.metadata`` (what a loader will read) plus the sidecars
-    (who wrote what, exact data offsets). Works for plain DCP checkpoints too (no sidecars)."""
-    if backend_for(path).remote:
-        return object_cli.cmd_inspect(path)
-    entry = checkpoint_kinds.classify(path) if os.path.exists(path) else None
+    """Describe a checkpoint from ``.metadata`` (what a loader will read) plus the sidecars (who
+    wrote what, exact data offsets); plain DCP checkpoints too (no sidecars). Reads only those
+    small files and the listing, never the data: in an object store, a local copy of them."""
+    backend = backend_for(path)
+    entry = checkpoint_kinds.classify(path)
     if entry is None:
-        if os.path.isdir(path) and checkpoint_kinds.checkpoints_under(path):
+        try:
+            holds_checkpoints = bool(checkpoint_kinds.checkpoints_under(path))
+        except (OSError, ObjectStoreError):
+            holds_checkpoints = False
+        if holds_checkpoints:
             print(f"{path} holds checkpoints, and is none itself:")
             return cmd_ls(path)
         print(f"asyncckpt inspect: {path}: not a checkpoint this tool knows (a DCP directory, a directory of "
               f"native files, or a {'/'.join(checkpoint_kinds.NATIVE_FILE_SUFFIXES)} file)", file=sys.stderr)
         return EXIT_PROBLEM
+    if entry.kind == "hidden":
+        print(f"{path}: INCOMPLETE ({entry.note}): the save that wrote it did not finish, or is still running",
+              file=sys.stderr)
+        return EXIT_INCOMPLETE
     if entry.kind == "file":
-        return _inspect_files(path, [path])
+        print(f"{path}: single file, {entry.size} B, {'checksum attached' if entry.checksums else 'no checksum'}")
+        return _inspect_files(backend, [(backend.basename(path), path, entry.size or 0)])
+    listed = sorted(backend.listing(path), key=lambda item: item.name)
     if entry.kind == "directory":
         print(f"{path}: {entry.status}, step {'-' if entry.step is None else entry.step}")
-        return _inspect_files(path, [os.path.join(path, n) for n in sorted(os.listdir(path)) if not n.startswith(".")])
-    record = commit.read_commit_record(path) or {}
-    status = "COMPLETE" if commit.is_complete(path) else "INCOMPLETE"
-    print(f"{path}: {status}, step {record.get('step', '-')}, world size {record.get('world_size', '?')}, "
-          f"save {record.get('save_id', '?')}")
+        return _inspect_files(backend, [(item.name, item.path, item.size) for item in listed
+                                              if not item.name.startswith(".") and not item.is_dir])
+    record = entry.record or {}
+    print(f"{path}: {entry.status}, step {record.get('step', entry.step if entry.step is not None else '-')}, "
+          f"world size {record.get('world_size', '?')}, save {record.get('save_id', '?')}")
+    described = [item.name for item in listed
+                 if item.name in (names.DCP_METADATA_FILE, names.COMMIT_RECORD) or names.SIDECAR_PATTERN.match(item.name)]
+    with backend.local_copy(path, described) as local:
+        shown = _inspect_sharded(path, local, {item.name: item.size for item in listed})
+    return EXIT_INCOMPLETE if shown == EXIT_OK and entry.status == "INCOMPLETE" else shown
+
+
+def _inspect_sharded(path: str, local: str, sizes: dict[str, int]) -> int:
+    """The keys of a sharded checkpoint at ``path``, from its ``.metadata`` and sidecars at ``local``
+    (the same directory, or a copy of those files); ``sizes``: every file's size."""
     problems: list[str] = []
-    sidecars = integrity.load_sidecars(path, integrity.sidecar_ranks(path), problems.append)
+    sidecars = integrity.load_sidecars(local, integrity.sidecar_ranks(local), problems.append)
     for message in problems:
         print(f"warning: {message}", file=sys.stderr)
     try:
-        metadata = load_dcp_metadata(path)
+        metadata = load_dcp_metadata(local)
     except FileNotFoundError:
         print(f"{path}: no {DCP_METADATA_FILE}: the save never reached its commit; nothing a loader could read",
               file=sys.stderr)
         return EXIT_INCOMPLETE
     except CheckpointError as e:
-        print(f"asyncckpt inspect: {e}", file=sys.stderr)
+        print(f"asyncckpt inspect: {names.unhide(str(e)).replace(local, path)}", file=sys.stderr)
         return EXIT_PROBLEM
 
     by_location = {(item["file"], item["start"]): (rank, item) for rank, sc in sidecars.items() for item in sc["items"]}
@@ -173,19 +193,22 @@ def cmd_inspect(path: str) -> int:
     print("per rank:")
     for rank in sorted(totals, key=lambda r: -1 if r is None else r):
         t = totals[rank]
-        files = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
-                    if rank is not None and integrity.rank_of_file(n) == rank)
+        files = sum(size for name, size in sizes.items() if rank is not None and integrity.rank_of_file(name) == rank)
         print(f"  rank {'?' if rank is None else rank}: {t['chunks']} tensor chunk(s) {t['tensor_bytes']} B, "
               f"{t['objects']} object(s) {t['object_bytes']} B, data files {files} B ({_human(files)})")
     return EXIT_OK
 
 
-def _inspect_files(root: str, paths: list[str]) -> int:
-    """Keys, dtypes and shapes of native files (safetensors headers; weights-only torch.save pickles)."""
-    for path in paths:
-        name = os.path.relpath(path, os.path.dirname(root) if path == root else root)
-        print(f"{name}  {os.path.getsize(path)} B")
+def _inspect_files(backend: Backend, files: list[tuple[str, str, int]]) -> int:
+    """Keys, dtypes and shapes of native files ``(name, path, size)``: safetensors headers,
+    weights-only torch.save pickles, memory-mapped. A remote file's tensors are not listed: that
+    would download it."""
+    for name, path, size in files:
+        print(f"{name}  {size} B")
         if not path.endswith(checkpoint_kinds.NATIVE_FILE_SUFFIXES):
+            continue
+        if backend.remote:
+            print("  (tensors not listed for a file in an object store: inspect a local copy)")
             continue
         tensors, note = checkpoint_kinds.describe_file(path)
         for key, dtype, shape in tensors:
@@ -198,20 +221,23 @@ def _inspect_files(root: str, paths: list[str]) -> int:
 # ----------------------------------------------------------------------------------------- verify
 def cmd_verify(path: str, progress: bool = True) -> int:
     """Re-check everything a load relies on (``integrity``); report every problem, not just the first.
-    A local directory holding checkpoints has each of them verified. (A progress bar for local
+    A directory (or prefix) holding checkpoints has each of them verified. (A progress bar for local
     checkpoints: a remote one is fetched whole before it is checked.)"""
     backend = backend_for(path)
-    remote = backend.remote
-    path = path.rstrip("/") if remote else path
-    entry = checkpoint_kinds.classify(path, read_step=False) if not remote and os.path.exists(path) else None
-    if entry is None and not remote and os.path.isdir(path) and checkpoint_kinds.checkpoints_under(path, read_step=False):
-        found = [e for e in checkpoint_kinds.checkpoints_under(path, read_step=False) if e.kind != "hidden"]
-        return max((cmd_verify(e.path, progress) for e in sorted(found, key=lambda e: e.path)), default=EXIT_OK)
+    entry = checkpoint_kinds.classify(path, read_step=False)
+    if entry is None:
+        try:
+            found = [e for e in checkpoint_kinds.checkpoints_under(path, read_step=False) if e.kind != "hidden"]
+        except (OSError, ObjectStoreError):
+            found = []
+        if found:
+            return max((cmd_verify(e.path, progress) for e in sorted(found, key=lambda e: e.path)), default=EXIT_OK)
+        print(f"asyncckpt verify: {path}: not a checkpoint this tool knows", file=sys.stderr)
+        return EXIT_PROBLEM
     try:
-        if entry is None and not remote:
-            raise FileNotFoundError(path)
-        with tqdm(total=0 if remote else integrity.total_bytes(path), unit="B", unit_scale=True, unit_divisor=1024,
-                  desc="verify", file=sys.stderr, disable=not progress or remote, dynamic_ncols=True) as bar:
+        with tqdm(total=0 if backend.remote else integrity.total_bytes(path), unit="B", unit_scale=True,
+                  unit_divisor=1024, desc="verify", file=sys.stderr, disable=not progress or backend.remote,
+                  dynamic_ncols=True) as bar:
             report = integrity.check(path, on_problem=lambda m: tqdm.write(m, file=sys.stdout), progress=bar.update)
     except FileNotFoundError:
         print(f"asyncckpt verify: {path}: not a checkpoint this tool knows", file=sys.stderr)
@@ -285,14 +311,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "ls":
-            return cmd_ls(args.root)
+            return cmd_ls(_trimmed(args.root))
         if args.command == "inspect":
-            return cmd_inspect(args.path)
+            return cmd_inspect(_trimmed(args.path))
         if args.command == "clean":
             return cmd_clean(args.root, args.min_age, args.dry_run)
         if args.command == "export":
             return export_cli.run(args)
-        return cmd_verify(args.path, progress=not args.no_progress)
+        return cmd_verify(_trimmed(args.path), progress=not args.no_progress)
     except BrokenPipeError:  # `asyncckpt inspect ... | head`: stop quietly, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_PROBLEM

@@ -33,6 +33,7 @@ from typing import Callable, ContextManager, Iterator, Optional, Protocol
 
 from asyncckpt.core.formats.checksum import FileChecksum
 from asyncckpt.core.storage.leftovers import Leftover
+from asyncckpt.core.storage.listing import Listed
 from asyncckpt.core.storage.local import LocalBackend
 from asyncckpt.core.storage.object_backend import ObjectBackend
 from asyncckpt.core.storage.object_store import ObjectStoreOptions
@@ -94,6 +95,9 @@ class Backend(Protocol):
 
     def list_names(self, path: str) -> list[str]:
         """The names directly under ``path``; FileNotFoundError if there is nothing there."""
+
+    def listing(self, path: str) -> list[Listed]:
+        """What ``list_names`` names, with what one listing tells of each (kind, size, time)."""
 
     def read_pieces(self, path: str, piece_bytes: int) -> Iterator[memoryview]:
         """The content of ``path`` in order, in pieces (each valid until the next is asked for)."""

@@ -38,6 +38,7 @@ from asyncckpt.core.storage import diskio
 from asyncckpt.core.storage import leftovers
 from asyncckpt.core.storage.fsio import atomic_write_bytes, exchange_paths, fsync_dir, fsync_file
 from asyncckpt.core.storage.leftovers import Leftover
+from asyncckpt.core.storage.listing import Listed
 
 CHECKSUM_ATTRIBUTE = "user.asyncckpt.checksum"
 _UNSUPPORTED = {errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.ENOSYS}
@@ -190,7 +191,7 @@ class LocalBackend:
         return os.path.join(base, *parts)
 
     def basename(self, path: str) -> str:
-        return os.path.basename(path)
+        return os.path.basename(os.path.normpath(path))
 
     def read_bytes(self, path: str) -> bytes:
         with open(path, "rb") as f:
@@ -207,6 +208,19 @@ class LocalBackend:
 
     def list_names(self, path: str) -> list[str]:
         return os.listdir(path)
+
+    def listing(self, path: str) -> list[Listed]:
+        found = []
+        with os.scandir(path) as entries:
+            for entry in entries:
+                try:
+                    own = entry.stat(follow_symlinks=False)
+                    target = entry.stat() if entry.is_symlink() else own
+                except FileNotFoundError:  # removed meanwhile, or a dangling link
+                    continue
+                is_dir = entry.is_dir()
+                found.append(Listed(entry.name, entry.path, is_dir, 0 if is_dir else target.st_size, own.st_mtime))
+        return found
 
     marker_poll_s = 0.005  # a listing of one local directory costs microseconds
 

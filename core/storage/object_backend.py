@@ -46,6 +46,7 @@ from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import FileChecksum, parse_record, record_body
 from asyncckpt.core.storage import leftovers
 from asyncckpt.core.storage.leftovers import Leftover
+from asyncckpt.core.storage.listing import Listed
 from asyncckpt.core.storage.object_store import ObjectStore, ObjectStoreOptions, forget_listings, store_for
 
 CHECKSUM_METADATA = "asyncckpt-checksum"  # user metadata of a single-file object: its checksum record
@@ -89,13 +90,13 @@ class ObjectDestination:
         """Create the commit object (listing every object of the checkpoint and its size), once;
         then drop the owner markers."""
         entries = self.store.list(self.directory)
-        files = {e.name: e.size for e in entries if not e.is_prefix and names.is_published_file(e.name)}
+        files = {e.name: e.size for e in entries if not e.is_dir and names.is_published_file(e.name)}
         try:
             self.store.put(self._url(names.COMMIT_RECORD), commit_record.encode({"files": files, **record}), exclusive=True)
         except FileExistsError:
             raise CheckpointWriteError(f"{self.directory} was committed by another save meanwhile (another job "
                                        "writing the same checkpoint?); this save is not published") from None
-        self.store.delete([e.url for e in entries if names.OWNER_MARKER_PATTERN.match(e.name)])
+        self.store.delete([e.path for e in entries if names.OWNER_MARKER_PATTERN.match(e.name)])
         return None
 
     def delete(self, replaced: str, token: str) -> None:
@@ -145,6 +146,9 @@ class ObjectBackend:
         """Objects and sub-prefixes one level down, by a delimited listing: nothing deeper is listed."""
         return [entry.name for entry in self.store(path).list(path)]
 
+    def listing(self, path: str) -> list[Listed]:
+        return self.store(path).list(path)
+
     marker_poll_s = 0.1  # each look is a LIST or GET request, billed
 
     def barrier_place(self, staging_dir: str, key: str) -> str:
@@ -177,7 +181,7 @@ class ObjectBackend:
             entries = store.list(root.rstrip("/"))
         except FileNotFoundError:
             return []
-        candidates = [e.url for e in entries if e.is_prefix and not e.name.startswith(".")]
+        candidates = [e.path for e in entries if e.is_dir and not e.name.startswith(".")]
         return list(zip(candidates, store.get_many([posixpath.join(url, names.COMMIT_RECORD) for url in candidates])))
 
     def used_bytes(self, path: str) -> int:
@@ -270,13 +274,13 @@ class ObjectBackend:
             if hidden is not None and hidden.kind == "tmp":
                 alive = leftovers.owner_alive(hidden.token)
                 writing[hidden.name] = True if alive or writing.get(hidden.name) else alive
-                found.append(Leftover(entry.url, "tmp", hidden.name, alive, entry.modified, 0))
-        prefixes = [e for e in entries if e.is_prefix and not e.name.startswith(".")]
-        records = store.get_many([posixpath.join(e.url, names.COMMIT_RECORD) for e in prefixes])
+                found.append(Leftover(entry.path, "tmp", hidden.name, alive, entry.modified, 0))
+        prefixes = [e for e in entries if e.is_dir and not e.name.startswith(".")]
+        records = store.get_many([posixpath.join(e.path, names.COMMIT_RECORD) for e in prefixes])
         uploads = store.incomplete_uploads(root)
         for entry, record in zip(prefixes, records):
             if commit_record.parse(record) is None:
-                found.append(_uncommitted(store, entry.url, entry.name, uploads))
+                found.append(_uncommitted(store, entry.path, entry.name, uploads))
         dead_prefixes = {leftover.path for leftover in found if leftover.kind == "uncommitted"}
         for upload in uploads:
             if any(upload.url.startswith(prefix + "/") for prefix in dead_prefixes):
@@ -311,7 +315,7 @@ def _uncommitted(store: ObjectStore, url: str, name: str, uploads: list) -> Left
     modified = max([modified] + [u.initiated for u in uploads if u.url.startswith(url + "/")])
     if any(e.name == REMOVING_MARKER for e in entries):
         return Leftover(url, "uncommitted", name, False, modified, size)
-    markers = [e.url for e in entries if names.OWNER_MARKER_PATTERN.match(e.name)]
+    markers = [e.path for e in entries if names.OWNER_MARKER_PATTERN.match(e.name)]
     verdicts = [leftovers.owner_alive(body.decode(errors="replace")) if body is not None else None
                 for body in store.get_many(markers)]
     if any(v is True for v in verdicts):

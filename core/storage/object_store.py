@@ -43,6 +43,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from asyncckpt.core.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.core.storage.fsio import fsync_file
+from asyncckpt.core.storage.listing import Listed
 
 DEFAULT_PART_BYTES = 32 << 20
 DEFAULT_CONCURRENCY = 8
@@ -138,17 +139,6 @@ def forget_listings(url: str, options: Optional[ObjectStoreOptions] = None) -> N
     lists its directory to find ``last.ckpt``)."""
     store = store_for(url, options)
     store.fs.invalidate_cache(store.path(url))
-
-
-@dataclass
-class Entry:
-    """One name directly under a listed prefix."""
-
-    name: str
-    url: str
-    is_prefix: bool
-    size: int = 0
-    modified: float = 0.0  # seconds since the epoch (0 for prefixes)
 
 
 @dataclass
@@ -375,7 +365,7 @@ class ObjectStore:
         path = self.path(url)
         return bool(self._run("look up", url, lambda: self.fs._exists(path)))
 
-    def list(self, url: str) -> list[Entry]:
+    def list(self, url: str) -> list[Listed]:
         """Objects and sub-prefixes directly under ``url`` (one delimited listing); FileNotFoundError
         when there is nothing under it."""
         path = self.path(url)
@@ -385,7 +375,7 @@ class ObjectStore:
         for item in found:
             name = item["name"].rstrip("/").rsplit("/", 1)[-1]
             modified = item.get("LastModified") or item.get("mtime")
-            entries.append(Entry(name, self.url(item["name"].rstrip("/")), item.get("type") == "directory",
+            entries.append(Listed(name, self.url(item["name"].rstrip("/")), item.get("type") == "directory",
                                  int(item.get("size") or 0), modified.timestamp() if hasattr(modified, "timestamp") else 0.0))
         return entries
 

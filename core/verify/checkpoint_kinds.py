@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from asyncckpt.core.storage import commit
-from asyncckpt.core.storage import file_checksums
 from asyncckpt.core.formats import names
+from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.leftovers import Leftover
 
 NATIVE_FILE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".safetensors")
 _FRAMEWORK_FILES = re.compile(r"^(model(-\d+-of-\d+|_\d+)?\.safetensors|pytorch_model.*\.bin|optimizer(_\d+)?\.(bin|pt)|"
@@ -43,7 +44,7 @@ _TRAILING_NUMBER = re.compile(r"(\d+)$")
 
 @dataclass
 class Entry:
-    """One checkpoint (or leftover) found under a root."""
+    """One checkpoint (or leftover) found under a root, or named."""
 
     path: str
     kind: str  # "sharded", "directory", "file", "hidden"
@@ -52,57 +53,102 @@ class Entry:
     epoch: Optional[int]
     note: str = ""
     checksums: bool = False  # carries checksums to verify it by (written by asyncckpt, since they exist)
+    record: Optional[dict] = None  # its commit record
+    size: Optional[int] = None  # bytes, where finding it measured them (else ``Backend.used_bytes``)
+    modified: float = 0.0  # seconds since the epoch: its commit, else its listing's time
 
 
 def classify(path: str, *, read_step: bool = True) -> Optional[Entry]:
-    """What ``path`` is, or None if it is no checkpoint (any file named explicitly counts as one).
-    ``read_step``: a file whose name holds no step (Lightning's ``last.ckpt``) has it read from its
-    content, which unpickles the file's whole structure (seconds for thousands of tensors): only
-    for listings, not for checks."""
-    name = os.path.basename(os.path.normpath(path))
+    """What ``path`` (a local path or a URL) is, or None if it is no checkpoint (any file named
+    explicitly counts as one). ``read_step``: a local file whose name holds no step (Lightning's
+    ``last.ckpt``) has it read from its content, which unpickles the file's whole structure (seconds
+    for thousands of tensors): only for listings, not for checks."""
+    backend = backend_for(path)
+    name = backend.basename(path)
     hidden = names.parse_hidden(name)
     if hidden is not None:
-        aborted = os.path.exists(os.path.join(path, names.ABORT_MARKER))
-        return Entry(path, "hidden", "INCOMPLETE", step_from_name(hidden.name), None, "aborted" if aborted else hidden.kind)
-    if os.path.isfile(path):
-        note = f"-> {os.readlink(path)}" if os.path.islink(path) else ""
-        step_and_epoch = _step_and_epoch_of_file(path, name) if read_step else (step_from_name(name), None)
-        return Entry(path, "file", "COMPLETE", *step_and_epoch, note,
-                     file_checksums.read_record(path) is not None)
-    if not os.path.isdir(path):
-        return None
-    try:
-        entries = set(os.listdir(path))
-    except OSError:
-        return None
-    record = commit.read_commit_record(path)
-    step = record.get("step") if record and isinstance(record.get("step"), int) else step_from_name(name)
-    sharded = names.DCP_METADATA_FILE in entries or any(map(names.SIDECAR_PATTERN.match, entries)) or (
-        record is not None and names.DCP_METADATA_FILE in record.get("files", {}))
-    if record is not None:
-        return Entry(path, "sharded" if sharded else "directory", "COMPLETE", step, None,
-                     checksums=sharded or "checksums" in record)
-    if sharded:
-        complete = names.DCP_METADATA_FILE in entries and not any(map(names.SIDECAR_PATTERN.match, entries))
-        return Entry(path, "sharded", "NATIVE" if complete else "INCOMPLETE", step, None,
-                     "" if complete else "no commit record")
-    if any(map(_FRAMEWORK_FILES.match, entries)):
-        return Entry(path, "directory", "NATIVE", step, None, "written without asyncckpt: completeness unknown")
-    return None
+        return _hidden(backend, path, hidden)
+    if backend.is_file(path):
+        return _file(backend, path, name, backend.size_of(path), 0.0, read_step)
+    return _directory(backend, path, name, commit.read_commit_record(path), 0.0)
 
 
 def checkpoints_under(root: str, *, read_step: bool = True) -> list[Entry]:
-    """Every checkpoint (and leftover of ours) directly under ``root`` (``read_step``: see ``classify``)."""
-    found = [classify(os.path.join(root, name), read_step=read_step) for name in os.listdir(root)
-             if _may_be_checkpoint(root, name)]
-    return [entry for entry in found if entry is not None]
+    """Every checkpoint directly under ``root`` (a directory or a URL), and every leftover of ours
+    there (``Backend.find_leftovers``: kind ``hidden``). One listing of ``root`` and its commit
+    records (``commit.committed_under``); a committed checkpoint is described from its record,
+    without listing it. ``read_step``: see ``classify``. OSError if ``root`` cannot be listed."""
+    backend = backend_for(root)
+    listed = backend.listing(root)
+    records = dict(commit.committed_under(root))
+    left = {leftover.path: leftover for leftover in backend.find_leftovers(root)}
+    shown = {item.path for item in listed if names.parse_hidden(item.name) is None}
+    found = [_leftover(backend, leftover) for path, leftover in left.items() if path not in shown]
+    for item in listed:
+        if item.path not in shown or item.name.startswith("."):
+            continue  # ours are leftovers, above; other hidden names are nobody's checkpoint
+        if not item.is_dir:
+            if item.name.endswith(NATIVE_FILE_SUFFIXES):
+                found.append(_file(backend, item.path, item.name, item.size, item.modified, read_step))
+            continue
+        entry = _directory(backend, item.path, item.name, records.get(item.path), item.modified)
+        if entry is None and item.path in left:  # an object-store prefix a crashed save left, holding nothing known
+            entry = _leftover(backend, left[item.path])
+        if entry is not None:
+            found.append(entry)
+    return found
 
 
-def _may_be_checkpoint(root: str, name: str) -> bool:
-    """In a listing: our hidden leftovers, and what is not hidden (a file by its suffix)."""
-    if names.parse_hidden(name) is not None:
-        return True
-    return not name.startswith(".") and (name.endswith(NATIVE_FILE_SUFFIXES) or not os.path.isfile(os.path.join(root, name)))
+def _hidden(backend: Any, path: str, hidden: names.HiddenName) -> Entry:
+    aborted = backend.exists(backend.join(path, names.ABORT_MARKER))
+    return Entry(path, "hidden", "INCOMPLETE", step_from_name(hidden.name), None, "aborted" if aborted else hidden.kind)
+
+
+def _leftover(backend: Any, leftover: Leftover) -> Entry:
+    """A leftover as a listing shows it: named by what it belongs to, and what it is."""
+    hidden = names.parse_hidden(backend.basename(leftover.path))
+    entry = _hidden(backend, leftover.path, hidden) if hidden is not None else Entry(
+        leftover.path, "hidden", "INCOMPLETE", step_from_name(leftover.belongs_to), None, leftover.kind)
+    entry.size, entry.modified = leftover.size, leftover.modified
+    return entry
+
+
+def _file(backend: Any, path: str, name: str, size: int, modified: float, read_step: bool) -> Entry:
+    """A single native file. Its content is read for a step only in place (never downloaded)."""
+    note = f"-> {os.readlink(path)}" if os.path.islink(path) else ""
+    step_and_epoch = _step_and_epoch_of_file(path, name, read_step and not backend.remote)
+    return Entry(path, "file", "COMPLETE", *step_and_epoch, note, backend.read_checksum_record(path) is not None,
+                 size=size, modified=modified)
+
+
+def _directory(backend: Any, path: str, name: str, record: Optional[dict], modified: float) -> Optional[Entry]:
+    """A directory or prefix: by its commit record (whose ``files`` name what it holds), else by
+    what it holds. In an object store a save writes under the final name: owner markers without a
+    commit object are a save in flight or a crashed one."""
+    files = record.get("files") if record is not None else None
+    if isinstance(files, dict) and files:
+        entries = set(files)
+    else:
+        try:
+            entries = set(backend.list_names(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+    step = record.get("step") if record and isinstance(record.get("step"), int) else step_from_name(name)
+    sharded = names.DCP_METADATA_FILE in entries or any(map(names.SIDECAR_PATTERN.match, entries))
+    if record is not None:
+        size = sum(files.values()) if isinstance(files, dict) and files else None
+        return Entry(path, "sharded" if sharded else "directory", "COMPLETE", step, None,
+                     checksums=sharded or "checksums" in record, record=record, size=size,
+                     modified=(record.get("committed_at_ns") or 0) / 1e9 or modified)
+    if sharded or any(map(names.OWNER_MARKER_PATTERN.match, entries)):
+        complete = names.DCP_METADATA_FILE in entries and not any(
+            names.SIDECAR_PATTERN.match(e) or names.OWNER_MARKER_PATTERN.match(e) for e in entries)
+        return Entry(path, "sharded", "NATIVE" if complete else "INCOMPLETE", step, None,
+                     "" if complete else "no commit record", modified=modified)
+    if any(map(_FRAMEWORK_FILES.match, entries)):
+        return Entry(path, "directory", "NATIVE", step, None, "written without asyncckpt: completeness unknown",
+                     modified=modified)
+    return None
 
 
 def step_from_name(name: str) -> Optional[int]:
@@ -111,9 +157,9 @@ def step_from_name(name: str) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
-def _step_and_epoch_of_file(path: str, name: str) -> tuple[Optional[int], Optional[int]]:
+def _step_and_epoch_of_file(path: str, name: str, read_content: bool) -> tuple[Optional[int], Optional[int]]:
     step, epoch = step_from_name(name), _EPOCH_IN_NAME.search(name)
-    if step is not None:
+    if step is not None or not read_content:
         return step, int(epoch.group(1)) if epoch else None
     content = load_weights_only(path)  # e.g. last.ckpt: Lightning records them inside
     if isinstance(content, dict):
