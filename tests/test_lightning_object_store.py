@@ -55,3 +55,22 @@ def test_model_checkpoint_on_s3_saves_async_and_resumes_last(s3_root):
     with store_for(root).fs.open(f"{root}/checkpoints/last.ckpt", "rb") as f:
         last = torch.load(f, weights_only=False)
     assert last["global_step"] == 48 and torch.equal(last["state_dict"]["net.weight"], resumed.net.weight.detach())
+
+
+def test_a_damaged_checkpoint_object_is_refused_by_name(s3_root):
+    """Resuming from a URL: the object is fetched once, loaded and hashed; a flipped byte is refused."""
+    from asyncckpt.core import CorruptCheckpointError
+
+    url = f"{s3_root}/run/last.ckpt"
+    io = AsyncCkptIO()
+    io.save_checkpoint({"state_dict": {"w": torch.arange(1 << 16, dtype=torch.float32)}, "global_step": 3}, url)
+    io.wait()
+    assert io.load_checkpoint(url)["global_step"] == 3
+    store = store_for(url)
+    data = bytearray(store.get(url))
+    data[len(data) // 2] ^= 0x01
+    store.put(url, bytes(data), metadata=store.user_metadata(url))  # the checksum kept, the bytes changed
+    assert file_checksums.read_record(url) is not None
+    with pytest.raises(CorruptCheckpointError, match=r"last\.ckpt: checksum mismatch"):
+        io.load_checkpoint(url)
+    io.teardown()

@@ -117,7 +117,8 @@ class AsyncCkptIO(CheckpointIO):
     def load_checkpoint(self, path: _PATH, map_location: Optional[Callable] = lambda storage, loc: storage,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Wait for pending writes (on every rank under DDP), then load with ``TorchCheckpointIO``, the
-        file's checksum computed beside the load, over the pages it reads (``resume.load_file``)."""
+        file's checksum computed beside the load, over the pages it reads (``resume.load_file``; a URL's
+        object is fetched once, then loaded and hashed)."""
         self.checkpointer.wait(everywhere=True)
 
         def load(file: _PATH) -> dict[str, Any]:
@@ -125,12 +126,9 @@ class AsyncCkptIO(CheckpointIO):
 
         if not self.verify_on_resume:
             return load(path)
-        if not _is_local(path):
-            self.checkpointer.require_intact(path)
-            return load(path)
-        path = os.path.abspath(os.fspath(path))
+        path = os.path.abspath(os.fspath(path)) if _is_local(path) else os.fspath(path)
         paths = [path]
-        if self.resume_from_intact and path == self.picked_by_lightning:  # older ones in its directory may stand in
+        if self.resume_from_intact and path == self.picked_by_lightning and _is_local(path):  # older ones may stand in
             paths += [p for p in resume.candidates(os.path.dirname(path), _checkpoint_file_mtime)
                       if os.path.realpath(p) != os.path.realpath(path)]
         return resume.first_intact(paths, lambda candidate: resume.load_file(candidate, load))

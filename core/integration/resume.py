@@ -102,13 +102,17 @@ def first_intact(paths: list[str], attempt: Callable[[str], T]) -> T:
 def load_file(path: str, load: Callable[[str], T]) -> T:
     """``load(path)``, the framework's own load of the single file ``path``, while its checksum is computed
     beside it; the result only if the bytes are those written, else ``CorruptCheckpointError`` naming the
-    file. A file without a checksum: ``load(path)`` alone."""
+    file. A file without a checksum: ``load(path)`` alone. A file in an object store is fetched once into a
+    temporary file (``Backend.local_copy``), which is loaded and hashed: its bytes cross the network once."""
+    backend = backend_for(path)
     expected = file_checksums.read_record(path)
     if expected is None:
         return load(path)
-    result, found = _load_while_checking(path, expected, load)
+    name = backend.basename(path)
+    with backend.local_copy(os.path.dirname(path), [name]) as folder:
+        result, found = _load_while_checking(os.path.join(folder, name), expected, load)
     if found:
-        raise integrity.damaged(path, [f"{os.path.basename(path)}: {found}"])
+        raise integrity.damaged(path, [f"{name}: {found}"])
     return result
 
 
