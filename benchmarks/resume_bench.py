@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/resume_bench.py [--adapters lightning,accelerate,hf_trainer] [--reps 5]
     # writes benchmarks/results/resume.json and docs/benchmarks_resume.md
+    # (Lightning's sharded FSDP resume: --adapters lightning_sharded --json benchmarks/results/resume_sharded.json
+    #  --markdown docs/benchmarks_resume_sharded.md)
 
 Each adapter saves one checkpoint of a model with ~1 GiB of weights + AdamW state (5 Linear(4096, 4096)
 and 200 Linear(128, 128), ~335 MiB of weights; one optimizer step) through asyncckpt, as a user's run
@@ -220,7 +222,61 @@ class Resumed(Exception):
     """Raised by the Trainer benchmark's callback where the first step after the resume would begin."""
 
 
-KINDS = {"lightning": Lightning, "accelerate": Accelerate, "hf_trainer": HfTrainer}
+class LightningSharded:
+    """Lightning's sharded FSDP resume as it reads a checkpoint directory: ``dcp.load(state,
+    checkpoint_id=dir)`` into the model's and the optimizer's tensors, in place, then ``torch.load`` of its
+    ``meta.pt`` (``FSDPStrategy.load_checkpoint``; the strategy needs a GPU, so its two reads are run here
+    without it, on the same directory ``AsyncCkptIO.save_sharded`` writes)."""
+
+    def __init__(self, root: str, mode: str) -> None:
+        import torch
+
+        self.torch, self.mode = torch, mode
+        self.path = os.path.join(root, "resume.ckpt")
+
+    def state(self) -> dict:
+        model = build_model()
+        optimizer = self.torch.optim.AdamW(model.parameters())
+        loss_of(model, self.torch).backward()
+        optimizer.step()
+        return {"model": model.state_dict(), "optimizer_0": optimizer.state_dict()}
+
+    def save(self) -> list[str]:
+        import io
+
+        from asyncckpt import core
+
+        meta = io.BytesIO()
+        self.torch.save({"global_step": STEP, "epoch": 0}, meta)
+        core.save(self.state(), self.path, extra_files={"meta.pt": meta.getvalue()})
+        return [os.path.join(self.path, name) for name in os.listdir(self.path)]
+
+    def prepare(self) -> None:
+        from asyncckpt import core
+
+        self.target = self.state()
+        self.checkpointer = core.Checkpointer() if self.mode != "native" else None
+
+    def read(self) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(self.target, checkpoint_id=self.path)
+        assert self.torch.load(os.path.join(self.path, "meta.pt"), weights_only=True)["global_step"] == STEP
+
+    def load(self) -> None:
+        if self.mode == "native":
+            self.read()
+        elif self.mode == "before":  # check, then load (the adapter's sharded resume until this change)
+            self.checkpointer.require_intact(self.path)
+            self.read()
+        else:
+            from asyncckpt.core.integration import resume
+
+            resume.load_directory(self.checkpointer, self.path, self.read)
+
+
+KINDS = {"lightning": Lightning, "accelerate": Accelerate, "hf_trainer": HfTrainer,
+         "lightning_sharded": LightningSharded}
 
 
 # ------------------------------------------------------------------------------------------ the page cache
@@ -399,6 +455,7 @@ def write_markdown(result: dict, path: str) -> None:
              "| before / native, min | after / native, min | target met (medians) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     timed = {"lightning": "`load_checkpoint` of the `.ckpt`", "accelerate": "`load_state(dir)`",
+             "lightning_sharded": "FSDP's sharded load: `dcp.load` of the directory in place, then `meta.pt`",
              "hf_trainer": "`train(resume_from_checkpoint=dir)` to its first step"}
     for adapter, r in result["results"].items():
         m, low = r["median"], r["min"]

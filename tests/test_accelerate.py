@@ -26,7 +26,7 @@ from accelerate.utils import ProjectConfiguration, set_seed  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from asyncckpt.adapters.accelerate import enable_async_checkpointing  # noqa: E402
-from asyncckpt.adapters.accelerate.adapter import AsyncCheckpointing  # noqa: E402
+from asyncckpt.adapters.accelerate.async_checkpointing import AsyncCheckpointing  # noqa: E402
 from asyncckpt.core import CheckpointWriteError, is_complete  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -183,6 +183,65 @@ def test_lightning_resume_reads_the_file_once(tmp_path):
 
 
 @needs_io_counters
+def test_a_directory_loaded_in_place_is_read_once_and_checked_beside_the_load(tmp_path):
+    """A framework's DCP load of a sharded directory (Lightning's FSDP resume) runs while the check hashes
+    the same pages: the disk is read once, and a flipped byte raises once the load is over, naming the key."""
+    import torch.distributed.checkpoint as dcp
+
+    from asyncckpt import core
+
+    path = str(tmp_path / "sharded")
+    state = {"w": torch.randn(1 << 24), "b": torch.randn(1000)}  # 64 MiB
+    core.save(state, path)
+    checkpointer = core.Checkpointer()
+    target = {"w": torch.zeros(1 << 24), "b": torch.zeros(1000)}
+    checkpointer.load_while_checking(path, lambda: dcp.load(target, checkpoint_id=path))  # first-use work
+    size = evict(Path(path))
+    before_disk = bytes_from_disk()
+    target = {"w": torch.zeros(1 << 24), "b": torch.zeros(1000)}
+    assert checkpointer.load_while_checking(path, lambda: dcp.load(target, checkpoint_id=path) or "loaded") == "loaded"
+    from_disk = bytes_from_disk() - before_disk
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+    assert from_disk < 1.1 * size, (from_disk, size)
+    damage(Path(path) / "__0_0.distcp", "flip")
+    with pytest.raises(core.CorruptCheckpointError, match=r"__0_0\.distcp: key '\w' \(rank 0\) .*checksum mismatch"):
+        checkpointer.load_while_checking(path, lambda: dcp.load(target, checkpoint_id=path))
+    checkpointer.close()
+
+
+def _load_damaged_share_on_ranks(rank, world, path):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from asyncckpt import core
+
+    mesh = init_device_mesh("cpu", (world,))
+    core.save({"w": distribute_tensor(torch.arange(4096.0).view(64, 64), mesh, [Shard(0)])}, path)
+    if rank == 0:
+        damage(Path(path) / "__1_0.distcp", "flip")  # rank 1's share
+    dist.barrier()
+    target = {"w": distribute_tensor(torch.zeros(64, 64), mesh, [Shard(0)])}
+    with core.Checkpointer() as checkpointer:
+        try:
+            checkpointer.load_while_checking(path, lambda: dcp.load(target, checkpoint_id=path), everywhere=True)
+        except core.CorruptCheckpointError as e:
+            return str(e)
+    return "loaded"
+
+
+def test_damage_in_one_ranks_share_raises_on_every_rank_after_the_load(tmp_path):
+    """Each rank checks its share beside its own load; the ranks agree after the load (a collective on
+    the calling thread, after DCP's own), so the rank whose share is intact raises too."""
+    from dist_helper import run_on_ranks
+
+    messages = run_on_ranks(_load_damaged_share_on_ranks, 2, str(tmp_path / "sharded"))
+    assert "found on another rank" in messages[0], messages
+    assert "__1_0.distcp: key 'w' (rank 1)" in messages[1] and "checksum mismatch" in messages[1], messages
+
+
+@needs_io_counters
 def test_accelerate_load_state_reads_each_file_once(tmp_path):
     pytest.importorskip("accelerate")
     acc, handle, model = _accelerator(tmp_path, width=1024)  # ~4 MiB of weights, ~8 MiB of AdamW state

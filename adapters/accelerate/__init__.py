@@ -3,6 +3,7 @@
     from asyncckpt.adapters.accelerate import enable_async_checkpointing
     handle = enable_async_checkpointing(accelerator)   # save_state() is now asynchronous and crash-safe
 """
-from .adapter import AsyncCheckpointing, Options, enable_async_checkpointing
+from .async_checkpointing import AsyncCheckpointing, enable_async_checkpointing
+from .options import Options
 
 __all__ = ["enable_async_checkpointing", "AsyncCheckpointing", "Options"]

@@ -19,7 +19,7 @@ import io
 import os
 import re
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import accelerate.checkpointing as accelerate_checkpointing
 import accelerate.utils.fsdp_utils as fsdp_utils
@@ -32,8 +32,7 @@ from asyncckpt.core.integration import patching
 from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves
 from asyncckpt.core.integration import tensor_bytes
 
-if TYPE_CHECKING:
-    from .adapter import AsyncCheckpointing
+from .options import Options
 
 _RNG_PREFIX = "random_states_"
 # Distributed types in which every process holds a full replica of the model and optimizer state (DDP).
@@ -57,8 +56,10 @@ class _TorchSavingInto:
 class Capture:
     """Turns the writes of one ``save_state()`` call into files of one transaction."""
 
-    def __init__(self, owner: "AsyncCheckpointing", tx: Any) -> None:
-        self.owner, self.tx, self.options = owner, tx, owner.options
+    def __init__(self, tx: Any, options: Options, *, save_on_each_node: bool, overlap_optimizer: bool) -> None:
+        self.tx, self.options = tx, options
+        self.save_on_each_node = save_on_each_node  # the project configuration's
+        self.overlap_optimizer = overlap_optimizer  # asked for, and every optimizer steps through the pre-hook
         self.state = PartialState()
         self.written: list[str] = []  # names this process staged
         self.spread: list[tuple[str, Any, str, int]] = []  # large replicated files, assigned at the end
@@ -114,7 +115,7 @@ class Capture:
         if name is None:
             return self.real_torch_save(obj, f, *args, **kwargs)
         per_process = os.path.basename(name).startswith(_RNG_PREFIX)
-        if per_process or self._writes_here(self.owner.accelerator.project_configuration.save_on_each_node):
+        if per_process or self._writes_here(self.save_on_each_node):
             self._stage_torch_save(name, obj, args, kwargs)
         return None
 
@@ -142,7 +143,7 @@ class Capture:
     def stage(self, name: str, obj: Any, fmt: str) -> None:
         """Snapshot ``obj`` as the file Accelerate would have written: now, or for an optimizer file
         with ``overlap_optimizer``, on the staging thread after the call."""
-        if fmt == "torch" and _OPTIMIZER_FILE.match(name) and self.owner.may_overlap_optimizer() \
+        if fmt == "torch" and _OPTIMIZER_FILE.match(name) and self.overlap_optimizer \
                 and not self._small(obj):
             self.overlapped.append((name, obj, fmt))
         else:

@@ -6,7 +6,7 @@ SUPPORT = Support(
     package="accelerate", extra="accelerate", oldest="1.13.0", newest="1.15.0",
     copied={
         "accelerate.accelerator:Accelerator.save_state": Copied(
-            "adapters/accelerate/adapter.py", ("5a5c62cbfb58ea77",)),
+            "adapters/accelerate/async_checkpointing.py", ("5a5c62cbfb58ea77",)),
         "accelerate.utils.other:save": Copied("adapters/accelerate/capture.py", ("1f945adbd193e3af",)),
         # capture_fsdp_torch_save stages every torch.save these make on the process making it: that they
         # gate full state dicts to process 0 and name per-rank files (use_dcp=False) by process_index

@@ -91,14 +91,14 @@ class AsyncCkptIO(CheckpointIO):
         self.checkpointer = Checkpointer(max_in_flight=max_in_flight, timeout=timeout, direct_io=direct_io,
                                          io_threads=io_threads, export=export, on_commit=on_commit)
         self._last_save: Optional[SaveHandle] = None  # removals wait for it
-        integration.install()
+        integration.install(AsyncCkptIO)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_last_save": None, "picked_by_lightning": None}  # the Checkpointer: its options
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        integration.install()
+        integration.install(AsyncCkptIO)
 
     def __repr__(self) -> str:
         return (f"AsyncCkptIO(max_in_flight={self.max_in_flight}, direct_io={self.direct_io}, "

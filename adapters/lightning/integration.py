@@ -46,16 +46,20 @@ from asyncckpt.core.integration import lifecycle
 from asyncckpt.core.integration import patching, resume, wait_for_orphans
 
 
+_plugin_type: Optional[type] = None  # AsyncCkptIO, handed over by ``install`` (importing it here would be a cycle)
+
+
 def plugin_of(strategy: Any) -> Optional[Any]:
     """The strategy's ``AsyncCkptIO``, or None (without touching the lazy ``checkpoint_io`` getter)."""
-    from .checkpoint_io import AsyncCkptIO
-
     io = getattr(strategy, "_checkpoint_io", None)
-    return io if isinstance(io, AsyncCkptIO) else None
+    return io if _plugin_type is not None and isinstance(io, _plugin_type) else None
 
 
-def install() -> None:
-    """Replace the methods listed above (idempotent)."""
+def install(plugin_type: type) -> None:
+    """Replace the methods listed above (idempotent), for strategies whose ``checkpoint_io`` is a
+    ``plugin_type`` (the plugin installs them as its first instance is made or unpickled)."""
+    global _plugin_type
+    _plugin_type = plugin_type
     patching.install(Strategy, "setup_environment", _with_plugin(_start_writer))
     patching.install(ModelCheckpoint, "file_exists", _file_exists)
     patching.install(ModelCheckpoint, "_link_checkpoint", _link_checkpoint)
@@ -128,11 +132,13 @@ def _sharded_save(model_key: str, is_sharded: Callable[[Any], bool]) -> Callable
 def _sharded_load(original: Callable) -> Callable:
     def load_checkpoint(self, checkpoint_path, *args: Any, **kwargs: Any) -> Any:
         io = plugin_of(self)
-        if io is not None:
-            io.checkpointer.wait(everywhere=True)
-            if io.verify_on_resume and os.path.isdir(checkpoint_path):  # a single file: the plugin's load checks it
-                resume.verify(io.checkpointer, os.path.abspath(os.fspath(checkpoint_path)), everywhere=True)
-        return original(self, checkpoint_path, *args, **kwargs)
+        if io is None:
+            return original(self, checkpoint_path, *args, **kwargs)
+        io.checkpointer.wait(everywhere=True)
+        if not (io.verify_on_resume and os.path.isdir(checkpoint_path)):  # a single file: the plugin's load checks it
+            return original(self, checkpoint_path, *args, **kwargs)
+        return resume.load_directory(io.checkpointer, os.path.abspath(os.fspath(checkpoint_path)),
+                                     lambda: original(self, checkpoint_path, *args, **kwargs), everywhere=True)
 
     return load_checkpoint
 

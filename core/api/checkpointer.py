@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,7 @@ from asyncckpt.core.snapshot.tensor_copy import CopyThreads
 
 
 STATE_DICT = dict[str, Any]
+T = TypeVar("T")
 _OPTIONS = ("process_group", "use_collectives", "max_in_flight", "overlap_staging", "direct_io", "io_threads",
             "timeout", "verify", "object_store", "writer_idle_timeout", "on_commit", "export")
 
@@ -446,20 +448,50 @@ class Checkpointer:
         ``check_file`` checks each file that has a checksum (a resume's loads the file for the
         framework while hashing it: ``asyncckpt.core.integration.resume``)."""
         path = _normalize(path)
+        report, error = self._check(path, everywhere, check_file)
+        self._raise_if_damaged(path, error, everywhere)
+        return report
+
+    def load_while_checking(self, path: str | os.PathLike, load: Callable[[], T], *, everywhere: bool = False) -> T:
+        """``load()`` (a framework's own load of the checkpoint ``path`` into its objects, in place) while a
+        thread checks ``path`` as ``require_intact`` does, over the pages the load reads: the disk is read
+        once and the two overlap. Its result, or ``CorruptCheckpointError`` once the load is over (what it
+        loaded in place is then not to be trained on: the error ends the resume). With ``everywhere``, the
+        ranks' outcomes are agreed after the load, on the calling thread, after the framework's collectives."""
+        path = _normalize(path)
+        outcome: list = []
+        check = threading.Thread(target=lambda: outcome.extend(self._check(path, everywhere, file_checksums.problem)),
+                                 name="asyncckpt-resume-check", daemon=True)
+        check.start()
+        try:
+            result = load()
+        except Exception:
+            check.join()
+            if outcome and outcome[1] is not None:  # the load failed on damaged bytes: say which
+                raise outcome[1] from None
+            raise
+        check.join()
+        self._raise_if_damaged(path, outcome[1] if outcome else CheckpointError(f"checkpoint {path}: the check stopped"),
+                               everywhere)
+        return result
+
+    def _check(self, path: str, everywhere: bool, check_file: integrity.FileCheck
+               ) -> tuple[Optional[integrity.Report], Optional[CheckpointError]]:
+        """This rank's share of the check of ``path``: (its report, or the error naming what is damaged)."""
         rank, world = rank_and_world(self.process_group) if everywhere else (0, 1)
-        error: Optional[CheckpointError] = None
-        report = None
         try:
             with object_store_module.using(self.object_store):
-                report = integrity.require_intact(path, share=(rank, world), check_file=check_file)
+                return integrity.require_intact(path, share=(rank, world), check_file=check_file), None
         except CheckpointError as e:
-            error = e
+            return None, e
+
+    def _raise_if_damaged(self, path: str, error: Optional[CheckpointError], everywhere: bool) -> None:
+        """Raise ``error``; with ``everywhere`` (a collective), on every rank if any rank has one."""
         if everywhere and any_rank(error is not None, self.process_group) and error is None:
             error = CorruptCheckpointError(f"checkpoint {path} is damaged (found on another rank: its error names "
                                            "the files)", path=path)
         if error is not None:
             raise error
-        return report
 
     # ------------------------------------------------------------------ overlapping snapshots with training
     def run_staged(self, function: Callable[[], None]) -> None:
