@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from asyncckpt import core
-from asyncckpt.core.loading.metadata_io import load_dcp_metadata, write_dcp_metadata
+from asyncckpt.core.loading.metadata_io import load_dcp_metadata
+from asyncckpt.core.snapshot.dcp_metadata import write_dcp_metadata
 from asyncckpt.core.storage.sidecars import read_rank_sidecar
 
 

@@ -11,8 +11,9 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 from asyncckpt import core
 from asyncckpt.core.formats import dcp_pickle
-from asyncckpt.core.loading import metadata_io
-from asyncckpt.core.loading.metadata_io import attributes, dcp_classes, load_dcp_metadata, metadata_pickled_by_torch
+from asyncckpt.core.snapshot import dcp_metadata
+from asyncckpt.core.loading.metadata_io import load_dcp_metadata
+from asyncckpt.core.snapshot.dcp_metadata import attributes, dcp_classes, metadata_pickled_by_torch
 from asyncckpt.core.storage.sidecars import read_sidecar
 
 
@@ -87,7 +88,7 @@ def test_a_torch_whose_metadata_classes_changed_falls_back_to_its_own_pickle(tmp
     def changed():
         raise RuntimeError("its pickle of a sample loads as something else")
 
-    monkeypatch.setattr(metadata_io, "_checked_dcp_classes", changed)
+    monkeypatch.setattr(dcp_metadata, "_checked_dcp_classes", changed)
     dcp_classes.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="asyncckpt.core"):

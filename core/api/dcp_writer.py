@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from asyncckpt.core.storage import local
 from asyncckpt.core.storage.backend import backend_for
-from asyncckpt.core.loading.metadata_io import write_dcp_metadata
+from asyncckpt.core.snapshot.dcp_metadata import write_dcp_metadata
 from asyncckpt.core.snapshot.planner import byte_items, layout_for_plan, tensor_items
 from asyncckpt.core.snapshot.shared_buffer import StagingBuffer, copy_into
 from asyncckpt.core.formats.sidecar import ShareRecord

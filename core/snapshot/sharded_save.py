@@ -28,7 +28,7 @@ from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.snapshot.buffer_pool import BufferPool, Slot
 from asyncckpt.core.snapshot.dist_env import rank_and_world
 from asyncckpt.core.errors import CheckpointWriteError
-from asyncckpt.core.loading.metadata_io import dcp_classes, metadata_pickled_by_torch
+from asyncckpt.core.snapshot.dcp_metadata import dcp_classes, metadata_pickled_by_torch
 from asyncckpt.core.snapshot.plan_cache import CachedPlan, PlanCache, agree_on_structure
 from asyncckpt.core.snapshot.planner import (
     AsyncCkptSavePlanner,
