@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from asyncckpt.core.storage import commit
 from asyncckpt.core.formats import names
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.backend import Backend, backend_for
 from asyncckpt.core.storage.leftovers import Leftover
 
 NATIVE_FILE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".safetensors")
@@ -99,12 +99,12 @@ def checkpoints_under(root: str, *, read_step: bool = True) -> list[Entry]:
     return found
 
 
-def _hidden(backend: Any, path: str, hidden: names.HiddenName) -> Entry:
+def _hidden(backend: Backend, path: str, hidden: names.HiddenName) -> Entry:
     aborted = backend.exists(backend.join(path, names.ABORT_MARKER))
     return Entry(path, "hidden", "INCOMPLETE", step_from_name(hidden.name), None, "aborted" if aborted else hidden.kind)
 
 
-def _leftover(backend: Any, leftover: Leftover) -> Entry:
+def _leftover(backend: Backend, leftover: Leftover) -> Entry:
     """A leftover as a listing shows it: named by what it belongs to, and what it is."""
     hidden = names.parse_hidden(backend.basename(leftover.path))
     entry = _hidden(backend, leftover.path, hidden) if hidden is not None else Entry(
@@ -113,7 +113,7 @@ def _leftover(backend: Any, leftover: Leftover) -> Entry:
     return entry
 
 
-def _file(backend: Any, path: str, name: str, size: int, modified: float, read_step: bool) -> Entry:
+def _file(backend: Backend, path: str, name: str, size: int, modified: float, read_step: bool) -> Entry:
     """A single native file. Its content is read for a step only in place (never downloaded)."""
     note = f"-> {os.readlink(path)}" if os.path.islink(path) else ""
     step_and_epoch = _step_and_epoch_of_file(path, name, read_step and not backend.remote)
@@ -121,7 +121,7 @@ def _file(backend: Any, path: str, name: str, size: int, modified: float, read_s
                  size=size, modified=modified)
 
 
-def _directory(backend: Any, path: str, name: str, record: Optional[dict], modified: float) -> Optional[Entry]:
+def _directory(backend: Backend, path: str, name: str, record: Optional[dict], modified: float) -> Optional[Entry]:
     """A directory or prefix: by its commit record (whose ``files`` name what it holds), else by
     what it holds. In an object store a save writes under the final name: owner markers without a
     commit object are a save in flight or a crashed one."""
@@ -131,7 +131,7 @@ def _directory(backend: Any, path: str, name: str, record: Optional[dict], modif
     else:
         try:
             entries = set(backend.list_names(path))
-        except (FileNotFoundError, NotADirectoryError):
+        except OSError:  # nothing there, not a directory, not readable
             return None
     step = record.get("step") if record and isinstance(record.get("step"), int) else step_from_name(name)
     sharded = names.DCP_METADATA_FILE in entries or any(map(names.SIDECAR_PATTERN.match, entries))
