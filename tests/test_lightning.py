@@ -189,6 +189,22 @@ def test_a_manual_save_read_at_once_waits_for_its_write(tmp_path):
     plugin.teardown()
 
 
+def test_a_resume_waits_for_a_save_another_trainer_has_in_flight(tmp_path):
+    """One Trainer saves, another (with a plugin of its own) resumes from that path at once, in the same
+    process: the load waits for the other plugin's write instead of finding no file."""
+    first = AsyncCkptIO()
+    trainer = L.Trainer(max_steps=2, plugins=[first], default_root_dir=tmp_path, **QUIET)
+    trainer.fit(TinyModule(ballast=16 << 20), data())
+    path = tmp_path / "handed_over.ckpt"
+    trainer.save_checkpoint(path)
+    in_flight = [h.path for h in first.checkpointer.pending()]
+    second = L.Trainer(max_steps=4, plugins=[AsyncCkptIO()], default_root_dir=tmp_path, **QUIET)
+    second.fit(TinyModule(ballast=16 << 20), data(), ckpt_path=path)
+    assert in_flight == [str(path)]  # the resume came while the write was pending
+    assert second.global_step == 4
+    first.teardown()
+
+
 def test_resume_fidelity_bitwise(tmp_path):
     """N steps + resume to 2N with the plugin == 2N uninterrupted: weights and optimizer state."""
     kwargs = dict(save_last=True, every_n_epochs=1, save_top_k=0)

@@ -120,6 +120,8 @@ class AsyncCkptIO(CheckpointIO):
         file's checksum computed beside the load, over the pages it reads (``resume.load_file``; a URL's
         object is fetched once, then loaded and hashed)."""
         self.checkpointer.wait(everywhere=True)
+        if _is_local(path):  # saved by another Trainer's plugin in this process, or a writer still finishing it
+            resume.wait_for_saves(os.path.abspath(os.fspath(path)))
 
         def load(file: _PATH) -> dict[str, Any]:
             return TorchCheckpointIO().load_checkpoint(file, map_location=map_location, weights_only=weights_only)

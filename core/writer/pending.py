@@ -72,6 +72,7 @@ class PendingWork:
             with self._lock:
                 pending = [h for h in self._in_flight if h.is_checkpoint and not h.done()]
             if len(pending) < self.max_in_flight:
+                self.raise_unobserved()  # one that failed since the caller last looked (the next save is where it is seen)
                 return
             if not _handed_over(pending[0]):
                 raise RuntimeError(f"asyncckpt: {pending[0].describe()} was never committed (call commit() on its "
