@@ -270,9 +270,7 @@ class LightningSharded:
             self.checkpointer.require_intact(self.path)
             self.read()
         else:
-            from asyncckpt.core.integration import resume
-
-            resume.load_directory(self.checkpointer, self.path, self.read)
+            self.checkpointer.load_while_checking(self.path, self.read)
 
 
 KINDS = {"lightning": Lightning, "accelerate": Accelerate, "hf_trainer": HfTrainer,

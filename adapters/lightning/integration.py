@@ -138,7 +138,7 @@ def _sharded_load(original: Callable) -> Callable:
         resume.wait_for_saves(os.path.abspath(os.fspath(checkpoint_path)))  # another plugin's, or an orphaned writer's
         if not (io.verify_on_resume and os.path.isdir(checkpoint_path)):  # a single file: the plugin's load checks it
             return original(self, checkpoint_path, *args, **kwargs)
-        return resume.load_directory(io.checkpointer, os.path.abspath(os.fspath(checkpoint_path)),
+        return io.checkpointer.load_while_checking(os.path.abspath(os.fspath(checkpoint_path)),
                                      lambda: original(self, checkpoint_path, *args, **kwargs), everywhere=True)
 
     return load_checkpoint

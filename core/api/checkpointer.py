@@ -459,20 +459,25 @@ class Checkpointer:
         loaded in place is then not to be trained on: the error ends the resume). With ``everywhere``, the
         ranks' outcomes are agreed after the load, on the calling thread, after the framework's collectives."""
         path = _normalize(path)
-        outcome: list = []
-        check = threading.Thread(target=lambda: outcome.extend(self._check(path, everywhere, file_checksums.problem)),
-                                 name="asyncckpt-resume-check", daemon=True)
-        check.start()
+        outcome: list[Optional[BaseException]] = []
+
+        def check() -> None:
+            try:
+                outcome.append(self._check(path, everywhere, file_checksums.problem)[1])
+            except BaseException as e:  # noqa: BLE001 - raised on the calling thread, as require_intact would
+                outcome.append(e)
+
+        thread = threading.Thread(target=check, name="asyncckpt-resume-check", daemon=True)
+        thread.start()
         try:
             result = load()
         except Exception:
-            check.join()
-            if outcome and outcome[1] is not None:  # the load failed on damaged bytes: say which
-                raise outcome[1] from None
+            thread.join()
+            if isinstance(outcome[0], CheckpointError):  # the load failed on damaged bytes: say which
+                raise outcome[0] from None
             raise
-        check.join()
-        self._raise_if_damaged(path, outcome[1] if outcome else CheckpointError(f"checkpoint {path}: the check stopped"),
-                               everywhere)
+        thread.join()
+        self._raise_if_damaged(path, outcome[0], everywhere)
         return result
 
     def _check(self, path: str, everywhere: bool, check_file: integrity.FileCheck
@@ -485,7 +490,7 @@ class Checkpointer:
         except CheckpointError as e:
             return None, e
 
-    def _raise_if_damaged(self, path: str, error: Optional[CheckpointError], everywhere: bool) -> None:
+    def _raise_if_damaged(self, path: str, error: Optional[BaseException], everywhere: bool) -> None:
         """Raise ``error``; with ``everywhere`` (a collective), on every rank if any rank has one."""
         if everywhere and any_rank(error is not None, self.process_group) and error is None:
             error = CorruptCheckpointError(f"checkpoint {path} is damaged (found on another rank: its error names "

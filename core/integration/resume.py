@@ -16,7 +16,7 @@ What each adapter does on the framework's resume path, in this order:
      own load of the path, unchanged, while a thread of its own hashes the file
      (``hashed_reads.BackgroundCheck``); the object is returned only if the bytes match.
    * a directory the framework loads in place as one (Lightning's sharded FSDP load, DCP's ``load``):
-     ``load_directory`` runs it while a thread checks the directory beside it, over the pages it reads;
+     ``Checkpointer.load_while_checking`` runs it while a thread checks the directory beside it, over the pages it reads;
      damage raises once the load is over (what it loaded in place is not trained on: the resume ends).
    * a directory the framework loads file by file (Accelerate's ``load_state``, the Trainer's
      resume): ``verify`` checks every file before the framework loads any (a damaged optimizer file
@@ -117,12 +117,6 @@ def load_file(path: str, load: Callable[[str], T]) -> T:
     if found:
         raise integrity.damaged(path, [f"{name}: {found}"])
     return result
-
-
-def load_directory(checkpointer: Any, path: str, load: Callable[[], T], *, everywhere: bool = False) -> T:
-    """``load()``, the framework's own load of the checkpoint directory ``path`` into its objects (a sharded
-    DCP load, in place), while a thread checks ``path`` beside it (``Checkpointer.load_while_checking``)."""
-    return checkpointer.load_while_checking(path, load, everywhere=everywhere)
 
 
 @dataclass
