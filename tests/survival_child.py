@@ -11,6 +11,12 @@ Usage: survival_child.py ROOT SEED MODE [RANK WORLD PORT]
 Every tensor of ``next`` is ``values(SEED, i)``; ``base`` holds zeros. ``SURVIVAL_ELEMENTS`` in the
 environment sets each tensor's length. With RANK/WORLD/PORT the
 ranks meet in a gloo process group (a TCPStore served by rank 0's process) and each saves its shard.
+
+``SURVIVAL_WRITER`` in the environment says what the save of ``next`` finds:
+  "running" (the default) the writer that saved ``base``;
+  "none"                  no writer: ``next`` is the process's first save (no ``base``), and starts it;
+  "idle-stopped"          no writer: the one that saved ``base`` stopped when idle (``writer_idle_timeout``)
+                          before ``next``, which starts another. Prints ``idle`` once it stopped.
 """
 import os
 import socket
@@ -23,6 +29,7 @@ import torch.distributed as dist
 
 from asyncckpt import core
 from asyncckpt.core.snapshot import shared_buffer
+from writers import writers_of
 
 TENSORS = 8
 # 256 MiB: the write outlasts the moment the call returns (stress_survival.py grows it where it does not)
@@ -42,10 +49,18 @@ def main() -> None:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     timeout = float(os.environ.get("SURVIVAL_TIMEOUT", "60"))
-    checkpointer = core.Checkpointer(timeout=timeout)
+    writer = os.environ.get("SURVIVAL_WRITER", "running")
+    checkpointer = core.Checkpointer(timeout=timeout, writer_idle_timeout=1.0 if writer == "idle-stopped" else 30.0)
     state = {f"t{i}": torch.zeros(ELEMENTS) for i in range(TENSORS)}  # each rank its own share
     state = {f"r{rank}.{k}": v for k, v in state.items()}
-    checkpointer.save(state, os.path.join(root, "base"))
+    if writer != "none":
+        checkpointer.save(state, os.path.join(root, "base"))
+    if writer == "idle-stopped":
+        deadline = time.monotonic() + 60
+        while writers_of(os.getpid()):
+            assert time.monotonic() < deadline, "the writer did not stop when idle"
+            time.sleep(0.05)
+        print("idle", flush=True)
     for i, key in enumerate(state):
         state[key].copy_(values(seed, i, rank))
     if mode == "snapshot":

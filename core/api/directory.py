@@ -61,6 +61,7 @@ class CommitDirRequest:
         context.tidy(os.path.dirname(self.staging_dir))
         try:
             leftovers.claim(self.staging_dir, self.rank, context.token())
+            barrier.begin(self.rank)
             with open(os.path.join(self.staging_dir, names.files_record_name(self.rank)), "w") as f:
                 json.dump({name: [c.size, c.xxh3] for name, c in context.files(self.barrier.key).items()}, f)
             barrier.arrive(self.rank)

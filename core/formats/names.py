@@ -61,6 +61,12 @@ def barrier_place_name(save_key: str) -> str:
     return f".asyncckpt-barrier-{save_key}"
 
 
+def alive_marker_name(rank: int) -> str:
+    """In a staging directory: the owner token of the writer at work on this rank's part of a
+    save, rewritten while it works (file barrier: what an orphaned writer judges a rank's writer by)."""
+    return f"__{rank}.alive"
+
+
 def error_marker_name(rank: int) -> str:
     """In a staging directory: this rank's share failed, and why (file barrier)."""
     return f"__{rank}.error.json"
@@ -80,7 +86,7 @@ SIDECAR_PATTERN = re.compile(r"^__(\d+)\.asyncckpt\.json$")
 DATA_FILE_PATTERN = re.compile(r"^__(\d+)_\d+\.distcp$")
 OWNER_MARKER_PATTERN = re.compile(r"^\.asyncckpt-owner-(\d+)$")
 FILE_CHECKSUM_PATTERN = re.compile(r"^\.(?P<name>.+)\.asyncckpt\.json$")
-COORDINATION_FILE_PATTERN = re.compile(r"^(__\d+\.(done|error\.json|files\.json)|ABORTED\.json|\.asyncckpt-owner-\d+)$")
+COORDINATION_FILE_PATTERN = re.compile(r"^(__\d+\.(done|alive|error\.json|files\.json)|ABORTED\.json|\.asyncckpt-owner-\d+)$")
 
 
 def is_published_file(name: str) -> bool:

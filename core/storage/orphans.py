@@ -39,9 +39,11 @@ def log_path(parent: str) -> str:
 
 def note(parent: str, token: str, text: str) -> None:
     """Append one line to the log in ``parent`` (one ``write`` of a line opened for appending: lines
-    of several writers never interleave). Never raises: the log must not fail a save."""
+    of several writers never interleave), creating ``parent``: an orphan announces the first save
+    into a new directory before that save has made it. Never raises: the log must not fail a save."""
     line = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} writer {token}: {text}\n"
     try:
+        os.makedirs(parent, exist_ok=True)
         fd = os.open(log_path(parent), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.write(fd, line.encode())

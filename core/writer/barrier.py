@@ -16,6 +16,15 @@ them after the save's timeout, naming it. ``Barrier`` is that contract; there ar
   background writer, which does not load torch, reaches it through its writer queue
   (``RemoteBarrier``, see ``protocol``).
 
+A writer whose training process died finishes its saves and meets the others by markers, so it
+must not wait the whole timeout for a rank whose writer is gone too. Every writer at work on a
+multi-rank save shows it: a liveness marker holding its owner token, rewritten every
+``HEARTBEAT_S`` (``Heartbeats``) until its share arrived (the coordinator: until every share
+arrived). A writer that waits by markers without a training process or a Store gives up on a rank
+whose writer is known dead (its token names a process of this host that exited) at once, and on a
+rank whose marker stays absent or unchanged for ``silence_limit(timeout)``; the save then fails on
+every rank, naming it (``MarkerBarrier``).
+
 On a local filesystem and in the Store they poll every few milliseconds: a writer waits only once its
 own share is durable, when the others are usually a few tens of milliseconds behind, and longer
 sleeps left each wait late. An object store is polled less often (``Backend.marker_poll_s``): each
@@ -26,16 +35,28 @@ Kept free of torch: the writer imports it.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from asyncckpt.core.formats import names
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.backend import Backend, backend_for
 from asyncckpt.core.storage.commit import read_commit_record
+from asyncckpt.core.storage.leftovers import owner_alive
 
 POLL_MAX_DELAY = 0.005
+HEARTBEAT_S = 2.0  # how often a writer at work on a multi-rank save rewrites its liveness marker
+COORDINATOR = 0  # the rank that waits for every share and commits
+
+
+def silence_limit(timeout: float) -> float:
+    """How long a writer that waits by markers without a training process (or a Store) waits for a
+    rank whose writer shows no sign of life (no liveness marker, or one not rewritten) before the
+    save fails naming that rank. Far above the heartbeat and a writer's start under load; far below
+    the save's timeout, which still bounds the wait for a rank whose writer is at work."""
+    return min(60.0, timeout / 4)
 
 
 @dataclass(frozen=True)
@@ -52,6 +73,9 @@ class BarrierSpec:
 
 
 class Barrier(Protocol):
+    def begin(self, rank: int) -> None:
+        """This rank's writer is at work on the save (it shows so until it arrives or fails)."""
+
     def arrive(self, rank: int) -> None:
         """This rank's share is durable."""
 
@@ -90,22 +114,137 @@ def poll(condition: Callable[[], Any], timeout: float, on_timeout: Callable[[], 
 
 
 # ----------------------------------------------------------------------------- markers
+class Heartbeats:
+    """One writer's liveness markers, each rewritten every ``HEARTBEAT_S`` (the first at once) by
+    one thread until stopped. ``stop`` returns once no write of that marker can follow, so that
+    none lands in a staging directory that was published or discarded meanwhile."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self._markers: dict[str, tuple[Backend, list[int]]] = {}
+        self._lock = threading.Lock()  # held while writing: ``stop`` waits for a write in progress
+        self._due = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self, backend: Backend, path: str) -> None:
+        with self._lock:
+            if path in self._markers:
+                return
+            self._markers[path] = (backend, [0])
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="asyncckpt-writer-heartbeat", daemon=True)
+                self._thread.start()
+        self._due.set()
+
+    def stop(self, *paths: str) -> None:
+        with self._lock:
+            for path in paths:
+                self._markers.pop(path, None)
+
+    def stop_all(self) -> None:
+        with self._lock:
+            self._markers.clear()
+
+    def _run(self) -> None:
+        while True:
+            self._due.wait(HEARTBEAT_S)
+            self._due.clear()
+            with self._lock:
+                for path, (backend, beats) in self._markers.items():
+                    beats[0] += 1
+                    try:
+                        backend.write_marker(path, f"{self.token}\n{beats[0]}\n".encode())
+                    except Exception:  # noqa: BLE001 - the storage may be what fails: the others judge the silence
+                        pass
+
+
+class _Silence:
+    """Whether the writers of the ranks one waits for are still at work, judged from their liveness
+    markers (one listing of the barrier's place every half heartbeat). Silence counts only while
+    ``judging()``: a writer whose training process lives waits for a late rank as long as the
+    save's timeout allows."""
+
+    def __init__(self, barrier: "MarkerBarrier", judging: Callable[[], bool]) -> None:
+        self.barrier, self.judging = barrier, judging
+        self.limit = silence_limit(barrier.spec.timeout)
+        self._next_look = 0.0
+        self._signs: dict[int, Any] = {}
+        self._since: dict[int, float] = {}
+        self._tokens: dict[int, str] = {}
+
+    def gone(self, ranks: list[int]) -> Optional[tuple[int, str]]:
+        """A rank of ``ranks`` whose writer is gone, and why; None while each may be at work."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return None
+        self._next_look = now + HEARTBEAT_S / 2
+        try:
+            listed = {entry.name: entry for entry in self.barrier.backend.listing(self.barrier.place)}
+        except FileNotFoundError:
+            listed = {}
+        judging = self.judging()
+        for rank in ranks:
+            entry = listed.get(names.alive_marker_name(rank))
+            sign = None if entry is None else (entry.size, entry.modified)
+            if not judging or rank not in self._since or sign != self._signs[rank]:
+                self._signs[rank], self._since[rank] = sign, now
+            token = self._token(rank, entry.path) if entry is not None else None
+            if token is not None and owner_alive(token) is False:
+                return rank, f"its writer {token} is gone (the process exited on this host)"
+            if now - self._since[rank] > self.limit:
+                return rank, (f"its writer showed no sign of life for {self.limit:.0f}s "
+                              f"({'no liveness marker' if sign is None else 'its liveness marker unchanged'})")
+        return None
+
+    def _token(self, rank: int, path: str) -> Optional[str]:
+        if rank not in self._tokens:
+            try:
+                token = self.barrier.backend.read_bytes(path).split(b"\n", 1)[0].decode()
+            except (FileNotFoundError, UnicodeDecodeError):
+                return None
+            if not token:  # read between a rewrite's truncation and its write
+                return None
+            self._tokens[rank] = token
+        return self._tokens[rank]
+
+
 class MarkerBarrier:
     """Markers where the checkpoint is written (``Backend.barrier_place``): ``__{rank}.done``,
-    ``__{rank}.error.json`` and ``ABORTED.json``; the commit is the commit record under the final name."""
+    ``__{rank}.alive``, ``__{rank}.error.json`` and ``ABORTED.json``; the commit is the commit
+    record under the final name.
 
-    def __init__(self, spec: BarrierSpec) -> None:
+    In a writer, ``heartbeats`` keeps this rank's liveness marker fresh, and ``judge_silence``
+    says when a rank whose writer shows no sign of life is given up (see the module docstring);
+    elsewhere (the training process reporting a failure) neither is given."""
+
+    def __init__(self, spec: BarrierSpec, heartbeats: Optional[Heartbeats] = None,
+                 judge_silence: Callable[[], bool] = lambda: False) -> None:
         self.spec = spec
         self.backend = backend_for(spec.staging_dir, spec.object_store)
         self.place = self.backend.barrier_place(spec.staging_dir, spec.key)
+        self.heartbeats, self.judge_silence = heartbeats, judge_silence
 
     def _path(self, name: str) -> str:
         return self.backend.join(self.place, name)
 
+    def _alive_path(self, rank: int) -> str:
+        return self._path(names.alive_marker_name(rank))
+
+    def _stop_heartbeat(self, *ranks: int) -> None:
+        if self.heartbeats is not None:
+            self.heartbeats.stop(*(self._alive_path(rank) for rank in ranks))
+
+    def begin(self, rank: int) -> None:
+        if self.heartbeats is not None and self.spec.world_size > 1:
+            self.heartbeats.start(self.backend, self._alive_path(rank))
+
     def arrive(self, rank: int) -> None:
+        if rank != COORDINATOR:  # the coordinator shows it is at work until every share arrived
+            self._stop_heartbeat(rank)
         self.backend.write_marker(self._path(names.done_marker_name(rank)), self.spec.key.encode())
 
     def fail(self, rank: int, reason: str) -> None:
+        self._stop_heartbeat(rank)
         record = json.dumps({"rank": rank, "error": reason}).encode()
         try:
             self.backend.write_marker(self._path(names.error_marker_name(rank)), record, exclusive=True)
@@ -125,18 +264,27 @@ class MarkerBarrier:
         errors = {names.error_marker_name(rank) for rank in range(spec.world_size)}
         done = {names.done_marker_name(rank) for rank in range(spec.world_size)}
         present: set = set()
+        silence = _Silence(self, self.judge_silence)
+
+        def listed() -> set:
+            try:
+                return set(self.backend.list_names(self.place))
+            except FileNotFoundError:
+                return set()
 
         def everyone_arrived() -> bool:
             nonlocal present
-            try:
-                present = set(self.backend.list_names(self.place))
-            except FileNotFoundError:
-                return False
+            present = listed()
             if present & errors or names.ABORT_MARKER in present:  # ABORTED.json may not be there yet: its rank's is
                 reason = self._abort_reason() or self._abort_reason(min(present & errors, default=names.ABORT_MARKER))
                 reason = reason or {"rank": "?", "error": "aborted"}
                 raise failure_error(reason["rank"], reason["error"])
-            return present >= done
+            if present >= done:
+                return True
+            gone = silence.gone([r for r in range(spec.world_size) if names.done_marker_name(r) not in present])
+            if gone is not None and names.done_marker_name(gone[0]) not in listed():  # it may have arrived, then exited
+                raise failure_error(*gone)
+            return False
 
         def missing() -> BaseException:
             absent = sorted(r for r in range(spec.world_size) if names.done_marker_name(r) not in present)
@@ -146,22 +294,33 @@ class MarkerBarrier:
         self.forget_arrivals()
 
     def forget_arrivals(self) -> None:
-        """Coordinator, every rank arrived: the arrival markers go before the checkpoint is published."""
-        self.backend.delete_markers([self._path(names.done_marker_name(rank)) for rank in range(self.spec.world_size)])
+        """Coordinator, every rank arrived: the arrival and liveness markers go before the
+        checkpoint is published."""
+        ranks = range(self.spec.world_size)
+        self._stop_heartbeat(*ranks)
+        self.backend.delete_markers([self._path(names.done_marker_name(rank)) for rank in ranks]
+                                    + [self._alive_path(rank) for rank in ranks])
 
     def committed(self) -> None:
         pass  # the commit record under the final name is what the others wait for
 
     def wait_commit(self) -> None:
         spec = self.spec
+        silence = _Silence(self, self.judge_silence)
+
+        def committed() -> bool:
+            record = read_commit_record(spec.final_path, spec.object_store)
+            return record is not None and record.get("save_id") == spec.key
 
         def committed_or_failed() -> bool:
-            record = read_commit_record(spec.final_path, spec.object_store)
-            if record is not None and record.get("save_id") == spec.key:
+            if committed():
                 return True
             reason = self._abort_reason()
             if reason is not None:
                 raise failure_error(reason["rank"], reason["error"])
+            gone = silence.gone([COORDINATOR])
+            if gone is not None and not committed():  # it may have committed, then exited
+                raise failure_error(*gone)
             return False
 
         poll(committed_or_failed, spec.timeout, lambda: _no_commit_error(spec), max_delay=self.backend.marker_poll_s)
@@ -187,6 +346,9 @@ class StoreBarrier:
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
+
+    def begin(self, rank: int) -> None:
+        pass  # the training processes hold the Store: they see a writer that dies (``writer.client``)
 
     def arrive(self, rank: int) -> None:
         self.store.set(self._key(f"r{rank}"), "1")
@@ -227,6 +389,9 @@ class SoloBarrier:
     def __init__(self, spec: BarrierSpec) -> None:
         self.spec = spec
 
+    def begin(self, rank: int) -> None:
+        pass
+
     def arrive(self, rank: int) -> None:
         pass
 
@@ -266,6 +431,9 @@ class SurvivingBarrier:
         except StoreUnreachable:
             return False
         return True
+
+    def begin(self, rank: int) -> None:
+        self.files.begin(rank)
 
     def arrive(self, rank: int) -> None:
         self.files.arrive(rank)

@@ -45,6 +45,7 @@ def settle_in(directory: str, context: RequestContext, spec: Optional[BarrierSpe
     directory (so it is never taken for a leftover while this writer lives). Tidies leftovers of
     dead writers beside the staging directory once the reply is sent."""
     leftovers.claim(spec.staging_dir, rank, context.token())
+    context.barrier(spec).begin(rank)
     context.tidy(os.path.dirname(spec.staging_dir))
     os.makedirs(directory, exist_ok=True)
 

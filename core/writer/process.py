@@ -39,7 +39,14 @@ from typing import Any, Callable, Optional
 from asyncckpt.core.storage import leftovers, orphans
 from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.writer import protocol
-from asyncckpt.core.writer.barrier import BarrierSpec, MarkerBarrier, StoreUnreachable, SurvivingBarrier, local_barrier
+from asyncckpt.core.writer.barrier import (
+    BarrierSpec,
+    Heartbeats,
+    MarkerBarrier,
+    SoloBarrier,
+    StoreUnreachable,
+    SurvivingBarrier,
+)
 from asyncckpt.core.writer.copy_progress import PROGRESS_BYTES
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
 
@@ -64,10 +71,14 @@ class TrainingProcess:
     def _wait_for_exit(self) -> None:
         try:
             fd = os.pidfd_open(self.pid)
-            select.select([fd], [], [])  # readable once the process has exited
         except (AttributeError, OSError):  # no pidfd here, or the process is gone already
-            while os.getppid() == self.pid:
-                time.sleep(0.2)
+            fd = None
+        # Our parent until it dies: checked after opening the pidfd, so that a pid the dead
+        # training process left behind, and the kernel gave to another process, is never watched.
+        if fd is not None and os.getppid() == self.pid:
+            select.select([fd], [], [])  # readable once the process has exited
+        while os.getppid() == self.pid:  # no pidfd here
+            time.sleep(0.2)
         self.gone.set()
         signal.alarm(max(1, int(self.timeout + 0.999)))
         for action in self.on_gone:
@@ -164,6 +175,7 @@ class Writer:
         self.files: dict[str, dict[str, Any]] = {}  # save key -> name -> FileChecksum, until its commit
         self.tidying: set[str] = set()  # directories to tidy after the current batch's replies
         self.after_replies: list[Callable[[], None]] = []
+        self.heartbeats = Heartbeats(self.token)  # liveness markers of the saves at work (``barrier``)
 
     def run_jobs(self, jobs: list[protocol.Job]) -> None:
         for job in jobs:
@@ -186,6 +198,7 @@ class Writer:
                 self.log_outcome(job, e)
             finally:
                 self.current = None
+        self.heartbeats.stop_all()  # a save whose requests did not all come in this batch shows itself again
         self._after_replies()
 
     # ------------------------------------------------------------------ orphaned
@@ -250,9 +263,15 @@ class _Context:
             self.after_reply(lambda: leftovers.clean(parent))
 
     def barrier(self, spec: BarrierSpec):
-        if spec.kind != "store":
-            return local_barrier(spec)
-        return SurvivingBarrier(RemoteBarrier(spec, self.writer.channel), MarkerBarrier(spec), lambda: self.writer.trainer.alive)
+        writer = self.writer
+        if spec.kind == "solo":
+            return SoloBarrier(spec)
+        if spec.kind == "files":  # a rank that is late while this training process lives is waited for
+            return MarkerBarrier(spec, writer.heartbeats, judge_silence=self.trainer_gone)
+        # kind "store": the markers decide only once the Store cannot be reached, when every rank still
+        # at work on the save is at work in its writer
+        return SurvivingBarrier(RemoteBarrier(spec, writer.channel), MarkerBarrier(spec, writer.heartbeats, lambda: True),
+                                lambda: writer.trainer.alive)
 
     def after_reply(self, action: Callable[[], None]) -> None:
         self.writer.after_replies.append(action)
@@ -343,8 +362,9 @@ def _apply_test_limits() -> None:
 
 def main() -> None:
     fd, parent_pid, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    if os.getppid() != parent_pid:  # the training process died while this one started: nothing was handed over
-        os._exit(1)
+    # No check of whether the training process still lives: the save that started this process
+    # returned once its request and staging buffer were in the socket, and a training process that
+    # died in the meantime (as this one started) left them there for us to finish, as an orphan.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     trainer = TrainingProcess(parent_pid, timeout)

@@ -78,6 +78,7 @@ class ShareRequest:
                 place.claim(self.rank, context.token())
             else:
                 os.makedirs(self.staging_dir, exist_ok=True)
+            barrier.begin(self.rank)
             items = write_share(place, self.rank, context.layout, image, self.byte_items, wait_ready=wait_ready)
             place.write_atomic(names.sidecar_name(self.rank), encode_sidecar(ShareRecord(
                 self.save_id, self.rank, self.world_size, self.structure_hash, context.layout.planner_data, items)))
