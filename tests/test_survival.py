@@ -4,10 +4,13 @@ Real processes, real kills: each trial starts training processes (``survival_chi
 them with SIGKILL the moment the save call returned (or in the middle of the snapshot), and checks
 what is on disk afterwards. A trial in which the checkpoint was already visible when the kill
 landed proves nothing: it is counted apart, and each test needs trials that prove something.
+Each kill test runs with the writer the save finds (``WRITERS``): running since an earlier save,
+none (the process's first save starts it), and one stopped when idle (the save starts another).
 ``benchmarks/stress_survival.py`` runs many more trials of the same kinds.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -15,14 +18,17 @@ import subprocess
 import sys
 import time
 
+import fsspec
 import pytest
 import torch
 
 from asyncckpt import core
 from asyncckpt.core.cli import main as cli
+from asyncckpt.core.formats import names
 from asyncckpt.core.storage import leftovers, orphans
 from asyncckpt.core.storage.backend import backend_for
 from dist_helper import free_port
+from programs import Program
 from writers import writers_of
 from survival_child import ELEMENTS, TENSORS, values
 
@@ -30,23 +36,18 @@ HERE = os.path.dirname(__file__)
 CHILD = os.path.join(HERE, "survival_child.py")
 
 
-def start(root: str, seed: int, mode: str, world: int = 1, env: dict | None = None) -> list[subprocess.Popen]:
+WRITERS = ["running", "none", "idle-stopped"]  # what the save finds: see survival_child.py
+
+
+def start(logs: str, root: str, seed: int, mode: str, world: int = 1, env: dict | None = None,
+          writer: str = "running") -> list[Program]:
     port = free_port()
     rank_args = [[]] if world == 1 else [[str(r), str(world), str(port)] for r in range(world)]
-    return [subprocess.Popen([sys.executable, CHILD, root, str(seed), mode, *args], stdout=subprocess.PIPE,
-                             text=True, env={**os.environ, **(env or {})}) for args in rank_args]
+    env = {**os.environ, **(env or {}), "SURVIVAL_WRITER": writer}
+    return [Program([sys.executable, CHILD, root, str(seed), mode, *args], logs, env=env) for args in rank_args]
 
 
-def wait_for_line(proc: subprocess.Popen, wanted: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    for line in proc.stdout:
-        if line.strip() == wanted:
-            return
-        assert time.monotonic() < deadline, f"no {wanted!r} from the training process"
-    raise AssertionError(f"the training process ended without {wanted!r} (exit {proc.wait()})")
-
-
-def kill(procs: list[subprocess.Popen]) -> None:
+def kill(procs: list[Program]) -> None:
     for proc in procs:
         proc.send_signal(signal.SIGKILL)
     for proc in procs:
@@ -72,7 +73,7 @@ def assert_holds(path: str, seed: int, world: int, elements: int = ELEMENTS) -> 
         assert torch.equal(state[key], value), f"{path}: {key} differs from what the save call was given"
 
 
-def no_writer_left(procs: list[subprocess.Popen]) -> None:
+def no_writer_left(procs: list[Program]) -> None:
     wait_until(lambda: not writers_of(*(proc.pid for proc in procs)), 60, "an orphaned writer still runs after its work")
 
 
@@ -89,25 +90,34 @@ def place(request, tmp_path) -> tuple[str, dict]:
     return request.getfixturevalue("s3_root"), S3_ELEMENTS
 
 
+def names_in(root: str) -> list[str]:
+    """What is directly in ``root`` (nothing, where a prefix holds no object any more or no directory was made)."""
+    try:
+        return backend_for(root).list_names(root)
+    except FileNotFoundError:
+        return []
+
+
 def no_leftovers(root: str) -> bool:
     return backend_for(root).find_leftovers(root) == [] if "://" in root else leftovers.find(root) == []
 
 
-def test_a_returned_save_is_committed_after_kill_9_single_and_multi_rank(place):
+@pytest.mark.parametrize("writer", WRITERS)
+def test_a_returned_save_is_committed_after_kill_9_single_and_multi_rank(place, writer, tmp_path):
     """kill -9 the training process(es) at once after the save call returned: the writer(s)
-    commit that save, it holds what was saved, the orphan logs it, and nothing of ours remains.
-    Two ranks: the Store died with rank 0's process; the writers meet by their markers (files, or
-    objects in the bucket)."""
+    commit that save, it holds what was saved, the orphan logs it, and nothing of ours remains;
+    also where that save started the writer. Two ranks: the Store died with rank 0's process; the
+    writers meet by their markers (files, or objects in the bucket)."""
     base, env = place
     local = "://" not in base
     proving = 0
-    for trial, world in enumerate([1, 2, 1, 2] if local else [1, 2]):
+    for trial, world in enumerate([2] if writer == "idle-stopped" else [1, 2]):
         seed = random.randrange(10**6)
-        print(f"trial {trial}: world {world}, seed {seed}")
+        print(f"trial {trial}: world {world}, seed {seed}, writer {writer}")
         root = os.path.join(base, f"trial{trial}")
-        procs = start(root, seed, "returned", world, env)
+        procs = start(str(tmp_path / "logs"), root, seed, "returned", world, env, writer)
         for proc in procs:
-            wait_for_line(proc, "returned")
+            proc.wait_for_line("returned")
         kill(procs)
         visible_at_kill = core.is_complete(os.path.join(root, "next"))
         proving += not visible_at_kill
@@ -122,58 +132,149 @@ def test_a_returned_save_is_committed_after_kill_9_single_and_multi_rank(place):
         if local and not visible_at_kill:
             with open(orphans.log_path(root)) as f:
                 log = f.read()
-            assert "finishing next" in log and "committed next" in log, log
+            assert log.count("finishing next") == log.count("committed next") == world, log
         if local:
             assert orphans.at_work(root) == {}
         assert no_leftovers(root), "leftovers after the orphans' commit"
-    assert proving >= (2 if local else 1), "no trial killed the training process before its checkpoint was visible"
+    assert proving >= 1, "no trial killed the training process before its checkpoint was visible"
 
 
-def test_a_kill_during_the_snapshot_commits_nothing(tmp_path):
-    """Killed halfway through its snapshot: nothing visible, nothing left after clean, ``base`` stays latest."""
+@pytest.mark.parametrize("writer", ["running", "none"])
+def test_a_kill_during_the_snapshot_commits_nothing(tmp_path, writer):
+    """Killed halfway through its snapshot: nothing visible, nothing left after clean; ``base``, if
+    there is one, stays latest."""
     root = str(tmp_path / "one")
-    procs = start(root, 7, "snapshot")
-    wait_for_line(procs[0], "copying")
+    procs = start(str(tmp_path / "logs"), root, 7, "snapshot", writer=writer)
+    procs[0].wait_for_line("copying")
     kill(procs)
     no_writer_left(procs)
     assert not os.path.exists(os.path.join(root, "next"))
-    assert core.latest_checkpoint(root) == os.path.join(root, "base")
+    kept = ["base"] if writer == "running" else []
+    assert core.latest_checkpoint(root) == (os.path.join(root, "base") if kept else None)
     leftovers.clean(root)
-    assert sorted(os.listdir(root)) == ["base"] or sorted(os.listdir(root)) == [orphans.LOG_NAME, "base"]
+    assert sorted(set(names_in(root)) - {orphans.LOG_NAME}) == kept
 
 
-def test_one_rank_killed_in_its_snapshot_fails_the_save_everywhere_naming_it(place):
+@pytest.mark.parametrize("writer", ["running", "none"])
+def test_one_rank_killed_in_its_snapshot_fails_the_save_everywhere_naming_it(place, writer, tmp_path):
     """Rank 1 dies during its snapshot: no rank commits, the surviving rank's error names rank 1
-    within the save's timeout, and after clean nothing but ``base`` is there."""
-    root, env = os.path.join(place[0], "two"), {**os.environ, **place[1], "SURVIVAL_TIMEOUT": "15"}
-    procs = [subprocess.Popen([sys.executable, CHILD, root, "11", mode, str(rank), "2", str(port)],
-                              stdout=subprocess.PIPE, text=True, env=env)
+    within the save's timeout, and after clean nothing but ``base`` (if any) is there."""
+    timeout = 5  # what the surviving rank's writer waits for rank 1
+    root, env = os.path.join(place[0], "two"), {**os.environ, **place[1], "SURVIVAL_TIMEOUT": str(timeout),
+                                                "SURVIVAL_WRITER": writer}
+    procs = [Program([sys.executable, CHILD, root, "11", mode, str(rank), "2", str(port)], tmp_path / "logs", env=env)
              for port in [free_port()] for rank, mode in [(0, "returned"), (1, "snapshot")]]
     try:
-        wait_for_line(procs[1], "copying")
-        wait_for_line(procs[0], "returned")  # past the collectives of the save: only the snapshot of rank 1 is left
+        procs[1].wait_for_line("copying")
+        procs[0].wait_for_line("returned")  # past the collectives of the save: only the snapshot of rank 1 is left
         procs[1].send_signal(signal.SIGKILL)
         started = time.monotonic()
-        outcome = procs[0].stdout.readline().strip()
+        outcome = procs[0].next_line(timeout + 60).strip()
         assert outcome.startswith("failed:") and "rank" in outcome and "1" in outcome, outcome
-        assert time.monotonic() - started < 15 + 30
+        assert time.monotonic() - started < timeout + 30
     finally:
         kill(procs)
     no_writer_left(procs)
     assert not core.is_complete(os.path.join(root, "next"))
-    assert core.latest_checkpoint(root) == os.path.join(root, "base")
+    kept = ["base"] if writer == "running" else []
+    assert core.latest_checkpoint(root) == (os.path.join(root, "base") if kept else None)
     assert cli.main(["clean", root]) == cli.EXIT_OK
-    assert [name for name in backend_for(root).list_names(root) if name != orphans.LOG_NAME] == ["base"]
+    assert [name for name in names_in(root) if name != orphans.LOG_NAME] == kept
 
 
-def test_sigterm_to_every_process_during_a_large_save_commits_it_within_the_grace_period(tmp_path):
+def marked(root: str, name: str) -> bool:
+    """Whether a save under ``root`` has the barrier marker ``name`` (in a staging directory, or an
+    object store's barrier prefix)."""
+    fs, path = fsspec.core.url_to_fs(root)
+    fs.invalidate_cache()
+    return any(found.endswith(f"/{name}") for found in fs.find(path, withdirs=False))
+
+
+def stop_once_marked(writer: int, root: str) -> bool:
+    """Stop rank 1's writer once its liveness marker is there (it runs in steps of 20 ms until then);
+    False if its share was durable first."""
+    os.kill(writer, signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while not marked(root, names.alive_marker_name(1)):
+        assert time.monotonic() < deadline, "rank 1's writer showed no liveness marker"
+        if marked(root, names.done_marker_name(1)) or core.is_complete(os.path.join(root, "next")):
+            return False
+        os.kill(writer, signal.SIGCONT)
+        time.sleep(0.02)
+        os.kill(writer, signal.SIGSTOP)
+    return not marked(root, names.done_marker_name(1))
+
+
+@pytest.mark.parametrize("how, where", [("exited", "local"), ("exited", "s3"), ("silent", "local")])
+def test_an_orphan_gives_up_on_a_rank_whose_writer_is_gone(tmp_path, request, how, where):
+    """Two ranks' saves returned, both training processes die, and so does rank 1's writer before its
+    share is durable (killed: gone from this host; or frozen: its liveness marker goes stale). Rank
+    0's writer does not wait out the save's timeout: it gives up naming rank 1 (at once, or after
+    ``barrier.silence_limit``), logs it, leaves only hidden leftovers, keeps ``base`` latest, and exits."""
+    from asyncckpt.core.writer.barrier import silence_limit
+
+    timeout = 80 if how == "exited" else 40  # silence_limit: 20 s, 10 s
+    base = str(tmp_path) if where == "local" else request.getfixturevalue("s3_root")
+    env = {"SURVIVAL_TIMEOUT": str(timeout), **({} if where == "local" else S3_ELEMENTS)}
+    for attempt in range(3):  # an attempt in which rank 1's share was durable before its writer stopped proves nothing
+        root = os.path.join(base, f"attempt{attempt}")
+        procs = start(str(tmp_path / "logs"), root, 13, "returned", 2, env)
+        for proc in procs:
+            proc.wait_for_line("returned")
+        rank1_writer = writers_of(procs[1].pid)
+        assert len(rank1_writer) == 1, rank1_writer
+        stopped = stop_once_marked(rank1_writer[0], root)
+        kill(procs)
+        if stopped:
+            break
+        os.kill(rank1_writer[0], signal.SIGKILL)
+        no_writer_left(procs)
+    else:
+        pytest.fail("rank 1's share was durable before its writer could be stopped, in every attempt")
+    try:
+        if how == "exited":
+            os.kill(rank1_writer[0], signal.SIGKILL)
+        gone = time.monotonic()
+        wait_until(lambda: not writers_of(procs[0].pid), timeout, "rank 0's writer waited out the save's timeout")
+        waited = time.monotonic() - gone
+        print(f"rank 0's writer exited {waited:.1f} s after rank 1's writer {how}")
+        # its own share durable first (seconds to moto's server), then: at once, or after the silence limit
+        assert waited < silence_limit(timeout) * (1 if how == "exited" else 2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank1_writer[0], signal.SIGKILL)
+    no_writer_left(procs)
+    assert not core.is_complete(os.path.join(root, "next"))
+    assert core.latest_checkpoint(root) == os.path.join(root, "base")
+    elements = int(env.get("SURVIVAL_ELEMENTS", ELEMENTS))
+    kept = {f"r{rank}.t{i}": torch.ones(elements) for rank in range(2) for i in range(TENSORS)}
+    core.load(kept, os.path.join(root, "base"))
+    assert all(int(value.count_nonzero()) == 0 for value in kept.values()), "base does not hold what was saved"
+    if where == "local":
+        with open(orphans.log_path(root)) as f:
+            log = f.read()
+        assert "not committed next" in log and "rank 1" in log, log
+        assert ("is gone" if how == "exited" else "no sign of life") in log, log
+        assert orphans.at_work(root) == {}
+        assert leftovers.find(root), "the failed save's staging directory"
+        visible = [name for name in names_in(root) if not name.startswith(".")]
+        assert visible == ["base"], visible
+    else:  # its objects stay under its own name, uncommitted: no checkpoint to any reader
+        uncommitted = [found.path for found in backend_for(root).find_leftovers(root) if found.kind == "uncommitted"]
+        assert uncommitted == [f"{root}/next"], uncommitted
+    assert cli.main(["clean", root]) == cli.EXIT_OK
+    assert [name for name in names_in(root) if name != orphans.LOG_NAME] == ["base"]
+
+
+@pytest.mark.parametrize("writer", ["running", "none"])
+def test_sigterm_to_every_process_during_a_large_save_commits_it_within_the_grace_period(tmp_path, writer):
     """A preemption: SIGTERM reaches every process of the job (the training process and its writer,
     as a container runtime or SLURM sends it), SIGKILL follows after a 30 s grace period. The
     training process dies of the SIGTERM; the writer ignores it, commits the save that returned and
     exits before the SIGKILL would come."""
     root = str(tmp_path / "preempted")
-    procs = start(root, 5, "returned")
-    wait_for_line(procs[0], "returned")
+    procs = start(str(tmp_path / "logs"), root, 5, "returned", writer=writer)
+    procs[0].wait_for_line("returned")
     writers = writers_of(*(proc.pid for proc in procs))
     assert writers, "no writer of the training process found"
     terminated = time.monotonic()
@@ -205,21 +306,20 @@ def test_ls_shows_a_checkpoint_an_orphaned_writer_is_finishing(tmp_path):
     assert "being finished" not in listed.stdout, listed.stdout
 
 
-def test_replies_that_cannot_be_sent_do_not_stop_the_writer(tmp_path):
+@pytest.mark.parametrize("writer", WRITERS)
+def test_replies_that_cannot_be_sent_do_not_stop_the_writer(tmp_path, writer):
     """The training process's end of the socket is closed before the writer learns of its exit (a dying
     process closes its files before its parent is told: the window a kill -9 under load hits): the
     writer's replies fail, and it still commits the save, runs the removal queued behind it, and exits
     without a traceback."""
     root = str(tmp_path / "closed")
-    proc = subprocess.Popen([sys.executable, CHILD, root, "5", "closed"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start(str(tmp_path / "logs"), root, 5, "closed", writer=writer)[0]
     try:
-        wait_for_line(proc, "closed")
+        proc.wait_for_line("closed")
         wait_until(lambda: core.is_complete(os.path.join(root, "next")) and not os.path.exists(os.path.join(root, "base")),
                    60, "the save and the removal queued behind it did not both happen")
         no_writer_left([proc])
     finally:
         kill([proc])
-    _, err = proc.communicate(timeout=30)
-    assert "Traceback" not in err, err[-3000:]
+    assert "Traceback" not in proc.error_output(), proc.error_output()[-3000:]
     assert_holds(os.path.join(root, "next"), 5, 1)

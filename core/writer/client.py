@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -52,12 +53,20 @@ class _Writer:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
         env["OMP_NUM_THREADS"] = "1"  # the writer does I/O, not compute
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "asyncckpt.core.writer.process", str(child_sock.fileno()), str(os.getpid()),
-             str(timeout)],
-            pass_fds=[child_sock.fileno()], env=env, stdin=subprocess.DEVNULL,
-            start_new_session=True,  # a Ctrl-C in the terminal is the training process's to handle
-        )
+        # SIGINT and SIGTERM are blocked in the writer until it ignores them (``process.main``): one that
+        # comes while it starts (a preemption right after the save that started it) must not kill it. The
+        # child inherits this thread's mask; signals for the training process meanwhile stay pending
+        # (or reach its other threads) until the mask is restored, once the child runs.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "asyncckpt.core.writer.process", str(child_sock.fileno()), str(os.getpid()),
+                 str(timeout)],
+                pass_fds=[child_sock.fileno()], env=env, stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C in the terminal is the training process's to handle
+            )
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
         self.registered: set[int] = set()

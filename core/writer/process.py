@@ -3,7 +3,7 @@
 It is launched as ``python -m asyncckpt.core.writer.process`` (not multiprocessing's spawn, which would
 re-import the user's ``__main__`` and re-run an unguarded training script), talks over a Unix
 socket (``protocol``), receives staging buffers as memfd file descriptors, and runs each request
-outside the training process's GIL. It runs in a session of its own and ignores SIGINT and SIGTERM:
+outside the training process's GIL. It runs in a session of its own and ignores SIGINT and SIGTERM (from its first instruction on):
 a Ctrl-C or a preemption signal reaches the training process, which drains what it handed over,
 and the writer keeps writing through the grace period instead of dropping the save in flight.
 
@@ -367,6 +367,7 @@ def main() -> None:
     # died in the meantime (as this one started) left them there for us to finish, as an orphan.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked since the start (``client``)
     trainer = TrainingProcess(parent_pid, timeout)
     channel = Channel(Connection(fd), trainer)
     writer = Writer(channel)
