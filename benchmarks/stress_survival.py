@@ -11,6 +11,11 @@ Real processes, real kills, outside the default test run (``tests/test_survival.
                    as it printed that the call returned
   core, 2 ranks    the same in a gloo group of 2; every rank killed at once once both returned
                    (the Store dies with rank 0: the writers meet by marker files)
+  first save       the same, where that ``async_save`` is the process's first save, which starts its
+                   writer (1 and 2 ranks; a local directory, and a bucket of an S3 server started
+                   here, moto's, on 127.0.0.1)
+  after idle stop  the same, where the writer of the base save stopped when idle and ``async_save``
+                   starts another
   snapshot         killed in the middle of its snapshot copy (1 and 2 ranks): nothing may commit
   lightning, accelerate, hf_trainer
                    the programs of ``tests/test_interrupt.py``: SIGKILL from inside once the save
@@ -55,14 +60,18 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from harness import git_meta, log  # noqa: E402
 from survival_child import TENSORS, values  # noqa: E402
 from test_interrupt import PROGRAMS  # noqa: E402
-from test_survival import CHILD, kill, start, wait_for_line, writers_of  # noqa: E402
+from programs import Program  # noqa: E402
+from s3_server import S3Server  # noqa: E402
+from test_survival import CHILD, kill, start, writers_of  # noqa: E402
 
 from asyncckpt import core  # noqa: E402
 from asyncckpt.core.storage import leftovers, orphans  # noqa: E402
+from asyncckpt.core.storage.backend import backend_for  # noqa: E402
 from asyncckpt.core.verify import integrity  # noqa: E402
 
 CORE_ELEMENTS = 8 << 20  # per tensor, 8 tensors per rank: 256 MiB, as in tests/test_survival.py
 CORE_ELEMENTS_MAX = 64 << 20  # 2 GiB per rank
+S3_ELEMENTS, S3_ELEMENTS_MAX = 2 << 20, 16 << 20  # 64 MiB, 512 MiB per rank (moto's server takes ~10 s for 512 MiB)
 ADAPTER_WIDTH, ADAPTER_WIDTH_MAX = 65536, 262144  # model + Adam: ~0.4 GiB, ~1.6 GiB
 SIGTERM_ELEMENTS = 32 << 20  # 1 GiB
 GRACE_S = 30.0
@@ -89,7 +98,7 @@ def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
     return True
 
 
-def no_writer_left(procs: list[subprocess.Popen], timeout: float = 90) -> float:
+def no_writer_left(procs: list[Program], timeout: float = 90) -> float:
     """Seconds until no writer process naming one of these trainers' pids runs (fails the trial past ``timeout``)."""
     t0 = time.monotonic()
     check(wait_until(lambda: not writers_of(*(p.pid for p in procs)), timeout),
@@ -108,7 +117,7 @@ def dying(pid: int) -> bool:
     return fields[0] in "ZX" or bool(int(fields[6]) & PF_EXITING)
 
 
-def visible_when_dead(procs: list[subprocess.Popen], visible: Callable[[], bool],
+def visible_when_dead(procs: list[Program], visible: Callable[[], bool],
                       timeout: float = 300) -> tuple[bool, float]:
     """Whether the checkpoint was visible at the moment every trainer had died (polled each ms), and
     that moment; then reap them. Waiting for the exit status instead would also wait for the kernel to
@@ -159,12 +168,15 @@ def logged(root: str, name: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ trials
-def core_returned(root: str, seed: int, world: int, elements: int) -> dict:
-    procs = start(root, seed, "returned", world, env={"SURVIVAL_ELEMENTS": str(elements)})
-    path = os.path.join(root, "next")
+def core_returned(root: str, seed: int, world: int, elements: int, writer: str = "running", url: str = "") -> dict:
+    """Trainers killed once ``async_save`` returned; ``writer``: what that save finds (``survival_child``).
+    With ``url`` the checkpoints go there (an object store) instead of ``root``."""
+    place = url or root
+    procs = start(f"{root}.logs", place, seed, "returned", world, env={"SURVIVAL_ELEMENTS": str(elements)}, writer=writer)
+    path = f"{place}/next" if url else os.path.join(place, "next")
     try:
         for proc in procs:
-            wait_for_line(proc, "returned")
+            proc.wait_for_line("returned")
         for proc in procs:
             proc.send_signal(signal.SIGKILL)
         visible, t_dead = visible_when_dead(procs, lambda: core.is_complete(path))
@@ -173,21 +185,22 @@ def core_returned(root: str, seed: int, world: int, elements: int) -> dict:
     check(wait_until(lambda: core.is_complete(path), 120), f"{path} not committed 120 s after the kill")
     commit_s = time.monotonic() - t_dead
     writers_s = no_writer_left(procs)
-    check(core.latest_checkpoint(root) == path, f"latest_checkpoint is {core.latest_checkpoint(root)}, not {path}")
+    check(core.latest_checkpoint(place) == path, f"latest_checkpoint is {core.latest_checkpoint(place)}, not {path}")
     check_intact(path)
     check_core_holds(path, seed, world, elements)
-    log_lines = logged(root, "next")
+    log_lines = logged(place, "next") if not url else []  # an orphan logs beside local checkpoints only
     check_log(log_lines, "next")
-    check(not list(leftovers.find(root)), f"hidden leftovers after the commit: {list(leftovers.find(root))}")
+    left = backend_for(place).find_leftovers(place) if url else list(leftovers.find(place))
+    check(not left, f"hidden leftovers after the commit: {left}")
     return {"visible_at_death": visible, "commit_after_death_s": commit_s, "writers_gone_s": writers_s,
             "gib": world * TENSORS * elements * 4 / 2**30, "log": log_lines}
 
 
 def core_snapshot(root: str, seed: int, world: int, elements: int) -> dict:
-    procs = start(root, seed, "snapshot", world, env={"SURVIVAL_ELEMENTS": str(elements)})
+    procs = start(f"{root}.logs", root, seed, "snapshot", world, env={"SURVIVAL_ELEMENTS": str(elements)})
     try:
         for proc in procs:
-            wait_for_line(proc, "copying")
+            proc.wait_for_line("copying")
     finally:
         kill(procs)
     writers_s = no_writer_left(procs)
@@ -234,20 +247,19 @@ def adapter_trial(root: str, seed: int, adapter: str, width: int) -> dict:
     script.write_text(PROGRAMS[adapter])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WIDTH": str(width), "SEED": str(seed),
            "KILL_AT": "next step" if adapter == "hf_trainer" else "saved", "REFERENCE": str(reference)}
-    proc = subprocess.Popen([sys.executable, str(script), "run", str(run)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = Program([sys.executable, str(script), "run", str(run)], f"{root}.logs", env=env, start_new_session=True)
     kept = run / KEPT[adapter]
     committed = (lambda: kept.is_file()) if adapter == "lightning" else (lambda: core.is_complete(str(kept)))
-    try:  # it kills itself; not communicate(): the orphaned writer holds the pipes open until it is done
+    try:  # it kills itself
         visible, t_dead = visible_when_dead([proc], committed)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     check(proc.returncode == -signal.SIGKILL, f"the program exited {proc.returncode}, not by SIGKILL")
-    out, err = proc.communicate(timeout=180)
-    saved = [line.split()[1] for line in out.splitlines() if line.startswith("SAVED ")]
-    check(kept.name in saved, f"{kept.name} was not handed over before the kill (saved {saved}): {err[-2000:]}")
+    saved = [line.split()[1] for line in proc.lines() if line.startswith("SAVED ")]
+    check(kept.name in saved, f"{kept.name} was not handed over before the kill (saved {saved}): "
+                              f"{proc.error_output()[-2000:]}")
     check(wait_until(committed, 120), f"{kept} was handed over before the kill and is not committed")
     commit_s = time.monotonic() - t_dead
     writers_s = no_writer_left([proc])
@@ -263,10 +275,10 @@ def adapter_trial(root: str, seed: int, adapter: str, width: int) -> dict:
 def sigterm_trial(root: str, seed: int, elements: int) -> dict:
     """SIGTERM to the trainer's process group while the save is in flight; SIGKILL after the grace period."""
     path = os.path.join(root, "next")
-    proc = subprocess.Popen([sys.executable, CHILD, root, str(seed), "returned"], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "SURVIVAL_ELEMENTS": str(elements)}, start_new_session=True)
+    proc = Program([sys.executable, CHILD, root, str(seed), "returned"], f"{root}.logs",
+                   env={**os.environ, "SURVIVAL_ELEMENTS": str(elements)}, start_new_session=True)
     try:
-        wait_for_line(proc, "returned")
+        proc.wait_for_line("returned")
         os.killpg(proc.pid, signal.SIGTERM)  # what a scheduler's preemption sends
         t_term = time.monotonic()
         try:
@@ -316,6 +328,7 @@ def run_trials(plan: list[tuple[str, Callable[[str, int, int], dict], int, int, 
                 f"{row['wall_s']:.1f} s")
             results.append(row)
             shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(f"{root}.logs", ignore_errors=True)
             if row.get("visible_at_death") and size < size_max:
                 size = min(size * 2, size_max)
     return results
@@ -412,9 +425,29 @@ def main() -> int:
 
     adapters = [(name, lambda root, seed, width, name=name: adapter_trial(root, seed, name, width), n(4),
                  ADAPTER_WIDTH, ADAPTER_WIDTH_MAX) for name in ("lightning", "accelerate", "hf_trainer")]
+    s3: list[str] = []  # a bucket of the S3 server, started when a kind needs it
+
+    def bucket() -> str:
+        if not s3:
+            server = S3Server()
+            os.environ.update(server.env())
+            s3.append(f"s3://{server.new_bucket()}")
+        return s3[0]
+
+    def core_kind(world: int, writer: str = "running", on_s3: bool = False):
+        def trial(root: str, seed: int, size: int) -> dict:
+            return core_returned(root, seed, world, size, writer, f"{bucket()}/{os.path.basename(root)}" if on_s3 else "")
+        return trial
+
     plan = [
-        ("core 1 rank", lambda root, seed, size: core_returned(root, seed, 1, size), n(8), CORE_ELEMENTS, CORE_ELEMENTS_MAX),
-        ("core 2 ranks", lambda root, seed, size: core_returned(root, seed, 2, size), n(6), CORE_ELEMENTS, CORE_ELEMENTS_MAX),
+        ("core 1 rank", core_kind(1), n(8), CORE_ELEMENTS, CORE_ELEMENTS_MAX),
+        ("core 2 ranks", core_kind(2), n(6), CORE_ELEMENTS, CORE_ELEMENTS_MAX),
+        ("first save 1 rank", core_kind(1, "none"), n(20), CORE_ELEMENTS, CORE_ELEMENTS_MAX),
+        ("first save 2 ranks", core_kind(2, "none"), n(20), CORE_ELEMENTS, CORE_ELEMENTS_MAX),
+        ("first save 1 rank s3", core_kind(1, "none", True), n(20), S3_ELEMENTS, S3_ELEMENTS_MAX),
+        ("first save 2 ranks s3", core_kind(2, "none", True), n(20), S3_ELEMENTS, S3_ELEMENTS_MAX),
+        ("after idle stop 1 rank", core_kind(1, "idle-stopped"), n(5), CORE_ELEMENTS, CORE_ELEMENTS_MAX),
+        ("after idle stop 2 ranks", core_kind(2, "idle-stopped"), n(5), CORE_ELEMENTS, CORE_ELEMENTS_MAX),
         ("snapshot", lambda root, seed, size: core_snapshot(root, seed, 1 + seed % 2, size), n(5), CORE_ELEMENTS, CORE_ELEMENTS),
         *adapters,
         ("sigterm", lambda root, seed, size: sigterm_trial(root, seed, size), n(2), SIGTERM_ELEMENTS, SIGTERM_ELEMENTS),

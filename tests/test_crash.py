@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -11,22 +10,20 @@ import pytest
 import torch
 
 from asyncckpt import core
+from programs import Program
 from writers import writers_of
 
 HERE = os.path.dirname(__file__)
 
 
 def _run_and_kill(root: str, mode: str, kill_after_submitted: int) -> int:
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "crash_writer.py"), root, mode],
-                            stdout=subprocess.PIPE, text=True)
+    proc = Program([sys.executable, os.path.join(HERE, "crash_writer.py"), root, mode], f"{root}.logs")
     try:
-        deadline = time.monotonic() + 120
-        for line in proc.stdout:
-            if line.strip() == f"submitted {kill_after_submitted}" or time.monotonic() > deadline:
-                break
+        proc.wait_for_line(f"submitted {kill_after_submitted}", timeout=120)
         time.sleep(0.15)  # inside the next save: snapshot taken, writer busy
         proc.send_signal(signal.SIGKILL)
     finally:
+        proc.kill()
         proc.wait(30)
     return proc.pid
 

@@ -151,3 +151,77 @@ def test_ddp_two_processes(tmp_path):
     results = run_on_ranks(ddp_save_and_resume, 2, str(tmp_path), init_process_group=False, timeout=240)
     for result in results:
         assert result["bitwise"] and result["ours_running"] == ([], []) and result["files"] == ["step.ckpt"]
+
+
+FABRIC_FIRST_SAVE = '''
+import os, signal, sys
+import torch
+import xxhash
+
+
+def digest(state) -> str:
+    """Every tensor's bytes, in key order."""
+    h = xxhash.xxh3_64()
+
+    def walk(value):
+        if isinstance(value, dict):
+            for key in sorted(value, key=str):
+                walk(value[key])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        elif isinstance(value, torch.Tensor):
+            h.update(value.detach().contiguous().numpy().tobytes())
+    walk(state)
+    return h.hexdigest()
+
+
+mode, path = sys.argv[1], sys.argv[2]
+if mode == "digest":
+    print("DIGEST", digest(torch.load(path, weights_only=False)), flush=True)
+    sys.exit(0)
+from lightning.fabric import Fabric
+from asyncckpt.adapters.lightning import AsyncCkptIO
+
+fabric = Fabric(accelerator="cpu", devices=1, plugins=[AsyncCkptIO()])
+torch.manual_seed(0)
+model = torch.nn.Linear(4096, 4096)
+optimizer = torch.optim.Adam(model.parameters())
+model, optimizer = fabric.setup(model, optimizer)
+fabric.backward(model(torch.randn(8, 4096)).square().mean())
+optimizer.step()  # ~200 MB of model and Adam state
+print("DIGEST", digest({"model": model.state_dict(), "optimizer": optimizer.state_dict()}), flush=True)
+fabric.save(path, {"model": model, "optimizer": optimizer, "step": 7})  # the process's first save: it starts the writer
+print("VISIBLE", os.path.exists(path), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def test_the_first_fabric_save_survives_a_kill_9_at_once(tmp_path):
+    """Issue 33's case: ``fabric.save`` is the process's first save, so the call starts the writer, and
+    the process is SIGKILLed the instant it returned: the writer still commits the file, whole, and
+    exits; it loads with ``torch.load`` holding what was saved."""
+    import signal
+    import sys
+    import time
+
+    from programs import Program
+    from writers import writers_of
+
+    script, path = tmp_path / "fabric_save.py", tmp_path / "ckpts" / "step7.ckpt"
+    script.write_text(FABRIC_FIRST_SAVE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    saver = Program([sys.executable, str(script), "save", str(path)], tmp_path / "logs", env=env)
+    saver.wait(300)
+    assert saver.returncode == -signal.SIGKILL, saver.error_output()[-3000:]
+    printed = dict(line.split(" ", 1) for line in saver.lines())
+    assert printed["VISIBLE"] == "False", "the file was committed before the kill: the trial proves nothing"
+    deadline = time.monotonic() + 60
+    while writers_of(saver.pid):
+        assert time.monotonic() < deadline, "the orphaned writer still runs"
+        time.sleep(0.1)
+    assert path.is_file(), "the save that returned before the kill is not committed"
+    assert [p.name for p in path.parent.iterdir() if p.name != ".asyncckpt-writer.log"] == ["step7.ckpt"]
+    reader = Program([sys.executable, str(script), "digest", str(path)], tmp_path / "logs", env=env)
+    assert reader.wait(300) == 0, reader.error_output()[-3000:]
+    assert reader.lines() == [f"DIGEST {printed['DIGEST']}"]

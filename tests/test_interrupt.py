@@ -25,6 +25,7 @@ import pytest
 from asyncckpt.core import is_complete
 from asyncckpt.core.formats import names
 from test_kill_rotation import IMPORTS  # what each adapter's program imports
+from programs import Program
 from writers import writers_of
 from zygote import Zygote
 
@@ -181,10 +182,9 @@ def test_kill_9_after_a_save_returned_keeps_it_and_resume_continues_from_it(tmp_
     script.write_text(PROGRAMS[adapter])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WIDTH": "65536",  # ~0.4 GiB saves
            "KILL_AT": "saved" if adapter == "lightning" else "next step"}
-    proc = subprocess.Popen([sys.executable, str(script), "run", str(root)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = Program([sys.executable, str(script), "run", str(root)], tmp_path / "logs", env=env, start_new_session=True)
     try:
-        proc.wait(300)  # not communicate(): the orphaned writer holds the pipes open until it is done
+        proc.wait(300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -193,9 +193,8 @@ def test_kill_9_after_a_save_returned_keeps_it_and_resume_continues_from_it(tmp_
     kept = _checkpoint(adapter, root, "last.ckpt" if adapter == "lightning" else "checkpoint_0" if adapter == "accelerate"
                        else "checkpoint-1")  # the save that returned before the kill (Lightning resumes from last.ckpt)
     print(f"{adapter}: {kept.name} visible when the trainer died: {_complete(adapter, kept)}")
-    out, err = proc.communicate(timeout=180)
-    saved = [line.split()[1] for line in out.splitlines() if line.startswith("SAVED ")]
-    assert kept.name in saved, (saved, err[-3000:])
+    saved = [line.split()[1] for line in proc.lines() if line.startswith("SAVED ")]
+    assert kept.name in saved, (saved, proc.error_output()[-3000:])
     deadline = time.monotonic() + 120
     while writers_of(proc.pid):
         assert time.monotonic() < deadline, "the orphaned writer still runs"

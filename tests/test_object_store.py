@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -25,6 +24,7 @@ from asyncckpt.core.storage import file_checksums
 from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.storage.object_store import ObjectStoreError, ObjectStoreOptions, store_for
 from dist_helper import run_on_ranks
+from programs import Program
 from s3_server import S3Server
 from writers import writers_of
 
@@ -288,24 +288,22 @@ def test_server_stopped_mid_save_fails_every_rank_and_keeps_the_previous(s3_serv
         restarted.stop()
 
 
-def _kill_mid_upload(root: str) -> None:
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "crash_writer.py"), root, "steps"],
-                            stdout=subprocess.PIPE, text=True)
+def _kill_mid_upload(root: str, logs: str) -> None:
+    proc = Program([sys.executable, os.path.join(HERE, "crash_writer.py"), root, "steps"], logs)
     try:
-        for line in proc.stdout:
-            if line.strip() == "submitted 2":
-                break
+        proc.wait_for_line("submitted 2", timeout=120)
         time.sleep(0.4)  # the writer is uploading step 2's 192 MiB
         for writer in writers_of(proc.pid):  # both die, as when a node goes down (a writer alone would
             os.kill(writer, signal.SIGKILL)   # finish the upload its training process handed over)
         proc.send_signal(signal.SIGKILL)
     finally:
+        proc.kill()
         proc.wait(30)
 
 
-def test_kill_9_mid_upload_is_invisible_and_clean_removes_it(s3_root, capsys):
+def test_kill_9_mid_upload_is_invisible_and_clean_removes_it(s3_root, capsys, tmp_path):
     root = f"{s3_root}/killed"
-    _kill_mid_upload(root)
+    _kill_mid_upload(root, str(tmp_path))
     latest = core.latest_checkpoint(root)
     assert latest in (None, f"{root}/step_000001")
     deadline = time.monotonic() + 10  # the killed processes may not be reaped yet
