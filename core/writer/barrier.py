@@ -147,7 +147,7 @@ class Heartbeats:
 
     def _run(self) -> None:
         while True:
-            self._due.wait(HEARTBEAT_S)
+            self._due.wait(HEARTBEAT_S if self._markers else None)  # an idle writer's thread sleeps until ``start``
             self._due.clear()
             with self._lock:
                 for path, (backend, beats) in self._markers.items():
