@@ -10,9 +10,12 @@ Each rep is a fresh process (``--child``) with 1 GiB in 16 tensors, the revision
 
   timing   the process's first ``async_save`` (the call starts the writer: stall, then time to
            durable), then a second one (the writer runs: stall, durable)
-  kill     the process SIGKILLs itself the moment its first ``async_save`` returned; the parent
-           looks whether that checkpoint was visible when the process had died, and whether it is
-           committed (and loads equal) within 60 s
+  kill     the process SIGKILLs itself the moment its first ``async_save`` returned, having noted
+           whether that checkpoint was visible then; the parent looks whether it is committed (and
+           loads equal) within 60 s
+
+A child reports in a file (``result.json``), never a pipe: a writer that outlives its killed process
+inherits the process's output.
 """
 from __future__ import annotations
 
@@ -46,7 +49,10 @@ def child(mode: str, directory: str) -> None:
     started = time.perf_counter()
     handle = checkpointer.async_save(state, os.path.join(directory, "first"))
     stall = time.perf_counter() - started
+    report = os.path.join(directory, "result.json")
     if mode == "kill":
+        with open(report, "w") as f:
+            json.dump({"visible_at_death": core.is_complete(os.path.join(directory, "first"))}, f)
         os.kill(os.getpid(), signal.SIGKILL)
     handle.result()
     durable = time.perf_counter() - started
@@ -56,21 +62,30 @@ def child(mode: str, directory: str) -> None:
     handle.result()
     durable2 = time.perf_counter() - started
     checkpointer.close()
-    print(json.dumps({"first_stall": stall, "first_durable": durable, "second_stall": stall2, "second_durable": durable2}))
+    with open(report, "w") as f:
+        json.dump({"first_stall": stall, "first_durable": durable, "second_stall": stall2, "second_durable": durable2}, f)
 
 
-def run(revision: str, mode: str, directory: str, cache: dict) -> subprocess.CompletedProcess:
+def run(revision: str, mode: str, directory: str, cache: dict) -> tuple[int, dict]:
+    """The child's exit code and its report."""
+    os.makedirs(directory, exist_ok=True)
     env = {**os.environ, **env_for_mode("run_base" if revision != "this" else "run", revision, cache)}
-    return subprocess.run([sys.executable, __file__, "--child", mode, directory], env=env, capture_output=True,
-                          text=True, timeout=600)
+    with open(os.path.join(directory, "stderr.txt"), "w") as err:
+        code = subprocess.run([sys.executable, __file__, "--child", mode, directory], env=env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=err, timeout=600).returncode
+    try:
+        with open(os.path.join(directory, "result.json")) as f:
+            return code, json.load(f)
+    except FileNotFoundError:
+        with open(os.path.join(directory, "stderr.txt")) as f:
+            raise RuntimeError(f"{revision} {mode}: exit {code}, no report: {f.read()[-3000:]}") from None
 
 
 def kill_trial(revision: str, directory: str, cache: dict) -> dict:
     from asyncckpt import core
 
     path = os.path.join(directory, "first")
-    proc = run(revision, "kill", directory, cache)  # returns once the process died of its own SIGKILL
-    visible = core.is_complete(path)
+    code, report = run(revision, "kill", directory, cache)  # returns once the process died of its own SIGKILL
     deadline = time.monotonic() + 60
     while not core.is_complete(path) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -81,7 +96,7 @@ def kill_trial(revision: str, directory: str, cache: dict) -> dict:
         loaded = {key: torch.empty_like(value) for key, value in state.items()}
         core.load(loaded, path)
         equal = same_state(loaded, state)
-    return {"returncode": proc.returncode, "visible_at_death": visible, "committed": committed, "loads_equal": equal}
+    return {"returncode": code, "visible_at_death": report["visible_at_death"], "committed": committed, "loads_equal": equal}
 
 
 def main() -> int:
@@ -108,10 +123,7 @@ def main() -> int:
         for rep in range(args.reps):
             for revision in revisions if rep % 2 == 0 else revisions[::-1]:
                 directory = os.path.join(base, f"t-{rep}-{revision}")
-                proc = run(revision, "timing", directory, cache)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"{revision}: {proc.stderr[-3000:]}")
-                timings[revision].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                timings[revision].append(run(revision, "timing", directory, cache)[1])
                 log(f"timing {revision}: {timings[revision][-1]}")
                 shutil.rmtree(directory, ignore_errors=True)
         for trial in range(args.kills):
@@ -152,8 +164,8 @@ def render(result: dict) -> str:
     for revision, rows in result["timings"].items():
         cells = [statistics.median(row[key] for row in rows) for key in ("first_stall", "first_durable", "second_stall", "second_durable")]
         lines.append(f"| {names[revision]} | " + " | ".join(f"{value:.3f}" for value in cells) + " |")
-    lines += ["", "Each rep (first stall): " + "; ".join(
-        f"{names[revision]} {', '.join(f'{row['first_stall']:.3f}' for row in rows)}" for revision, rows in result["timings"].items()) + ".",
+    each = {revision: ", ".join(f"{row['first_stall']:.3f}" for row in rows) for revision, rows in result["timings"].items()}
+    lines += ["", "Each rep (first stall): " + "; ".join(f"{names[revision]} {each[revision]}" for revision in each) + ".",
         "", "Kill at the return of the first save (the process SIGKILLs itself; committed within 60 s, loading equal):", ""]
     for revision, rows in result["kills"].items():
         lines.append(f"- {names[revision]}: {len(rows)} trials, {sum(not r['visible_at_death'] for r in rows)} not yet visible "
