@@ -381,7 +381,8 @@ def render(result: dict) -> str:
                      f"{k.get('writers_gone_s_max', 0):.1f} |")
     lines += ["", "\"Orphan logged its commit\": counted trials whose writer learnt of the trainer's death before it "
               "committed (the kernel tells it once the trainer's memory is freed), and so logged `finishing` and `committed` "
-              "in `.asyncckpt-writer.log`; in the others it committed first, as if the trainer were alive.", "",
+              "in `.asyncckpt-writer.log`; in the others it committed first, as if the trainer were alive. An orphan keeps that log "
+              "beside local checkpoints only: the object store's kinds have none.", "",
               "Sizes: core kinds, elements per tensor (8 fp32 tensors per rank); adapters, the model's `WIDTH` "
               "(65536: ~0.4 GiB of model and Adam state).", ""]
     sigterm = [r for r in result["trials"] if r["kind"] == "sigterm" and r["ok"]]
