@@ -185,11 +185,11 @@ from asyncckpt.adapters.lightning import AsyncCkptIO
 
 fabric = Fabric(accelerator="cpu", devices=1, plugins=[AsyncCkptIO()])
 torch.manual_seed(0)
-model = torch.nn.Linear(4096, 4096)
+model = torch.nn.Linear(2048, 2048)
 optimizer = torch.optim.Adam(model.parameters())
 model, optimizer = fabric.setup(model, optimizer)
-fabric.backward(model(torch.randn(8, 4096)).square().mean())
-optimizer.step()  # ~200 MB of model and Adam state
+fabric.backward(model(torch.randn(8, 2048)).square().mean())
+optimizer.step()  # ~50 MB of model and Adam state
 print("DIGEST", digest({"model": model.state_dict(), "optimizer": optimizer.state_dict()}), flush=True)
 fabric.save(path, {"model": model, "optimizer": optimizer, "step": 7})  # the process's first save: it starts the writer
 print("VISIBLE", os.path.exists(path), flush=True)
