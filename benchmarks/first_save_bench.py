@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from base_revision import env_for_mode  # noqa: E402
-from harness import GiB, git_meta, log, make_large, same_state  # noqa: E402
+from harness import GiB, git_meta, log, make_large, same_state, write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,13 +137,7 @@ def main() -> int:
         shutil.rmtree(base, ignore_errors=True)
     meta["loadavg_after"] = os.getloadavg()
     result = {"meta": meta, "timings": timings, "kills": kills}
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
-    markdown = render(result)
-    with open(args.markdown, "w") as f:
-        f.write(markdown)
-    print(markdown)
+    write_report(result, args.json, args.markdown, render(result))
     return 0
 
 

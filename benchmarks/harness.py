@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import json
 import math
 import mmap
 import os
@@ -586,6 +587,16 @@ class MMLoop:
 
 
 # ---------------------------------------------------------------------------------------- run metadata
+def write_report(result: dict, json_path: str, markdown_path: str, markdown: str) -> None:
+    """A benchmark's figures as JSON and its page as markdown (printed too)."""
+    os.makedirs(os.path.dirname(json_path), exist_ok=True)
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=1)
+    with open(markdown_path, "w") as f:
+        f.write(markdown)
+    print(markdown)
+
+
 def git_meta() -> dict:
     """The commit a run measured and any uncommitted changes under core/, recorded with its figures."""
     def run(*cmd):

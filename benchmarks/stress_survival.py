@@ -57,7 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from harness import git_meta, log  # noqa: E402
+from harness import git_meta, log, write_report  # noqa: E402
 from survival_child import TENSORS, values  # noqa: E402
 from test_interrupt import PROGRAMS  # noqa: E402
 from programs import Program  # noqa: E402
@@ -468,13 +468,7 @@ def main() -> int:
     meta["loadavg_after"] = os.getloadavg()
     meta["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     result = {"meta": meta, "args": vars(args), "wall_s": time.monotonic() - t0, "kinds": summarize(rows), "trials": rows}
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
-    markdown = render(result)
-    with open(args.markdown, "w") as f:
-        f.write(markdown)
-    print(markdown)
+    write_report(result, args.json, args.markdown, render(result))
     return 0 if all(row["ok"] for row in rows) else 1
 
 

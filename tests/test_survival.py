@@ -291,8 +291,6 @@ def test_sigterm_to_every_process_during_a_large_save_commits_it_within_the_grac
 def test_ls_shows_a_checkpoint_an_orphaned_writer_is_finishing(tmp_path):
     """``asyncckpt ls`` names the writer finishing a checkpoint whose training process died (from its
     log line, while that writer lives: here this test process plays the live writer)."""
-    from asyncckpt.core.formats import names
-
     token = leftovers.owner_token()
     (tmp_path / names.hidden_name("checkpoint-7", "staging", token)).mkdir()
     orphans.note(str(tmp_path), token, "finishing checkpoint-7 (training process 1 died)")

@@ -121,7 +121,8 @@ class Heartbeats:
 
     def __init__(self, token: str) -> None:
         self.token = token
-        self._markers: dict[str, tuple[Backend, list[int]]] = {}
+        self._markers: dict[str, Backend] = {}
+        self._beats = 0  # written into every marker: each rewrite changes it
         self._lock = threading.Lock()  # held while writing: ``stop`` waits for a write in progress
         self._due = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -130,7 +131,7 @@ class Heartbeats:
         with self._lock:
             if path in self._markers:
                 return
-            self._markers[path] = (backend, [0])
+            self._markers[path] = backend
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="asyncckpt-writer-heartbeat", daemon=True)
                 self._thread.start()
@@ -150,10 +151,10 @@ class Heartbeats:
             self._due.wait(HEARTBEAT_S if self._markers else None)  # an idle writer's thread sleeps until ``start``
             self._due.clear()
             with self._lock:
-                for path, (backend, beats) in self._markers.items():
-                    beats[0] += 1
+                self._beats += 1
+                for path, backend in self._markers.items():
                     try:
-                        backend.write_marker(path, f"{self.token}\n{beats[0]}\n".encode())
+                        backend.write_marker(path, f"{self.token}\n{self._beats}\n".encode())
                     except Exception:  # noqa: BLE001 - the storage may be what fails: the others judge the silence
                         pass
 
