@@ -161,9 +161,10 @@ class Heartbeats:
 
 class _Silence:
     """Whether the writers of the ranks one waits for are still at work, judged from their liveness
-    markers (one listing of the barrier's place every half heartbeat). Silence counts only while
-    ``judging()``: a writer whose training process lives waits for a late rank as long as the
-    save's timeout allows."""
+    markers (one listing of the barrier's place every half heartbeat) only while ``judging()``. A
+    writer whose training process lives neither looks nor counts silence: it waits for a late rank
+    as long as the save's timeout allows, and its training process learns of a writer that died
+    (its socket closes: ``writer.client``) and fails the save on every rank."""
 
     def __init__(self, barrier: "MarkerBarrier", judging: Callable[[], bool]) -> None:
         self.barrier, self.judging = barrier, judging
@@ -175,6 +176,9 @@ class _Silence:
 
     def gone(self, ranks: list[int]) -> Optional[tuple[int, str]]:
         """A rank of ``ranks`` whose writer is gone, and why; None while each may be at work."""
+        if not self.judging():
+            self._since.clear()  # silence counts from when judging starts
+            return None
         now = time.monotonic()
         if now < self._next_look:
             return None
@@ -183,11 +187,10 @@ class _Silence:
             listed = {entry.name: entry for entry in self.barrier.backend.listing(self.barrier.place)}
         except FileNotFoundError:
             listed = {}
-        judging = self.judging()
         for rank in ranks:
             entry = listed.get(names.alive_marker_name(rank))
             sign = None if entry is None else (entry.size, entry.modified)
-            if not judging or rank not in self._since or sign != self._signs[rank]:
+            if rank not in self._since or sign != self._signs[rank]:
                 self._signs[rank], self._since[rank] = sign, now
             token = self._token(rank, entry.path) if entry is not None else None
             if token is not None and owner_alive(token) is False:
