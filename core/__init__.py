@@ -36,6 +36,7 @@ from asyncckpt.core.errors import (
 
 if TYPE_CHECKING:
     from asyncckpt.core.api.checkpointer import Checkpointer, SaveHandle
+    from asyncckpt.core.api.options import CheckpointOptions
     from asyncckpt.core.api.dcp_writer import AsyncCkptStorageWriter
     from asyncckpt.core.loading.dcp_reader import AsyncCkptStorageReader
     from asyncckpt.core.api.manager import CheckpointManager
@@ -44,14 +45,14 @@ if TYPE_CHECKING:
 # The names that need torch, imported on first use: the background writer runs as
 # ``python -m asyncckpt.core.writer.process``, which executes this file, and must not load torch for it.
 _LAZY = {
-    "Checkpointer": "api.checkpointer", "SaveHandle": "writer.handles", "CheckpointManager": "api.manager",
+    "Checkpointer": "api.checkpointer", "CheckpointOptions": "api.options", "SaveHandle": "writer.handles", "CheckpointManager": "api.manager",
     "AsyncCkptStorageReader": "loading.dcp_reader", "AsyncCkptStorageWriter": "api.dcp_writer",
     "AsyncCkptLoadPlanner": "snapshot.planner", "AsyncCkptSavePlanner": "snapshot.planner",
 }
 
 __all__ = [
     "save", "async_save", "load", "latest_checkpoint", "is_complete", "wait", "default_checkpointer",
-    "Checkpointer", "SaveHandle", "CheckpointManager", "ExportOptions",
+    "Checkpointer", "CheckpointOptions", "SaveHandle", "CheckpointManager", "ExportOptions",
     "AsyncCkptStorageWriter", "AsyncCkptStorageReader", "AsyncCkptSavePlanner", "AsyncCkptLoadPlanner",
     "CheckpointError", "CheckpointCancelledError", "CheckpointTimeoutError", "CheckpointWriteError",
     "CorruptCheckpointError", "IncompleteCheckpointError", "StateDictMismatchError", "UnsafeMetadataError",

@@ -138,7 +138,7 @@ TRAINER_FSDP = """
                              disable_tqdm=True, logging_strategy="no")
     callback = AsyncCheckpointCallback()
     Trainer(model=Net(), args=args, train_dataset=Toy(), callbacks=[callback]).train(resume_from_checkpoint=resume or None)
-    assert [t["step"] for t in callback.timings] == ([8] if resume else [4, 8]), callback.timings
+    assert [t["step"] for t in callback.metrics] == ([8] if resume else [4, 8]), callback.metrics
     print("OK", flush=True)
 """
 

@@ -278,7 +278,7 @@ def trainer_save_and_resume(rank, world, root, state_dict_type):
     return {"same_after_resume": all(map(torch.equal, expected, resumed)) and len(expected) == len(resumed),
             "async_files": listing(checkpoint),
             "native_files": listing(os.path.join(root, "native", f"checkpoint-{STEPS_BEFORE}")),
-            "saved_through_us": [t["step"] for t in callback.timings]}
+            "saved_through_us": [t["step"] for t in callback.metrics]}
 
 
 def test_trainer_fsdp2_sharded_checkpoint_is_saved_asynchronously(tmp_path):

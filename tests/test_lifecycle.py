@@ -162,7 +162,7 @@ def test_trainer_train_leaves_nothing_running_and_the_callbacks_pickle(tmp_path,
     ours = [c for c in callbacks if isinstance(c, AsyncCheckpointCallback)]
     assert len(ours) == 1 and ours[0].saver is None
     train(tmp_path / "b", [ours[0]])
-    assert is_complete(str(tmp_path / "b" / "checkpoint-8")) and [t["step"] for t in ours[0].timings] == [4, 8]
+    assert is_complete(str(tmp_path / "b" / "checkpoint-8")) and [t["step"] for t in ours[0].metrics] == [4, 8]
     assert ours_running() == ([], [])
 
 

@@ -8,7 +8,7 @@ over a save: clearing ``control.should_save`` in ``on_step_end`` misses ``save_s
 the callback finds its Trainer (the caller of ``on_init_end``, or of ``on_train_begin`` when added
 later) and, until its ``train()`` ends, replaces that instance's ``_save_checkpoint`` with the
 asynchronous one in ``saver.py`` (a subclass's own ``_save_checkpoint``, such as TRL's, still runs, with
-the asynchronous save as its parent's: ``subclass.py``); the Trainer still decides when to save, evaluates
+the asynchronous save as its parent's); the Trainer still decides when to save, evaluates
 first, and resumes exactly as usual. When training ends, every checkpoint is committed and the background
 writer stops; the next ``train()`` starts it again.
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 from typing import Any, Optional
 
 import transformers.models.auto.modeling_auto  # noqa: F401  (defines the auto model classes: _auto_model_classes)
@@ -28,11 +27,8 @@ from transformers import (AutoConfig, AutoProcessor, AutoTokenizer, PreTrainedCo
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from asyncckpt.core import Checkpointer, ExportOptions
-from asyncckpt.core.integration import dist_env
-from asyncckpt.core.integration import lifecycle
-from asyncckpt.core.integration import patching
-from asyncckpt.core.integration import versions
+from asyncckpt.core import Checkpointer, CheckpointOptions
+from asyncckpt.core.integration import dist_env, lifecycle, patching, resolve_options, versions
 
 from .saver import AsyncCheckpointSaver
 from .support import SUPPORT
@@ -41,72 +37,53 @@ from .support import SUPPORT
 class AsyncCheckpointCallback(TrainerCallback):
     """Write every checkpoint the Trainer saves asynchronously, in the Trainer's own layout.
 
+    Takes every option of ``asyncckpt.core.CheckpointOptions`` (the same names, defaults and meanings as the
+    core's and the other adapters': docs/options.md) as keyword arguments, or the object as ``options``; with
+    ``verify`` (default), ``train(resume_from_checkpoint=...)`` and ``load_best_model_at_end`` check the
+    checkpoint before anything is loaded from it (the callback must be given to the Trainer's constructor for
+    this); ``export`` writes the model with its ``config.json`` and ``generation_config.json`` (a PEFT model's:
+    its adapter), by default to ``output_dir/exports/checkpoint-N``; ``log_metrics`` logs each save's cost
+    through ``Trainer.log``. And these of its own:
+
     Args:
-        max_in_flight: checkpoints that may be uncommitted at once; a save beyond it first waits for
-            the oldest. Memory: the staging buffers hold one copy of a checkpoint's data per pending
-            checkpoint (kept across saves and across ``train()`` calls).
-        timeout: seconds any wait on the background writer or on another rank may take.
-        direct_io: write with O_DIRECT where the filesystem supports it.
-        checkpointer: an ``asyncckpt.core.Checkpointer`` to use (you close it); by default the
-            callback makes its own, whose writer runs only while the Trainer trains.
-        overlap_optimizer: (default on) snapshot ``optimizer.pt`` (two thirds of an Adam checkpoint) in
-            a background thread while the next step's forward and backward run; the next
-            ``optimizer.step()`` waits for it. Safe because a torch optimizer's state tensors change
-            only in ``step()``; the weights, RNG and everything else are snapshot before the save
-            returns. Turn it off if your code changes the optimizer's state tensors in place between a
-            save and the next step; with an optimizer that is not a ``torch.optim.Optimizer`` it is off.
-        verify_on_resume: ``train(resume_from_checkpoint=...)`` and ``load_best_model_at_end`` check the
-            checkpoint against its checksums before loading anything (``asyncckpt.core.verify.integrity``); a
-            damaged one raises ``CorruptCheckpointError`` naming the file. Checkpoints written without
-            asyncckpt load unchecked. (The callback must be given to the Trainer's constructor for this.)
-        resume_from_intact: with ``resume_from_checkpoint=True``, a damaged newest checkpoint gives way
-            to the newest that checks out, with a warning naming the one skipped.
-        mirror_to: an object-store URL (``s3://bucket/run``): each committed ``checkpoint-N`` is copied there in
-            the background (``Checkpointer.mirror``), and ``train(resume_from_checkpoint=True)`` with no local
-            checkpoint restores the newest from there first (docs/object_store.md).
-        export: ``"safetensors"`` or an ``asyncckpt.core.ExportOptions``: after each ``checkpoint-N`` commits, the
-            main process's background writer writes the model as Hugging Face safetensors with its
-            ``config.json`` and ``generation_config.json`` (``AutoModel*.from_pretrained`` loads it), by default to
-            ``output_dir/exports/checkpoint-N``; a PEFT model's export is its adapter (``adapter_config.json`` and
-            ``adapter_model.safetensors``, for ``PeftModel.from_pretrained``). Ignored with a ``checkpointer`` of
-            your own: give it ``Checkpointer(export=...)``.
+        checkpointer: an ``asyncckpt.core.Checkpointer`` to use, with its own options (you close it): a Trainer
+            may share one with other code; by default the callback makes its own, whose writer runs only while
+            the Trainer trains.
         on_save_after_commit: the other callbacks' ``on_save`` run once the checkpoint committed (so they find
-            ``checkpoint-N`` complete), on a thread of their own while training goes on; what they raise fails
+            ``checkpoint-N`` complete), on a thread of its own while training goes on; what they raise fails
             like a save. What they set on ``control`` there is not applied. With ``push_to_hub=True`` each
-            checkpoint is uploaded after its commit in the same way, whatever this option says.
+            checkpoint is uploaded after its commit in the same way, whatever this option says. (The Trainer
+            alone calls other callbacks after a save.)
     """
 
-    def __init__(self, max_in_flight: int = 1, timeout: float = 600.0, direct_io: bool = True,
-                 checkpointer: Optional[Checkpointer] = None, overlap_optimizer: bool = True,
-                 verify_on_resume: bool = True, resume_from_intact: bool = False, mirror_to: Optional[str] = None,
-                 max_pending: Optional[int] = None, export: Optional[ExportOptions | str] = None,
-                 on_save_after_commit: bool = False) -> None:
+    def __init__(self, options: Optional[CheckpointOptions] = None, *, checkpointer: Optional[Checkpointer] = None,
+                 on_save_after_commit: bool = False, **kwargs: Any) -> None:
         versions.require(SUPPORT)
-        if max_pending is not None:  # its name until 0.1 (every other adapter and the core say max_in_flight)
-            warnings.warn("AsyncCheckpointCallback(max_pending=...) is deprecated and will be removed in the next "
-                          "release: use max_in_flight=...", FutureWarning, stacklevel=2)
-            max_in_flight = max_pending
+        if checkpointer is not None and (options is not None or kwargs):
+            raise TypeError(f"{type(self).__name__}(checkpointer=...) takes its options from that Checkpointer: "
+                            f"give it {', '.join(kwargs) or 'options'} instead")
+        options, _ = resolve_options(type(self).__name__, options, kwargs)
         for reader in (PreTrainedModel, PreTrainedConfig, PreTrainedTokenizerBase, *_auto_model_classes(), AutoConfig,
                        AutoTokenizer, AutoProcessor):  # from_pretrained of a checkpoint-N being written waits for it
             patching.install(reader, "from_pretrained", functools.partial(lifecycle.waiting_reader, path_at=1))
-        self.max_in_flight, self.timeout, self.direct_io = max_in_flight, timeout, direct_io
-        self.overlap_optimizer = overlap_optimizer
-        self.verify_on_resume, self.resume_from_intact, self.mirror_to = verify_on_resume, resume_from_intact, mirror_to
         self.owns_checkpointer = checkpointer is None
         self.on_save_after_commit = on_save_after_commit
-        self.checkpointer = checkpointer or Checkpointer(max_in_flight=max_in_flight, timeout=timeout, direct_io=direct_io,
-                                                         export=export)
+        self.checkpointer = checkpointer or Checkpointer(options)
         self.saver: Optional[AsyncCheckpointSaver] = None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "saver": None}  # the Checkpointer pickles as its options
 
     @property
-    def timings(self) -> list[dict]:
-        """Per save: ``step``, ``stall_s`` (seconds the training loop spent in it), ``waited_s`` (of
-        it, for an earlier checkpoint's commit: ``max_in_flight``) and ``optimizer_step_waited_s`` (how
-        long the next optimizer step waited for the overlapped ``optimizer.pt`` snapshot)."""
-        return self.saver.timings if self.saver is not None else []
+    def options(self) -> CheckpointOptions:
+        return self.checkpointer.options
+
+    @property
+    def metrics(self) -> list[dict]:
+        """Per save: ``step``, ``stall_s`` (seconds the training loop spent in it), ``durable_s`` (from its return
+        to committed on every rank), ``bytes`` and ``staged_wait_s`` (how long the next optimizer steps waited for
+        the overlapped ``optimizer.pt`` snapshot), as logged."""
+        return self.saver.metrics.history if self.saver is not None else []
 
     # ------------------------------------------------------------------ Trainer events
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -134,9 +111,7 @@ class AsyncCheckpointCallback(TrainerCallback):
 
     def _attach(self, trainer: Optional[Trainer]) -> None:
         if trainer is not None and (self.saver is None or self.saver.trainer is not trainer):
-            self.saver = AsyncCheckpointSaver(trainer, self.checkpointer, overlap_optimizer=self.overlap_optimizer,
-                                              verify_on_resume=self.verify_on_resume, resume_from_intact=self.resume_from_intact,
-                                              mirror_to=self.mirror_to, on_save_after_commit=self.on_save_after_commit)
+            self.saver = AsyncCheckpointSaver(trainer, self.checkpointer, on_save_after_commit=self.on_save_after_commit)
 
 
 def _auto_model_classes() -> list[type]:

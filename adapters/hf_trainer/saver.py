@@ -4,7 +4,8 @@ Reads top to bottom as the Trainer's own ``_save_checkpoint`` (transformers 5.x;
 by ``tests/test_framework_contracts.py``) does, with these differences, each marked ``# async:``:
 
 * every file goes through one ``Checkpointer.begin_directory``: the Trainer's save methods write into a
-  scratch directory while their data files are snapshot and queued (``capture.py``); the folder
+  scratch directory while their data files are snapshot and queued (``asyncckpt.core.integration.capture``:
+  ``torch.save``, the safetensors writers, ``dcp.save`` of FSDP's sharded state); the folder
   appears as ``checkpoint-N`` only once every rank's files are durable;
 * ``best_model_checkpoint`` counts a checkpoint being written as existing (natively: on disk);
 * rotation (``save_total_limit``) is queued behind the commit and runs only if it committed; deletion is
@@ -14,33 +15,38 @@ by ``tests/test_framework_contracts.py``) does, with these differences, each mar
 * before anything reads a checkpoint back (``_finalize_training``: the best model) every save is committed,
   and the deletions the Trainer makes there are atomic too.
 
-A subclass's own ``_save_checkpoint`` (TRL's trainers, users' EMA weights) is not replaced: it runs, and its
-``super()._save_checkpoint`` is the save above without the commit (``subclass.py``); the files it writes into
-``checkpoint-N`` are committed with the checkpoint. Where it cannot work against an asynchronous save (it
-reads the checkpoint back; the folder exists already), it runs as it is, synchronously, with one warning.
+A subclass's own ``_save_checkpoint`` (TRL's trainers ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``... write the
+model card; users' subclasses add EMA weights or extra state) is not replaced: it runs, and its
+``super()._save_checkpoint`` is the save above without the commit (``patching.standing_in``); the files it writes
+into ``checkpoint-N`` are committed with the checkpoint. Where it cannot work against an asynchronous save (it
+reads the checkpoint back when ``super()`` returns, before it is written; the folder exists already), it runs as
+it is, synchronously, with one warning.
+
+Each save's stall, time to durable and bytes go to the Trainer's own ``log`` (``checkpoint_stall_s``, ...: the
+report_to integrations show them as ``train/checkpoint_stall_s``), at the next save and at the end of training.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
+import re
 import shutil
+import sys
 import time
 import warnings
 from typing import Any, Callable, Optional
 
-import torch
-from transformers.trainer import OPTIMIZER_NAME, TRAINER_STATE_NAME
+import safetensors.torch
+import transformers.modeling_utils as modeling_utils
+from transformers.trainer import OPTIMIZER_NAME, TRAINER_STATE_NAME, Trainer
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint, sort_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
 from asyncckpt.core import Checkpointer
-from asyncckpt.core.integration import dist_env
-from asyncckpt.core.integration import patching, resume
+from asyncckpt.core.integration import SaveMetrics, capture, dist_env, patching, resume, saving
 
-from . import subclass
-from .capture import capture_into
+_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 class AsyncCheckpointSaver:
@@ -48,19 +54,13 @@ class AsyncCheckpointSaver:
     ``_finalize_training`` on that instance (not its class; a subclass's override of ``_save_checkpoint``
     still runs, around the asynchronous save)."""
 
-    def __init__(self, trainer: Any, checkpointer: Checkpointer, *, overlap_optimizer: bool, verify_on_resume: bool,
-                 resume_from_intact: bool, mirror_to: Optional[str] = None, on_save_after_commit: bool = False) -> None:
-        self.trainer, self.checkpointer, self.overlap_optimizer = trainer, checkpointer, overlap_optimizer
+    def __init__(self, trainer: Any, checkpointer: Checkpointer, *, on_save_after_commit: bool = False) -> None:
+        self.trainer, self.checkpointer = trainer, checkpointer
         self.on_save_after_commit = on_save_after_commit
         self.last_checkpoint: Optional[Any] = None  # the handle of the checkpoint the latest save began
-        self.verify_on_resume, self.resume_from_intact, self.mirror_to = verify_on_resume, resume_from_intact, mirror_to
-        if verify_on_resume or mirror_to:  # for the trainer's lifetime: every train() may resume
-            patching.install(trainer, "train", self._resuming_intact)
-        # per save: step, stall_s, waited_s (of it, for an earlier checkpoint's commit), optimizer_step_waited_s
-        # (how long the next optimizer step waited for the overlapped snapshot)
-        self.timings: list[dict] = []
+        self.metrics = SaveMetrics(checkpointer)
+        patching.install(trainer, "train", self._resuming)  # for the trainer's lifetime: every train() may resume
         self._undo: list[Callable[[], None]] = []  # what install() did, undone by uninstall()
-        self._staged_wait_mark = 0.0
         self._synchronous_subclass = False  # its _save_checkpoint reads the checkpoint back (warned once)
         self._warned_existing = False  # a subclass's save into an existing checkpoint-N was synchronous
 
@@ -70,7 +70,7 @@ class AsyncCheckpointSaver:
             return
         self._undo = [patching.install(self.trainer, "_save_checkpoint", lambda original: self.save_checkpoint).restore,
                       patching.install(self.trainer, "_finalize_training", self._finalize).restore]
-        if self.overlap_optimizer:  # any optimizer step first waits for an overlapped optimizer.pt snapshot
+        if self.checkpointer.options.overlap_optimizer:  # an optimizer step first waits for an overlapped snapshot
             self._undo.append(self.checkpointer.guard_every_optimizer().remove)
         if self.on_save_after_commit:
             self._undo.append(patching.install(self.trainer.callback_handler, "on_save", self._on_save_after_commit).restore)
@@ -87,29 +87,28 @@ class AsyncCheckpointSaver:
             self.checkpointer.wait()
             return type(trainer)._save_checkpoint(trainer, model, trial)
         started = time.perf_counter()
-        if self.timings:  # how long the optimizer step after the last save waited for its overlapped snapshot
-            self.timings[-1]["optimizer_step_waited_s"] = self.checkpointer.stager.staged_wait_s - self._staged_wait_mark
-        timing = {"step": trainer.state.global_step, "waited_s": 0.0}
         self.last_checkpoint = None
-        try:
-            if subclass.overrides_save_checkpoint(trainer):
-                self._save_with_subclass(model, trial, timing)
-            else:
-                self._save(trial, timing)
-        finally:
-            timing["stall_s"] = time.perf_counter() - started
-            self.timings.append(timing)
-            self._staged_wait_mark = self.checkpointer.stager.staged_wait_s
+        if patching.overridden(trainer, Trainer, "_save_checkpoint"):
+            self._save_with_subclass(model, trial)
+        else:
+            self._save(trial)
+        self.metrics.saved(self.last_checkpoint, time.perf_counter() - started)
+        self._log_metrics()
 
-    def _save(self, trial: Any, timing: dict) -> None:
+    def _log_metrics(self, *, final: bool = False) -> None:
+        """The records of committed saves, into the Trainer's ``log`` (and so its report_to integrations)."""
+        for record in self.metrics.ready(final=final):
+            self.trainer.log({f"checkpoint_{name}": value for name, value in record.items() if value is not None})
+
+    def _save(self, trial: Any) -> None:
         run_dir = self.trainer._get_output_dir(trial=trial)
-        with self._begin(run_dir, timing) as tx:
+        with self._begin(run_dir) as tx:
             deferred = self._save_trainer_files(tx, trial)
         self._complete(tx, deferred, run_dir)
 
-    def _save_with_subclass(self, model: Any, trial: Any, timing: dict) -> None:
+    def _save_with_subclass(self, model: Any, trial: Any) -> None:
         """The subclass's own ``_save_checkpoint`` runs; its call of ``Trainer._save_checkpoint`` writes the
-        Trainer's files into the transaction (``subclass.standing_in``), and what it writes into
+        Trainer's files into the transaction (``patching.standing_in``), and what it writes into
         ``checkpoint-N`` itself, before or after that call, goes into the same transaction: data files through
         the capture, other files from the folder, which it had to create (removed again before the commit
         publishes the whole checkpoint under that name)."""
@@ -126,16 +125,16 @@ class AsyncCheckpointSaver:
         calls: list = []
         needs_disk: Optional[OSError] = None
         try:
-            with self._begin(run_dir, timing) as tx, \
-                    capture_into(tx, folder=final_dir, collect=args.should_save) as own_files:
+            with self._begin(run_dir) as tx, capture.capturing(tx, root=final_dir, collect=args.should_save,
+                                                               safetensors_savers=_safetensors_savers()) as own_files:
                 def parent(_model: Any, parent_trial: Any) -> None:
-                    own_files.hand_over_scratch()  # what it wrote there so far comes before the Trainer's files
+                    own_files.hand_over()  # what it wrote there so far comes before the Trainer's files
                     deferred.extend(self._save_trainer_files(tx, parent_trial))
 
-                with subclass.standing_in(trainer, parent) as calls:
+                with patching.standing_in(Trainer, "_save_checkpoint", trainer, parent) as calls:
                     type(trainer)._save_checkpoint(trainer, model, trial)
         except FileNotFoundError as error:  # the with aborted the transaction
-            if not (calls and subclass.names_checkpoint(error, final_dir)):
+            if not (calls and _names(error, final_dir)):
                 raise
             needs_disk = error
         finally:
@@ -151,7 +150,7 @@ class AsyncCheckpointSaver:
         if calls:
             self._complete(tx, deferred, run_dir)
         elif _on_any_rank(bool(own_files.written)):  # it saved by itself, not through the Trainer: what it wrote
-            self._finish(tx, [], [])
+            saving.finish(self.checkpointer, tx)
         else:
             tx.abort(RuntimeError(f"{type(trainer).__name__}._save_checkpoint saved nothing"))
 
@@ -166,10 +165,9 @@ class AsyncCheckpointSaver:
     def _checkpoint_dir(self, run_dir: str) -> str:
         return os.path.abspath(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.trainer.state.global_step}"))
 
-    def _begin(self, run_dir: str, timing: dict) -> Any:
+    def _begin(self, run_dir: str) -> Any:
         step = self.trainer.state.global_step
         tx = self.checkpointer.begin_directory(self._checkpoint_dir(run_dir), step=step, label=f"global step {step}")
-        timing["waited_s"] = tx.handle.timings["waited_s"]  # for an earlier checkpoint (max_in_flight)
         self.last_checkpoint = tx.handle
         return tx
 
@@ -181,18 +179,19 @@ class AsyncCheckpointSaver:
         if trainer.hp_search_backend is None and trial is None:
             trainer.store_flos()
         run_dir = trainer._get_output_dir(trial=trial)
-        defer = (lambda name: name == OPTIMIZER_NAME) if self._may_defer_optimizer(trainer) else None
-        with capture_into(tx, defer=defer) as cap:  # async: the Trainer's own save code, files snapshot + queued
-            trainer.save_model(cap.scratch, _internal_call=True)
+        defer = (lambda name: name == OPTIMIZER_NAME) if saving.overlaps_optimizer(self.checkpointer,
+                                                                                   [trainer.optimizer]) else None
+        with capture.capturing(tx, defer=defer, safetensors_savers=_safetensors_savers()) as cap:
+            trainer.save_model(cap.root, _internal_call=True)  # async: the Trainer's own save code, files snapshot
             if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) \
                     and state.best_global_step:
                 best_dir = os.path.abspath(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}"))
                 if best_dir == tx.final_dir or self.checkpointer.will_exist(best_dir):  # async: in flight counts as existing
                     state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
             if not args.save_only_model:
-                trainer._save_optimizer_and_scheduler(cap.scratch)
-                trainer._save_scaler(cap.scratch)
-                trainer._save_rng_state(cap.scratch)
+                trainer._save_optimizer_and_scheduler(cap.root)
+                trainer._save_scaler(cap.root)
+                trainer._save_rng_state(cap.root)
             if args.should_save:
                 for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control]
                            if isinstance(c, ExportableState)]:
@@ -201,34 +200,20 @@ class AsyncCheckpointSaver:
                         state.stateful_callbacks[cb_name].append(cb_state)
                     else:
                         state.stateful_callbacks[cb_name] = cb_state
-                state.save_to_json(os.path.join(cap.scratch, TRAINER_STATE_NAME))
+                state.save_to_json(os.path.join(cap.root, TRAINER_STATE_NAME))
         return cap.deferred
 
     def _complete(self, tx: Any, deferred: list, run_dir: str) -> None:
-        """The rest of ``Trainer._save_checkpoint``: the commit (and the deferred snapshots before it),
-        rotation behind it, the push after it."""
+        """The rest of ``Trainer._save_checkpoint``: the commit (and the deferred snapshots before it, while the
+        next forward/backward runs), rotation behind it, the push after it."""
         args, state = self.trainer.args, self.trainer.state
         doomed = self._rotation(run_dir, args.save_total_limit, state.best_model_checkpoint, tx.final_dir) \
             if args.should_save else []
-        if deferred:  # async: the optimizer state is copied while the next forward/backward runs
-            self.checkpointer.run_staged(lambda: self._finish(tx, deferred, doomed))
-        else:
-            self._finish(tx, [], doomed)
+        stage_later = (lambda: [tx.save_file(obj, name, format=fmt, metadata=meta) for obj, name, fmt, meta in deferred]) \
+            if deferred else None
+        saving.finish(self.checkpointer, tx, stage_later=stage_later, removals=doomed)
         if args.push_to_hub:  # async: the upload needs the files: it runs once this checkpoint committed, in order
             self.checkpointer.after_commit(tx.handle, self.trainer._push_from_checkpoint)
-
-    def _finish(self, tx: Any, deferred: list, doomed: list[str]) -> None:
-        """The deferred snapshots, the commit, then the rotation's deletions (in the writer's queue,
-        behind the commit, and only if it committed)."""
-        try:
-            for obj, name, format, metadata in deferred:
-                tx.save_file(obj, name, format=format, metadata=metadata)
-        except BaseException as error:  # noqa: BLE001 - on the staging thread: raised at the next sync point
-            tx.abort(error, raised=False)
-            return
-        handle = tx.commit(mirror_to=self.mirror_to)
-        if doomed:
-            self.checkpointer.remove(doomed, after=handle)
 
     def _rotation(self, run_dir: str, save_total_limit: Optional[int], best: Optional[str], newest: str) -> list[str]:
         """``rotate_checkpoints`` over what will exist once the writer is done: the folders to delete,
@@ -256,39 +241,32 @@ class AsyncCheckpointSaver:
         return on_save
 
     # ------------------------------------------------------------------ the end of training
-    def _resuming_intact(self, original: Callable) -> Callable:
-        """``train(resume_from_checkpoint=...)``: this process's saves into ``output_dir`` are committed
-        first, and the checkpoint is checked before anything is loaded from it, its files read once
-        (``resume.verify``); with ``True`` and ``resume_from_intact``, a damaged newest one gives way to
-        the newest that checks out."""
+    def _resuming(self, original: Callable) -> Callable:
+        """``train(resume_from_checkpoint=...)`` resumes through ``resume.resume``: saves in flight committed
+        first, the checkpoint checked as it is read; with ``True``, the newest ``checkpoint-N`` (with
+        ``resume_from_intact``, the newest that checks out; with ``mirror_to`` and none here, the newest mirrored)."""
         def train(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-            output_dir = self.trainer.args.output_dir
+            def load(path: Optional[str]) -> Any:
+                return original(path if path is not None else resume_from_checkpoint, *args, **kwargs)
+
             if resume_from_checkpoint is True:
-                resume.wait_for_saves(output_dir)
-                if self.mirror_to and not get_last_checkpoint(output_dir):
-                    self.checkpointer.restore_mirrored(self.mirror_to, output_dir)  # nothing local: the newest mirrored one
-            verified = None
-            last = resume_from_checkpoint is True and get_last_checkpoint(output_dir)
-            if last and self.verify_on_resume:  # the Trainer would pick it
-                older = [p for p in reversed(sort_checkpoints(output_dir)) if p != last] if self.resume_from_intact else []
-                verified = resume.first_intact([last, *older], lambda path: resume.verify(self.checkpointer, path))
-                resume_from_checkpoint = verified.path
-            elif resume_from_checkpoint and resume_from_checkpoint is not True and self.verify_on_resume \
-                    and os.path.exists(resume_from_checkpoint):  # else the Trainer's own "Can't find a valid checkpoint"
-                verified = resume.verify(self.checkpointer, os.fspath(resume_from_checkpoint))
-            with verified.serving() if verified else contextlib.nullcontext():
-                return original(resume_from_checkpoint, *args, **kwargs)
+                return resume.resume(self.checkpointer, load, reads="files", root=self.trainer.args.output_dir,
+                                     newest_first=_newest_first)
+            if resume_from_checkpoint and os.path.exists(resume_from_checkpoint):  # else the Trainer's own error
+                return resume.resume(self.checkpointer, load, reads="files", path=os.fspath(resume_from_checkpoint))
+            return load(None)
 
         return train
 
     def _finalize(self, original: Callable) -> Callable:
-        """Every save committed before the best model is loaded back (and checked, with
-        ``verify_on_resume``); the Trainer's own deletions of checkpoint folders there
-        (``save_total_limit=1``) are atomic."""
+        """Every save committed (and its metrics logged) before the best model is loaded back (and checked,
+        with ``verify``); the Trainer's own deletions of checkpoint folders there (``save_total_limit=1``)
+        are atomic."""
         def finalize_training(*args: Any, **kwargs: Any) -> Any:
             self.checkpointer.wait()
+            self._log_metrics(final=True)
             best = self.trainer.state.best_model_checkpoint
-            if self.verify_on_resume and self.trainer.args.load_best_model_at_end and best:
+            if self.checkpointer.options.verify and self.trainer.args.load_best_model_at_end and best:
                 self.checkpointer.require_intact(best)
             with patching.patched(shutil, "rmtree", self._atomic_rmtree(shutil.rmtree)):
                 return original(*args, **kwargs)
@@ -307,19 +285,6 @@ class AsyncCheckpointSaver:
         return remove
 
     # ------------------------------------------------------------------ what is supported
-    def _may_defer_optimizer(self, trainer: Any) -> bool:
-        """Overlap the optimizer snapshot only if every step passes our step pre-hook: a torch
-        optimizer (the Trainer's is Accelerate's wrapper, whose ``step`` calls the wrapped one's)."""
-        if not self.overlap_optimizer:
-            return False
-        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-        if isinstance(optimizer, torch.optim.Optimizer):
-            return True
-        warnings.warn(f"asyncckpt: {type(optimizer).__name__} is not a torch.optim.Optimizer, so its steps cannot be "
-                        "made to wait for an overlapped snapshot: optimizer.pt is snapshot before each save returns.", RuntimeWarning,
-                      stacklevel=2)
-        return False
-
     def _supported(self, trainer: Any) -> bool:
         unsupported = [name for name, on in (
             ("DeepSpeed", trainer.is_deepspeed_enabled),
@@ -331,6 +296,30 @@ class AsyncCheckpointSaver:
             warnings.warn(f"asyncckpt: {unsupported[0]} checkpoints are saved synchronously by the Trainer itself "
                           "(asynchronous saving covers single-process, DDP and FSDP training).", RuntimeWarning, stacklevel=2)
         return not unsupported
+
+
+def _newest_first(run_dir: str) -> list[str]:
+    """The Trainer's own pick of ``checkpoint-N`` folders (``get_last_checkpoint``): the highest step first."""
+    def step(path: str) -> Optional[int]:
+        found = _CHECKPOINT_NAME.match(os.path.basename(path))
+        return int(found[1]) if found and os.path.isdir(path) else None
+
+    return resume.candidates(run_dir, step)
+
+
+def _safetensors_savers() -> list[tuple[Any, str]]:
+    """The names the Trainer's safetensors files are written through: (module, attribute); PEFT's once loaded."""
+    savers = [(safetensors.torch, "save_file"), (modeling_utils, "safe_save_file")]
+    peft_model = sys.modules.get("peft.peft_model")
+    if peft_model is not None:
+        savers.append((peft_model, "safe_save_file"))
+    return savers
+
+
+def _names(error: OSError, folder: str) -> bool:
+    """Whether ``error`` is about ``folder`` or a path in it."""
+    return any(os.path.abspath(os.fspath(path)) == folder or capture.path_in(folder, path) is not None
+               for path in (error.filename, error.filename2) if isinstance(path, (str, os.PathLike)))
 
 
 def _on_any_rank(flag: bool) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 import threading
 import time
 from collections import Counter
@@ -39,6 +40,7 @@ from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.snapshot.buffer_pool import BufferPool
 from asyncckpt.core.writer.pending import PendingWork
 from asyncckpt.core.api.commit_hooks import CommitHooks, OnCommit
+from asyncckpt.core.api.options import CheckpointOptions, resolve
 from asyncckpt.core.api.directory import DirectoryTransaction
 from asyncckpt.core.snapshot.dist_env import any_rank, default_store, dist_ready, rank_and_world
 from asyncckpt.core.storage.commit import job_token
@@ -54,7 +56,6 @@ from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
 from asyncckpt.core.writer.handles import SaveHandle
 from asyncckpt.core.loading.state_dict import load_checkpoint
 from asyncckpt.core.writer.mirror import MirrorRequest, restore_latest
-from asyncckpt.core.storage.object_store import ObjectStoreOptions
 from asyncckpt.core.writer.retention import RetentionRequest
 from asyncckpt.core.writer.export import ExportOptions, ExportRequest, as_options
 from asyncckpt.core.loading.torch_sources import with_torch_readers
@@ -65,76 +66,50 @@ from asyncckpt.core.snapshot.tensor_copy import CopyThreads
 
 STATE_DICT = dict[str, Any]
 T = TypeVar("T")
-_OPTIONS = ("process_group", "use_collectives", "max_in_flight", "overlap_staging", "direct_io", "io_threads",
-            "timeout", "verify", "object_store", "writer_idle_timeout", "on_commit", "export")
-
-
 class Checkpointer:
     """Owns the staging buffers, the background writer and the plan cache across saves.
+
+    Takes every option of ``CheckpointOptions`` (``asyncckpt.core.CheckpointOptions``: the same names, defaults
+    and meanings as every adapter's) as keyword arguments, or the object as ``options``, and these of its own,
+    which say how the core's own SPMD calls run (an adapter decides them from its framework):
 
     Args:
         process_group: group for the (tiny) structure agreement and cold planning; default: world.
         use_collectives: False saves and loads with no cross-rank communication (ranks meet
             only through the filesystem); replicated tensors are then written by every rank.
-        max_in_flight: checkpoints whose write may be pending at once (a directory of files
-            counts once); each holds staging memory the size of its data. A save beyond it first
-            waits for the oldest (back-pressure).
-        overlap_staging: take the snapshot in a background thread; the caller must not mutate
+        overlap_staging: take the whole snapshot in a background thread; the caller must not mutate
             the state until ``handle.wait_staged()`` (``guard(optimizer)`` does that for you).
-        direct_io: write with O_DIRECT where the filesystem supports it.
-        io_threads: parallel writer/reader threads per rank.
-        timeout: bound on every wait (peers, commit, back-pressure), in seconds; also on what a
-            background writer still does after its training process died (it finishes the saves
-            handed to it, then exits).
-        verify: check checksums on load.
-        object_store: how to reach and use an object store for ``s3://...`` (any fsspec URL) paths:
-            ``storage_options``, multipart part size, parallel requests; for its writer and for its loads
-            and checks. Default: ``object_store.configure``'s, else fsspec's defaults and the environment.
-        writer_idle_timeout: a writer started by a save (not by ``start()``) stops after this many
-            seconds with nothing to do (None: only when the Checkpointer is torn down); the next save
-            starts it again.
-        on_commit: called with the path of every checkpoint once it committed (on each rank that
-            saved it), on a thread of its own, in commit order, while training goes on (``commit_hooks``);
-            what it raises fails like a save, naming the checkpoint, at the next sync point. (A
-            Checkpointer pickles with it: give a module-level function where it must pickle.)
-        export: ``"safetensors"`` or an ``ExportOptions``: once a checkpoint committed, rank 0's
-            background writer writes its model weights as Hugging Face safetensors (``Checkpointer.export``).
     """
 
-    def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None, use_collectives: bool = True,
-                 max_in_flight: int = 1, overlap_staging: bool = False, direct_io: bool = True, io_threads: int = 2,
-                 timeout: float = 600.0, verify: bool = True, object_store: Optional[ObjectStoreOptions] = None,
-                 writer_idle_timeout: Optional[float] = 30.0, on_commit: Optional[OnCommit] = None,
-                 export: Optional[ExportOptions | str] = None) -> None:
-        self.process_group, self.use_collectives = process_group, use_collectives
-        self.object_store = object_store
-        self.max_in_flight, self.overlap_staging = max_in_flight, overlap_staging
-        self.direct_io, self.io_threads, self.timeout, self.verify = direct_io, io_threads, timeout, verify
-        self.writer_idle_timeout = writer_idle_timeout
-        self.ledger = PendingWork(max_in_flight=max_in_flight, timeout=timeout, store=self._store,
-                                  writer_idle_timeout=writer_idle_timeout)
-        self.on_commit, self.export_options = on_commit, as_options(export)
+    def __init__(self, options: Optional[CheckpointOptions] = None, *,
+                 process_group: Optional[dist.ProcessGroup] = None, use_collectives: bool = True,
+                 overlap_staging: bool = False, **kwargs: Any) -> None:
+        self.options, _ = resolve("Checkpointer", options, kwargs)
+        self.process_group, self.use_collectives, self.overlap_staging = process_group, use_collectives, overlap_staging
+        options = self.options
+        self.timeout, self.object_store = options.timeout, options.object_store
+        self.ledger = PendingWork(max_in_flight=options.max_in_flight, timeout=options.timeout, store=self._store,
+                                  writer_idle_timeout=options.writer_idle_timeout)
         self.hooks = CommitHooks(self.ledger)
         self.buffers = BufferPool(self.ledger.queue.drop_buffer)
         self.copy_threads = CopyThreads()
-        self.stager = Stager(self.ledger, self._store, timeout)
+        self.stager = Stager(self.ledger, self._store, options.timeout)
         self.files = FileSnapshots(self.buffers, self.copy_threads)
-        self.sharded = ShardedSaves(self.buffers, self.copy_threads, direct_io=direct_io, io_threads=io_threads,
-                                    timeout=timeout)
+        self.sharded = ShardedSaves(self.buffers, self.copy_threads, direct_io=options.direct_io,
+                                    io_threads=options.io_threads, timeout=options.timeout)
         self.stats: Counter = Counter()  # requests by kind, and removals/links queued behind a pending save
         self.closed = False
         self._directories = 0
         lifecycle.track(self)
 
     def __getstate__(self) -> dict:
-        state = {name: getattr(self, name) for name in _OPTIONS if name not in ("process_group", "export")}
-        return {**state, "export": self.export_options}
+        return {"options": self.options, "use_collectives": self.use_collectives, "overlap_staging": self.overlap_staging}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(**state)
+        self.__init__(state.pop("options"), **state)
 
     def __repr__(self) -> str:
-        return (f"Checkpointer(max_in_flight={self.max_in_flight}, pending={len(self.pending())}, "
+        return (f"Checkpointer(max_in_flight={self.options.max_in_flight}, pending={len(self.pending())}, "
                 f"writer={'running' if self.ledger.queue.running else 'stopped'})")
 
     # ------------------------------------------------------------------ sharded (SPMD) saves
@@ -177,6 +152,7 @@ class Checkpointer:
                                             failed_here=self.ledger.has_unobserved,
                                             raise_failures=self.ledger.raise_unobserved, timings=handle.timings)
             handle.when_done(lambda: self.buffers.give_back(prepared.slot))
+            handle.add_bytes(prepared.slot.buffer.layout.size)
             handle.timings["prepare_s"] = time.perf_counter() - started
             return prepared
 
@@ -206,7 +182,8 @@ class Checkpointer:
         with object_store_module.using(self.object_store):
             load_checkpoint(state_dict, path, group=process_group if process_group is not None else self.process_group,
                             collectives=self.use_collectives if use_collectives is None else use_collectives,
-                            strict=strict, verify=self.verify if verify is None else verify, io_threads=self.io_threads)
+                            strict=strict, verify=self.options.verify if verify is None else verify,
+                            io_threads=self.options.io_threads)
 
     # ------------------------------------------------------------------ native files and directories
     def async_save_file(self, obj: Any, path: str | os.PathLike, *, format: str = "torch",
@@ -225,8 +202,9 @@ class Checkpointer:
         image = self.files.image(obj, format, metadata)
         handle = self._admit("file", path, rank=rank_and_world(self.process_group)[0], step=step, label=label)
         slot = self.buffers.take_for_file(image.size, handle)
+        handle.add_bytes(image.size)
         handle.when_done(lambda: self.buffers.give_back(slot))
-        request = FileRequest(path, image.size, handle.rank, self.direct_io, self.io_threads, object_store=self.object_store)
+        request = FileRequest(path, image.size, handle.rank, self.options.direct_io, self.options.io_threads, object_store=self.object_store)
         self.stager.take_snapshot(handle, lambda: self.files.stage(image, slot), request,
                                   lambda: self.ledger.queue.submit([(handle, request, slot.buffer)]))
         return handle
@@ -264,8 +242,7 @@ class Checkpointer:
 
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
                                     pending=self.ledger, stager=self.stager, files=self.files,
-                                    sharded=self.sharded, sharded_target=sharded_target, mirror=self.mirror,
-                                    direct_io=self.direct_io, io_threads=self.io_threads)
+                                    sharded=self.sharded, sharded_target=sharded_target, direct_io=self.options.direct_io, io_threads=self.options.io_threads)
 
     def _directory_id(self, final_dir: str, rank: int, world: int, store: Any) -> str:
         """The same id on every rank without a collective: on one rank, an owner token (random, and
@@ -338,13 +315,13 @@ class Checkpointer:
             raise ValueError(f"mirror() copies to an object-store URL, not to {url}")
         return self._queue_after("mirror", url, MirrorRequest(path, url, self.object_store), after)
 
-    def restore_mirrored(self, url_root: str, local_root: str) -> Optional[str]:
-        """Before a resume: the newest committed checkpoint under ``url_root`` (``mirror``) restored
-        under ``local_root`` unless a copy is there. A collective when torch.distributed runs: no
-        shared filesystem is assumed, so one process per node (``LOCAL_RANK`` 0) downloads while the
-        others wait for it. Returns the local path, or None if the mirror holds none."""
+    def restore_mirrored(self, url_root: str, local_root: str, name: Optional[str] = None) -> Optional[str]:
+        """Before a resume: the newest committed checkpoint under ``url_root`` (``mirror``; with ``name``, the
+        one of that name) restored under ``local_root`` unless a copy is there. A collective when
+        torch.distributed runs: no shared filesystem is assumed, so one process per node (``LOCAL_RANK`` 0)
+        downloads while the others wait for it. Returns the local path, or None if the mirror holds none."""
         with object_store_module.using(self.object_store):
-            restored = restore_latest(url_root, local_root) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
+            restored = restore_latest(url_root, local_root, name) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
         if dist_ready() and rank_and_world(self.process_group)[1] > 1:
             dist.barrier(group=self.process_group)
         return restored
@@ -367,13 +344,21 @@ class Checkpointer:
         return self.hooks.on_commit(checkpoint, action)
 
     def _queue_commit_work(self, checkpoint: SaveHandle) -> None:
-        """The ``on_commit`` code and the export of a checkpoint being saved, run once it committed."""
-        if self.on_commit is not None:
-            self.hooks.on_commit(checkpoint, self.on_commit)
-        options = self.export_options
-        if options is not None and checkpoint.rank == 0:
-            target = options.target_for(checkpoint.path)
-            request = ExportRequest(checkpoint.path, target, with_torch_readers(options))
+        """What runs once a checkpoint being saved committed: the ``on_commit`` code, and (rank 0's) its copy to
+        ``mirror_to`` and its export."""
+        options = self.options
+        if options.on_commit is not None:
+            self.hooks.on_commit(checkpoint, options.on_commit)
+        if checkpoint.rank != 0:
+            return
+        if options.mirror_to and not backend_for(checkpoint.path).remote:
+            url = posixpath.join(options.mirror_to, os.path.basename(checkpoint.path))
+            request = MirrorRequest(checkpoint.path, url, self.object_store)
+            self.hooks.after(checkpoint, "mirror", lambda handle: self.ledger.queue.submit([(handle, request, None)]),
+                             path=url, done_by_action=True)
+        if options.export is not None:
+            target = options.export.target_for(checkpoint.path)
+            request = ExportRequest(checkpoint.path, target, with_torch_readers(options.export))
             self.hooks.after(checkpoint, "export", lambda handle: self.ledger.queue.submit([(handle, request, None)]),
                              label=f"to {target}", done_by_action=True)
 
@@ -509,6 +494,12 @@ class Checkpointer:
     def wait_staged(self) -> None:
         """Block until the staging thread is done (call before mutating what it snapshots)."""
         self.stager.wait()
+
+    @property
+    def staged_wait_s(self) -> float:
+        """Seconds callers (optimizer steps, sync points) have spent in total waiting for the staging thread:
+        the part of an overlapped snapshot that training waited for after all."""
+        return self.stager.staged_wait_s
 
     @property
     def staging_busy(self) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import posixpath
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -107,14 +106,14 @@ class DirectoryTransaction:
 
     def __init__(self, *, handle: "SaveHandle", save_id: str, staging_dir: str, barrier: BarrierSpec,
                  pending: "PendingWork", stager: "Stager", files: "FileSnapshots", sharded: "ShardedSaves",
-                 sharded_target: Callable[..., "SaveTarget"], mirror: Callable[..., "SaveHandle"], direct_io: bool,
+                 sharded_target: Callable[..., "SaveTarget"], direct_io: bool,
                  io_threads: int) -> None:
         self.handle = handle
         self.final_dir, self.rank, self.step, self.save_id = handle.path, handle.rank, handle.step, save_id
         self.staging_dir = staging_dir
         self._barrier = barrier
         self._pending, self._stager, self._files = pending, stager, files
-        self._sharded, self._sharded_target, self._mirror = sharded, sharded_target, mirror
+        self._sharded, self._sharded_target = sharded, sharded_target
         self._direct_io, self._io_threads = direct_io, io_threads
         self._held: list[tuple["SaveHandle", Any, Any]] = []
         self._committing = False
@@ -155,6 +154,7 @@ class DirectoryTransaction:
             self._member_failed(member, e)
             raise
         slot = self._files.buffers.take_for_file(image.size, member)
+        member.add_bytes(image.size)
         member.when_done(lambda: self._files.buffers.give_back(slot))
         request = FileRequest(os.path.join(self.staging_dir, name), image.size, self.rank, self._direct_io,
                               self._io_threads, self._barrier)
@@ -183,6 +183,7 @@ class DirectoryTransaction:
             self._member_failed(member, e)
             raise
         member.when_done(lambda: self._sharded.buffers.give_back(prepared.slot))
+        member.add_bytes(prepared.slot.buffer.layout.size)
         try:
             self._stager.take_snapshot(member, prepared.begin, prepared.request,
                                        lambda: self._hold(member, prepared.request, prepared.slot.buffer))
@@ -195,15 +196,14 @@ class DirectoryTransaction:
         """Write small bytes (already a snapshot) as ``name``, in queue order."""
         member = self._member(name)
         member.set_staged()
+        member.add_bytes(len(data))
         request = BytesRequest(os.path.join(self.staging_dir, name), bytes(data), self.rank, self._barrier)
         self._hold(member, request, None)
         return member
 
-    def commit(self, *, mirror_to: Optional[str] = None) -> "SaveHandle":
+    def commit(self) -> "SaveHandle":
         """Every rank calls this once, after its files; returns the checkpoint's handle, which
-        completes when the directory is published (or fails with what failed on any rank). With
-        ``mirror_to`` (an object-store URL root), rank 0 then copies the committed directory to
-        ``mirror_to/<its name>`` in the background (``Checkpointer.mirror``)."""
+        completes when the directory is published (or fails with what failed on any rank)."""
         with self._lock:  # the held files and the commit reach the writer in one message
             if self._committing:
                 return self.handle
@@ -212,8 +212,6 @@ class DirectoryTransaction:
                                        self._barrier, self._failed)
             self.handle.set_staged()
             self._flush([(self.handle, request, None)])
-        if mirror_to and self.rank == 0:
-            self._mirror(self.final_dir, posixpath.join(mirror_to, os.path.basename(self.final_dir)), after=self.handle)
         return self.handle
 
     def abort(self, error: BaseException, *, raised: bool = True) -> None:

@@ -1,27 +1,45 @@
-"""What adapters may use of the core, beyond the public API (``asyncckpt.core.__all__``).
+"""The adapter kit: what adapters use of the core beyond the public API (``asyncckpt.core.__all__``).
 
-An adapter translates a framework's save and load calls into a ``Checkpointer``'s; to do that it
-replaces framework functions (``patching``, reversible and contract-checked against the releases
-``versions`` names), drains and waits for saves in flight (``lifecycle``), asks torch.distributed
-what the core asks (``dist_env``), captures the framework's own ``dcp.save`` calls
-(``capturing_dcp_saves``), hands native files' bytes over (``tensor_bytes``), checksums small
-records (``checksum``), waits for the writer of a previous run still finishing a checkpoint
-(``wait_for_orphans``), and resumes through one helper (``resume``: candidates, newest intact, a
-check that reads each file once), and reads an ``export=`` option (``export_options``). Everything else under ``asyncckpt.core`` is private: its sub-packages
-(``api``, ``snapshot``, ``writer``, ``storage``, ``formats``, ``loading``, ``verify``, ``cli``) may
-change in any release; a test keeps adapters to this module and the public API.
+An adapter is translation: what its framework saves, under which name, and when to wait. Everything an
+adapter would otherwise write for itself is here, once:
+
+* options: ``CheckpointOptions`` (public) and ``resolve_options``, the one parser of an adapter's keyword
+  arguments (unknown names, renamed ones);
+* saving: ``capture`` (a framework's own save code run unchanged, its files handed to a checkpoint
+  transaction), ``capturing_dcp_saves`` (its ``dcp.save`` calls made sharded snapshots), ``saving`` (the
+  finish of a directory save: deferred snapshots, commit, removals after; whether an optimizer's snapshot may
+  be overlapped), ``tensor_bytes``, ``checksum``;
+* resuming: ``resume`` (the one resume sequence: wait, restore a mirrored checkpoint, candidates, the first
+  intact one, checked as the framework reads it), ``wait_for_orphans``;
+* reporting: ``SaveMetrics`` (each save's stall, time to durable and bytes, for the framework's logger);
+* the framework itself: ``patching`` (reversible, contract-checked replacements of its functions, against the
+  releases ``versions`` names), ``lifecycle`` (waiting for saves in flight, the exit drain), ``dist_env``
+  (what the core asks torch.distributed), ``normalize_path`` and ``is_url`` (one rule for paths).
+
+Everything else under ``asyncckpt.core`` is private: its sub-packages may change in any release; a test keeps
+adapters to this module and the public API.
 """
 from asyncckpt.core.api import lifecycle
+from asyncckpt.core.api.options import resolve as resolve_options
 from asyncckpt.core.writer.handles import SaveHandle
 from asyncckpt.core.formats.checksum import checksum
-from asyncckpt.core.integration import patching, resume, versions
+from asyncckpt.core.integration import capture, patching, resume, saving, versions
 from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves
+from asyncckpt.core.integration.metrics import SaveMetrics
 from asyncckpt.core.snapshot import dist_env
 from asyncckpt.core.snapshot.file_snapshots import tensor_bytes
+from asyncckpt.core.storage.backend import backend_for, is_url
 from asyncckpt.core.storage.orphans import wait_for_orphans
-from asyncckpt.core.writer.export import as_options as export_options
+
+
+def normalize_path(path) -> str:
+    """The form the core keeps a path in: absolute for a local path (symbolic links kept), a URL as given
+    without a trailing slash (``Backend.normalize``). Adapters compare and hand over paths in this form only."""
+    return backend_for(path).normalize(path)
+
 
 __all__ = [
-    "SaveHandle", "capturing_dcp_saves", "checksum", "dist_env", "lifecycle", "patching", "resume", "tensor_bytes",
-    "versions", "wait_for_orphans", "export_options",
+    "SaveHandle", "SaveMetrics", "capture", "capturing_dcp_saves", "checksum", "dist_env", "is_url", "lifecycle",
+    "normalize_path", "patching", "resolve_options", "resume", "saving", "tensor_bytes", "versions",
+    "wait_for_orphans",
 ]

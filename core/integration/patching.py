@@ -10,6 +10,8 @@ so the adapters replace a few functions. Every replacement goes through here:
   instance attribute again.
 * ``patched(owner, name, value)``: the same for the duration of a ``with`` block (e.g. while a
   framework's save call runs), restored on the way out whatever happens.
+* ``standing_in(base, name, instance, replacement)``: a subclass's override of a framework method runs
+  as it is, and its ``super()`` call (the first call of ``base.name`` on ``instance``) is ours.
 
 ``installed()`` lists what is in place; ``tests/test_framework_contracts.py`` pins each
 framework function the adapters replace or copy, so an upgrade that changes one fails a named
@@ -84,6 +86,29 @@ def patched(owner: Any, name: str, value: Any) -> Iterator[Any]:
         yield original
     finally:
         setattr(owner, name, original)
+
+
+def overridden(instance: Any, base: type, name: str) -> bool:
+    """Whether ``instance``'s class (or one between it and ``base``) has its own ``name``."""
+    return getattr(type(instance), name) is not getattr(base, name)
+
+
+@contextlib.contextmanager
+def standing_in(base: type, name: str, instance: Any, replacement: Callable[..., Any]) -> Iterator[list]:
+    """While active, the first call of ``base.name`` on ``instance`` (a subclass's ``super()`` call, however deep
+    the subclassing) is ``replacement(*args)``; calls on other instances and any later call are ``base``'s own.
+    Yields the list of the arguments ``replacement`` was called with (empty: never)."""
+    native = getattr(base, name)
+    calls: list = []
+
+    def method(self: Any, *args: Any) -> Any:
+        if self is not instance or calls:
+            return native(self, *args)
+        calls.append(args)
+        return replacement(*args)
+
+    with patched(base, name, method):
+        yield calls
 
 
 def installed() -> list[Patch]:

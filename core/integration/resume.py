@@ -1,31 +1,37 @@
-"""Resuming a framework from a checkpoint, for every adapter: which one, whether it is intact, and a check
-that reads each file once.
+"""Resuming a framework from a checkpoint, for every adapter: one sequence (``resume``), and the pieces it is
+made of.
 
-What each adapter does on the framework's resume path, in this order:
+``resume(checkpointer, load, ...)`` is what each adapter calls on its framework's resume path, whatever the
+framework (Lightning's ``load_checkpoint``, Accelerate's ``load_state``, the Trainer's
+``train(resume_from_checkpoint=...)``), with the framework's own load as ``load``. In this order:
 
-1. ``wait_for_saves(place)``: this process's saves still in flight to that checkpoint or directory
-   are committed first (a resume right after a save reads it whole), and so are those a writer of a
-   previous run is still finishing there after its training process died (``storage.orphans``).
-2. ``candidates(root, key)``: the checkpoints under ``root`` in the framework's own naming, newest
-   first (``key`` is the framework's sort key: a step in the name, or a file's mtime).
-3. ``first_intact(candidates, attempt)``: the framework's pick, or with ``resume_from_intact`` the
-   newest that checks out; one warning for each one skipped (and its error), one naming the one used.
-4. The check itself, which is also the read:
+1. ``prepare``: every save of this job still in flight is committed first (``Checkpointer.wait`` on every rank:
+   a resume right after a save reads it whole, and under DDP the rank that saved is not the only one that
+   loads), so are those of other Checkpointers of this process and those a writer of a previous run is still
+   finishing there after its training process died (``wait_for_saves``); and, with ``mirror_to``, when no
+   local checkpoint is there, the newest mirrored one is restored first. A framework that picks the checkpoint
+   itself between these steps (Lightning resolves ``ckpt_path="last"`` before it loads) calls ``prepare``
+   before it picks.
+2. The candidates: the checkpoint the user named (never replaced by another), or the framework's pick and,
+   with ``resume_from_intact``, older ones (``candidates``: the framework's own naming and sort key).
+3. ``first_intact``: the first candidate that checks out; one warning for each one skipped (and its error),
+   one naming the one used.
+4. The check itself, which is also the read (``reads``):
 
-   * a single file the adapter loads itself (Lightning's ``.ckpt``): ``load_file`` runs the framework's
-     own load of the path, unchanged, while a thread of its own hashes the file
+   * ``"file"``, a single file the adapter loads itself (Lightning's ``.ckpt``): ``load_file`` runs the
+     framework's own load of the path, unchanged, while a thread of its own hashes the file
      (``hashed_reads.BackgroundCheck``); the object is returned only if the bytes match.
-   * a directory the framework loads in place as one (Lightning's sharded FSDP load, DCP's ``load``):
-     ``Checkpointer.load_while_checking`` runs it while a thread checks the directory beside it, over the pages it reads;
-     damage raises once the load is over (what it loaded in place is not trained on: the resume ends).
-   * a directory the framework loads file by file (Accelerate's ``load_state``, the Trainer's
-     resume): ``verify`` checks every file before the framework loads any (a damaged optimizer file
-     must not leave the model loaded from the newer checkpoint, nor an older one half-applied), and
-     while a thread hashes a ``torch.save`` file it unpickles it too (``weights_only``, onto the CPU):
-     the framework's own ``torch.load`` of that file inside ``Verified.serving()`` receives that object
-     instead of reading the file again. Other files (safetensors, JSON) are hashed through a mapping
-     (``hashed_reads.mapped_problem``), so the framework's load, which maps them too, finds their
-     pages in the cache without a copy having been made.
+   * ``"directory"``, a directory the framework loads in place as one (Lightning's sharded FSDP load, DCP's
+     ``load``): ``Checkpointer.load_while_checking`` runs it while a thread checks the directory beside it,
+     over the pages it reads; damage raises once the load is over (what it loaded in place is not trained on:
+     the resume ends).
+   * ``"files"``, a directory the framework loads file by file (Accelerate's ``load_state``, the Trainer's
+     resume): ``verify`` checks every file before the framework loads any (a damaged optimizer file must not
+     leave the model loaded from the newer checkpoint, nor an older one half-applied), and while a thread
+     hashes a ``torch.save`` file it unpickles it too (``weights_only``, onto the CPU): the framework's own
+     ``torch.load`` of that file inside ``Verified.serving()`` receives that object instead of reading the file
+     again. Other files (safetensors, JSON) are hashed through a mapping (``hashed_reads.mapped_problem``), so
+     the framework's load, which maps them too, finds their pages in the cache without a copy having been made.
 
 Why not check first and then let the framework read: the two passes cannot overlap. The framework's
 ``torch.load`` of a cold file overlaps the disk with its own work (the kernel reads ahead while it
@@ -41,7 +47,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, Literal, Optional, TypeVar
 
 import torch
 
@@ -74,6 +80,57 @@ def wait_for_saves(place: str, orphan_timeout: float = 600.0) -> None:
                 checkpointer.wait_for(handle.path)
     for folder in (place, os.path.dirname(place)):
         wait_for_orphans(folder, orphan_timeout)
+
+
+def prepare(checkpointer: Any, place: Optional[str], *, newest_first: Optional[Callable[[str], list[str]]] = None,
+            mirrored_name: Optional[str] = None) -> None:
+    """Step 1 of ``resume``: every save in flight to ``place`` (a checkpoint, or the directory a framework picks
+    one from) committed, on every rank (a collective), orphaned writers there included. Then, with the
+    ``mirror_to`` option, where the framework is about to pick from ``place`` and finds nothing there (none in
+    ``newest_first(place)``, or no file ``mirrored_name``: a framework that looks for a fixed name, as
+    Lightning's ``last.ckpt``), the newest mirrored checkpoint (or the one of that name) is restored into it."""
+    checkpointer.wait(everywhere=True)
+    if place is None or backend_for(place).remote:
+        return
+    wait_for_saves(place, checkpointer.options.timeout)
+    mirror = checkpointer.options.mirror_to
+    if not mirror or (mirrored_name is None and newest_first is None):
+        return
+    if os.path.exists(os.path.join(place, mirrored_name)) if mirrored_name else newest_first(place):
+        return
+    checkpointer.restore_mirrored(mirror, place, mirrored_name)
+
+
+Reads = Literal["file", "directory", "files"]
+
+
+def resume(checkpointer: Any, load: Callable[[Optional[str]], T], *, reads: Reads, path: Optional[str] = None,
+           root: Optional[str] = None, newest_first: Optional[Callable[[str], list[str]]] = None) -> T:
+    """The framework's ``load`` of the checkpoint to resume from, checked as it reads (the module docstring).
+
+    ``path`` alone: the checkpoint the user named. ``root`` alone: the framework picks the newest under it
+    (``newest_first(root)``, in the framework's own order). Both: the framework picked ``path`` from ``root``
+    itself, and with ``resume_from_intact`` older ones may stand in. With nothing to resume from, ``load(None)``
+    (the framework's own error, or a fresh start)."""
+    options = checkpointer.options
+    prepare(checkpointer, path if root is None else root, newest_first=newest_first if path is None else None)
+    if root is None:
+        found = [path] if path is not None else []
+    else:
+        newest = [p for p in (newest_first(root) if newest_first else []) if p != path]
+        found = [path, *newest] if path is not None else newest
+    if not options.resume_from_intact:
+        found = found[:1]
+    if not found or not options.verify:
+        return load(found[0] if found else None)
+    if reads == "file":
+        return first_intact(found, lambda candidate: load_file(candidate, load))
+    if reads == "directory":
+        return first_intact(found, lambda candidate: checkpointer.load_while_checking(
+            candidate, lambda: load(candidate), everywhere=True))
+    verified = first_intact(found, lambda candidate: verify(checkpointer, candidate))
+    with verified.serving():
+        return load(verified.path)
 
 
 def candidates(root: str, key: Callable[[str], Optional[float]]) -> list[str]:

@@ -51,6 +51,7 @@ class SaveHandle:
         # seconds the caller spent per phase: waited_s (back-pressure), prepare_s, plan_s, buffer_s
         # (sharded saves), copy_s (the snapshot copy and the hand-over to the writer)
         self.timings: dict[str, float] = {}
+        self.nbytes = 0  # the bytes of data it writes (a directory's: its files')
         self._future: Future = Future()
         self._staged = threading.Event()
         self.default_timeout = timeout
@@ -76,6 +77,12 @@ class SaveHandle:
 
     def cancelled_message(self) -> str:
         return f"asyncckpt: {self.describe()} was not done: {self.after.describe() if self.after else 'its save'} did not commit"
+
+    def add_bytes(self, nbytes: int) -> None:
+        """It writes ``nbytes`` more (a file of a directory also counts for its directory)."""
+        self.nbytes += nbytes
+        if self.member_of is not None:
+            self.member_of.add_bytes(nbytes)
 
     # ------------------------------------------------------------------ waiting
     def release_held(self) -> None:

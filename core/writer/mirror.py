@@ -108,10 +108,16 @@ def restore(url: str, path: str) -> str:
     return path
 
 
-def restore_latest(url_root: str, local_root: str) -> Optional[str]:
-    """The newest committed checkpoint under ``url_root``, restored under ``local_root`` with its
-    name (unless a copy is there already); None if the mirror holds none."""
-    latest = commit.latest_checkpoint(url_root)
+def restore_latest(url_root: str, local_root: str, name: Optional[str] = None) -> Optional[str]:
+    """The newest committed checkpoint under ``url_root`` (with ``name``: the checkpoint or single file of
+    that name, if the mirror has it), restored under ``local_root`` with its name (unless a copy is there
+    already); None if the mirror holds none."""
+    if name is None:
+        latest = commit.latest_checkpoint(url_root)
+    else:
+        source = backend_for(url_root)
+        latest = source.join(url_root, name)
+        latest = latest if source.exists(latest) else None
     if latest is None:
         return None
     local = os.path.join(local_root, backend_for(latest).basename(latest))

@@ -1,0 +1,162 @@
+"""A framework's own save code, run unchanged, with the files it writes handed to a checkpoint transaction.
+
+Accelerate's ``save_state`` and the Trainer's save methods write a checkpoint directory through a few
+functions (``torch.save``, safetensors' ``save_file`` and the frameworks' own names for it,
+``torch.distributed.checkpoint.save``). While a ``FileCapture`` is installed, a call of one of them whose
+target lies under its ``root`` gives the object to the transaction instead: the core snapshots it before the
+call returns (``tx.save_file``; small ones rendered at once, ``inline_bytes``) and writes it in the
+background, or, where ``defer(name)`` says so (the optimizer's file, with ``overlap_optimizer``), leaves the
+snapshot to ``stage_deferred``, after the call. DCP saves under ``root`` become ``tx.save_sharded``
+(``dcp_capture``). Calls with options we do not reproduce, and paths outside ``root``, run as usual.
+
+``root`` is either the transaction's own staging directory (a framework that writes every other file itself,
+as Accelerate does once given the claimed directory), or a scratch directory (``scratch``): the framework's
+other files (JSON, tokenizer files, anything we do not recognise) land there and are handed to the transaction
+as bytes when the block ends (``hand_over``), and log lines name the checkpoint, not the scratch directory.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+
+from asyncckpt.core.formats.checksum import checksum
+from asyncckpt.core.integration import patching
+from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves
+from asyncckpt.core.snapshot.file_snapshots import tensor_bytes
+
+# one capture at a time in a process (frameworks save from their main thread); reentrant: an outer capture (a
+# Trainer subclass's own writes into its checkpoint folder) holds it while the framework's own runs inside
+_lock = threading.RLock()
+
+Saver = tuple[Any, str]  # (module, attribute): a function with safetensors' save_file signature
+
+
+def path_in(root: str, target: Any) -> Optional[str]:
+    """``target``'s name relative to ``root`` if it is a path under ``root``, else None (one rule for every
+    capture: absolute paths, symbolic links not followed)."""
+    if not isinstance(target, (str, os.PathLike)):
+        return None
+    path = os.path.abspath(os.fspath(target))
+    return os.path.relpath(path, root) if path.startswith(root + os.sep) else None
+
+
+class FileCapture:
+    """The files a framework writes under ``root`` during one save, as files of ``tx``."""
+
+    def __init__(self, tx: Any, root: str, *, defer: Optional[Callable[[str], bool]] = None, inline_bytes: int = 0,
+                 collect: bool = False) -> None:
+        self.tx, self.root = tx, os.path.abspath(root)
+        self.defer, self.inline_bytes, self.collect = defer, inline_bytes, collect
+        self.written: list[str] = []  # names given to the transaction (or deferred), in order
+        self.deferred: list[tuple[Any, str, str, Optional[dict]]] = []  # snapshots left to stage_deferred
+        self._handed: dict[str, str] = {}  # name -> checksum of the bytes handed over (a file may be rewritten)
+
+    def name_of(self, target: Any) -> Optional[str]:
+        return path_in(self.root, target)
+
+    def save(self, obj: Any, name: str, format: str = "torch", metadata: Optional[dict] = None) -> None:
+        """``obj`` as the file ``name``: snapshot now, or left to ``stage_deferred`` (``defer``, unless small)."""
+        self.written.append(name)
+        if self.defer is not None and self.defer(name) and not self._small(obj):
+            self.deferred.append((obj, name, format, metadata))
+        else:
+            self._snapshot(obj, name, format, metadata)
+
+    def stage_deferred(self) -> None:
+        """The snapshots ``save`` left for later (on the staging thread, before the next optimizer step)."""
+        deferred, self.deferred = self.deferred, []
+        for obj, name, format, metadata in deferred:
+            self._snapshot(obj, name, format, metadata)
+
+    def _small(self, obj: Any) -> bool:
+        return bool(self.inline_bytes) and tensor_bytes(obj, stop_at=self.inline_bytes) < self.inline_bytes
+
+    def _snapshot(self, obj: Any, name: str, format: str, metadata: Optional[dict]) -> None:
+        self.tx.save_file(obj, name, format=format, metadata=metadata, inline_below=self.inline_bytes)
+
+    # ---- the replacements of the framework's writers
+    def torch_save(self, original: Callable) -> Callable:
+        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+            name = self.name_of(f)
+            if name is None or args or kwargs:  # not ours, or options we do not reproduce: written as usual
+                return original(obj, f, *args, **kwargs)
+            self.save(obj, name, "torch")
+            return None
+
+        return save
+
+    def safetensors_save(self, original: Callable) -> Callable:
+        def save_file(tensors: Any, filename: Any, metadata: Optional[dict] = None, *args: Any, **kwargs: Any) -> Any:
+            name = self.name_of(filename)
+            if name is None or args or kwargs:
+                return original(tensors, filename, metadata, *args, **kwargs)
+            self.save(tensors, name, "safetensors", metadata)
+            return None
+
+        return save_file
+
+    def hand_over(self) -> None:
+        """Give the files written into ``root`` by other means to the transaction as bytes: those new or changed
+        since the last call (with ``collect``; a ``root`` that does not exist has none)."""
+        if not self.collect:
+            return
+        for directory, _subdirs, files in os.walk(self.root):
+            for file_name in sorted(files):
+                path = os.path.join(directory, file_name)
+                name = os.path.relpath(path, self.root)
+                with open(path, "rb") as f:
+                    data = f.read()
+                digest = checksum(data)
+                if self._handed.get(name) != digest:
+                    self.tx.write_bytes(name, data)
+                    self._handed[name] = digest
+                    self.written.append(name)
+
+
+@contextlib.contextmanager
+def capturing(tx: Any, *, root: Optional[str] = None, safetensors_savers: Iterable[Saver] = (),
+              defer: Optional[Callable[[str], bool]] = None, inline_bytes: int = 0,
+              collect: bool = True) -> Iterator[FileCapture]:
+    """``with capturing(tx) as capture:`` run the framework's save code with ``capture.root`` as its output.
+
+    ``root``: the directory it writes into (which need not exist yet); default: a scratch directory of our
+    own (in memory where ``/dev/shm`` is writable: its files are read back a moment later), whose other files
+    are handed over at the end (``collect``). ``torch.save`` and ``dcp.save`` are captured, safetensors
+    files through ``safetensors_savers``."""
+    with contextlib.ExitStack() as stack:
+        if root is None:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="asyncckpt-", dir=shm))
+        capture = FileCapture(tx, root, defer=defer, inline_bytes=inline_bytes, collect=collect)
+        stack.enter_context(_lock)
+        stack.enter_context(_log_lines_naming(capture.root, tx.final_dir))
+        stack.enter_context(patching.patched(torch, "save", capture.torch_save(torch.save)))
+        for module, name in safetensors_savers:
+            stack.enter_context(patching.patched(module, name, capture.safetensors_save(getattr(module, name))))
+        stack.enter_context(capturing_dcp_saves(tx, root=capture.root))
+        yield capture
+        capture.hand_over()
+
+
+@contextlib.contextmanager
+def _log_lines_naming(scratch: str, final: str) -> Iterator[None]:
+    """Log lines name the checkpoint folder, not the scratch directory ("Saving model checkpoint to ...")."""
+    make_record = logging.getLogRecordFactory()
+
+    def naming(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make_record(*args, **kwargs)
+        if isinstance(record.msg, str):
+            record.msg = record.msg.replace(scratch, final)
+        return record
+
+    logging.setLogRecordFactory(naming)
+    try:
+        yield
+    finally:
+        logging.setLogRecordFactory(make_record)
