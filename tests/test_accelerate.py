@@ -1,6 +1,6 @@
 """The Accelerate adapter with the real ``accelerate.Accelerator`` (CPU).
 
-Subprocess tests run real training programs (the shared example, a kill -9, two processes with
+Subprocess tests run real training programs (the example, a kill -9, two processes with
 torchrun's env:// rendezvous); in-process tests cover the rest. Everything is small: the whole file takes
 about 1.5 minutes on 2 busy shared cores.
 """
@@ -31,7 +31,12 @@ from asyncckpt.core import CheckpointWriteError, is_complete  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "accelerate_min.py"
-SHARED_EXAMPLE = ROOT.parent / "shared" / "examples" / "accelerate_min.py"
+ADDED = "# <- the only added"  # how the example marks its two lines: the plain program is the example without them
+
+
+def _plain_example() -> str:
+    """The plain Accelerate program the example was made from: its two added lines commented out."""
+    return "\n".join(f"# {line}" if ADDED in line else line for line in EXAMPLE.read_text().splitlines()) + "\n"
 COMMIT_RECORD = ".asyncckpt-commit.json"
 
 
@@ -123,24 +128,19 @@ def handles():
             pass
 
 
-# ------------------------------------------------------------------------------- the shared example
-def test_example_is_the_shared_one_with_two_lines_enabled():
-    if not SHARED_EXAMPLE.exists():
-        pytest.skip("shared example not present")
-    ours, theirs = EXAMPLE.read_text().splitlines(), SHARED_EXAMPLE.read_text().splitlines()
-    changed = [(a, b) for a, b in zip(theirs, ours) if a != b]
-    assert len(ours) == len(theirs) and len(changed) == 2
-    for before, after in changed:
-        assert before.startswith("# ") and after == before[2:]
+# ------------------------------------------------------------------------------- the example
+def test_example_is_a_plain_program_with_two_lines_added():
+    added = [line for line in EXAMPLE.read_text().splitlines() if ADDED in line]
+    assert len(added) == 2 and added[0].startswith("from asyncckpt.adapters.accelerate import enable_async_checkpointing")
+    assert added[1].startswith("enable_async_checkpointing(acc)")
+    assert "asyncckpt" not in "".join(line for line in _plain_example().splitlines() if not line.startswith("#"))
 
 
 def test_example_resumes_and_matches_native_bitwise(tmp_path):
     """accelerate_min.py 2 then 4 with the adapter == the plain program 2 then 4: weights and optimizer
     bitwise, same files, same printed losses (resume fidelity against an uninterrupted run: below)."""
     plain = tmp_path / "plain_example.py"
-    plain.write_text(SHARED_EXAMPLE.read_text() if SHARED_EXAMPLE.exists() else
-                     EXAMPLE.read_text().replace("from asyncckpt", "# from asyncckpt").replace(
-                         "enable_async_checkpointing(acc)", "# enable_async_checkpointing(acc)"))
+    plain.write_text(_plain_example())
 
     def chain(name):
         (tmp_path / name).mkdir()
@@ -161,8 +161,10 @@ def test_example_resumes_and_matches_native_bitwise(tmp_path):
     assert_same_state(ours / "checkpoints" / "checkpoint_3", theirs / "checkpoints" / "checkpoint_3")
 
 
-@pytest.mark.parametrize("options", [{}, {"overlap_optimizer": True, "inline_bytes": 512}], ids=["default", "overlap"])
-def test_resume_fidelity_n_then_2n_equals_2n_uninterrupted(tmp_path, handles, options):
+@pytest.mark.parametrize("options, overlapped", [({}, False), ({"inline_bytes": 512}, True),
+                                                  ({"overlap_optimizer": False, "inline_bytes": 512}, False)],
+                         ids=["default", "overlap", "no-overlap"])  # default: optimizer.bin below inline_bytes
+def test_resume_fidelity_n_then_2n_equals_2n_uninterrupted(tmp_path, handles, options, overlapped):
     """N steps + save (async) + a new run that loads and continues to 2N == 2N steps uninterrupted (native),
     bitwise: weights, Adam state, scheduler, and the data (drawn from the global RNG, restored from the
     per-process RNG file)."""
@@ -184,7 +186,7 @@ def test_resume_fidelity_n_then_2n_equals_2n_uninterrupted(tmp_path, handles, op
     for _ in range(n):
         step()
     acc.save_state()
-    assert handles[-1].checkpointer.staging_busy == bool(options)  # overlap: optimizer.bin is snapshot after the call
+    assert handles[-1].checkpointer.staging_busy == overlapped  # overlap: optimizer.bin is snapshot after the call
     acc, step = build(tmp_path / "resumed", 123, adapter=True)  # different init and RNG until load_state
     acc.load_state()
     for _ in range(n):
@@ -495,16 +497,21 @@ def test_explicit_output_dir(tmp_path, handles):
 
 
 def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, handles, monkeypatch):
-    """overlap_optimizer=True: optimizer.bin is snapshot on a thread after save_state() returns; the
+    """overlap_optimizer (the default): optimizer.bin is snapshot on a thread after save_state() returns; the
     next optimizer.step() must wait for it. The thread is slowed down so that the step always arrives first:
     a torn snapshot would hold the next step's Adam state."""
-    original = AsyncCheckpointing._finish
+    from asyncckpt.core.integration import saving
 
-    def slow_finish(self, *args):
-        time.sleep(0.3)
-        return original(self, *args)
+    original = saving.finish
 
-    monkeypatch.setattr(AsyncCheckpointing, "_finish", slow_finish)
+    def slow_finish(checkpointer, tx, *, stage_later=None, **kwargs):
+        def slowly():
+            time.sleep(0.3)
+            stage_later()
+
+        return original(checkpointer, tx, stage_later=slowly if stage_later else None, **kwargs)
+
+    monkeypatch.setattr(saving, "finish", slow_finish)
     acc = _fresh_accelerator(tmp_path / "p")
     handle = enable_async_checkpointing(acc, inline_bytes=4096, overlap_optimizer=True)  # optimizer.bin large enough
     handles.append(handle)
@@ -527,11 +534,14 @@ def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, h
 
     acc._optimizers.append(types.SimpleNamespace(optimizer=object()))  # not a torch optimizer: no step hooks
     try:
-        assert not handle.may_overlap_optimizer()
+        with pytest.warns(RuntimeWarning, match="is not a torch.optim.Optimizer"):
+            assert not saving.overlaps_optimizer(handle.checkpointer, acc._optimizers)
     finally:
         acc._optimizers.pop()
-    assert handle.may_overlap_optimizer()
-    assert not enable_async_checkpointing(_fresh_accelerator(tmp_path / "q")).may_overlap_optimizer()  # off by default
+    assert saving.overlaps_optimizer(handle.checkpointer, acc._optimizers)
+    off = enable_async_checkpointing(_fresh_accelerator(tmp_path / "q"), overlap_optimizer=False)
+    handles.append(off)
+    assert not saving.overlaps_optimizer(off.checkpointer, acc._optimizers)
 
 
 def test_failed_background_save_raises_at_next_save_state_naming_the_directory(tmp_path, handles, monkeypatch):
@@ -550,7 +560,7 @@ def test_failed_background_save_raises_at_next_save_state_naming_the_directory(t
             self.t = state["t"]
 
     acc = _fresh_accelerator(tmp_path / "p", total_limit=1)
-    handle = enable_async_checkpointing(acc)
+    handle = enable_async_checkpointing(acc, max_in_flight=1)  # the next save_state() waits for the failed one
     handles.append(handle)
     _, _, step = _train_objects(acc)
     blob = Blob()

@@ -4,6 +4,5 @@
     handle = enable_async_checkpointing(accelerator)   # save_state() is now asynchronous and crash-safe
 """
 from .async_checkpointing import AsyncCheckpointing, enable_async_checkpointing
-from .options import Options
 
-__all__ = ["enable_async_checkpointing", "AsyncCheckpointing", "Options"]
+__all__ = ["enable_async_checkpointing", "AsyncCheckpointing"]

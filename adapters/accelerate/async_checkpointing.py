@@ -16,35 +16,35 @@ Reads top to bottom as:
    transaction's staging directory (automatic naming is off for the duration of the call; we name the
    directory and apply ``total_limit`` as Accelerate does, counting checkpoints in flight). The staging
    directory lives next to ``checkpoints/``, never in it, and ``checkpoint_N`` appears under its final
-   name only complete. ``total_limit`` deletions are queued behind the commit and run only if it succeeded.
+   name only complete. ``total_limit`` deletions are queued behind the commit and run only if it succeeded
+   (``saving.finish``). ``load_state()`` resumes through the kit's one sequence (``resume.resume``).
 4. **When we wait.** ``load_state()``, ``end_training()`` (which also stops the background writer), the
    next ``save_state()`` once ``max_in_flight`` checkpoints are pending, ``handle.wait()`` / ``remove()``,
    and interpreter exit; with ``overlap_optimizer``, every ``optimizer.step()``. A failed background save
    raises ``CheckpointWriteError`` naming its directory at the next ``save_state()`` (or ``wait()``).
+
+Each save's stall, time to durable and bytes go to Accelerate's trackers (``accelerator.log``:
+``checkpoint/stall_s``, ...) at the next ``save_state()`` and at ``end_training()``.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
+import time
 import warnings
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from asyncckpt.core import Checkpointer, ExportOptions, is_complete
-from asyncckpt.core.integration import export_options
-from asyncckpt.core.integration import dist_env
-from asyncckpt.core.integration import patching, resume
-from asyncckpt.core.integration import versions
+from asyncckpt.core import Checkpointer, CheckpointOptions, is_complete
+from asyncckpt.core.integration import (SaveMetrics, capture, dist_env, normalize_path, patching, resolve_options,
+                                        resume, saving, versions)
 
-from .capture import Capture
-from .options import Options
+from .capture import OPTIMIZER_FILE, Capture
 from .support import SUPPORT
 
 logger = logging.getLogger("asyncckpt.accelerate")
@@ -54,25 +54,48 @@ _CHECKPOINT_NAME = re.compile(r"^checkpoint_(\d+)$")
 _ACCELERATE_NUMBER = re.compile(r"[\/]?([0-9]+)(?=[^\/]*$)")  # Accelerate's own sort key for checkpoints/
 
 
-def enable_async_checkpointing(accelerator: Accelerator, **options: Any) -> "AsyncCheckpointing":
+def enable_async_checkpointing(accelerator: Accelerator, options: Optional[CheckpointOptions] = None, *,
+                               spread_writes: bool = True, inline_bytes: int = 1 << 20, fix_iteration: bool = True,
+                               **kwargs: Any) -> "AsyncCheckpointing":
     """Make ``accelerator.save_state()`` asynchronous (see the module docstring); returns the handle
-    (``.wait()``, ``.remove()``). Call it once, on every process, after creating the Accelerator."""
+    (``.wait()``, ``.remove()``). Call it once, on every process, after creating the Accelerator.
+
+    Takes every option of ``asyncckpt.core.CheckpointOptions`` (the same names, defaults and meanings as the
+    core's and the other adapters': docs/options.md) as keyword arguments, or the object as ``options``
+    (``export`` goes to ``project_dir/exports/checkpoint_N`` by default: Accelerate counts every entry of
+    ``checkpoints/``), and these of its own, which only Accelerate's layout needs:
+
+    Args:
+        spread_writes: under DDP (every process holds a replica), write the large files (``model*.safetensors``,
+            ``optimizer*.bin``) from different processes instead of all from the main process: Accelerate
+            alone decides per file which process writes it.
+        inline_bytes: files holding fewer tensor bytes than this are serialised at call time (no staging
+            buffer): Accelerate writes many small files (RNG, scheduler, sampler state) besides the large ones.
+        fix_iteration: ``load_state`` restores ``project_configuration.iteration`` (accelerate #3306), which
+            Accelerate alone forgets.
+    """
     if _ATTRIBUTE in vars(accelerator):
         raise RuntimeError("asyncckpt: async checkpointing is already enabled on this Accelerator "
                            "(use the handle it returned; handle.remove() undoes it)")
-    return AsyncCheckpointing(accelerator, Options(**options))
+    options, _ = resolve_options("enable_async_checkpointing", options, kwargs)
+    return AsyncCheckpointing(accelerator, options, spread_writes=spread_writes, inline_bytes=inline_bytes,
+                              fix_iteration=fix_iteration)
 
 
 class AsyncCheckpointing:
     """Returned by ``enable_async_checkpointing``. ``wait()`` drains pending saves (raising the first
     failure); ``remove()`` drains and restores Accelerate's native behaviour for this accelerator."""
 
-    def __init__(self, accelerator: Accelerator, options: Options) -> None:
+    def __init__(self, accelerator: Accelerator, options: CheckpointOptions, *, spread_writes: bool = True,
+                 inline_bytes: int = 1 << 20, fix_iteration: bool = True) -> None:
         versions.require(SUPPORT)
-        self.accelerator, self.options = accelerator, options
-        self.checkpointer = Checkpointer(max_in_flight=options.max_in_flight, timeout=options.timeout,
-                                         direct_io=options.direct_io, io_threads=options.io_threads,
-                                         on_commit=options.on_commit, export=self._export_options(options.export))
+        self.accelerator = accelerator
+        self.spread_writes, self.inline_bytes, self.fix_iteration = spread_writes, inline_bytes, fix_iteration
+        if options.export is not None and options.export.directory is None and accelerator.project_dir:
+            options = options.replace(export=replace(options.export, directory=os.path.join(
+                os.path.abspath(accelerator.project_dir), "exports")))  # beside checkpoints/, never in it
+        self.checkpointer = Checkpointer(options)
+        self.metrics = SaveMetrics(self.checkpointer)
         self.last_written: list[str] = []  # files this process staged in its latest save_state()
         self._attach()
         dist_env.warn_if_launched_as_many(accelerator.num_processes, "Accelerate", "Launch with `accelerate launch` "
@@ -86,12 +109,18 @@ class AsyncCheckpointing:
             patching.install(Accelerator, name, _dispatching(name))
 
     def __getstate__(self) -> dict:
-        return {"accelerator": self.accelerator, "options": asdict(self.options), "checkpointer": self.checkpointer}
+        return {"accelerator": self.accelerator, "checkpointer": self.checkpointer, "spread_writes": self.spread_writes,
+                "inline_bytes": self.inline_bytes, "fix_iteration": self.fix_iteration}
 
     def __setstate__(self, state: dict) -> None:
-        self.accelerator, self.options, self.checkpointer = state["accelerator"], Options(**state["options"]), state["checkpointer"]
+        self.__dict__.update(state)
+        self.metrics = SaveMetrics(self.checkpointer)
         self.last_written = []
         self._attach()
+
+    @property
+    def options(self) -> CheckpointOptions:
+        return self.checkpointer.options
 
     @property
     def pending(self) -> list[str]:
@@ -112,12 +141,6 @@ class AsyncCheckpointing:
                 self._step_hook.remove()
             self.checkpointer.close()
 
-    def may_overlap_optimizer(self) -> bool:
-        """Whether optimizer files may be snapshot after the call: asked for, and every optimizer's
-        step passes the step pre-hook (torch optimizers; Accelerate's wrapper calls the wrapped one's)."""
-        return self.options.overlap_optimizer and all(
-            isinstance(getattr(opt, "optimizer", opt), torch.optim.Optimizer) for opt in self.accelerator._optimizers)
-
     # ------------------------------------------------------------------ save_state
     def save_state(self, original: Callable, output_dir: Optional[str] = None, safe_serialization: bool = True,
                    **kwargs: Any) -> Any:
@@ -125,6 +148,7 @@ class AsyncCheckpointing:
         if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
             warnings.warn(f"asyncckpt: {acc.distributed_type.value} writes its model and optimizer files itself, "
                           "synchronously; the checkpoint is still published only complete", RuntimeWarning, stacklevel=3)
+        started = time.perf_counter()
         self.checkpointer.wait_staged()  # the last save's overlapped snapshot first
         self.checkpointer.raise_failures()
         automatic = config.automatic_checkpoint_naming
@@ -133,41 +157,31 @@ class AsyncCheckpointing:
         elif output_dir is None:  # Accelerate raises its own error for this
             return original(acc, output_dir, safe_serialization=safe_serialization, **kwargs)
         else:
-            final_dir, removals, hidden_parent = os.path.abspath(os.path.expanduser(os.fspath(output_dir))), [], None
+            final_dir, removals, hidden_parent = normalize_path(os.path.expanduser(os.fspath(output_dir))), [], None
             self.checkpointer.wait_for(final_dir)
             if not _replaceable(final_dir):
                 return self._native_save(original, output_dir, safe_serialization, kwargs)
         with self.checkpointer.begin_directory(final_dir, step=config.iteration if automatic else None,
                                                staging_parent=hidden_parent) as tx:
-            capture = Capture(tx, self.options, overlap_optimizer=self.may_overlap_optimizer(),
-                              save_on_each_node=self.accelerator.project_configuration.save_on_each_node)
-            with capture.installed(), patching.patched(config, "automatic_checkpoint_naming", False):
+            overlap = saving.overlaps_optimizer(self.checkpointer, acc._optimizers)
+            files = capture.FileCapture(tx, tx.claim(), inline_bytes=self.inline_bytes,
+                                        defer=(lambda name: OPTIMIZER_FILE.match(name) is not None) if overlap else None)
+            writes = Capture(tx, files, save_on_each_node=config.save_on_each_node, spread_writes=self.spread_writes)
+            with writes.installed(), patching.patched(config, "automatic_checkpoint_naming", False):
                 original(acc, tx.claim(), safe_serialization=safe_serialization, **kwargs)
-            capture.stage_spread()
-        self.last_written = sorted(capture.written)
-        if capture.overlapped:  # the optimizer snapshot, then the commit, while the next forward/backward runs
-            self.checkpointer.run_staged(lambda: self._finish(tx, capture, removals, hidden_parent))
-        else:
-            self._finish(tx, capture, removals, hidden_parent)
+            writes.stage_spread()
+        self.last_written = sorted(files.written)
+        # the optimizer snapshot, then the commit, while the next forward/backward runs
+        saving.finish(self.checkpointer, tx, stage_later=files.stage_deferred if files.deferred else None,
+                      removals=removals, hidden_parent=hidden_parent)
+        self.metrics.saved(tx.handle, time.perf_counter() - started)
+        self._log_metrics()
         return Path(final_dir)
 
-    def _finish(self, tx: Any, capture: Capture, removals: list[str], hidden_parent: Optional[str]) -> None:
-        """The deferred snapshots, the commit, then (only if it committed) the total_limit deletions."""
-        try:
-            capture.stage_overlapped()
-        except BaseException as error:  # noqa: BLE001 - on the staging thread: raised at the next sync point
-            tx.abort(error, raised=False)
-            return
-        handle = tx.commit(mirror_to=self.options.mirror_to)
-        if removals:
-            self.checkpointer.remove(removals, after=handle, hidden_parent=hidden_parent)
-
-    def _export_options(self, export: Any) -> Optional[ExportOptions]:
-        """Exports go beside ``checkpoints/``, never into it (Accelerate counts every entry there)."""
-        options = export_options(export)
-        if options is not None and options.directory is None and self.accelerator.project_dir:
-            options = replace(options, directory=os.path.join(os.path.abspath(self.accelerator.project_dir), "exports"))
-        return options
+    def _log_metrics(self, *, final: bool = False) -> None:
+        """The records of committed saves, to Accelerate's trackers (``accelerator.log``: the main process's)."""
+        for record in self.metrics.ready(final=final):
+            self.accelerator.log({f"checkpoint/{name}": value for name, value in record.items() if value is not None})
 
     def _automatic_target(self) -> tuple[str, list[str], Optional[str]]:
         """What Accelerate's save_state does with automatic naming, with checkpoints in flight counted as
@@ -200,35 +214,32 @@ class AsyncCheckpointing:
 
     # ------------------------------------------------------------------ load_state, end_training
     def load_state(self, original: Callable, input_dir: Optional[str] = None, *args: Any, **kwargs: Any) -> Any:
-        """Before Accelerate picks the newest checkpoint_N, this process's saves there are committed; the
-        checkpoint is checked before anything is loaded from it, its files read once (``resume.verify``);
-        afterwards, fix ``iteration`` (accelerate #3306)."""
+        """Resumes through ``resume.resume``: saves in flight committed first, the checkpoint checked as it is
+        read (with ``input_dir=None``, the newest ``checkpoint_N``: the one Accelerate picks, or with
+        ``resume_from_intact`` the newest that checks out; with ``mirror_to`` and none here, the newest
+        mirrored); afterwards, ``iteration`` fixed (accelerate #3306)."""
         acc = self.accelerator
         root = os.path.join(acc.project_dir, "checkpoints") if acc.project_dir else None
-        if input_dir is not None or root is not None:
-            resume.wait_for_saves(input_dir if input_dir is not None else root)
-        if self.options.mirror_to and input_dir is None and root is not None:
-            self.checkpointer.restore_mirrored(self.options.mirror_to, root)
-        verified = self._intact(input_dir, root) if self.options.verify_on_resume else None
-        with verified.serving() if verified else contextlib.nullcontext():
-            result = original(acc, verified.path if verified and input_dir is None else input_dir, *args, **kwargs)
+
+        def load(path: Optional[str]) -> Any:
+            return original(acc, input_dir if input_dir is not None else path, *args, **kwargs)
+
+        if input_dir is not None:  # the user's choice: never replaced by another
+            result = resume.resume(self.checkpointer, load, reads="files", path=os.fspath(input_dir))
+        elif root is not None and acc.project_configuration.automatic_checkpoint_naming:
+            result = resume.resume(self.checkpointer, load, reads="files", root=root,
+                                   newest_first=lambda folder: resume.candidates(folder, _accelerate_number))
+        else:
+            result = load(None)  # Accelerate raises its own error for this
         self._fix_iteration()
         return result
 
-    def _intact(self, input_dir: Optional[str], root: Optional[str]) -> Optional[resume.Verified]:
-        if input_dir is not None:  # the user's choice: never replaced by another
-            return resume.verify(self.checkpointer, input_dir)
-        newest_first = resume.candidates(root, _accelerate_number) \
-            if root is not None and self.accelerator.project_configuration.automatic_checkpoint_naming else []
-        if not newest_first:
-            return None  # Accelerate raises its own error for this
-        return resume.first_intact(newest_first if self.options.resume_from_intact else newest_first[:1],
-                                   lambda path: resume.verify(self.checkpointer, path))
-
     def end_training(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
-        """The run ended: wait for every save, stop the background writer (it starts again if needed)."""
+        """The run ended: wait for every save, log its metrics (before the trackers end), stop the background
+        writer (it starts again if needed)."""
         try:
             self.checkpointer.teardown()
+            self._log_metrics(final=True)
         finally:
             result = original(self.accelerator, *args, **kwargs)
         return result
@@ -238,7 +249,7 @@ class AsyncCheckpointing:
         from 0 again, delete newer checkpoints under total_limit and then fail with "already exists". Set it
         past every existing ``checkpoint_N``; a higher value the user set by hand is kept."""
         acc, config = self.accelerator, self.accelerator.project_configuration
-        if not (self.options.fix_iteration and config.automatic_checkpoint_naming and acc.project_dir):
+        if not (self.fix_iteration and config.automatic_checkpoint_naming and acc.project_dir):
             return
         root = os.path.join(acc.project_dir, "checkpoints")
         numbers = [int(m[1]) for m in map(_CHECKPOINT_NAME.match, os.listdir(root) if os.path.isdir(root) else []) if m]
