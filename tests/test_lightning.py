@@ -518,7 +518,7 @@ CLI_SCRIPT = textwrap.dedent('''
     class Report(Callback):
         def on_fit_end(self, trainer, module):
             io = trainer.strategy.checkpoint_io
-            print(f"PLUGIN {type(io).__module__}.{type(io).__name__} max_in_flight={getattr(io, 'max_in_flight', None)}")
+            print(f"PLUGIN {type(io).__module__}.{type(io).__name__} max_in_flight={io.options.max_in_flight}")
 
     if __name__ == "__main__":
         defaults = {"max_steps": 2, "accelerator": "cpu", "enable_progress_bar": False, "callbacks": [Report()],

@@ -42,7 +42,7 @@ from accelerate.utils import DistributedType
 
 from asyncckpt.core import Checkpointer, CheckpointOptions, is_complete
 from asyncckpt.core.integration import (SaveMetrics, capture, dist_env, normalize_path, patching, resolve_options,
-                                        resume, saving, versions)
+                                        resume, saving, taking_options, versions)
 
 from .capture import OPTIMIZER_FILE, Capture
 from .support import SUPPORT
@@ -54,6 +54,7 @@ _CHECKPOINT_NAME = re.compile(r"^checkpoint_(\d+)$")
 _ACCELERATE_NUMBER = re.compile(r"[\/]?([0-9]+)(?=[^\/]*$)")  # Accelerate's own sort key for checkpoints/
 
 
+@taking_options
 def enable_async_checkpointing(accelerator: Accelerator, options: Optional[CheckpointOptions] = None, *,
                                spread_writes: bool = True, inline_bytes: int = 1 << 20, fix_iteration: bool = True,
                                **kwargs: Any) -> "AsyncCheckpointing":

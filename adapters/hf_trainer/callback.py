@@ -28,7 +28,7 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from asyncckpt.core import Checkpointer, CheckpointOptions
-from asyncckpt.core.integration import dist_env, lifecycle, patching, resolve_options, versions
+from asyncckpt.core.integration import dist_env, lifecycle, patching, resolve_options, taking_options, versions
 
 from .saver import AsyncCheckpointSaver
 from .support import SUPPORT
@@ -56,6 +56,7 @@ class AsyncCheckpointCallback(TrainerCallback):
             alone calls other callbacks after a save.)
     """
 
+    @taking_options
     def __init__(self, options: Optional[CheckpointOptions] = None, *, checkpointer: Optional[Checkpointer] = None,
                  on_save_after_commit: bool = False, **kwargs: Any) -> None:
         versions.require(SUPPORT)

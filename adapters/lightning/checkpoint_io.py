@@ -8,8 +8,8 @@ What Lightning calls → what we snapshot → which core call → when we wait:
   checkpoints) wait for the write: the process is about to go.
 * ``remove_checkpoint(path)`` → ``Checkpointer.remove``, after the save queued last and only if
   it committed (top-k rotation never costs a checkpoint for a save that failed).
-* ``load_checkpoint(path)`` → waits for everything pending (on every rank), then loads exactly
-  like ``TorchCheckpointIO``.
+* ``load_checkpoint(path)`` → the kit's resume sequence (``resume.resume``: everything pending committed, on
+  every rank), then loads exactly like ``TorchCheckpointIO``, the file checked as it is read.
 * ``teardown()`` (the end of fit/validate/test/predict) → waits on every rank, raises a failed
   save, and stops the background writer: nothing of ours runs after the run; the next run starts
   it again (at ``setup_environment``, see ``integration``). Fabric never calls it: its user does,
@@ -18,7 +18,8 @@ What Lightning calls → what we snapshot → which core call → when we wait:
   go through ``CheckpointIO``; ``integration`` routes them here.
 
 A save that failed in the background raises at the next save, removal, load or teardown, as
-``AsyncCkptSaveError`` naming the path, ``epoch`` and ``global_step``.
+``AsyncCkptSaveError`` naming the path, ``epoch`` and ``global_step``. Each save's stall, time to durable and
+bytes go to the Trainer's loggers (``checkpoint/stall_s``, ...) at the next save and at the end of the run.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import io
 import logging
 import os
 import sys
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -34,9 +36,9 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
-from asyncckpt.core import Checkpointer, CheckpointWriteError, ExportOptions
-from asyncckpt.core.integration import resume, versions
-from asyncckpt.core.integration import SaveHandle
+from asyncckpt.core import Checkpointer, CheckpointOptions, CheckpointWriteError
+from asyncckpt.core.integration import (SaveHandle, SaveMetrics, is_url, normalize_path, resolve_options, resume,
+                                        taking_options, versions)
 
 from . import integration
 from .support import SUPPORT
@@ -51,103 +53,92 @@ class AsyncCkptIO(CheckpointIO):
     """Asynchronous, crash-safe checkpoints for Lightning: ``Trainer(plugins=[AsyncCkptIO()])``, or
     ``Fabric(plugins=[io])`` with ``io.teardown()`` at the end of the run.
 
+    Takes every option of ``asyncckpt.core.CheckpointOptions`` (the same names, defaults and meanings as the
+    core's and the other adapters': docs/options.md) as keyword arguments, or the object as ``options``.
+    Here, ``max_in_flight=2`` (the default) lets ``ModelCheckpoint(save_last=True)``'s two back-to-back saves
+    (top-k file + ``last.ckpt``) both return after their snapshot; ``export`` writes the ``LightningModule``'s
+    state dict, by default to ``exports/<checkpoint name>`` beside it; ``mirror_to`` copies each ``.ckpt`` there
+    and ``ckpt_path="last"`` restores ``last.ckpt`` from there when it is not here; ``resume_from_intact`` applies
+    where Lightning picked the checkpoint itself (``"last"``, ``"best"``, ``"hpc"``); ``overlap_optimizer`` has no
+    effect: Lightning writes the optimizer state into the one ``.ckpt`` file. And these of its own:
+
     Args:
-        max_in_flight: checkpoints whose write may be pending at once. Each holds a staging buffer
-            the size of its file (allocated on first need, then reused). The default 2 lets
-            ``ModelCheckpoint(save_last=True)``'s two back-to-back saves (top-k file + ``last.ckpt``)
-            both return after their snapshot.
-        timeout: bound, in seconds, on every wait for the background writer.
-        direct_io: write with O_DIRECT where the filesystem supports it.
-        io_threads: parallel write threads in the background writer.
         sync_patterns: file-name patterns (``fnmatch``) saved synchronously; default none. The
             SLURM requeue checkpoint ``hpc_ckpt_*`` is asynchronous too: the job is requeued right
             after that save returns, and its background writer finishes it even when the training
             process is killed (within ``timeout``); the requeued run waits for that writer before
-            it picks the checkpoint to resume from.
-        sync_on_exception: save synchronously while an exception is being handled.
-        verify_on_resume: check a checkpoint against its checksums before Lightning loads it
-            (``asyncckpt.core.verify.integrity``); a damaged one raises ``CorruptCheckpointError`` naming the
-            file (and, in a sharded checkpoint, the key). Files written without asyncckpt load unchecked.
-        resume_from_intact: when Lightning picked the checkpoint itself (``ckpt_path="last"``,
-            ``"best"``, ``"hpc"``) and it is damaged, resume from the newest other checkpoint in its
-            directory that checks out, with a warning naming the one skipped.
-        export: ``"safetensors"`` or an ``asyncckpt.core.ExportOptions``: after each checkpoint commits, rank 0's
-            writer exports the ``LightningModule``'s state dict as Hugging Face safetensors, by default to
-            ``exports/<checkpoint name>`` beside it (``ExportOptions(keys=..., add_prefix=...)`` choose the names).
-        on_commit: called with each checkpoint's path once it committed, off the training loop
-            (``Checkpointer(on_commit=...)``); what it raises fails like a save, at the next save or teardown.
+            it picks the checkpoint to resume from. (Lightning alone names its saves by pattern.)
+        sync_on_exception: save synchronously while an exception is being handled (Lightning alone saves
+            from its exception handlers: on-exception checkpoints, the process is about to go).
     """
 
-    def __init__(self, *, max_in_flight: int = 2, timeout: float = 600.0, direct_io: bool = True,
-                 io_threads: int = 2, sync_patterns: tuple[str, ...] = (),
-                 sync_on_exception: bool = True, verify_on_resume: bool = True, resume_from_intact: bool = False,
-                 export: Optional[ExportOptions | str] = None, on_commit: Optional[Callable[[str], Any]] = None) -> None:
+    @taking_options
+    def __init__(self, options: Optional[CheckpointOptions] = None, *, sync_patterns: tuple[str, ...] = (),
+                 sync_on_exception: bool = True, **kwargs: Any) -> None:
         versions.require(SUPPORT)
         super().__init__()
-        self.max_in_flight, self.timeout, self.direct_io, self.io_threads = max_in_flight, timeout, direct_io, io_threads
         self.sync_patterns, self.sync_on_exception = tuple(sync_patterns), sync_on_exception
-        self.verify_on_resume, self.resume_from_intact = verify_on_resume, resume_from_intact
+        self.checkpointer = Checkpointer(resolve_options(type(self).__name__, options, kwargs)[0])
+        self.metrics = SaveMetrics(self.checkpointer)
         self.picked_by_lightning: Optional[str] = None  # the path Lightning resolved "last"/"best"/"hpc" to
-        self.checkpointer = Checkpointer(max_in_flight=max_in_flight, timeout=timeout, direct_io=direct_io,
-                                         io_threads=io_threads, export=export, on_commit=on_commit)
+        self.trainer: Optional[Any] = None  # the Trainer whose strategy holds it (its loggers get the metrics)
         self._last_save: Optional[SaveHandle] = None  # removals wait for it
         integration.install(AsyncCkptIO)
 
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_last_save": None, "picked_by_lightning": None}  # the Checkpointer: its options
+    def __getstate__(self) -> dict:  # the Checkpointer pickles as its options
+        return {**self.__dict__, "_last_save": None, "picked_by_lightning": None, "trainer": None,
+                "metrics": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.metrics = SaveMetrics(self.checkpointer)
         integration.install(AsyncCkptIO)
 
+    @property
+    def options(self) -> CheckpointOptions:
+        return self.checkpointer.options
+
     def __repr__(self) -> str:
-        return (f"AsyncCkptIO(max_in_flight={self.max_in_flight}, direct_io={self.direct_io}, "
-                f"io_threads={self.io_threads}, pending={len(self.pending())})")
+        return f"AsyncCkptIO({self.options}, pending={len(self.pending())})"
 
     # ------------------------------------------------------------------ CheckpointIO
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
         """Snapshot ``checkpoint`` and return; the file appears at ``path`` complete, or not at all."""
         _refuse_storage_options(storage_options, type(self).__name__)
-        path = os.fspath(path) if not _is_local(path) else os.path.abspath(os.fspath(path))  # URLs: object storage
-        if _is_local(path) and os.path.isdir(path) and not os.path.islink(path):
+        started = time.perf_counter()
+        path = normalize_path(path)
+        if not is_url(path) and os.path.isdir(path) and not os.path.islink(path):
             raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
         step, label = _step_and_label(checkpoint)
-        self._saved(self.checkpointer.async_save_file(checkpoint, path, step=step, label=label), path)
+        self._saved(self.checkpointer.async_save_file(checkpoint, path, step=step, label=label), path, started)
 
     def load_checkpoint(self, path: _PATH, map_location: Optional[Callable] = lambda storage, loc: storage,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Wait for pending writes (on every rank under DDP), then load with ``TorchCheckpointIO``, the
-        file's checksum computed beside the load, over the pages it reads (``resume.load_file``; a URL's
-        object is fetched once, then loaded and hashed)."""
-        self.checkpointer.wait(everywhere=True)
-        if _is_local(path):  # saved by another Trainer's plugin in this process, or a writer still finishing it
-            resume.wait_for_saves(os.path.abspath(os.fspath(path)))
-
-        def load(file: _PATH) -> dict[str, Any]:
+        """The kit's resume sequence (``resume.resume``), then ``TorchCheckpointIO``'s load, the file's checksum
+        computed beside it, over the pages it reads (a URL's object is fetched once, then loaded and hashed).
+        Where Lightning picked the file itself, with ``resume_from_intact``, older ones may stand in."""
+        def load(file: Optional[str]) -> dict[str, Any]:
             return TorchCheckpointIO().load_checkpoint(file, map_location=map_location, weights_only=weights_only)
 
-        if not self.verify_on_resume:
-            return load(path)
-        path = os.path.abspath(os.fspath(path)) if _is_local(path) else os.fspath(path)
-        paths = [path]
-        if self.resume_from_intact and path == self.picked_by_lightning and _is_local(path):  # older ones may stand in
-            paths += [p for p in resume.candidates(os.path.dirname(path), _checkpoint_file_mtime)
-                      if os.path.realpath(p) != os.path.realpath(path)]
-        return resume.first_intact(paths, lambda candidate: resume.load_file(candidate, load))
+        path = normalize_path(path)
+        picked = path == self.picked_by_lightning and not is_url(path)
+        return resume.resume(self.checkpointer, load, reads="file", path=path,
+                             root=os.path.dirname(path) if picked else None, newest_first=_checkpoint_files)
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove ``path`` after the save queued last, and only if that save committed."""
         self.checkpointer.remove([path], after=self._last_save)
 
     def teardown(self) -> None:
-        """The run ended: wait for every save (on every rank), raise a failed one, stop the writer.
-        The Trainer calls it; with Fabric, call it on every process at the end of the run. When the run
-        is ending with an error already (the Trainer tears down inside its ``except``, a failed save's
+        """The run ended: wait for every save (on every rank), raise a failed one, log the saves' metrics, stop
+        the writer. The Trainer calls it; with Fabric, call it on every process at the end of the run. When the
+        run is ending with an error already (the Trainer tears down inside its ``except``, a failed save's
         included), another failed save is logged, not raised: raised, it would replace the error the run
         ended with (under load a second failed save could surface here before the first's error did)."""
         ending_with = sys.exc_info()[1]
         try:
             self.checkpointer.wait(everywhere=True)
+            self._log_metrics(final=True)
         except CheckpointWriteError as error:
             if ending_with is None:
                 raise
@@ -174,7 +165,8 @@ class AsyncCkptIO(CheckpointIO):
         """The sharded branch of ``FSDPStrategy`` / ``ModelParallelStrategy.save_checkpoint``: every
         rank's shards → ``Checkpointer.async_save``, with Lightning's ``meta.pt`` (the rest of the
         checkpoint) written by rank 0 into the directory before it is committed."""
-        path = os.path.abspath(os.fspath(strategy.broadcast(filepath)))
+        started = time.perf_counter()
+        path = normalize_path(strategy.broadcast(filepath))
         converted = {model_key: checkpoint.pop("state_dict")}
         converted.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
         meta = None
@@ -183,14 +175,28 @@ class AsyncCkptIO(CheckpointIO):
             torch.save(checkpoint, buffer)  # what Lightning writes to meta.pt, taken now (a snapshot)
             meta = {"meta.pt": buffer.getvalue()}
         step, label = _step_and_label(checkpoint)
-        self._saved(self.checkpointer.async_save(converted, path, step=step, label=label, extra_files=meta), path)
+        self._saved(self.checkpointer.async_save(converted, path, step=step, label=label, extra_files=meta), path,
+                    started)
 
-    def _saved(self, handle: SaveHandle, path: str) -> None:
+    def _saved(self, handle: SaveHandle, path: str, started: float) -> None:
         self._last_save = handle
         name = os.path.basename(path)
         if any(fnmatch.fnmatch(name, pattern) for pattern in self.sync_patterns) or (
                 self.sync_on_exception and sys.exc_info()[1] is not None):
             handle.result()
+        self.metrics.saved(handle, time.perf_counter() - started)
+        self._log_metrics()
+
+    def _log_metrics(self, *, final: bool = False) -> None:
+        """The records of committed saves, to the Trainer's loggers (rank 0's, as Lightning logs)."""
+        records = self.metrics.ready(final=final)
+        if self.trainer is None:  # Fabric: its user logs them (``io.metrics.history``)
+            return
+        for record in records:
+            metrics = {f"checkpoint/{name}": float(value) for name, value in record.items()
+                       if value is not None and name != "step"}
+            for trainer_logger in self.trainer.loggers:
+                trainer_logger.log_metrics(metrics, step=self.trainer.global_step)
 
 
 def _refuse_storage_options(storage_options: Optional[Any], owner: str) -> None:
@@ -208,9 +214,7 @@ def _step_and_label(checkpoint: Any) -> tuple[Optional[int], Optional[str]]:
     return step, f"epoch={checkpoint.get('epoch')}, global_step={step}"
 
 
-def _checkpoint_file_mtime(path: str) -> Optional[float]:
-    return os.path.getmtime(path) if path.endswith(".ckpt") and os.path.isfile(path) else None
-
-
-def _is_local(path: _PATH) -> bool:
-    return "://" not in str(os.fspath(path))
+def _checkpoint_files(folder: str) -> list[str]:
+    """The ``.ckpt`` files in ``folder``, newest first (by mtime, as Lightning orders its candidates)."""
+    return resume.candidates(folder, lambda path: os.path.getmtime(path)
+                             if path.endswith(".ckpt") and os.path.isfile(path) else None)

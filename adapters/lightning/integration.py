@@ -11,7 +11,9 @@ plugin behave exactly as before.
 replaced                                                   with the plugin
 =========================================================  =========================================
 ``Strategy.setup_environment``                             also starts the background writer (its
-                                                           start-up overlaps the run's set-up)
+                                                           start-up overlaps the run's set-up), and
+                                                           tells the plugin its Trainer (its loggers
+                                                           get the saves' metrics)
 ``ModelCheckpoint.file_exists``                            a checkpoint still queued counts as
                                                            existing, one queued for removal as gone
                                                            (the ``-v1`` counter as without plugin)
@@ -21,8 +23,10 @@ replaced                                                   with the plugin
 ``.save_checkpoint``                                       ``Checkpointer.async_save`` (+ ``meta.pt``)
 ``FSDPStrategy`` / ``ModelParallelStrategy``               wait (all ranks), check a sharded
 ``.load_checkpoint``                                       checkpoint (each rank its share), load
-``_CheckpointConnector._parse_ckpt_path``                  note which checkpoint Lightning picked
-                                                           ("last", "best"): ``resume_from_intact``
+``_CheckpointConnector._parse_ckpt_path``                  before Lightning picks ("last", "hpc"):
+                                                           saves in flight committed, ``last.ckpt``
+                                                           restored from ``mirror_to``; note which
+                                                           checkpoint it picked: ``resume_from_intact``
 ``ModelCheckpoint._find_last_checkpoints``                 a ``dirpath`` URL: the candidates keep its
                                                            scheme (Lightning drops it, and then finds
                                                            no ``last.ckpt`` in object storage)
@@ -35,6 +39,7 @@ replaced                                                   with the plugin
 from __future__ import annotations
 
 import os
+import urllib.parse
 from typing import Any, Callable, Optional
 
 from lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
@@ -42,8 +47,7 @@ from lightning.pytorch.core import saving
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
-from asyncckpt.core.integration import lifecycle
-from asyncckpt.core.integration import patching, resume, wait_for_orphans
+from asyncckpt.core.integration import is_url, lifecycle, normalize_path, patching, resume
 
 
 _plugin_type: Optional[type] = None  # AsyncCkptIO, handed over by ``install`` (importing it here would be a cycle)
@@ -73,13 +77,13 @@ def install(plugin_type: type) -> None:
         patching.install(strategy, "teardown", _teardown)
 
 
-def _with_plugin(before: Callable[[Any], None]) -> Callable:
-    """A replacement that runs ``before(plugin)`` on strategies with the plugin, then the original."""
+def _with_plugin(before: Callable[[Any, Any], None]) -> Callable:
+    """A replacement that runs ``before(strategy, plugin)`` on strategies with the plugin, then the original."""
     def make(original: Callable) -> Callable:
         def method(self, *args: Any, **kwargs: Any) -> Any:
             io = plugin_of(self)
             if io is not None:
-                before(io)
+                before(self, io)
             return original(self, *args, **kwargs)
 
         return method
@@ -87,8 +91,9 @@ def _with_plugin(before: Callable[[Any], None]) -> Callable:
     return make
 
 
-def _start_writer(io: Any) -> None:
+def _start_writer(strategy: Any, io: Any) -> None:
     io.checkpointer.start()
+    io.trainer = getattr(strategy.lightning_module, "_trainer", None) if strategy.lightning_module else None
 
 
 def _file_exists(original: Callable) -> Callable:
@@ -107,7 +112,7 @@ def _link_checkpoint(original: Callable) -> Callable:
         io = plugin_of(trainer.strategy)
         if io is None:
             return original(trainer, filepath, linkpath)
-        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+        if trainer.is_global_zero and normalize_path(filepath) != normalize_path(linkpath):
             io.link(filepath, linkpath)
         trainer.strategy.barrier()
 
@@ -120,7 +125,7 @@ def _sharded_save(model_key: str, is_sharded: Callable[[Any], bool]) -> Callable
             io = plugin_of(self)
             if io is None or storage_options is not None or not is_sharded(self):
                 if io is not None:  # the original may delete a sharded directory at this path
-                    io.checkpointer.wait_for(os.path.abspath(os.fspath(filepath)))
+                    io.checkpointer.wait_for(filepath)
                 return original(self, checkpoint, filepath, storage_options=storage_options)
             io.save_sharded(self, checkpoint, filepath, model_key)
 
@@ -132,14 +137,13 @@ def _sharded_save(model_key: str, is_sharded: Callable[[Any], bool]) -> Callable
 def _sharded_load(original: Callable) -> Callable:
     def load_checkpoint(self, checkpoint_path, *args: Any, **kwargs: Any) -> Any:
         io = plugin_of(self)
-        if io is None:
+        path = normalize_path(checkpoint_path)
+        if io is None or not os.path.isdir(path):  # a single file: the plugin's own load checks it
+            if io is not None:
+                resume.prepare(io.checkpointer, path)
             return original(self, checkpoint_path, *args, **kwargs)
-        io.checkpointer.wait(everywhere=True)
-        resume.wait_for_saves(os.path.abspath(os.fspath(checkpoint_path)))  # another plugin's, or an orphaned writer's
-        if not (io.verify_on_resume and os.path.isdir(checkpoint_path)):  # a single file: the plugin's load checks it
-            return original(self, checkpoint_path, *args, **kwargs)
-        return io.checkpointer.load_while_checking(os.path.abspath(os.fspath(checkpoint_path)),
-                                     lambda: original(self, checkpoint_path, *args, **kwargs), everywhere=True)
+        return resume.resume(io.checkpointer, lambda _path: original(self, checkpoint_path, *args, **kwargs),
+                             reads="directory", path=path)
 
     return load_checkpoint
 
@@ -147,20 +151,22 @@ def _sharded_load(original: Callable) -> Callable:
 def _noting_the_pick(original: Callable) -> Callable:
     """Which checkpoint Lightning chose itself ("last", "best", "hpc"): only then may a damaged one
     be replaced by an older intact one (``resume_from_intact``). Before Lightning looks (a keyword,
-    or None, where a SLURM requeue resumes its ``hpc_ckpt``), a writer of the previous run still
-    finishing a checkpoint in the checkpoint directories is waited for, so the pick includes it."""
+    or None, where a SLURM requeue resumes its ``hpc_ckpt``), the checkpoint directories are made ready
+    (``resume.prepare``: saves in flight, a writer of the previous run still finishing a checkpoint, and with
+    ``mirror_to`` a ``last.ckpt`` that is not here restored), so that the pick includes them."""
     def parse_ckpt_path(self, state_fn, ckpt_path, *args: Any, **kwargs: Any) -> Any:
         io = plugin_of(self.trainer.strategy)
         if io is not None and (ckpt_path is None or ckpt_path in ("last", "best", "hpc")):
             folders = {self.trainer.default_root_dir} | {cb.dirpath for cb in self.trainer.checkpoint_callbacks
                                                          if getattr(cb, "dirpath", None)}
             for folder in sorted(map(str, folders)):
-                if "://" not in folder:
-                    wait_for_orphans(os.path.abspath(folder), io.timeout)
+                resume.prepare(io.checkpointer, normalize_path(folder),
+                               mirrored_name=ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION
+                               if ckpt_path == "last" else None)
         resolved = original(self, state_fn, ckpt_path, *args, **kwargs)
         if io is not None:
             picked = ckpt_path in ("last", "best", "hpc", "registry") and resolved
-            io.picked_by_lightning = os.path.abspath(os.fspath(resolved)) if picked else None
+            io.picked_by_lightning = normalize_path(resolved) if picked else None
         return resolved
 
     return parse_ckpt_path
@@ -169,10 +175,10 @@ def _noting_the_pick(original: Callable) -> Callable:
 def _last_checkpoints_as_urls(original: Callable) -> Callable:
     def find_last_checkpoints(self, trainer) -> set[str]:
         found = original(self, trainer)
-        scheme = str(self.dirpath).split("://", 1)[0] if "://" in str(self.dirpath) else None
-        if plugin_of(trainer.strategy) is None or scheme is None:
+        if plugin_of(trainer.strategy) is None or not is_url(str(self.dirpath)):
             return found
-        return {path if "://" in path else f"{scheme}://{path}" for path in found}
+        scheme = urllib.parse.urlsplit(str(self.dirpath)).scheme
+        return {path if is_url(path) else f"{scheme}://{path}" for path in found}
 
     return find_last_checkpoints
 

@@ -40,7 +40,7 @@ from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.snapshot.buffer_pool import BufferPool
 from asyncckpt.core.writer.pending import PendingWork
 from asyncckpt.core.api.commit_hooks import CommitHooks, OnCommit
-from asyncckpt.core.api.options import CheckpointOptions, resolve
+from asyncckpt.core.api.options import CheckpointOptions, resolve, taking_options
 from asyncckpt.core.api.directory import DirectoryTransaction
 from asyncckpt.core.snapshot.dist_env import any_rank, default_store, dist_ready, rank_and_world
 from asyncckpt.core.storage.commit import job_token
@@ -81,6 +81,7 @@ class Checkpointer:
             the state until ``handle.wait_staged()`` (``guard(optimizer)`` does that for you).
     """
 
+    @taking_options
     def __init__(self, options: Optional[CheckpointOptions] = None, *,
                  process_group: Optional[dist.ProcessGroup] = None, use_collectives: bool = True,
                  overlap_staging: bool = False, **kwargs: Any) -> None:

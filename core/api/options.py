@@ -13,9 +13,11 @@ option is still accepted under its old name, with a ``FutureWarning``, for one r
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import typing
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from asyncckpt.core.api.commit_hooks import OnCommit
 from asyncckpt.core.writer.export import ExportOptions, as_options
@@ -75,7 +77,7 @@ class CheckpointOptions:
     resume_from_intact: bool = False
     overlap_optimizer: bool = True
     mirror_to: Optional[str] = None
-    export: Optional[ExportOptions] = None
+    export: Optional[ExportOptions | str] = None
     on_commit: Optional[OnCommit] = None
     log_metrics: bool = True
     writer_idle_timeout: Optional[float] = 30.0
@@ -95,6 +97,20 @@ class CheckpointOptions:
 
 
 NAMES = tuple(field.name for field in dataclasses.fields(CheckpointOptions))
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def taking_options(function: F) -> F:
+    """Declare ``function(..., **kwargs)``'s keyword arguments as the ``CheckpointOptions`` fields (names,
+    defaults, types) in its signature, for ``help()``, IDEs and signature-driven configuration (LightningCLI's
+    jsonargparse builds a plugin from its ``init_args``), without repeating the fields in each entry point."""
+    signature = inspect.signature(function)
+    hints = typing.get_type_hints(CheckpointOptions)
+    parameters = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    parameters += [inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
+                                     annotation=hints[field.name]) for field in dataclasses.fields(CheckpointOptions)]
+    function.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    return function
 
 
 def resolve(owner: str, options: Optional[CheckpointOptions], given: dict[str, Any], *,

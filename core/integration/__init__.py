@@ -20,7 +20,7 @@ Everything else under ``asyncckpt.core`` is private: its sub-packages may change
 adapters to this module and the public API.
 """
 from asyncckpt.core.api import lifecycle
-from asyncckpt.core.api.options import resolve as resolve_options
+from asyncckpt.core.api.options import resolve as resolve_options, taking_options
 from asyncckpt.core.writer.handles import SaveHandle
 from asyncckpt.core.formats.checksum import checksum
 from asyncckpt.core.integration import capture, patching, resume, saving, versions
@@ -40,6 +40,6 @@ def normalize_path(path) -> str:
 
 __all__ = [
     "SaveHandle", "SaveMetrics", "capture", "capturing_dcp_saves", "checksum", "dist_env", "is_url", "lifecycle",
-    "normalize_path", "patching", "resolve_options", "resume", "saving", "tensor_bytes", "versions",
+    "normalize_path", "patching", "resolve_options", "resume", "saving", "taking_options", "tensor_bytes", "versions",
     "wait_for_orphans",
 ]
