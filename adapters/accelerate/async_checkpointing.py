@@ -51,7 +51,7 @@ logger = logging.getLogger("asyncckpt.accelerate")
 
 _ATTRIBUTE = "_asyncckpt"  # on an Accelerator instance: its AsyncCheckpointing
 _CHECKPOINT_NAME = re.compile(r"^checkpoint_(\d+)$")
-_ACCELERATE_NUMBER = re.compile(r"[\/]?([0-9]+)(?=[^\/]*$)")  # Accelerate's own sort key for checkpoints/
+_accelerate_number = resume.numbered(re.compile(r"([0-9]+)(?=[^/]*$)"))  # Accelerate's own sort key for checkpoints/
 
 
 @taking_options
@@ -190,11 +190,12 @@ class AsyncCheckpointing:
         acc, config = self.accelerator, self.accelerator.project_configuration
         root = os.path.abspath(os.path.join(acc.project_dir, "checkpoints"))
         os.makedirs(root, exist_ok=True)
-        entries = self.checkpointer.checkpoints_in(root, [os.path.join(root, name) for name in os.listdir(root)])
-        removals = []
-        if config.total_limit is not None and len(entries) + 1 > config.total_limit and acc.is_main_process:
-            numbered = sorted((n, p) for p in entries if (n := _accelerate_number(p)) is not None)
-            removals = [p for _, p in numbered[: len(entries) + 1 - config.total_limit]]
+        on_disk = sorted((p for p in (os.path.join(root, name) for name in os.listdir(root))
+                          if _accelerate_number(p) is not None), key=_accelerate_number)
+        entries = self.checkpointer.checkpoints_in(root, on_disk)
+        removals = saving.rotation(self.checkpointer, root, on_disk, keep=config.total_limit, adding=1) \
+            if acc.is_main_process else []
+        if removals:
             logger.info("asyncckpt: deleting %s once checkpoint_%d is committed (total_limit=%d)",
                         [os.path.basename(p) for p in removals], config.iteration, config.total_limit)
         final_dir = os.path.join(root, f"checkpoint_{config.iteration}")
@@ -271,12 +272,6 @@ def _dispatching(name: str) -> Callable[[Callable], Callable]:
         return method
 
     return make
-
-
-def _accelerate_number(path: str) -> Optional[int]:
-    """Accelerate's own sort key for the entries of ``checkpoints/`` (the last number in the name)."""
-    found = _ACCELERATE_NUMBER.findall(path)
-    return int(found[0]) if found else None
 
 
 def _replaceable(final_dir: str) -> bool:

@@ -18,10 +18,9 @@ checkpoint on resume. It pickles (with its options; a copy attaches to the Train
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any, Optional
 
-import transformers.models.auto.modeling_auto  # noqa: F401  (defines the auto model classes: _auto_model_classes)
+import transformers.models.auto.modeling_auto  # noqa: F401  (defines the auto model classes)
 from transformers import (AutoConfig, AutoProcessor, AutoTokenizer, PreTrainedConfig, PreTrainedModel, Trainer,
                           TrainerCallback)
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
@@ -64,9 +63,10 @@ class AsyncCheckpointCallback(TrainerCallback):
             raise TypeError(f"{type(self).__name__}(checkpointer=...) takes its options from that Checkpointer: "
                             f"give it {', '.join(kwargs) or 'options'} instead")
         options, _ = resolve_options(type(self).__name__, options, kwargs)
-        for reader in (PreTrainedModel, PreTrainedConfig, PreTrainedTokenizerBase, *_auto_model_classes(), AutoConfig,
-                       AutoTokenizer, AutoProcessor):  # from_pretrained of a checkpoint-N being written waits for it
-            patching.install(reader, "from_pretrained", functools.partial(lifecycle.waiting_reader, path_at=1))
+        # from_pretrained of a checkpoint-N being written waits for it (each auto class has its own copy)
+        patching.install_on_subclasses((PreTrainedModel, PreTrainedConfig, PreTrainedTokenizerBase, _BaseAutoModelClass,
+                                        AutoConfig, AutoTokenizer, AutoProcessor), "from_pretrained",
+                                       functools.partial(lifecycle.waiting_reader, path_at=1))
         self.owns_checkpointer = checkpointer is None
         self.on_save_after_commit = on_save_after_commit
         self.checkpointer = checkpointer or Checkpointer(options)
@@ -88,12 +88,12 @@ class AsyncCheckpointCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ Trainer events
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._attach(_calling_trainer(self))
+        self._attach()
         if self.saver is not None:
             self.saver.install()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._attach(_calling_trainer(self))  # added with trainer.add_callback(...) after __init__: attach now
+        self._attach()  # added with trainer.add_callback(...) after __init__: attach now
         dist_env.warn_if_launched_as_many(args.world_size, "the Trainer", "Without GPUs, give the training script "
                                           "--use_cpu (TrainingArguments(use_cpu=True)) so that they train together.")
         if self.saver is not None:
@@ -110,33 +110,9 @@ class AsyncCheckpointCallback(TrainerCallback):
         else:
             self.checkpointer.wait()
 
-    def _attach(self, trainer: Optional[Trainer]) -> None:
+    def _attach(self) -> None:
+        """To the Trainer (any subclass) whose callback handler is calling us right now."""
+        trainer = patching.caller(Trainer, lambda candidate: self in candidate.callback_handler.callbacks)
         if trainer is not None and (self.saver is None or self.saver.trainer is not trainer):
             self.saver = AsyncCheckpointSaver(trainer, self.checkpointer, on_save_after_commit=self.on_save_after_commit)
 
-
-def _auto_model_classes() -> list[type]:
-    """``_BaseAutoModelClass`` and the auto classes (``AutoModelForCausalLM``, ...) with a ``from_pretrained`` of their
-    own: transformers gives each a copy of the base's when it defines it, so a patch of the base's alone does not
-    reach them. (With PEFT installed, theirs looks for an adapter config before the model's own reader waits.)"""
-    classes, found = [_BaseAutoModelClass], []
-    while classes:
-        cls = classes.pop()
-        classes.extend(cls.__subclasses__())
-        if "from_pretrained" in vars(cls):
-            found.append(cls)
-    return found
-
-
-def _calling_trainer(callback: TrainerCallback) -> Optional[Trainer]:
-    """The Trainer (any subclass) whose callback handler is calling ``callback`` right now."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, Trainer) and callback in candidate.callback_handler.callbacks:
-                return candidate
-            frame = frame.f_back
-        return None
-    finally:
-        del frame

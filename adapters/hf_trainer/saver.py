@@ -46,7 +46,7 @@ from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 from asyncckpt.core import Checkpointer
 from asyncckpt.core.integration import SaveMetrics, capture, dist_env, patching, resume, saving
 
-_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+_CHECKPOINT_STEP = resume.numbered(re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$"), directories=True)
 
 
 class AsyncCheckpointSaver:
@@ -76,19 +76,16 @@ class AsyncCheckpointSaver:
             self._undo.append(patching.install(self.trainer.callback_handler, "on_save", self._on_save_after_commit).restore)
 
     def uninstall(self) -> None:
-        for undo in self._undo:
-            undo()
-        self._undo = []
+        while self._undo:
+            self._undo.pop()()
 
     # ------------------------------------------------------------------ the save
     def save_checkpoint(self, model: Any, trial: Any) -> None:
-        trainer = self.trainer
-        if not self._supported(trainer) or self._synchronous_subclass:
-            self.checkpointer.wait()
-            return type(trainer)._save_checkpoint(trainer, model, trial)
+        if not self._supported(self.trainer) or self._synchronous_subclass:
+            return self._save_synchronously(model, trial, None)
         started = time.perf_counter()
         self.last_checkpoint = None
-        if patching.overridden(trainer, Trainer, "_save_checkpoint"):
+        if patching.overridden(self.trainer, Trainer, "_save_checkpoint"):
             self._save_with_subclass(model, trial)
         else:
             self._save(trial)
@@ -103,8 +100,8 @@ class AsyncCheckpointSaver:
     def _save(self, trial: Any) -> None:
         run_dir = self.trainer._get_output_dir(trial=trial)
         with self._begin(run_dir) as tx:
-            deferred = self._save_trainer_files(tx, trial)
-        self._complete(tx, deferred, run_dir)
+            files = self._save_trainer_files(tx, trial)
+        self._complete(tx, files, run_dir)
 
     def _save_with_subclass(self, model: Any, trial: Any) -> None:
         """The subclass's own ``_save_checkpoint`` runs; its call of ``Trainer._save_checkpoint`` writes the
@@ -121,7 +118,7 @@ class AsyncCheckpointSaver:
                 f"{os.path.basename(final_dir)} exists already and it may write into it; in a fresh output_dir its "
                 "saves are asynchronous"))
         callbacks_state = copy.deepcopy(trainer.state.stateful_callbacks)  # the parent's bookkeeping, undone below
-        deferred: list = []
+        files: list[capture.FileCapture] = []  # the Trainer's own, once the override calls its parent
         calls: list = []
         needs_disk: Optional[OSError] = None
         try:
@@ -129,12 +126,12 @@ class AsyncCheckpointSaver:
                                                                safetensors_savers=_safetensors_savers()) as own_files:
                 def parent(_model: Any, parent_trial: Any) -> None:
                     own_files.hand_over()  # what it wrote there so far comes before the Trainer's files
-                    deferred.extend(self._save_trainer_files(tx, parent_trial))
+                    files.append(self._save_trainer_files(tx, parent_trial))
 
                 with patching.standing_in(Trainer, "_save_checkpoint", trainer, parent) as calls:
                     type(trainer)._save_checkpoint(trainer, model, trial)
         except FileNotFoundError as error:  # the with aborted the transaction
-            if not (calls and _names(error, final_dir)):
+            if not (calls and own_files.about(error)):
                 raise
             needs_disk = error
         finally:
@@ -148,7 +145,7 @@ class AsyncCheckpointSaver:
             return self._save_synchronously(model, trial, "it reads the checkpoint when super()._save_checkpoint "
                                             f"returns, before asyncckpt has written it: {needs_disk}")
         if calls:
-            self._complete(tx, deferred, run_dir)
+            self._complete(tx, files[0], run_dir)
         elif _on_any_rank(bool(own_files.written)):  # it saved by itself, not through the Trainer: what it wrote
             saving.finish(self.checkpointer, tx)
         else:
@@ -171,9 +168,9 @@ class AsyncCheckpointSaver:
         self.last_checkpoint = tx.handle
         return tx
 
-    def _save_trainer_files(self, tx: Any, trial: Any) -> list:
-        """``Trainer._save_checkpoint`` up to its push and rotation, every file into ``tx``; returns the
-        snapshots deferred to the staging thread."""
+    def _save_trainer_files(self, tx: Any, trial: Any) -> capture.FileCapture:
+        """``Trainer._save_checkpoint`` up to its push and rotation, every file into ``tx``; returns the capture
+        (holding the snapshots left for the staging thread)."""
         trainer = self.trainer
         args, state = trainer.args, trainer.state
         if trainer.hp_search_backend is None and trial is None:
@@ -201,30 +198,19 @@ class AsyncCheckpointSaver:
                     else:
                         state.stateful_callbacks[cb_name] = cb_state
                 state.save_to_json(os.path.join(cap.root, TRAINER_STATE_NAME))
-        return cap.deferred
+        return cap
 
-    def _complete(self, tx: Any, deferred: list, run_dir: str) -> None:
+    def _complete(self, tx: Any, files: capture.FileCapture, run_dir: str) -> None:
         """The rest of ``Trainer._save_checkpoint``: the commit (and the deferred snapshots before it, while the
         next forward/backward runs), rotation behind it, the push after it."""
         args, state = self.trainer.args, self.trainer.state
-        doomed = self._rotation(run_dir, args.save_total_limit, state.best_model_checkpoint, tx.final_dir) \
-            if args.should_save else []
-        stage_later = (lambda: [tx.save_file(obj, name, format=fmt, metadata=meta) for obj, name, fmt, meta in deferred]) \
-            if deferred else None
-        saving.finish(self.checkpointer, tx, stage_later=stage_later, removals=doomed)
+        best = state.best_model_checkpoint
+        doomed = saving.rotation(self.checkpointer, run_dir, sort_checkpoints(run_dir, use_mtime=True),
+                                 keep=args.save_total_limit, protected={tx.final_dir, os.path.abspath(best or tx.final_dir)}
+                                 ) if args.should_save else []
+        saving.finish(self.checkpointer, tx, stage_later=files.stage_deferred if files.deferred else None, removals=doomed)
         if args.push_to_hub:  # async: the upload needs the files: it runs once this checkpoint committed, in order
             self.checkpointer.after_commit(tx.handle, self.trainer._push_from_checkpoint)
-
-    def _rotation(self, run_dir: str, save_total_limit: Optional[int], best: Optional[str], newest: str) -> list[str]:
-        """``rotate_checkpoints`` over what will exist once the writer is done: the folders to delete,
-        oldest first (the Trainer's own order by mtime, then those in flight as saved), never the
-        newest nor the best."""
-        if save_total_limit is None or save_total_limit <= 0:
-            return []
-        checkpoints = self.checkpointer.checkpoints_in(run_dir, sort_checkpoints(run_dir, use_mtime=True))
-        protected = {newest, os.path.abspath(best) if best else newest} & set(checkpoints)
-        excess = len(checkpoints) - max(save_total_limit, len(protected))
-        return [p for p in checkpoints if p not in protected][:max(0, excess)]
 
     def _on_save_after_commit(self, original: Callable) -> Callable:
         """The callbacks' ``on_save`` for a checkpoint saved asynchronously runs once it committed (on the
@@ -268,30 +254,19 @@ class AsyncCheckpointSaver:
             best = self.trainer.state.best_model_checkpoint
             if self.checkpointer.options.verify and self.trainer.args.load_best_model_at_end and best:
                 self.checkpointer.require_intact(best)
-            with patching.patched(shutil, "rmtree", self._atomic_rmtree(shutil.rmtree)):
+            run_dir = os.path.abspath(self.trainer.args.output_dir)
+            rmtree = saving.atomic_rmtree(self.checkpointer, shutil.rmtree, lambda path: os.path.dirname(path) == run_dir
+                                          and _CHECKPOINT_STEP(path) is not None)
+            with patching.patched(shutil, "rmtree", rmtree):
                 return original(*args, **kwargs)
 
         return finalize_training
 
-    def _atomic_rmtree(self, rmtree: Callable) -> Callable:
-        run_dir = os.path.abspath(self.trainer.args.output_dir)
-
-        def remove(path: Any, *args: Any, **kwargs: Any) -> None:
-            path = os.path.abspath(os.fspath(path))
-            if os.path.dirname(path) != run_dir or not os.path.basename(path).startswith(f"{PREFIX_CHECKPOINT_DIR}-"):
-                return rmtree(path, *args, **kwargs)
-            self.checkpointer.remove([path]).result()
-
-        return remove
-
     # ------------------------------------------------------------------ what is supported
     def _supported(self, trainer: Any) -> bool:
-        unsupported = [name for name, on in (
-            ("DeepSpeed", trainer.is_deepspeed_enabled),
-            ("XLA FSDP", getattr(trainer, "is_fsdp_xla_enabled", False)),
-            ("XLA", is_torch_xla_available()),
-            ("SageMaker MP", is_sagemaker_mp_enabled()),
-        ) if on]
+        unsupported = [name for name, on in (("DeepSpeed", trainer.is_deepspeed_enabled), ("XLA", is_torch_xla_available()),
+                                             ("XLA FSDP", getattr(trainer, "is_fsdp_xla_enabled", False)),
+                                             ("SageMaker MP", is_sagemaker_mp_enabled())) if on]
         if unsupported:
             warnings.warn(f"asyncckpt: {unsupported[0]} checkpoints are saved synchronously by the Trainer itself "
                           "(asynchronous saving covers single-process, DDP and FSDP training).", RuntimeWarning, stacklevel=2)
@@ -300,11 +275,7 @@ class AsyncCheckpointSaver:
 
 def _newest_first(run_dir: str) -> list[str]:
     """The Trainer's own pick of ``checkpoint-N`` folders (``get_last_checkpoint``): the highest step first."""
-    def step(path: str) -> Optional[int]:
-        found = _CHECKPOINT_NAME.match(os.path.basename(path))
-        return int(found[1]) if found and os.path.isdir(path) else None
-
-    return resume.candidates(run_dir, step)
+    return resume.candidates(run_dir, _CHECKPOINT_STEP)
 
 
 def _safetensors_savers() -> list[tuple[Any, str]]:
@@ -314,12 +285,6 @@ def _safetensors_savers() -> list[tuple[Any, str]]:
     if peft_model is not None:
         savers.append((peft_model, "safe_save_file"))
     return savers
-
-
-def _names(error: OSError, folder: str) -> bool:
-    """Whether ``error`` is about ``folder`` or a path in it."""
-    return any(os.path.abspath(os.fspath(path)) == folder or capture.path_in(folder, path) is not None
-               for path in (error.filename, error.filename2) if isinstance(path, (str, os.PathLike)))
 
 
 def _on_any_rank(flag: bool) -> bool:

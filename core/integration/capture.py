@@ -60,6 +60,11 @@ class FileCapture:
     def name_of(self, target: Any) -> Optional[str]:
         return path_in(self.root, target)
 
+    def about(self, error: OSError) -> bool:
+        """Whether ``error`` names ``root`` or a path under it (the framework's code looked for a file there)."""
+        return any(os.path.abspath(os.fspath(path)) == self.root or self.name_of(path) is not None
+                   for path in (error.filename, error.filename2) if isinstance(path, (str, os.PathLike)))
+
     def save(self, obj: Any, name: str, format: str = "torch", metadata: Optional[dict] = None) -> None:
         """``obj`` as the file ``name``: snapshot now, or left to ``stage_deferred`` (``defer``, unless small)."""
         self.written.append(name)

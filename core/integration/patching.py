@@ -20,10 +20,11 @@ test instead of a user's run.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 _MISSING = object()
 _lock = threading.RLock()
@@ -86,6 +87,33 @@ def patched(owner: Any, name: str, value: Any) -> Iterator[Any]:
         yield original
     finally:
         setattr(owner, name, original)
+
+
+def install_on_subclasses(classes: Iterable[type], name: str, make: Callable[[Any], Any]) -> None:
+    """``install`` on each of ``classes`` and on every subclass of them that defines its own ``name`` (a
+    framework that gives each subclass a copy of the base's function: a patch of the base's alone does not
+    reach them)."""
+    pending = list(classes)
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if name in vars(cls):
+            install(cls, name, make)
+
+
+def caller(kind: type, accepts: Callable[[Any], bool]) -> Any:
+    """The nearest caller up the stack that is a method of an instance of ``kind`` which ``accepts`` (a
+    framework object that calls us without passing itself, as a Trainer calls its callbacks), or None."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, kind) and accepts(candidate):
+                return candidate
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
 
 
 def overridden(instance: Any, base: type, name: str) -> bool:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Optional, TypeVar
 
@@ -139,6 +140,16 @@ def candidates(root: str, key: Callable[[str], Optional[float]]) -> list[str]:
     entries = [os.path.join(root, name) for name in os.listdir(root)] if os.path.isdir(root) else []
     keyed = [(key(path), path) for path in entries]
     return [path for value, path in sorted((kp for kp in keyed if kp[0] is not None), reverse=True)]
+
+
+def numbered(pattern: "re.Pattern[str]", *, directories: bool = False) -> Callable[[str], Optional[int]]:
+    """A framework's sort key for its numbered checkpoints (for ``candidates``): the number ``pattern``'s group 1
+    finds in an entry's name (only in a directory's, with ``directories``), else None."""
+    def number(path: str) -> Optional[int]:
+        found = pattern.search(os.path.basename(path))
+        return int(found[1]) if found and (not directories or os.path.isdir(path)) else None
+
+    return number
 
 
 def first_intact(paths: list[str], attempt: Callable[[str], T]) -> T:

@@ -14,6 +14,7 @@ that, both do the same, here once:
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Callable, Iterable, Optional
 
@@ -34,6 +35,34 @@ def overlaps_optimizer(checkpointer: Any, optimizers: Iterable[Any]) -> bool:
                           RuntimeWarning, stacklevel=3)
             return False
     return True
+
+
+def rotation(checkpointer: Any, root: str, on_disk: list[str], *, keep: Optional[int], protected: Iterable[str] = (),
+             adding: int = 0) -> list[str]:
+    """What a framework's rotation (keep the newest ``keep`` checkpoints in ``root``) deletes once the queued work
+    has run, oldest first: ``on_disk`` in the framework's own order (oldest first), less those queued for
+    removal, then those being saved there in save order, plus ``adding`` about to be saved; never a
+    ``protected`` one (the newest, the best). Counting checkpoints in flight as present is what keeps an
+    asynchronous save's rotation the framework's own."""
+    if keep is None or keep <= 0:
+        return []
+    checkpoints = checkpointer.checkpoints_in(root, on_disk)
+    protected = set(protected) & set(checkpoints)
+    excess = len(checkpoints) + adding - max(keep, len(protected))
+    return [path for path in checkpoints if path not in protected][:max(0, excess)]
+
+
+def atomic_rmtree(checkpointer: Any, rmtree: Callable[..., Any], is_checkpoint: Callable[[str], bool]) -> Callable:
+    """``rmtree`` (``shutil.rmtree``, as a framework deletes an old checkpoint itself) for which a checkpoint is
+    removed as the core removes one (renamed out of the framework's names first, then deleted: never seen
+    half-deleted), once the work queued before it is done; any other path as ``rmtree`` would."""
+    def remove(path: Any, *args: Any, **kwargs: Any) -> None:
+        path = os.path.abspath(os.fspath(path))
+        if not is_checkpoint(path):
+            return rmtree(path, *args, **kwargs)
+        checkpointer.remove([path]).result()
+
+    return remove
 
 
 def finish(checkpointer: Any, tx: Any, *, stage_later: Optional[Callable[[], None]] = None,
