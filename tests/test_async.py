@@ -462,9 +462,9 @@ def test_a_removal_queued_behind_a_failed_save_is_not_done(tmp_path):
 def test_a_failure_settled_between_the_next_saves_look_and_its_admission_is_raised_by_it():
     """The next save looks for unseen failures, then is admitted; a writer's reply that lands in between
     (a save failing just then) must still be raised by that save, not only at exit."""
-    from asyncckpt.core.writer.pending import PendingWork
+    from asyncckpt.core.client.ledger import Ledger
 
-    ledger = PendingWork(max_in_flight=1, timeout=10.0, store=lambda: None, writer_idle_timeout=None)
+    ledger = Ledger(max_in_flight=1, timeout=10.0, store=lambda: None, writer_idle_timeout=None)
     failing = ledger.admit("file", "/ckpts/a.ckpt", rank=0)
     ledger.raise_unobserved()  # the next save's first look: nothing has failed yet
     ledger.complete(failing, OSError("No space left on device"))  # the reply lands now

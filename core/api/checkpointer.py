@@ -2,7 +2,7 @@
 
 A short facade over the parts that do the work:
 
-* ``pending.PendingWork``: all pending work (handles), back-pressure per checkpoint, the one
+* ``ledger.Ledger``: all pending work (handles), back-pressure per checkpoint, the one
   error rule, what is pending per path, and the ``WriterQueue`` into the background writer;
 * ``sharded_save.ShardedSaves``: the caller's part of an SPMD save (flatten, agree, plan, buffer);
 * ``file_snapshots.FileSnapshots``: native files (``torch.save``, safetensors) for the adapters;
@@ -37,7 +37,7 @@ from asyncckpt.core.formats import names
 from asyncckpt.core.storage import object_store as object_store_module
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.snapshot.buffer_pool import BufferPool
-from asyncckpt.core.writer.pending import PendingWork
+from asyncckpt.core.client.ledger import Ledger
 from asyncckpt.core.api.commit_hooks import CommitHooks, OnCommit
 from asyncckpt.core.api.directory import DirectoryTransaction
 from asyncckpt.core.snapshot.dist_env import any_rank, default_store, dist_ready, rank_and_world
@@ -51,13 +51,13 @@ from asyncckpt.core.errors import (
 from asyncckpt.core.writer.file_requests import FileRequest, LinkRequest, RemoveRequest
 from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
-from asyncckpt.core.writer.handles import SaveHandle
+from asyncckpt.core.client.handles import SaveHandle
 from asyncckpt.core.loading.state_dict import load_checkpoint
 from asyncckpt.core.writer.mirror import MirrorRequest, restore_latest
 from asyncckpt.core.storage.object_store import ObjectStoreOptions
 from asyncckpt.core.writer.retention import RetentionRequest
-from asyncckpt.core.writer.export import ExportOptions, ExportRequest, as_options
-from asyncckpt.core.loading.torch_sources import with_torch_readers
+from asyncckpt.core.export.options import ExportOptions, as_options
+from asyncckpt.core.export.request import ExportRequest
 from asyncckpt.core.snapshot.sharded_save import ShardedSaves
 from asyncckpt.core.snapshot.handoff import Stager
 from asyncckpt.core.snapshot.tensor_copy import CopyThreads
@@ -111,7 +111,7 @@ class Checkpointer:
         self.max_in_flight, self.overlap_staging = max_in_flight, overlap_staging
         self.direct_io, self.io_threads, self.timeout, self.verify = direct_io, io_threads, timeout, verify
         self.writer_idle_timeout = writer_idle_timeout
-        self.ledger = PendingWork(max_in_flight=max_in_flight, timeout=timeout, store=self._store,
+        self.ledger = Ledger(max_in_flight=max_in_flight, timeout=timeout, store=self._store,
                                   writer_idle_timeout=writer_idle_timeout)
         self.on_commit, self.export_options = on_commit, as_options(export)
         self.hooks = CommitHooks(self.ledger)
@@ -263,7 +263,7 @@ class Checkpointer:
                                        self._store, **details)
 
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
-                                    pending=self.ledger, stager=self.stager, files=self.files,
+                                    ledger=self.ledger, stager=self.stager, files=self.files,
                                     sharded=self.sharded, sharded_target=sharded_target, mirror=self.mirror,
                                     direct_io=self.direct_io, io_threads=self.io_threads)
 
@@ -358,7 +358,7 @@ class Checkpointer:
         path = _normalize(path)
         options = as_options(options or "safetensors")
         target = options.target_for(path)
-        return self._queue_after("export", path, ExportRequest(path, target, with_torch_readers(options)), after, label=f"to {target}")
+        return self._queue_after("export", path, ExportRequest(path, target, options), after, label=f"to {target}")
 
     def after_commit(self, checkpoint: SaveHandle, action: OnCommit) -> SaveHandle:
         """Run ``action(path)`` once the checkpoint of ``checkpoint`` committed, on the commit-hooks
@@ -373,7 +373,7 @@ class Checkpointer:
         options = self.export_options
         if options is not None and checkpoint.rank == 0:
             target = options.target_for(checkpoint.path)
-            request = ExportRequest(checkpoint.path, target, with_torch_readers(options))
+            request = ExportRequest(checkpoint.path, target, options)
             self.hooks.after(checkpoint, "export", lambda handle: self.ledger.queue.submit([(handle, request, None)]),
                              label=f"to {target}", done_by_action=True)
 
