@@ -144,33 +144,6 @@ def _writer_holds_torch(checkpointer) -> bool:
         return "libtorch" in maps.read()
 
 
-def test_writer_never_loads_torch(tmp_path):
-    """torch costs the writer ~190 MiB of its own memory (and ~1 s of CPU to import): native files,
-    directory transactions, removals, retention, sharded saves (whose DCP metadata rank 0's writer
-    pickles itself, see dcp_pickle) and exports of what asyncckpt wrote must not load it."""
-    manager = core.CheckpointManager(tmp_path / "managed", keep_last=1, checkpointer=core.Checkpointer())
-    ck = manager.checkpointer
-    ck.save_file({"w": torch.ones(3), "step": 2}, tmp_path / "a.pt")
-    ck.save_file({"w": torch.ones(3)}, tmp_path / "a.safetensors", format="safetensors")
-    tx = ck.begin_directory(tmp_path / "checkpoint-1", step=1)
-    tx.save_file({"w": torch.ones(3)}, "model.safetensors", format="safetensors")
-    tx.write_bytes("trainer_state.json", b"{}")
-    tx.commit().result()
-    ck.remove([tmp_path / "a.pt"]).result()
-    ck.wait()
-    assert core.is_complete(str(tmp_path / "checkpoint-1")) and not os.path.exists(tmp_path / "a.pt")
-    assert not _writer_holds_torch(ck)
-    for step in (1, 2):  # sharded saves, then retention deleting step 1
-        manager.save(step, {"w": torch.full((4,), float(step)), "step": step})
-    assert manager.steps() == [2] and not _writer_holds_torch(ck)
-    ck.export(core.latest_checkpoint(str(tmp_path / "managed")), core.ExportOptions(directory=str(tmp_path / "export"))).result()
-    assert os.listdir(tmp_path / "export") and not _writer_holds_torch(ck)
-    loaded = {"w": torch.zeros(4), "step": 0}
-    dcp.load(loaded, checkpoint_id=core.latest_checkpoint(str(tmp_path / "managed")))  # torch's own reader unpickles the writer's .metadata
-    assert loaded["step"] == 2 and torch.equal(loaded["w"], torch.full((4,), 2.0))
-    manager.close()
-
-
 def _sharded_saves_writers_hold_torch(rank, world, root):
     with core.Checkpointer() as ck:
         for step in range(2):
