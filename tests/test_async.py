@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from asyncckpt import core
 from dist_helper import run_on_ranks
+from writers import limit_file_size
 
 
 def _mutable_state():
@@ -188,9 +189,9 @@ def test_killed_worker_fails_the_save_and_is_restarted(tmp_path):
 
 
 def _io_error_on_rank_one(rank, world, root):
-    if rank == 1:  # a real EFBIG from the kernel in rank 1's writer, as on a full disk
-        os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"] = str(1 << 20)
     with core.Checkpointer(timeout=60) as checkpointer:
+        if rank == 1:  # a real EFBIG from the kernel in rank 1's writer, as on a full disk
+            limit_file_size(checkpointer, 1 << 20)
         checkpointer.save({"small": torch.full((1000,), float(rank))}, f"{root}/good")
         started = time.monotonic()
         with pytest.raises(core.CheckpointWriteError, match=r"failed on rank 1: .*(File too large|EFBIG|27)"):
@@ -225,9 +226,9 @@ def test_a_stuck_rank_becomes_a_timeout_not_a_hang(tmp_path):
 def _failure_behind_a_slow_rank(rank, world, root):
     if rank == 1:
         return "never saved"  # still writing, as far as the coordinator can tell
-    if rank == 2:  # a real EFBIG in rank 2's writer
-        os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"] = str(1 << 20)
     with core.Checkpointer(timeout=60, use_collectives=False) as checkpointer:
+        if rank == 2:  # a real EFBIG in rank 2's writer
+            limit_file_size(checkpointer, 1 << 20)
         started = time.monotonic()
         with pytest.raises(core.CheckpointWriteError, match=r"failed on rank 2: .*(File too large|EFBIG|27)"):
             checkpointer.save({f"big{i}": torch.randn(2 << 20) for i in range(4)}, f"{root}/bad")
@@ -345,11 +346,8 @@ def test_directory_transaction_publishes_all_or_nothing(tmp_path):
 def test_retention_deletes_only_after_a_newer_commit(tmp_path):
     manager = core.CheckpointManager(tmp_path, keep_last=1, keep_every=10)
     small = {"w": torch.ones(1000)}
-    os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"] = str(4 << 20)  # the writer starts now: its files over 4 MiB fail
-    try:
-        manager.save(10, small)
-    finally:
-        del os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"]
+    limit_file_size(manager.checkpointer, 4 << 20)  # the writer's files over 4 MiB fail
+    manager.save(10, small)
     for step in (11, 12):
         manager.save(step, small)
     manager.wait()
@@ -414,15 +412,11 @@ def test_a_removal_queued_behind_a_failed_save_is_not_done(tmp_path):
     what it cancelled."""
     with core.Checkpointer() as checkpointer:
         checkpointer.save({"w": torch.ones(1000)}, tmp_path / "old")
-        os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"] = str(1 << 20)
-        try:
-            checkpointer.teardown()  # the next writer starts with the limit
-            failing = checkpointer.async_save({"w": torch.zeros(1 << 20)}, tmp_path / "new", step=2)  # 4 MiB
-            removal = checkpointer.remove([tmp_path / "old"], after=failing)
-            with pytest.raises(core.CheckpointWriteError) as info:
-                failing.result()
-        finally:
-            del os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"]
+        limit_file_size(checkpointer, 1 << 20)
+        failing = checkpointer.async_save({"w": torch.zeros(1 << 20)}, tmp_path / "new", step=2)  # 4 MiB
+        removal = checkpointer.remove([tmp_path / "old"], after=failing)
+        with pytest.raises(core.CheckpointWriteError) as info:
+            failing.result()
         message = str(info.value)
         assert message.startswith(f"asyncckpt: saving checkpoint {tmp_path / 'new'} (step 2) failed on rank 0: ")
         assert f"not done either, since they waited for it: removing {tmp_path / 'old'}" in message
