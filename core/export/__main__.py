@@ -1,8 +1,8 @@
 """``python -m asyncckpt.core.export CHECKPOINT TARGET EXPORT_OF OPTIONS_JSON``: the local part of an
 export (``writing.export_local``), read with torch.
 
-The background writer never imports torch (~190 MiB of private memory, ~1.5 s to import, for the rest
-of its life). An export of a checkpoint only torch reads (a ``torch.save`` file such as Lightning's
+The background writer never imports torch (what that would cost it, for the rest of its life:
+docs/DESIGN.md, "The writer never loads torch"). An export of a checkpoint only torch reads (a ``torch.save`` file such as Lightning's
 ``.ckpt``, a stock DCP directory) or of a PEFT adapter merged into its base model runs here instead, in
 a process that exits when it is done; the writer waits for it. On failure, the last line on stderr says
 what failed (``TypeName: message``) and the exit status is 1.

@@ -232,8 +232,8 @@ class Writer:
         """Work nobody waits for, done once the replies are sent: deleting what commits replaced
         or removals renamed away, tidying leftovers; then collecting garbage. Automatic collection
         is off in the writer: a save parses and builds tens of thousands of small objects, and a
-        full collection in the middle of one (~0.15 s with the cached metadata of a large
-        structure) delayed its commit. Freezing what survives keeps caches out of later ones."""
+        full collection in the middle of one delayed its commit (docs/DESIGN.md, "The writer's per-save
+        CPU is small"). Freezing what survives keeps caches out of later ones."""
         actions, self.after_replies = self.after_replies, []
         self.tidying.clear()
         for action in actions:
