@@ -79,7 +79,8 @@ if kind == "ours_cli":
     from asyncckpt.core.cli.main import main
     assert main(["export", source, out, "--no-progress"]) == 0
 elif kind == "ours_writer":
-    from asyncckpt.core.writer.export import ExportOptions, export_checkpoint
+    from asyncckpt.core.export.options import ExportOptions
+    from asyncckpt.core.export.writing import export_checkpoint
     export_checkpoint(source, out, ExportOptions())
     assert "torch" not in sys.modules
 elif kind == "accelerate":

@@ -5,8 +5,9 @@
 
 Profiles, on a warm Checkpointer (plan cached, staging buffer held):
   1. the caller's part of ``Checkpointer.async_save`` (the stall);
-  2. the background writer process (``ASYNCCKPT_WRITER_PROFILE``: it profiles itself and writes the
-     statistics when it stops);
+  2. the background writer process, from outside: its CPU seconds per save (``/proc/PID/stat``); for
+     its functions, sample it with an external profiler (``py-spy record --pid PID``): it has no
+     profiling switch of its own;
   3. ``Checkpointer.load`` with verification on.
 Prints wall times and the top functions by cumulative and by own time.
 """
@@ -34,6 +35,13 @@ def show(title: str, prof, top: int) -> None:
     print(out.getvalue())
 
 
+def writer_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process ``pid`` has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", choices=["adam", "large"], default="adam")
@@ -53,14 +61,13 @@ def main() -> int:
     stall_prof, load_prof = cProfile.Profile(), cProfile.Profile()
     ck = Checkpointer()
     ck.async_save(sd, os.path.join(args.dir, "warmup")).result()  # plan, buffer
-    ck.teardown()  # the next writer starts with the profiler on (ASYNCCKPT_WRITER_PROFILE is read at its start)
-    writer_stats = os.path.join(args.dir, "writer.pstats")
-    os.environ["ASYNCCKPT_WRITER_PROFILE"] = writer_stats
-    ck.start()
-    stalls, durable = [], []
+    writer_pid = ck.ledger.queue.writer_pid
+    print(f"writer process: pid {writer_pid}")
+    stalls, durable, writer_cpu = [], [], []
     for i in range(args.reps):
         shutil.rmtree(os.path.join(args.dir, f"ck{i - 1}"), ignore_errors=True)
         os.sync()
+        cpu_before = writer_cpu_s(writer_pid)
         t0 = time.perf_counter()
         stall_prof.enable()
         handle = ck.async_save(sd, os.path.join(args.dir, f"ck{i}"))
@@ -68,12 +75,10 @@ def main() -> int:
         stalls.append(time.perf_counter() - t0)
         handle.result()
         durable.append(time.perf_counter() - t0)
-    ck.teardown()  # the writer writes its profile as it stops
-    del os.environ["ASYNCCKPT_WRITER_PROFILE"]
+        writer_cpu.append(writer_cpu_s(writer_pid) - cpu_before)
     print(f"caller part (stall) per save: {[round(s, 3) for s in stalls]} s; durable after {[round(s, 3) for s in durable]} s")
+    print(f"the writer process's CPU per save: {[round(s, 3) for s in writer_cpu]} s")
     show("caller part of async_save (writer excluded)", stall_prof, args.top)
-    show("the writer process (its start-up, the first save's buffer mapping and every save's request)",
-         writer_stats, args.top)
     target = zeros_like_state(sd)
     path = os.path.join(args.dir, f"ck{args.reps - 1}")
     ck.load(target, path)  # warm page cache

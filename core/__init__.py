@@ -10,8 +10,8 @@ SPMD API (every rank calls with its own state dict)::
 The module-level functions share one default ``Checkpointer`` (buffers, writer, plan cache).
 
 What users may use is ``__all__`` below; what adapters may use besides is ``asyncckpt.core.integration``.
-Every other sub-package (``api``, ``snapshot``, ``writer``, ``storage``, ``formats``, ``loading``,
-``verify``, ``cli``) is private: its modules may change in any release (docs/DESIGN.md draws them).
+Every other sub-package (``api``, ``snapshot``, ``client``, ``writer``, ``export``, ``storage``, ``formats``,
+``loading``, ``verify``, ``cli``) is private: its modules may change in any release (docs/DESIGN.md draws them).
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import threading
 from typing import TYPE_CHECKING, Any, Optional
 
 from asyncckpt.core.storage.commit import is_complete, latest_checkpoint
-from asyncckpt.core.writer.export import ExportOptions
 from asyncckpt.core.errors import (
     CheckpointCancelledError,
     CheckpointError,
@@ -37,15 +36,18 @@ from asyncckpt.core.errors import (
 if TYPE_CHECKING:
     from asyncckpt.core.api.checkpointer import Checkpointer, SaveHandle
     from asyncckpt.core.api.options import CheckpointOptions
+    from asyncckpt.core.export.options import ExportOptions
     from asyncckpt.core.api.dcp_writer import AsyncCkptStorageWriter
     from asyncckpt.core.loading.dcp_reader import AsyncCkptStorageReader
     from asyncckpt.core.api.manager import CheckpointManager
     from asyncckpt.core.snapshot.planner import AsyncCkptLoadPlanner, AsyncCkptSavePlanner
 
-# The names that need torch, imported on first use: the background writer runs as
-# ``python -m asyncckpt.core.writer.process``, which executes this file, and must not load torch for it.
+# Imported on first use: the background writer runs as ``python -m asyncckpt.core.writer.process``, which
+# executes this file, and must load neither torch nor anything outside its own packages for it
+# (tests/test_layout.py lists what it loads).
 _LAZY = {
-    "Checkpointer": "api.checkpointer", "CheckpointOptions": "api.options", "SaveHandle": "writer.handles", "CheckpointManager": "api.manager",
+    "Checkpointer": "api.checkpointer", "CheckpointOptions": "api.options", "SaveHandle": "client.handles",
+    "CheckpointManager": "api.manager", "ExportOptions": "export.options",
     "AsyncCkptStorageReader": "loading.dcp_reader", "AsyncCkptStorageWriter": "api.dcp_writer",
     "AsyncCkptLoadPlanner": "snapshot.planner", "AsyncCkptSavePlanner": "snapshot.planner",
 }

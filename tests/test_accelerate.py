@@ -26,8 +26,8 @@ from accelerate.utils import ProjectConfiguration, set_seed  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from asyncckpt.adapters.accelerate import enable_async_checkpointing  # noqa: E402
-from asyncckpt.adapters.accelerate.async_checkpointing import AsyncCheckpointing  # noqa: E402
 from asyncckpt.core import CheckpointWriteError, is_complete  # noqa: E402
+from writers import limit_file_size  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "accelerate_min.py"
@@ -43,7 +43,7 @@ COMMIT_RECORD = ".asyncckpt-commit.json"
 # ------------------------------------------------------------------------------------------ helpers
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                              "MASTER_PORT", "ASYNCCKPT_WORKER_FSIZE_LIMIT")}
+                                                              "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
 
@@ -544,11 +544,9 @@ def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, h
     assert not saving.overlaps_optimizer(off.checkpointer, acc._optimizers)
 
 
-def test_failed_background_save_raises_at_next_save_state_naming_the_directory(tmp_path, handles, monkeypatch):
+def test_failed_background_save_raises_at_next_save_state_naming_the_directory(tmp_path, handles):
     """A real I/O error in the writer (RLIMIT_FSIZE, as on a full disk): nothing is published, total_limit
     keeps the old checkpoint, and the next save_state() raises CheckpointWriteError naming the directory."""
-    monkeypatch.setenv("ASYNCCKPT_WORKER_FSIZE_LIMIT", str(1 << 20))  # the writer starts with this limit
-
     class Blob:
         def __init__(self):
             self.t = torch.zeros(10)
@@ -562,6 +560,7 @@ def test_failed_background_save_raises_at_next_save_state_naming_the_directory(t
     acc = _fresh_accelerator(tmp_path / "p", total_limit=1)
     handle = enable_async_checkpointing(acc, max_in_flight=1)  # the next save_state() waits for the failed one
     handles.append(handle)
+    limit_file_size(handle.checkpointer, 1 << 20)
     _, _, step = _train_objects(acc)
     blob = Blob()
     acc.register_for_checkpointing(blob)

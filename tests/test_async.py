@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from asyncckpt import core
 from dist_helper import run_on_ranks
+from writers import limit_file_size
 
 
 def _mutable_state():
@@ -144,33 +145,6 @@ def _writer_holds_torch(checkpointer) -> bool:
         return "libtorch" in maps.read()
 
 
-def test_writer_never_loads_torch(tmp_path):
-    """torch costs the writer ~190 MiB of its own memory (and ~1 s of CPU to import): native files,
-    directory transactions, removals, retention, sharded saves (whose DCP metadata rank 0's writer
-    pickles itself, see dcp_pickle) and exports of what asyncckpt wrote must not load it."""
-    manager = core.CheckpointManager(tmp_path / "managed", keep_last=1, checkpointer=core.Checkpointer())
-    ck = manager.checkpointer
-    ck.save_file({"w": torch.ones(3), "step": 2}, tmp_path / "a.pt")
-    ck.save_file({"w": torch.ones(3)}, tmp_path / "a.safetensors", format="safetensors")
-    tx = ck.begin_directory(tmp_path / "checkpoint-1", step=1)
-    tx.save_file({"w": torch.ones(3)}, "model.safetensors", format="safetensors")
-    tx.write_bytes("trainer_state.json", b"{}")
-    tx.commit().result()
-    ck.remove([tmp_path / "a.pt"]).result()
-    ck.wait()
-    assert core.is_complete(str(tmp_path / "checkpoint-1")) and not os.path.exists(tmp_path / "a.pt")
-    assert not _writer_holds_torch(ck)
-    for step in (1, 2):  # sharded saves, then retention deleting step 1
-        manager.save(step, {"w": torch.full((4,), float(step)), "step": step})
-    assert manager.steps() == [2] and not _writer_holds_torch(ck)
-    ck.export(core.latest_checkpoint(str(tmp_path / "managed")), core.ExportOptions(directory=str(tmp_path / "export"))).result()
-    assert os.listdir(tmp_path / "export") and not _writer_holds_torch(ck)
-    loaded = {"w": torch.zeros(4), "step": 0}
-    dcp.load(loaded, checkpoint_id=core.latest_checkpoint(str(tmp_path / "managed")))  # torch's own reader unpickles the writer's .metadata
-    assert loaded["step"] == 2 and torch.equal(loaded["w"], torch.full((4,), 2.0))
-    manager.close()
-
-
 def _sharded_saves_writers_hold_torch(rank, world, root):
     with core.Checkpointer() as ck:
         for step in range(2):
@@ -215,9 +189,9 @@ def test_killed_worker_fails_the_save_and_is_restarted(tmp_path):
 
 
 def _io_error_on_rank_one(rank, world, root):
-    if rank == 1:  # a real EFBIG from the kernel in rank 1's writer, as on a full disk
-        os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"] = str(1 << 20)
     with core.Checkpointer(timeout=60) as checkpointer:
+        if rank == 1:  # a real EFBIG from the kernel in rank 1's writer, as on a full disk
+            limit_file_size(checkpointer, 1 << 20)
         checkpointer.save({"small": torch.full((1000,), float(rank))}, f"{root}/good")
         started = time.monotonic()
         with pytest.raises(core.CheckpointWriteError, match=r"failed on rank 1: .*(File too large|EFBIG|27)"):
@@ -252,9 +226,9 @@ def test_a_stuck_rank_becomes_a_timeout_not_a_hang(tmp_path):
 def _failure_behind_a_slow_rank(rank, world, root):
     if rank == 1:
         return "never saved"  # still writing, as far as the coordinator can tell
-    if rank == 2:  # a real EFBIG in rank 2's writer
-        os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"] = str(1 << 20)
     with core.Checkpointer(timeout=60, use_collectives=False) as checkpointer:
+        if rank == 2:  # a real EFBIG in rank 2's writer
+            limit_file_size(checkpointer, 1 << 20)
         started = time.monotonic()
         with pytest.raises(core.CheckpointWriteError, match=r"failed on rank 2: .*(File too large|EFBIG|27)"):
             checkpointer.save({f"big{i}": torch.randn(2 << 20) for i in range(4)}, f"{root}/bad")
@@ -372,11 +346,8 @@ def test_directory_transaction_publishes_all_or_nothing(tmp_path):
 def test_retention_deletes_only_after_a_newer_commit(tmp_path):
     manager = core.CheckpointManager(tmp_path, keep_last=1, keep_every=10)
     small = {"w": torch.ones(1000)}
-    os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"] = str(4 << 20)  # the writer starts now: its files over 4 MiB fail
-    try:
-        manager.save(10, small)
-    finally:
-        del os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"]
+    limit_file_size(manager.checkpointer, 4 << 20)  # the writer's files over 4 MiB fail
+    manager.save(10, small)
     for step in (11, 12):
         manager.save(step, small)
     manager.wait()
@@ -441,15 +412,11 @@ def test_a_removal_queued_behind_a_failed_save_is_not_done(tmp_path):
     what it cancelled."""
     with core.Checkpointer() as checkpointer:
         checkpointer.save({"w": torch.ones(1000)}, tmp_path / "old")
-        os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"] = str(1 << 20)
-        try:
-            checkpointer.teardown()  # the next writer starts with the limit
-            failing = checkpointer.async_save({"w": torch.zeros(1 << 20)}, tmp_path / "new", step=2)  # 4 MiB
-            removal = checkpointer.remove([tmp_path / "old"], after=failing)
-            with pytest.raises(core.CheckpointWriteError) as info:
-                failing.result()
-        finally:
-            del os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"]
+        limit_file_size(checkpointer, 1 << 20)
+        failing = checkpointer.async_save({"w": torch.zeros(1 << 20)}, tmp_path / "new", step=2)  # 4 MiB
+        removal = checkpointer.remove([tmp_path / "old"], after=failing)
+        with pytest.raises(core.CheckpointWriteError) as info:
+            failing.result()
         message = str(info.value)
         assert message.startswith(f"asyncckpt: saving checkpoint {tmp_path / 'new'} (step 2) failed on rank 0: ")
         assert f"not done either, since they waited for it: removing {tmp_path / 'old'}" in message
@@ -462,9 +429,9 @@ def test_a_removal_queued_behind_a_failed_save_is_not_done(tmp_path):
 def test_a_failure_settled_between_the_next_saves_look_and_its_admission_is_raised_by_it():
     """The next save looks for unseen failures, then is admitted; a writer's reply that lands in between
     (a save failing just then) must still be raised by that save, not only at exit."""
-    from asyncckpt.core.writer.pending import PendingWork
+    from asyncckpt.core.client.ledger import Ledger
 
-    ledger = PendingWork(max_in_flight=1, timeout=10.0, store=lambda: None, writer_idle_timeout=None)
+    ledger = Ledger(max_in_flight=1, timeout=10.0, store=lambda: None, writer_idle_timeout=None)
     failing = ledger.admit("file", "/ckpts/a.ckpt", rank=0)
     ledger.raise_unobserved()  # the next save's first look: nothing has failed yet
     ledger.complete(failing, OSError("No space left on device"))  # the reply lands now

@@ -20,6 +20,7 @@ from asyncckpt.core.storage.object_store import store_for
 from asyncckpt.core.writer.barrier import BarrierSpec, MarkerBarrier, StoreBarrier
 from asyncckpt.core.snapshot.dist_env import default_store
 from dist_helper import run_on_ranks
+from writers import limit_file_size
 
 
 def _barrier(kind: str, root: str, key: str, world: int, timeout: float):
@@ -93,8 +94,7 @@ def _saves_through_the_store(rank, world, root):
         tx.commit().result()
         met_in_store = [store.get(f"asyncckpt/{key}/final") for key in (sharded.request.save_id, tx.save_id)]
         if rank == 1:  # a real EFBIG in this rank's writer
-            os.environ["ASYNCCKPT_WORKER_FSIZE_LIMIT"] = str(1 << 20)
-            checkpointer.teardown()  # the next save starts a writer with the limit
+            limit_file_size(checkpointer, 1 << 20)
         failed = None
         try:
             tx = checkpointer.begin_directory(f"{root}/checkpoint-2", step=2)

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from dist_helper import run_on_ranks
+from writers import limit_file_size
 from asyncckpt.core import Checkpointer, CheckpointWriteError, ExportOptions, is_complete
 from asyncckpt.core.cli.main import main as cli
 from asyncckpt.core.storage import leftovers
@@ -194,10 +195,10 @@ def test_kill9_during_an_export_leaves_no_export_and_the_checkpoint_intact(tmp_p
     assert same(exported(tmp_path / "out"), state["model"])
 
 
-def test_a_full_disk_during_a_background_export_names_the_checkpoint_and_training_goes_on(tmp_path, monkeypatch, caplog):
+def test_a_full_disk_during_a_background_export_names_the_checkpoint_and_training_goes_on(tmp_path, caplog):
     state = {"model": {"w": torch.randn(512, 512).to(torch.bfloat16)}}  # 512 KiB saved; 1 MiB exported as float32
-    monkeypatch.setenv("ASYNCCKPT_WORKER_FSIZE_LIMIT", str(800 << 10))  # a real EFBIG in the writer
     with Checkpointer(export=ExportOptions(dtype="float32")) as checkpointer:
+        limit_file_size(checkpointer, 800 << 10)  # a real EFBIG in the writer
         first = checkpointer.async_save(state, str(tmp_path / "step_1"), step=1)
         checkpointer.wait()  # the export's failure is logged, not raised: training goes on
         second = checkpointer.async_save(state, str(tmp_path / "step_2"), step=2)

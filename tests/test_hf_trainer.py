@@ -32,7 +32,7 @@ from transformers.trainer_callback import ExportableState  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from dist_helper import free_port  # noqa: E402
-from writers import writers_of  # noqa: E402
+from writers import limit_file_size, writers_of  # noqa: E402
 from zygote import Zygote  # noqa: E402
 
 from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback  # noqa: E402
@@ -435,10 +435,10 @@ def test_add_callback_before_train(tmp_path):
 
 
 # ---------------------------------------------------------------------- 6. a failed background write
-def test_failed_background_save_raises_at_next_save_naming_the_folder(tmp_path, monkeypatch):
+def test_failed_background_save_raises_at_next_save_naming_the_folder(tmp_path):
     # A real I/O error in the writer: files above 3000 bytes fail with EFBIG (optimizer.pt, rng_state.pth).
-    monkeypatch.setenv("ASYNCCKPT_WORKER_FSIZE_LIMIT", "3000")
     callback = AsyncCheckpointCallback(max_in_flight=1)  # the next save waits for the failing one
+    limit_file_size(callback.checkpointer, 3000)
     with pytest.raises(CheckpointWriteError, match=r"saving checkpoint .*checkpoint-10 \(global step 10\) failed on rank 0: "
                                                    r".*(File too large|Invalid argument).*nothing was published under its name"):
         _train_toy(tmp_path / "out", callbacks=[callback], save_total_limit=None)

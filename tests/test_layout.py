@@ -1,6 +1,9 @@
 """The core's import structure: no import cycle among its modules (imports inside functions count:
-they only hide a cycle), and no package importing one above it in the layering
-errors < formats < storage < writer < snapshot < loading < verify < api < cli / integration.
+they only hide a cycle), no package importing one above it in the layering
+errors < formats < storage < writer < client < snapshot < loading < export < verify < api < cli / integration,
+and the background writer process loading only its own packages: ``writer``, ``storage``, ``formats``,
+``errors``, and the half of ``export`` that reads without torch (stated here, checked statically and by
+running every kind of request through a real writer).
 """
 from __future__ import annotations
 
@@ -10,8 +13,13 @@ import os
 import pytest
 
 CORE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core")
-LEVEL = {"errors": 0, "formats": 1, "storage": 2, "writer": 3, "snapshot": 4, "loading": 5, "verify": 6,
-         "api": 7, "cli": 8, "integration": 8}
+LEVEL = {"errors": 0, "formats": 1, "storage": 2, "writer": 3, "client": 4, "snapshot": 5, "loading": 6,
+         "export": 7, "verify": 8, "api": 9, "cli": 10, "integration": 10}
+#: What the writer process may load: these packages, and ``export`` but for its modules that read with
+#: torch (run by ``asyncckpt export`` and by the child process an export that needs torch runs in).
+WRITER_PROCESS = ("errors", "formats", "storage", "writer")
+EXPORT_WITH_TORCH = ("asyncckpt.core.export.torch_sources", "asyncckpt.core.export.peft_merge",
+                     "asyncckpt.core.export.__main__")
 
 
 def _modules() -> dict[str, str]:
@@ -46,6 +54,16 @@ def _package(module: str) -> str:
     """``storage`` for ``asyncckpt.core.storage.local``, ``errors`` for ``asyncckpt.core.errors``."""
     parts = module.split(".")
     return parts[2] if len(parts) > 2 else ""
+
+
+def _in_writer_process(module: str) -> bool:
+    """Whether the writer process may load ``module`` (the ``asyncckpt`` and ``asyncckpt.core`` packages
+    themselves run as it starts: their public names load on first use)."""
+    if module in ("asyncckpt", "asyncckpt.core"):
+        return True
+    if _package(module) == "export":
+        return module not in EXPORT_WITH_TORCH
+    return _package(module) in WRITER_PROCESS
 
 
 def test_the_check_sees_the_whole_core():
@@ -107,3 +125,70 @@ def test_adapters_use_only_the_public_api_and_the_integration_interface():
                     offending += [f"{path}: {a.name}" for a in node.names if a.name.startswith("asyncckpt.core.")
                                   and not a.name.startswith("asyncckpt.core.integration")]
     assert offending == [], offending
+
+
+def test_the_export_halves_are_what_the_layout_says():
+    edges = _imports()
+    assert set(EXPORT_WITH_TORCH) <= set(edges)
+    assert "asyncckpt.core.export.request" in edges and _in_writer_process("asyncckpt.core.export.request")
+
+
+@pytest.mark.parametrize("package", ["writer", "export"])
+def test_what_the_writer_process_runs_imports_only_what_it_may_load(package):
+    """The writer package imports only writer/storage/formats/errors modules; export's half without torch
+    (its request, options, sources, assembly, writing) only those and itself."""
+    offending = sorted((module, target) for module, targets in _imports().items() for target in targets
+                       if _package(module) == package and _in_writer_process(module) and not _in_writer_process(target))
+    assert offending == []
+
+
+def _imported_by_writers(stderr: str) -> set[str]:
+    """The modules ``PYTHONPROFILEIMPORTTIME`` (``python -X importtime``) reported on ``stderr``: every
+    module a process imported, in the order it did, one line each (``import time: self | cumulative | name``)."""
+    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines()
+            if line.startswith("import time:") and "imported package" not in line}
+
+
+def test_the_writer_process_loads_only_its_packages_and_never_torch(tmp_path, s3_root, monkeypatch, capfd):
+    """A real writer (started by a Checkpointer, as ever) runs every kind of request: native files, a
+    directory transaction mirrored to an object store, a removal, sharded saves (whose DCP metadata rank
+    0's writer pickles itself, see dcp_pickle), retention, an export. CPython's own import report
+    (``PYTHONPROFILEIMPORTTIME``, which the writer inherits with the environment, written to its stderr,
+    the test's) then lists every module it loaded: of asyncckpt only the writer's packages, and never
+    torch (~190 MiB of its own memory and ~1 s of CPU to import)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from asyncckpt import core
+
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")  # read by every Python process started from now on
+    capfd.readouterr()
+    manager = core.CheckpointManager(tmp_path / "managed", keep_last=1, checkpointer=core.Checkpointer())
+    ck = manager.checkpointer
+    ck.save_file({"w": torch.ones(3), "step": 2}, tmp_path / "a.pt")
+    ck.save_file({"w": torch.ones(3)}, tmp_path / "a.safetensors", format="safetensors")
+    tx = ck.begin_directory(tmp_path / "checkpoint-1", step=1)
+    tx.save_file({"w": torch.ones(3)}, "model.safetensors", format="safetensors")
+    tx.write_bytes("trainer_state.json", b"{}")
+    tx.commit(mirror_to=f"{s3_root}/mirrored").result()
+    ck.remove([tmp_path / "a.pt"]).result()
+    ck.wait()
+    assert core.is_complete(str(tmp_path / "checkpoint-1")) and not os.path.exists(tmp_path / "a.pt")
+    assert core.is_complete(f"{s3_root}/mirrored/checkpoint-1")
+    for step in (1, 2):  # sharded saves, then retention deleting step 1
+        manager.save(step, {"w": torch.full((4,), float(step)), "step": step})
+    assert manager.steps() == [2]
+    ck.export(core.latest_checkpoint(str(tmp_path / "managed")), core.ExportOptions(directory=str(tmp_path / "export"))).result()
+    assert os.listdir(tmp_path / "export")
+    loaded = {"w": torch.zeros(4), "step": 0}
+    dcp.load(loaded, checkpoint_id=core.latest_checkpoint(str(tmp_path / "managed")))  # torch's own reader unpickles the writer's .metadata
+    assert loaded["step"] == 2 and torch.equal(loaded["w"], torch.full((4,), 2.0))
+    manager.close()  # the writer exits: everything it loaded is reported
+
+    loaded_modules = _imported_by_writers(capfd.readouterr().err)
+    ours = {module for module in loaded_modules if module.split(".")[0] == "asyncckpt"}
+    assert {"asyncckpt.core.writer.directory_requests", "asyncckpt.core.writer.mirror",
+            "asyncckpt.core.writer.file_requests", "asyncckpt.core.writer.shard_requests",
+            "asyncckpt.core.writer.retention", "asyncckpt.core.export.request"} <= ours  # the report is the writer's
+    assert sorted(module for module in ours if not _in_writer_process(module)) == []
+    assert not {module for module in loaded_modules if module.split(".")[0] == "torch"}

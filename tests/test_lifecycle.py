@@ -167,17 +167,21 @@ def test_trainer_train_leaves_nothing_running_and_the_callbacks_pickle(tmp_path,
 
 
 # ---------------------------------------------------------------------- the writer's life and the exit status
+# Each script saves at its last line, into argv[1]; with argv[2], its writer's files fail beyond that many bytes.
 EXITS_AFTER_A_SAVE = {
     "core": """
         import torch
         from asyncckpt import core
+        limited(core.default_checkpointer())
         core.async_save({"w": torch.ones(4 << 20)}, sys.argv[1])
     """,
     "fabric": """
         import torch
         from lightning.fabric import Fabric
         from asyncckpt.adapters.lightning import AsyncCkptIO
-        fabric = Fabric(accelerator="cpu", devices=1, plugins=[AsyncCkptIO()])
+        io = AsyncCkptIO()
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+        limited(io.checkpointer)
         fabric.save(sys.argv[1], {"w": torch.ones(4 << 20)})
     """,
     "accelerate": """
@@ -185,7 +189,7 @@ EXITS_AFTER_A_SAVE = {
         from accelerate import Accelerator
         from asyncckpt.adapters.accelerate import enable_async_checkpointing
         acc = Accelerator(cpu=True)
-        enable_async_checkpointing(acc)
+        limited(enable_async_checkpointing(acc).checkpointer)
         net = acc.prepare(torch.nn.Linear(2048, 2048))
         acc.save_state(sys.argv[1])  # and no end_training()
     """,
@@ -203,13 +207,18 @@ def test_a_save_that_fails_at_exit_makes_the_exit_status_non_zero(tmp_path, prog
 
     pytest.importorskip({"fabric": "lightning"}.get(program, "torch" if program == "core" else program))
     script = tmp_path / "last_line_saves.py"
-    script.write_text("import sys\n" + textwrap.dedent(EXITS_AFTER_A_SAVE[program]))
-    for limit, status in [(str(1 << 20), 1), (None, 0)]:
-        env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_WORKER_FSIZE_LIMIT"}
-        if limit:
-            env["ASYNCCKPT_WORKER_FSIZE_LIMIT"] = limit  # writes over 1 MiB fail with EFBIG, as on a full disk
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        from writers import limit_file_size
+
+        def limited(checkpointer):
+            if len(sys.argv) > 2:
+                limit_file_size(checkpointer, int(sys.argv[2]))
+    """) + textwrap.dedent(EXITS_AFTER_A_SAVE[program]))
+    for limit, status in [([str(1 << 20)], 1), ([], 0)]:  # writes over 1 MiB fail with EFBIG, as on a full disk
         target = tmp_path / f"ckpt-{status}"
-        done = subprocess.run([sys.executable, str(script), str(target)], capture_output=True, text=True, env=env,
+        done = subprocess.run([sys.executable, str(script), str(target), *limit], capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == status, done.stderr[-3000:]
         if status:

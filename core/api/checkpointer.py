@@ -2,7 +2,7 @@
 
 A short facade over the parts that do the work:
 
-* ``pending.PendingWork``: all pending work (handles), back-pressure per checkpoint, the one
+* ``ledger.Ledger``: all pending work (handles), back-pressure per checkpoint, the one
   error rule, what is pending per path, and the ``WriterQueue`` into the background writer;
 * ``sharded_save.ShardedSaves``: the caller's part of an SPMD save (flatten, agree, plan, buffer);
 * ``file_snapshots.FileSnapshots``: native files (``torch.save``, safetensors) for the adapters;
@@ -38,7 +38,7 @@ from asyncckpt.core.formats import names
 from asyncckpt.core.storage import object_store as object_store_module
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.snapshot.buffer_pool import BufferPool
-from asyncckpt.core.writer.pending import PendingWork
+from asyncckpt.core.client.ledger import Ledger
 from asyncckpt.core.api.commit_hooks import CommitHooks, OnCommit
 from asyncckpt.core.api.options import CheckpointOptions, resolve, taking_options
 from asyncckpt.core.api.directory import DirectoryTransaction
@@ -53,12 +53,12 @@ from asyncckpt.core.errors import (
 from asyncckpt.core.writer.file_requests import FileRequest, LinkRequest, RemoveRequest
 from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
-from asyncckpt.core.writer.handles import SaveHandle
+from asyncckpt.core.client.handles import SaveHandle
 from asyncckpt.core.loading.state_dict import load_checkpoint
 from asyncckpt.core.writer.mirror import MirrorRequest, restore_latest
 from asyncckpt.core.writer.retention import RetentionRequest
-from asyncckpt.core.writer.export import ExportOptions, ExportRequest, as_options
-from asyncckpt.core.loading.torch_sources import with_torch_readers
+from asyncckpt.core.export.options import ExportOptions, as_options
+from asyncckpt.core.export.request import ExportRequest
 from asyncckpt.core.snapshot.sharded_save import ShardedSaves
 from asyncckpt.core.snapshot.handoff import Stager
 from asyncckpt.core.snapshot.tensor_copy import CopyThreads
@@ -89,7 +89,7 @@ class Checkpointer:
         self.process_group, self.use_collectives, self.overlap_staging = process_group, use_collectives, overlap_staging
         options = self.options
         self.timeout, self.object_store = options.timeout, options.object_store
-        self.ledger = PendingWork(max_in_flight=options.max_in_flight, timeout=options.timeout, store=self._store,
+        self.ledger = Ledger(max_in_flight=options.max_in_flight, timeout=options.timeout, store=self._store,
                                   writer_idle_timeout=options.writer_idle_timeout)
         self.hooks = CommitHooks(self.ledger)
         self.buffers = BufferPool(self.ledger.queue.drop_buffer)
@@ -242,8 +242,9 @@ class Checkpointer:
                                        self._store, **details)
 
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
-                                    pending=self.ledger, stager=self.stager, files=self.files,
-                                    sharded=self.sharded, sharded_target=sharded_target, direct_io=self.options.direct_io, io_threads=self.options.io_threads)
+                                    ledger=self.ledger, stager=self.stager, files=self.files,
+                                    sharded=self.sharded, sharded_target=sharded_target, direct_io=self.options.direct_io,
+                                    io_threads=self.options.io_threads)
 
     def _directory_id(self, final_dir: str, rank: int, world: int, store: Any) -> str:
         """The same id on every rank without a collective: on one rank, an owner token (random, and
@@ -331,12 +332,12 @@ class Checkpointer:
                after: Optional[SaveHandle] = None) -> SaveHandle:
         """Write the model weights of the committed checkpoint ``path`` as Hugging Face safetensors
         (``options.target_for(path)``, committed like a checkpoint) in the background writer, after
-        everything queued before; with ``after``, only if that save succeeded (``writer/export``). A
+        everything queued before; with ``after``, only if that save succeeded (``export``). A
         failed export is logged and fails its handle, never the checkpoint or later saves."""
         path = _normalize(path)
         options = as_options(options or "safetensors")
         target = options.target_for(path)
-        return self._queue_after("export", path, ExportRequest(path, target, with_torch_readers(options)), after, label=f"to {target}")
+        return self._queue_after("export", path, ExportRequest(path, target, options), after, label=f"to {target}")
 
     def after_commit(self, checkpoint: SaveHandle, action: OnCommit) -> SaveHandle:
         """Run ``action(path)`` once the checkpoint of ``checkpoint`` committed, on the commit-hooks
@@ -359,7 +360,7 @@ class Checkpointer:
                              path=url, done_by_action=True)
         if options.export is not None:
             target = options.export.target_for(checkpoint.path)
-            request = ExportRequest(checkpoint.path, target, with_torch_readers(options.export))
+            request = ExportRequest(checkpoint.path, target, options.export)
             self.hooks.after(checkpoint, "export", lambda handle: self.ledger.queue.submit([(handle, request, None)]),
                              label=f"to {target}", done_by_action=True)
 

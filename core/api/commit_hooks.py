@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from asyncckpt.core.errors import CheckpointCancelledError, CheckpointWriteError
 
 if TYPE_CHECKING:
-    from asyncckpt.core.writer.handles import SaveHandle
-    from asyncckpt.core.writer.pending import PendingWork
+    from asyncckpt.core.client.handles import SaveHandle
+    from asyncckpt.core.client.ledger import Ledger
 
 OnCommit = Callable[[str], Any]  # called with the committed checkpoint's path
 
 
 class CommitHooks:
-    def __init__(self, ledger: "PendingWork") -> None:
+    def __init__(self, ledger: "Ledger") -> None:
         self.ledger = ledger
         self._executor: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()

@@ -16,86 +16,23 @@ hang on it.
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from asyncckpt.core.storage import local
+from asyncckpt.core.errors import CheckpointCancelledError, CheckpointError
+from asyncckpt.core.snapshot.file_snapshots import tensor_bytes
 from asyncckpt.core.storage import leftovers
-from asyncckpt.core.formats import names
 from asyncckpt.core.writer.barrier import BarrierSpec
-from asyncckpt.core.errors import CheckpointCancelledError, CheckpointError, CheckpointWriteError
+from asyncckpt.core.writer.directory_requests import CommitDirRequest
 from asyncckpt.core.writer.file_requests import BytesRequest, FileRequest
-from asyncckpt.core.writer.protocol import RequestContext
 
 if TYPE_CHECKING:
-    from asyncckpt.core.writer.pending import PendingWork
+    from asyncckpt.core.client.handles import SaveHandle
+    from asyncckpt.core.client.ledger import Ledger
     from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
-    from asyncckpt.core.writer.handles import SaveHandle
-    from asyncckpt.core.snapshot.sharded_save import SaveTarget, ShardedSaves
     from asyncckpt.core.snapshot.handoff import Stager
-
-
-@dataclass
-class CommitDirRequest:
-    """Runs after this rank's files (queue order): arrive; rank 0 waits for every rank, publishes."""
-
-    save_id: str
-    final_path: str
-    staging_dir: str
-    rank: int
-    step: Optional[int]
-    barrier: BarrierSpec
-    failed: Optional[str] = None  # this rank's part failed before reaching the writer
-
-    def run(self, context: RequestContext) -> None:
-        barrier = context.barrier(self.barrier)
-        failure = self.failed or context.failure(self.barrier.key)
-        if failure is not None:  # one of this rank's files failed (the others were told)
-            barrier.fail(self.rank, failure)
-            self._discard(context)
-            raise CheckpointWriteError(f"rank {self.rank}: {failure}")
-        context.tidy(os.path.dirname(self.staging_dir))
-        try:
-            leftovers.claim(self.staging_dir, self.rank, context.token())
-            barrier.begin(self.rank)
-            with open(os.path.join(self.staging_dir, names.files_record_name(self.rank)), "w") as f:
-                json.dump({name: [c.size, c.xxh3] for name, c in context.files(self.barrier.key).items()}, f)
-            barrier.arrive(self.rank)
-            if self.rank != 0:
-                barrier.wait_commit()
-                return
-            barrier.wait_all()
-            replaced = local.publish_with_record(self.staging_dir, self.final_path, {
-                "save_id": self.save_id, "world_size": self.barrier.world_size, "step": self.step,
-                "checksums": self._gather_checksums()})
-            barrier.committed()
-        except BaseException as e:
-            barrier.fail(self.rank, f"{type(e).__name__}: {e}")
-            self._discard(context)
-            raise
-        if replaced is not None:
-            context.after_reply(lambda: leftovers.delete(replaced, context.token()))
-
-    def _discard(self, context: RequestContext) -> None:
-        """A failed save alone in its staging directory takes it along (after the reply). With
-        several ranks the directory is also the others' (their barrier files, their writes still
-        under way): it stays, a leftover the next save or ``asyncckpt clean`` removes once its
-        writers are gone."""
-        if self.barrier.world_size == 1:
-            context.after_reply(lambda: leftovers.delete(self.staging_dir, context.token()))
-
-    def _gather_checksums(self) -> dict[str, dict]:
-        """PendingWork: every rank's file checksums, for the commit record (their lists go)."""
-        checksums = {}
-        for rank in range(self.barrier.world_size):
-            path = os.path.join(self.staging_dir, names.files_record_name(rank))
-            with open(path) as f:
-                checksums.update({name: {"size": size, "xxh3": xxh3} for name, (size, xxh3) in json.load(f).items()})
-            os.unlink(path)
-        return checksums
+    from asyncckpt.core.snapshot.sharded_save import SaveTarget, ShardedSaves
 
 
 class DirectoryTransaction:
@@ -105,14 +42,14 @@ class DirectoryTransaction:
     on any rank. Used as a context manager, an exception inside aborts the directory."""
 
     def __init__(self, *, handle: "SaveHandle", save_id: str, staging_dir: str, barrier: BarrierSpec,
-                 pending: "PendingWork", stager: "Stager", files: "FileSnapshots", sharded: "ShardedSaves",
+                 ledger: "Ledger", stager: "Stager", files: "FileSnapshots", sharded: "ShardedSaves",
                  sharded_target: Callable[..., "SaveTarget"], direct_io: bool,
                  io_threads: int) -> None:
         self.handle = handle
         self.final_dir, self.rank, self.step, self.save_id = handle.path, handle.rank, handle.step, save_id
         self.staging_dir = staging_dir
         self._barrier = barrier
-        self._pending, self._stager, self._files = pending, stager, files
+        self._ledger, self._stager, self._files = ledger, stager, files
         self._sharded, self._sharded_target = sharded, sharded_target
         self._direct_io, self._io_threads = direct_io, io_threads
         self._held: list[tuple["SaveHandle", Any, Any]] = []
@@ -143,8 +80,6 @@ class DirectoryTransaction:
         """Snapshot ``obj`` now; write it as ``name`` (``torch.save`` or safetensors layout) later.
         An object with fewer tensor bytes than ``inline_below`` is rendered at once instead of
         through a staging buffer."""
-        from asyncckpt.core.snapshot.file_snapshots import tensor_bytes  # torch: this module is also the writer's (CommitDirRequest)
-
         if inline_below and tensor_bytes(obj, stop_at=inline_below) < inline_below:
             return self.write_bytes(name, self._files.render(obj, format, metadata))
         member = self._member(name)
@@ -177,8 +112,8 @@ class DirectoryTransaction:
                                           staging_dir=os.path.join(self.staging_dir, name),
                                           directory_barrier=self._barrier)
             prepared = self._sharded.prepare(state_dict, target, member, speculate=False,
-                                             failed_here=self._pending.has_unobserved,
-                                             raise_failures=self._pending.raise_unobserved, timings=member.timings)
+                                             failed_here=self._ledger.has_unobserved,
+                                             raise_failures=self._ledger.raise_unobserved, timings=member.timings)
         except BaseException as e:
             self._member_failed(member, e)
             raise
@@ -224,7 +159,7 @@ class DirectoryTransaction:
             held, self._held = self._held, []
         for member, _request, _buffer in held:  # not worth writing any more
             member.held_by = None
-            self._pending.complete(member, CheckpointCancelledError(f"asyncckpt: {member.describe()}: aborted"))
+            self._ledger.complete(member, CheckpointCancelledError(f"asyncckpt: {member.describe()}: aborted"))
         self.commit()
         self.handle.observed = raised
 
@@ -235,18 +170,18 @@ class DirectoryTransaction:
 
     # ------------------------------------------------------------------ internals
     def _member(self, name: str) -> "SaveHandle":
-        return self._pending.admit("member", os.path.join(self.final_dir, name), rank=self.rank,
+        return self._ledger.admit("member", os.path.join(self.final_dir, name), rank=self.rank,
                                        step=self.step, label=self.handle.label, member_of=self.handle)
 
     def _member_failed(self, member: "SaveHandle", error: BaseException) -> None:
         if self._failed is None:
             self._failed = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
-        self._pending.complete(member, error)
+        self._ledger.complete(member, error)
 
     def _hold(self, member: "SaveHandle", request: Any, buffer: Any) -> None:
         with self._lock:
             if self._committing:
-                self._pending.queue.submit([(member, request, buffer)])
+                self._ledger.queue.submit([(member, request, buffer)])
                 return
             member.held_by = self
             self._held.append((member, request, buffer))
@@ -256,4 +191,4 @@ class DirectoryTransaction:
         for member, _request, _buffer in held:
             member.held_by = None
         if held or after:
-            self._pending.queue.submit(held + after)
+            self._ledger.queue.submit(held + after)

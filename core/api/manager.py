@@ -14,7 +14,7 @@ from typing import Any, Optional
 from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.api.checkpointer import Checkpointer
 from asyncckpt.core.snapshot.dist_env import rank_and_world
-from asyncckpt.core.writer.handles import SaveHandle
+from asyncckpt.core.client.handles import SaveHandle
 from asyncckpt.core.storage.object_store import using
 from asyncckpt.core.writer.retention import committed_steps
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
 from asyncckpt.core.api.commit_hooks import OnCommit
-from asyncckpt.core.writer.export import ExportOptions, as_options
+from asyncckpt.core.export.options import ExportOptions, as_options
 from asyncckpt.core.storage.object_store import ObjectStoreOptions
 
 #: old name -> new name, accepted with a FutureWarning until the release after 0.2

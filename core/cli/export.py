@@ -1,10 +1,10 @@
 """``asyncckpt export CHECKPOINT OUT``: a checkpoint's model weights as Hugging Face safetensors.
 
 The same export the ``export=`` option runs in the background writer after each commit
-(``core/writer/export.py``), offline, for any checkpoint asyncckpt reads: ours (sharded in any
-world size, or a framework's directory), and what the frameworks write without asyncckpt (a stock
-DCP directory, an FSDP ``pytorch_model_fsdp_0/``, safetensors or ``torch.save`` files), local or at an
-``s3://`` URL. ``OUT`` is a local directory, committed like a checkpoint, or an ``s3://`` URL (see
+(``core/export/``), offline and in this process (which reads with torch: ``torch_sources.read``), for
+any checkpoint asyncckpt reads: ours (sharded in any world size, or a framework's directory), and what
+the frameworks write without asyncckpt (a stock DCP directory, an FSDP ``pytorch_model_fsdp_0/``,
+safetensors or ``torch.save`` files), local or at an ``s3://`` URL. ``OUT`` is a local directory, committed like a checkpoint, or an ``s3://`` URL (see
 ``export_checkpoint`` for what goes through a temporary directory).
 """
 from __future__ import annotations
@@ -16,8 +16,9 @@ from tqdm import tqdm
 
 from asyncckpt.core.errors import CheckpointError
 from asyncckpt.core.formats.hf_safetensors import parse_size
-from asyncckpt.core.loading.torch_sources import with_torch_readers
-from asyncckpt.core.writer.export import ExportOptions, export_checkpoint, total_bytes
+from asyncckpt.core.export import torch_sources
+from asyncckpt.core.export.options import ExportOptions
+from asyncckpt.core.export.writing import export_checkpoint, total_bytes
 
 EXIT_OK, EXIT_PROBLEM = 0, 1
 
@@ -39,11 +40,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        options = with_torch_readers(ExportOptions(max_shard_size=args.max_shard_size, dtype=args.dtype, keys=args.keys,
-                                                   add_prefix=args.add_prefix, buffer_bytes=parse_size(args.buffer)))
-        with tqdm(total=total_bytes(args.checkpoint, options), unit="B", unit_scale=True, unit_divisor=1024,
+        options = ExportOptions(max_shard_size=args.max_shard_size, dtype=args.dtype, keys=args.keys,
+                                add_prefix=args.add_prefix, buffer_bytes=parse_size(args.buffer))
+        read = torch_sources.read
+        with tqdm(total=total_bytes(args.checkpoint, options, read), unit="B", unit_scale=True, unit_divisor=1024,
                   desc="export", file=sys.stderr, disable=args.no_progress, dynamic_ncols=True) as bar:
-            target = export_checkpoint(args.checkpoint, args.out, options, progress=bar.update)
+            target = export_checkpoint(args.checkpoint, args.out, options, read=read, progress=bar.update)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"asyncckpt export: {e}", file=sys.stderr)
         return EXIT_PROBLEM

@@ -12,7 +12,7 @@ What varies between torch versions (which fields ``Metadata``, ``StorageMeta`` a
 ``_StorageInfo`` pickle, with their defaults, and the DCP version string) comes from the training
 process, which has torch loaded, as plain data (``DcpClasses``); it also checks once per process
 that this module's pickle loads as exactly what torch's constructors build
-(``metadata_io.dcp_classes``).
+(``snapshot.dcp_metadata.dcp_classes``).
 
 Everything that depends only on the structure every rank agreed on (the tensor entries, where
 each chunk's bytes are, the planner data) is emitted once per structure and reused; a save adds

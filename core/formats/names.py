@@ -85,7 +85,6 @@ def owner_marker_name(rank: int) -> str:
 SIDECAR_PATTERN = re.compile(r"^__(\d+)\.asyncckpt\.json$")
 DATA_FILE_PATTERN = re.compile(r"^__(\d+)_\d+\.distcp$")
 OWNER_MARKER_PATTERN = re.compile(r"^\.asyncckpt-owner-(\d+)$")
-FILE_CHECKSUM_PATTERN = re.compile(r"^\.(?P<name>.+)\.asyncckpt\.json$")
 COORDINATION_FILE_PATTERN = re.compile(r"^(__\d+\.(done|alive|error\.json|files\.json)|ABORTED\.json|\.asyncckpt-owner-\d+)$")
 
 

@@ -16,12 +16,13 @@ adapter would otherwise write for itself is here, once:
   releases ``versions`` names), ``lifecycle`` (waiting for saves in flight, the exit drain), ``dist_env``
   (what the core asks torch.distributed), ``normalize_path`` and ``is_url`` (one rule for paths).
 
-Everything else under ``asyncckpt.core`` is private: its sub-packages may change in any release; a test keeps
+Everything else under ``asyncckpt.core`` is private: its sub-packages (``api``, ``snapshot``, ``client``,
+``writer``, ``export``, ``storage``, ``formats``, ``loading``, ``verify``, ``cli``) may change in any release; a test keeps
 adapters to this module and the public API.
 """
 from asyncckpt.core.api import lifecycle
 from asyncckpt.core.api.options import resolve as resolve_options, taking_options
-from asyncckpt.core.writer.handles import SaveHandle
+from asyncckpt.core.client.handles import SaveHandle
 from asyncckpt.core.formats.checksum import checksum
 from asyncckpt.core.integration import capture, patching, resume, saving, versions
 from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves

@@ -3,7 +3,8 @@
 ``.metadata`` stays the pickled ``torch.distributed.checkpoint.metadata.Metadata`` that torch's own
 reader expects. Our own saves' ``.metadata`` is written by the background writer without torch
 (``formats.dcp_pickle``), from what ``dcp_classes`` tells it about this torch; saves through DCP's API
-(``api.dcp_writer``) write torch's object here.
+(``api.dcp_writer``) write torch's object here. For a torch whose classes ``dcp_pickle`` cannot write,
+the writer runs this module as a child process (``metadata_command``), which pickles torch's own objects.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import io
 import logging
 import os
 import pickle
+import sys
 from typing import Any, Optional
 
 import torch
@@ -21,6 +23,7 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _Storag
 from asyncckpt.core.formats import dcp_pickle
 from asyncckpt.core.formats.dcp_pickle import DCP_METADATA_FILE, DcpClasses
 from asyncckpt.core.storage.fsio import atomic_write_bytes
+from asyncckpt.core.storage.sidecars import read_sidecar
 
 logger = logging.getLogger("asyncckpt.core")
 
@@ -42,13 +45,13 @@ def dcp_classes() -> Optional[DcpClasses]:
     """What the writer needs to know of this torch's DCP metadata classes to pickle them without
     torch (see ``dcp_pickle``), checked once per process: a small ``.metadata`` written that way
     must load as exactly what pickling the objects torch's own constructors build loads as. If
-    it does not (a torch whose classes changed), None, with a warning: the writer then pickles
-    torch's own objects (``metadata_pickled_by_torch``), importing torch to do so."""
+    it does not (a torch whose classes changed), None, with a warning: the writer then has a child
+    process pickle torch's own objects (``metadata_command``)."""
     try:
         return _checked_dcp_classes()
     except Exception as e:  # noqa: BLE001 - any difference means: do not trust the fast path
         logger.warning("asyncckpt: writing DCP .metadata without torch does not work with torch %s (%s); the "
-                       "background writer will import torch to pickle it (~190 MiB more memory in rank 0's writer)",
+                       "background writer will have a process with torch pickle it (torch is imported for every save)",
                        torch.__version__, e)
         return None
 
@@ -124,7 +127,26 @@ def metadata_pickled_by_torch(sidecars: list, checkpoint_id: str, save_id: str) 
         storage_meta=dcp_metadata.StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id), version=CURRENT_DCP_VERSION))
 
 
+def metadata_command() -> list[str]:
+    """The command the writer runs to have ``.metadata`` pickled by this torch (``metadata_pickled_by_torch``)
+    without importing torch itself; it appends the checkpoint's staging directory, the world size, the
+    checkpoint id, the save id and the file the pickle is written to (``_main``)."""
+    return [sys.executable, "-m", __name__]
+
+
 def write_dcp_metadata(directory: str, metadata: dcp_metadata.Metadata, file_name: str = DCP_METADATA_FILE) -> None:
     buffer = io.BytesIO()
     pickle.dump(metadata, buffer)
     atomic_write_bytes(os.path.join(directory, file_name), buffer.getvalue())
+
+
+def _main(argv: list[str]) -> int:
+    directory, world_size, checkpoint_id, save_id, out = argv
+    sidecars = [read_sidecar(directory, rank) for rank in range(int(world_size))]
+    with open(out, "wb") as f:
+        f.write(metadata_pickled_by_torch(sidecars, checkpoint_id, save_id))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -23,17 +23,17 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from asyncckpt.core.writer.barrier import local_barrier
-from asyncckpt.core.writer.pending import PendingWork
+from asyncckpt.core.client.ledger import Ledger
 from asyncckpt.core.errors import CheckpointError, CheckpointTimeoutError, CheckpointWriteError
-from asyncckpt.core.writer.handles import SaveHandle
+from asyncckpt.core.client.handles import SaveHandle
 from asyncckpt.core.snapshot.shared_buffer import CopyInProgress
 
 logger = logging.getLogger("asyncckpt.core")
 
 
 class Stager:
-    def __init__(self, pending: PendingWork, store: Callable[[], Any], timeout: float) -> None:
-        self.pending, self._store, self.timeout = pending, store, timeout
+    def __init__(self, ledger: Ledger, store: Callable[[], Any], timeout: float) -> None:
+        self.ledger, self._store, self.timeout = ledger, store, timeout
         self._thread: Optional[threading.Thread] = None
         self.staged_wait_s = 0.0  # total time callers spent waiting for the staging thread
 
@@ -64,7 +64,7 @@ class Stager:
                 CheckpointWriteError(f"rank {handle.rank}: snapshot failed: {type(e).__name__}: {e}")
             if not handed_over:  # otherwise the writer sees the copy fail and fails the save on every rank
                 self.fail_everywhere(request, handle.rank, error)
-            self.pending.complete(handle, error)
+            self.ledger.complete(handle, error)
             handle.observed = True  # raised to the caller (the staging thread hands it back: ``report_later``)
             if not isinstance(e, Exception):
                 raise  # Ctrl-C stays a KeyboardInterrupt: the save is abandoned, the user's interrupt goes on

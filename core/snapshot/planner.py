@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from asyncckpt.core.errors import StateDictMismatchError
+from asyncckpt.core.formats import names
 from asyncckpt.core.snapshot.container import container_template
 from asyncckpt.core.formats.layout import IO_ALIGNMENT, ITEM_ALIGNMENT, RankLayout, Slot, align_up
 from asyncckpt.core.snapshot.structure import flatten_state_dict, flatten_values
@@ -109,7 +110,7 @@ def layout_for_plan(plan: SavePlan, rank: int, tied_to: dict[str, str] | None = 
             (item.index.fqn, tuple(data.chunk.offsets), tuple(data.chunk.sizes), tuple(data.size),
              data.properties.dtype, bool(data.properties.requires_grad))
         )
-    return build_layout(f"__{rank}_0.distcp", chunks, alias_of)
+    return build_layout(names.data_file_name(rank), chunks, alias_of)
 
 
 def build_layout(

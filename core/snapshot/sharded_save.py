@@ -28,7 +28,7 @@ from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.snapshot.buffer_pool import BufferPool, Slot
 from asyncckpt.core.snapshot.dist_env import rank_and_world
 from asyncckpt.core.errors import CheckpointWriteError
-from asyncckpt.core.snapshot.dcp_metadata import dcp_classes, metadata_pickled_by_torch
+from asyncckpt.core.snapshot.dcp_metadata import dcp_classes, metadata_command
 from asyncckpt.core.snapshot.plan_cache import CachedPlan, PlanCache, agree_on_structure
 from asyncckpt.core.snapshot.planner import (
     AsyncCkptSavePlanner,
@@ -171,7 +171,7 @@ class ShardedSaves:
             barrier=BarrierSpec(kind, save_id, target.world, staging_dir, target.path, self.timeout, target.object_store),
             direct_io=self.direct_io, io_threads=self.io_threads, step=target.step,
             extra_files=dict(target.extra_files or {}) if coordinator else {},
-            dcp_classes=classes, metadata_by_torch=metadata_pickled_by_torch if coordinator and classes is None else None,
+            dcp_classes=classes, metadata_command=metadata_command() if coordinator and classes is None else None,
             object_store=target.object_store,
             directory_barrier=target.directory_barrier,
         )

@@ -164,7 +164,7 @@ class _Silence:
     markers (one listing of the barrier's place every half heartbeat) only while ``judging()``. A
     writer whose training process lives neither looks nor counts silence: it waits for a late rank
     as long as the save's timeout allows, and its training process learns of a writer that died
-    (its socket closes: ``writer.client``) and fails the save on every rank."""
+    (its socket closes: ``client.writer_queue``) and fails the save on every rank."""
 
     def __init__(self, barrier: "MarkerBarrier", judging: Callable[[], bool]) -> None:
         self.barrier, self.judging = barrier, judging
@@ -352,7 +352,7 @@ class StoreBarrier:
         return f"{self.prefix}/{name}"
 
     def begin(self, rank: int) -> None:
-        pass  # the training processes hold the Store: they see a writer that dies (``writer.client``)
+        pass  # the training processes hold the Store: they see a writer that dies (``client.writer_queue``)
 
     def arrive(self, rank: int) -> None:
         self.store.set(self._key(f"r{rank}"), "1")

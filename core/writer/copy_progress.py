@@ -1,8 +1,8 @@
 """How far a snapshot copy into a staging buffer has got: the word the training process writes and
 the background writer reads, so the writer streams each finished part to disk during the copy.
 
-The writer imports this module (not ``staging``, whose buffers are torch tensors), so it stays
-free of torch.
+The writer imports this module (not ``snapshot.shared_buffer``, whose buffers are torch tensors), so
+it stays free of torch.
 """
 from __future__ import annotations
 

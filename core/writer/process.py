@@ -16,8 +16,9 @@ or objects on an object store) when the Store died with the training processes
 (``barrier.SurvivingBarrier``), and says what it
 does in a log beside the checkpoint (``storage.orphans``).
 
-It does not import torch (~190 MiB of private memory per process) unless it coordinates a sharded
-save with a torch whose DCP metadata it cannot write by itself (``shard_requests.commit_share``).
+It never imports torch, nor anything of asyncckpt outside ``writer``, ``storage``, ``formats``,
+``errors`` and the torch-free half of ``export`` (tests/test_layout.py runs every kind of request
+through a writer and lists what it loaded; docs/DESIGN.md says what torch would cost it).
 """
 from __future__ import annotations
 
@@ -231,8 +232,8 @@ class Writer:
         """Work nobody waits for, done once the replies are sent: deleting what commits replaced
         or removals renamed away, tidying leftovers; then collecting garbage. Automatic collection
         is off in the writer: a save parses and builds tens of thousands of small objects, and a
-        full collection in the middle of one (~0.15 s with the cached metadata of a large
-        structure) delayed its commit. Freezing what survives keeps caches out of later ones."""
+        full collection in the middle of one delayed its commit (docs/DESIGN.md, "The writer's per-save
+        CPU is small"). Freezing what survives keeps caches out of later ones."""
         actions, self.after_replies = self.after_replies, []
         self.tidying.clear()
         for action in actions:
@@ -295,15 +296,8 @@ class _Context:
         return self.writer.files.pop(save_key, {})
 
 
-def serve(writer: "Writer", profile_to: Optional[str] = None) -> None:
-    """Run requests until told to stop. With ``profile_to``, everything the writer runs is profiled
-    (cProfile) and the statistics are written there when it stops (``benchmarks/profile_core.py``)."""
-    profiler = None
-    if profile_to:
-        import cProfile
-
-        profiler = cProfile.Profile()
-        profiler.enable()
+def serve(writer: "Writer") -> None:
+    """Run requests until told to stop."""
     channel = writer.channel
     while True:
         try:
@@ -323,9 +317,6 @@ def serve(writer: "Writer", profile_to: Optional[str] = None) -> None:
             writer.run_jobs(message[1])
         elif kind == protocol.STOP:
             writer.log_exit("exiting")
-            if profiler is not None:
-                profiler.disable()
-                profiler.dump_stats(profile_to)
             with contextlib.suppress(OSError):
                 channel.send(protocol.STOPPED)
                 channel.conn.close()
@@ -347,19 +338,6 @@ def _checkpoint_of(request: Any) -> Optional[tuple[str, str]]:
     return None
 
 
-def _apply_test_limits() -> None:
-    """``ASYNCCKPT_WORKER_FSIZE_LIMIT`` (bytes): a real RLIMIT_FSIZE, so writes fail with EFBIG.
-
-    Used by the test suite to produce a genuine I/O error (as on a full disk) in one rank's writer.
-    """
-    limit = os.environ.get("ASYNCCKPT_WORKER_FSIZE_LIMIT")
-    if limit:
-        import resource
-
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), int(limit)))
-
-
 def main() -> None:
     fd, parent_pid, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     # No check of whether the training process still lives: the save that started this process
@@ -378,9 +356,8 @@ def main() -> None:
 
     signal.signal(signal.SIGALRM, give_up)
     trainer.watch()
-    _apply_test_limits()
     gc.disable()
-    serve(writer, os.environ.get("ASYNCCKPT_WRITER_PROFILE"))
+    serve(writer)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 A *request* is plain data (a dataclass the writer unpickles without torch) with one method,
 ``run(context)``, that the writer calls in submission order. Everything a request needs from the
 writer comes through its ``RequestContext``: the staging buffer it writes from, the barrier it
-meets the other ranks at, and a place to leave work for after the reply. Every request class
-(``storage.ShareRequest``, ``file_requests.*``, ``directory.*``, ``retention.RetentionRequest``,
-``Idle`` below) satisfies ``Request``; ``tests/test_protocol.py`` checks that each does.
+meets the other ranks at, and a place to leave work for after the reply. The request classes:
+``shard_requests.ShareRequest``, ``file_requests.*``, ``directory_requests.CommitDirRequest``,
+``retention.RetentionRequest``, ``mirror.MirrorRequest``, ``Idle`` below, and ``export.request.ExportRequest``
+(the one request class outside this package: an export's torch-free half, see docs/DESIGN.md).
 
 Messages, each a tuple whose first element is its kind:
 
@@ -15,7 +16,7 @@ training → writer  fields                                            meaning
 ``BUFFER``         buffer id, layout  (then the memfd, SCM_RIGHTS)   map this staging buffer
 ``DROP``           buffer id                                         forget it
 ``RUN``            [Job, ...]                                        run these, in order
-``BARRIER_RESULT`` error or None, value                              the answer to BARRIER_CALL
+``BARRIER_RESULT`` error or None                                     the answer to BARRIER_CALL
 ``STOP``                                                             exit after the queue
 =================  ================================================  ===========================
 

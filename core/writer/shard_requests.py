@@ -11,6 +11,8 @@ create-only commit object (``object_backend``, for URLs). The steps of a save ar
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -48,9 +50,9 @@ class ShareRequest:
     extra_files: dict = field(default_factory=dict)  # name -> bytes, written by the coordinator before commit
     copy_generation: Optional[int] = None  # the snapshot copy may still run: stream it (see CopyProgress)
     dcp_classes: Optional[DcpClasses] = None  # the coordinator's: how to write DCP's .metadata without torch
-    # Without them: the function that pickles torch's own metadata objects (``metadata_io``), pickled
-    # by reference, so the writer imports it (and torch) only for such a save.
-    metadata_by_torch: Optional[Callable[[list, str, str], bytes]] = None
+    # Without them: the command of a process that pickles torch's own metadata objects
+    # (``snapshot.dcp_metadata.metadata_command``): the writer runs it rather than import torch.
+    metadata_command: Optional[list[str]] = None
     object_store: Any = None  # ObjectStoreOptions when ``final_path`` is a URL
     # Set for a DCP directory inside a directory checkpoint: the directory's barrier, which this
     # share's failure fails; the directory's own commit publishes it (no commit of its own).
@@ -173,5 +175,16 @@ def write_metadata(req: ShareRequest, place: Destination) -> None:
     if req.dcp_classes is not None:
         metadata = metadata_bytes(sidecars, req.dcp_classes, req.final_path, req.save_id)
     else:  # this torch's metadata classes are not the ones dcp_pickle writes: torch's own objects, pickled
-        metadata = req.metadata_by_torch(sidecars, req.final_path, req.save_id)
+        metadata = _metadata_by_torch(req, place)
     place.write_atomic(names.DCP_METADATA_FILE, metadata)
+
+
+def _metadata_by_torch(req: ShareRequest, place: Destination) -> bytes:
+    """DCP's ``.metadata`` pickled by torch, in the process ``req.metadata_command`` starts."""
+    with tempfile.NamedTemporaryFile(prefix="asyncckpt-metadata-") as out:
+        done = subprocess.run(req.metadata_command + [place.directory, str(req.world_size), req.final_path, req.save_id,
+                                                      out.name],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise CheckpointWriteError(f"pickling DCP's .metadata with torch failed: {done.stderr.strip()[-2000:]}")
+        return out.read()

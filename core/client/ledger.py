@@ -1,4 +1,4 @@
-"""Everything of one ``Checkpointer`` that is not settled yet, in one place.
+"""The ledger: everything of one ``Checkpointer`` that is not settled yet, in one place.
 
 The ledger admits each piece of work as a ``SaveHandle`` (applying back-pressure: at most
 ``max_in_flight`` *checkpoints* pending, however many files each has), completes it with its
@@ -22,23 +22,25 @@ import time
 from collections import deque
 from typing import Any, Callable, Optional
 
-from asyncckpt.core.formats import names
+from asyncckpt.core.client.handles import SaveHandle
+from asyncckpt.core.client.writer_queue import WriterQueue
 from asyncckpt.core.errors import (
     CheckpointCancelledError,
     CheckpointError,
     CheckpointTimeoutError,
     CheckpointWriteError,
 )
-from asyncckpt.core.writer.handles import SaveHandle
+from asyncckpt.core.formats import names
 from asyncckpt.core.writer.protocol import Idle
-from asyncckpt.core.writer.client import WriterQueue
 
 logger = logging.getLogger("asyncckpt.core")
 _CREATES = ("save", "file", "directory", "link", "hook", "export")  # a hook or export leaves its checkpoint there
 _ON_RANK = re.compile(r"^rank (\S+): (.*)$", re.S)
 
 
-class PendingWork:
+class Ledger:
+    """One ``Checkpointer``'s unsettled work (see the module docstring); its ``queue`` is the way into its writer."""
+
     def __init__(self, *, max_in_flight: int, timeout: float, store: Callable[[], Any],
                  writer_idle_timeout: Optional[float]) -> None:
         if max_in_flight < 1:

@@ -4,7 +4,7 @@ A handle carries what it saves (the path the user asked for, the step, a label s
 Lightning's "epoch=1, global_step=15"), so that a failure raised much later, at another sync
 point, names its checkpoint. Its outcome is delivered once, through the handle: ``result()``
 raises it, and whoever raises it marks it observed, so the checkpointer raises at its next sync
-point only failures nobody has seen (``coordinator``).
+point only failures nobody has seen (``ledger``).
 """
 from __future__ import annotations
 

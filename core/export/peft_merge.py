@@ -18,8 +18,8 @@ import os
 import torch
 
 from asyncckpt.core.errors import CheckpointWriteError
-from asyncckpt.core.storage import tensor_sources
-from asyncckpt.core.storage.tensor_sources import Piece, Source, SourceTensor
+from asyncckpt.core.export import sources
+from asyncckpt.core.export.sources import Piece, Source, SourceTensor
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -46,7 +46,7 @@ def merged(adapter: Source, base_model: str | None) -> Source:
                                    f"{config.get('peft_type')}, use_dora={config.get('use_dora')}, rank_pattern="
                                    f"{config.get('rank_pattern')}, alpha_pattern={config.get('alpha_pattern')}); export "
                                    "the adapter alone (peft='adapter')", path=adapter.path)
-    base = tensor_sources.find(base_path) if base_path and os.path.isdir(base_path) else None
+    base = sources.find(base_path) if base_path and os.path.isdir(base_path) else None
     if base is None:
         raise CheckpointWriteError(f"{adapter.path}: its base model {base_path!r} is not a local directory of "
                                    "safetensors files: give ExportOptions(base_model=...) to merge", path=adapter.path)

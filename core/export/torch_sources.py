@@ -1,4 +1,7 @@
-"""The tensors of checkpoints only torch reads, as export pieces (``tensor_sources`` has the rest).
+"""The tensors of checkpoints only torch reads, as export pieces (``sources`` has the rest).
+
+``read`` is the reader of an export in a process that has torch (``asyncckpt export``, and the child
+process the background writer runs such an export in: ``__main__``). The writer never imports this.
 
 * A stock DCP directory (``.metadata`` and ``__{rank}_{n}.distcp``, written without asyncckpt, by
   ``dcp.save`` or a framework's FSDP save): ``.metadata`` through the restricted unpickler
@@ -10,7 +13,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 from typing import Any
@@ -18,12 +20,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
+from asyncckpt.core.export import peft_merge, sources
+from asyncckpt.core.export.options import ExportOptions
+from asyncckpt.core.export.sources import FSDP_MODEL_DIRS, Piece, Source, SourceTensor, model_prefix
+from asyncckpt.core.export.writing import merges_adapter
 from asyncckpt.core.formats.names import DCP_METADATA_FILE
-from asyncckpt.core.storage.tensor_sources import FSDP_MODEL_DIRS, Piece, Source, SourceTensor, model_prefix
-from asyncckpt.core.loading import peft_merge
 from asyncckpt.core.loading.metadata_io import check_relative_path, load_dcp_metadata
-from asyncckpt.core.writer.export import ExportOptions, ImportedOnCall
-
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -99,8 +101,10 @@ def find(path: str) -> Source:
                      "a torch.save file)")
 
 
-def with_torch_readers(options: ExportOptions) -> ExportOptions:
-    """``options`` with the readers only torch can be (this module's ``find``, ``peft_merge.merged``), named:
-    the writer imports them (and torch) only if it calls them."""
-    return dataclasses.replace(options, read_with_torch=ImportedOnCall(__name__, find.__name__),
-                               merge_with_torch=ImportedOnCall(peft_merge.__name__, peft_merge.merged.__name__))
+def read(checkpoint: str, options: ExportOptions) -> Source:
+    """The tensors of any checkpoint an export reads: as ``sources`` reads them where it can, else with
+    torch (``find``); a PEFT adapter merged into its base model where ``options.peft`` asks for it."""
+    source = sources.find(checkpoint)
+    if source is None:
+        return find(checkpoint)
+    return peft_merge.merged(source, options.base_model) if merges_adapter(source, options) else source

@@ -31,8 +31,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any, Callable, Optional
 
-from asyncckpt.core.writer import protocol
-from asyncckpt.core.writer.barrier import local_barrier
+from asyncckpt.core.client.handles import SaveHandle
 from asyncckpt.core.errors import (
     CheckpointCancelledError,
     CheckpointError,
@@ -40,7 +39,8 @@ from asyncckpt.core.errors import (
     CheckpointWriteError,
     SnapshotCopyFailed,
 )
-from asyncckpt.core.writer.handles import SaveHandle
+from asyncckpt.core.writer import protocol
+from asyncckpt.core.writer.barrier import local_barrier
 
 Outcome = Callable[[SaveHandle, Optional[BaseException]], None]
 

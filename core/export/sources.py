@@ -1,6 +1,6 @@
 """Where every tensor of a checkpoint lies on disk, piece by piece, read from its JSON alone.
 
-An export (``core/writer/export.py``) writes each tensor once, from its pieces: the chunks the
+An export (``writing``) writes each tensor once, from its pieces: the chunks the
 ranks of a sharded save wrote (each rank's sidecar gives the chunk's place in the global tensor,
 its raw bytes' file and offset, and their checksum), or whole tensors in safetensors files (the
 header gives dtype, shape and byte range). Nothing here reads tensor data or imports torch, so
@@ -14,7 +14,7 @@ The checkpoints this recognises (``find``):
   ``adapter_model.safetensors`` of a PEFT adapter), or one such file.
 
 Anything else (a stock DCP directory without sidecars, a ``torch.save`` file) needs torch to read
-(``core/loading/torch_sources.py``).
+(``torch_sources``).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from asyncckpt.core.errors import CorruptCheckpointError
 from asyncckpt.core.formats.checksum import checksum_stream
 from asyncckpt.core.formats.dtype_cast import cast
 from asyncckpt.core.formats.hf_safetensors import DTYPES
-from asyncckpt.core.storage.tensor_sources import Piece, SourceTensor
+from asyncckpt.core.export.sources import Piece, SourceTensor
 
 
 class PieceReader:

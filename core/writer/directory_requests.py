@@ -1,0 +1,80 @@
+"""The directory commit, as the background writer runs it (``api.directory.DirectoryTransaction`` sends it).
+
+A framework's checkpoint directory is written by one or several ranks into a hidden staging
+directory (``file_requests``); the commit runs after this rank's files, in queue order: each rank's
+writer records its files' checksums in the staging directory and arrives at the save's barrier, and
+rank 0's writer, once every rank arrived, writes the commit record listing every rank's files and
+renames the directory into place. Kept free of torch: the writer unpickles it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from asyncckpt.core.errors import CheckpointWriteError
+from asyncckpt.core.formats import names
+from asyncckpt.core.storage import leftovers, local
+from asyncckpt.core.writer.barrier import BarrierSpec
+from asyncckpt.core.writer.protocol import RequestContext
+
+
+@dataclass
+class CommitDirRequest:
+    """Runs after this rank's files (queue order): arrive; rank 0 waits for every rank, publishes."""
+
+    save_id: str
+    final_path: str
+    staging_dir: str
+    rank: int
+    step: Optional[int]
+    barrier: BarrierSpec
+    failed: Optional[str] = None  # this rank's part failed before reaching the writer
+
+    def run(self, context: RequestContext) -> None:
+        barrier = context.barrier(self.barrier)
+        failure = self.failed or context.failure(self.barrier.key)
+        if failure is not None:  # one of this rank's files failed (the others were told)
+            barrier.fail(self.rank, failure)
+            self._discard(context)
+            raise CheckpointWriteError(f"rank {self.rank}: {failure}")
+        context.tidy(os.path.dirname(self.staging_dir))
+        try:
+            leftovers.claim(self.staging_dir, self.rank, context.token())
+            barrier.begin(self.rank)
+            with open(os.path.join(self.staging_dir, names.files_record_name(self.rank)), "w") as f:
+                json.dump({name: [c.size, c.xxh3] for name, c in context.files(self.barrier.key).items()}, f)
+            barrier.arrive(self.rank)
+            if self.rank != 0:
+                barrier.wait_commit()
+                return
+            barrier.wait_all()
+            replaced = local.publish_with_record(self.staging_dir, self.final_path, {
+                "save_id": self.save_id, "world_size": self.barrier.world_size, "step": self.step,
+                "checksums": self._gather_checksums()})
+            barrier.committed()
+        except BaseException as e:
+            barrier.fail(self.rank, f"{type(e).__name__}: {e}")
+            self._discard(context)
+            raise
+        if replaced is not None:
+            context.after_reply(lambda: leftovers.delete(replaced, context.token()))
+
+    def _discard(self, context: RequestContext) -> None:
+        """A failed save alone in its staging directory takes it along (after the reply). With
+        several ranks the directory is also the others' (their barrier files, their writes still
+        under way): it stays, a leftover the next save or ``asyncckpt clean`` removes once its
+        writers are gone."""
+        if self.barrier.world_size == 1:
+            context.after_reply(lambda: leftovers.delete(self.staging_dir, context.token()))
+
+    def _gather_checksums(self) -> dict[str, dict]:
+        """Every rank's file checksums, for the commit record (the ranks' lists of them go)."""
+        checksums = {}
+        for rank in range(self.barrier.world_size):
+            path = os.path.join(self.staging_dir, names.files_record_name(rank))
+            with open(path) as f:
+                checksums.update({name: {"size": size, "xxh3": xxh3} for name, (size, xxh3) in json.load(f).items()})
+            os.unlink(path)
+        return checksums
