@@ -170,7 +170,7 @@ def test_the_writer_process_loads_only_its_packages_and_never_torch(tmp_path, s3
     tx = ck.begin_directory(tmp_path / "checkpoint-1", step=1)
     tx.save_file({"w": torch.ones(3)}, "model.safetensors", format="safetensors")
     tx.write_bytes("trainer_state.json", b"{}")
-    tx.commit(mirror_to=f"{s3_root}/mirrored").result()
+    ck.mirror(tmp_path / "checkpoint-1", f"{s3_root}/mirrored/checkpoint-1", after=tx.commit()).result()
     ck.remove([tmp_path / "a.pt"]).result()
     ck.wait()
     assert core.is_complete(str(tmp_path / "checkpoint-1")) and not os.path.exists(tmp_path / "a.pt")

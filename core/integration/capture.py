@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from asyncckpt.core.formats.checksum import checksum
-from asyncckpt.core.integration import patching
+import asyncckpt.core.integration.patching as patching
 from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves
 from asyncckpt.core.snapshot.file_snapshots import tensor_bytes
 
