@@ -143,7 +143,6 @@ class Checkpointer:
         self.stager.wait()  # one snapshot at a time: saves agree on their structures in call order
         target = self.sharded.target(path, group, collectives, self._store, step=step, extra_files=extra_files,
                                      object_store=self.object_store)
-        target.barrier_kind()  # refuses what cannot work (several ranks on a URL without a Store) before anything starts
         world, agreement = target.world, target.group
         handle = self._admit("save", path, rank=target.rank, step=step, label=label)
         started = time.perf_counter()

@@ -2,7 +2,7 @@
 
 torch's reader expects ``.metadata`` to be a pickled ``torch.distributed.checkpoint`` ``Metadata``.
 Pickling it the usual way needs torch's classes in the writer process, and importing torch costs
-a process ~190 MiB of private memory and ~1.5 s: for rank 0's writer, most of a save's memory
+a process much memory and time (docs/DESIGN.md, Limits): for rank 0's writer, most of a save's memory
 beyond the staging buffer. Yet the pickle itself is simple: class references by name, a few
 ``NEWOBJ``/``BUILD``/``REDUCE`` opcodes, dicts, lists, tuples, strings and ints. So this module
 emits those opcodes itself (protocol 2, no memo), from descriptions of the objects (``_New``,

@@ -19,7 +19,7 @@ def align_up(value: int, alignment: int) -> int:
 
 @dataclass(frozen=True)
 class Slot:
-    """One tensor chunk in a rank's data file (plain data, sent to the background worker)."""
+    """One tensor chunk in a rank's data file (plain data, sent to the background writer)."""
 
     fqn: str
     chunk_offsets: tuple[int, ...]

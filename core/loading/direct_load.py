@@ -5,8 +5,8 @@ checkpoint holds as one whole-tensor chunk (what a replicated save writes). Then
 alone say where each tensor's bytes are and what they hash to, so a load is: flatten the state
 dict, walk the sidecars' columns in file order picking the keys asked for, and hand the reads to
 ``reader.read_spans``. This skips unpickling ``.metadata`` (two Python objects per chunk), DCP's
-load plan (a ReadItem per chunk) and its per-item lookups, which together cost ~20x the reading
-itself for 8,000 tensors.
+load plan (a ReadItem per chunk) and its per-item lookups, which together cost many times the reading
+itself for thousands of tensors (docs/DESIGN.md, Measured).
 
 Anything else (a DTensor, a key saved in several chunks, a shape or dtype mismatch or a missing
 key to report, a checkpoint without sidecars or whose ``.metadata`` is not the one committed)
@@ -42,8 +42,8 @@ _ABSENT = object()
 @contextmanager
 def paused_gc() -> Iterator[None]:
     """No cyclic GC while a load creates its ~10 short-lived objects per key: a collection walks
-    the whole heap (a training process's is large), and parsing one 8k-tensor sidecar with GC on
-    took 4x as long. Nothing created here forms cycles."""
+    the whole heap (a training process's is large), which made parsing a sidecar of thousands of tensors
+    several times slower (docs/DESIGN.md, Measured). Nothing created here forms cycles."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -26,7 +26,7 @@ from typing import Optional
 from asyncckpt.core.formats.checksum import checksum_stream
 from asyncckpt.core.storage.file_checksums import FileChecksum
 
-PIECE_BYTES = 16 << 20  # xxhash releases the GIL for pieces this large (at 1 MiB it did not: the threads took turns)
+PIECE_BYTES = 16 << 20  # xxhash releases the GIL only for large pieces (docs/DESIGN.md, Measured)
 
 
 class BackgroundCheck:

@@ -195,7 +195,7 @@ def _read_batch(fd: int, path: str, batch: list[Span]) -> None:
         if span.offset > cursor:
             buffers.append(_SCRATCH[: span.offset - cursor])
         try:
-            buffer = span.target.numpy()  # the common case, without writable_bytes' checks (~1 us a span)
+            buffer = span.target.numpy()  # the common case, without writable_bytes' checks (per span)
         except (AttributeError, TypeError, RuntimeError):  # a buffer, or a dtype/tensor numpy refuses
             buffer = writable_bytes(span.target)
         buffers.append(buffer)

@@ -168,7 +168,7 @@ class AsyncCkptLoadPlanner(DefaultLoadPlanner):
 
     def resolve_tensor(self, read_item):
         """The destination of a read; a read covering the whole tensor needs no narrowing
-        (torch narrows every item, ~35 us each: most of a many-tensor load's planning)."""
+        (torch narrows every item: most of a many-tensor load's planning)."""
         tensor = self.lookup_tensor(read_item.dest_index)
         if not any(read_item.dest_offsets) and tuple(read_item.lengths) == tuple(tensor.shape):
             return tensor

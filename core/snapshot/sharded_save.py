@@ -241,7 +241,7 @@ def _sources(flat: dict, cached: CachedPlan) -> list[torch.Tensor]:
 
 def _resolve_stateful(state_dict: dict) -> dict:
     """Top-level values with ``state_dict()``/``load_state_dict()`` (DCP's Stateful protocol) are
-    replaced by their state dict. (torch's own helper logs every element: ~70 us per key.)"""
+    replaced by their state dict. (torch's own helper logs every element, which costs per key.)"""
     def is_stateful(value) -> bool:
         if isinstance(value, torch.Tensor):
             return False
@@ -253,8 +253,8 @@ def _resolve_stateful(state_dict: dict) -> dict:
 
 class _ObjectSnapshots:
     """Non-tensor values are snapshotted by pickling them at call time, in ``torch.save``'s format
-    (what DCP's reader ``torch.load``s). ``torch.save`` costs ~0.5 ms per value even for an int
-    (zip framing), a plain pickle a few microseconds, and the container is a function of the
+    (what DCP's reader ``torch.load``s). ``torch.save`` costs a hundred times a plain pickle per value
+    even for an int (zip framing; docs/DESIGN.md, Measured), and the container is a function of the
     pickle: so a value that pickles to the same bytes as at the last save reuses its container."""
 
     def __init__(self) -> None:

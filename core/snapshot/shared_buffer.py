@@ -1,10 +1,10 @@
 """Snapshot buffers: shared host memory laid out as a rank's data file, allocated once, reused.
 
 A ``StagingBuffer`` is a memfd mapping: the training process copies tensors into it and the
-background worker maps the same pages (the fd is passed over a Unix socket), so the worker
+background writer maps the same pages (the fd is passed over a Unix socket), so the writer
 writes the snapshot to disk without another copy, and the memory is freed by the kernel as soon
 as both processes drop it, however they exit. Buffers are kept across saves because memory this
-machine has handed back costs ~10x more to touch again than memory we hold (see docs/DESIGN.md).
+machine has handed back costs much more to touch again than memory we hold (measured: docs/DESIGN.md).
 """
 from __future__ import annotations
 
@@ -163,8 +163,8 @@ def _copy_lane(tracker: _SegmentTracker, units: Iterator, sources: Sequence[torc
     """One copy thread: the next unit not yet taken by the other, until none is left. Taking units
     in turn, rather than half of each segment's bytes, lets a thread that copies faster (large
     tensors copy at several times the speed of small ones, and a thread sharing its core with the
-    caller's Python runs slower) do more: fixed halves of 8,000 tensors left one thread copying
-    alone for the last 2-10 ms of a ~50 ms copy."""
+    caller's Python runs slower) do more: with fixed halves, one thread was left copying alone for the
+    end of the copy (docs/DESIGN.md, "The stall is the copy")."""
     try:
         for index, (positions, views) in units:  # a list iterator hands out each unit once, across threads
             if tracker.failed:

@@ -97,9 +97,9 @@ def describe(flat: dict[str, Any]) -> tuple:
 
     ``(keys, tensor flags, dtypes, shapes, ties, DTensor descriptions)``: a few
     tuples built by C-level passes over the values (one attribute per pass), since a Python loop
-    body per tensor cost ~2.5 us each: 20 ms of the stall with 8k tensors. It is also few objects:
-    a save keeps it alive, and thousands of small containers per save soon cost the training
-    process a full garbage collection (~0.2 s with a few 100k objects) inside the stall. Ties are
+    body per tensor made a large share of the stall with thousands of tensors (docs/DESIGN.md, Measured).
+    It is also few objects: a save keeps it alive, and thousands of small containers per save soon cost
+    the training process a full garbage collection inside the stall. Ties are
     looked for only when two tensors share an address.
     """
     keys = tuple(flat)
