@@ -31,15 +31,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from asyncckpt.core.errors import CheckpointError, CheckpointWriteError
-from asyncckpt.core.formats import commit_record, names
+from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import checksum_stream
 from asyncckpt.core.formats.hf_safetensors import (FLOATING, OutputTensor, dtype_name, index_bytes, parse_size,
                                                    plan_shards)
 from asyncckpt.core.storage import tensor_sources
 from asyncckpt.core.storage.tensor_sources import Source, SourceTensor
-from asyncckpt.core.storage import commit, leftovers, local
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage import commit, owners, removal
+from asyncckpt.core.storage.backend import at_once, backend_for, basename, exists, normalize
 from asyncckpt.core.storage.fsio import fsync_dir
+from asyncckpt.core.storage.staging import publish_checkpoint
 from asyncckpt.core.writer.assembly import PieceReader, write_tensor
 from asyncckpt.core.writer.mirror import restore, upload
 from asyncckpt.core.writer.protocol import RequestContext
@@ -103,10 +104,10 @@ class ExportOptions:
 
     def target_for(self, checkpoint: str) -> str:
         """Where the export of ``checkpoint`` goes."""
-        checkpoint = backend_for(checkpoint).normalize(checkpoint)
+        checkpoint = normalize(checkpoint)
         root = self.directory or os.path.join(os.path.dirname(checkpoint), "exports")  # os.path: '/' in URLs too
         name, suffix = os.path.splitext(os.path.basename(checkpoint))
-        return os.path.join(backend_for(root).normalize(root), name if suffix in _FILE_SUFFIXES else name + suffix)
+        return os.path.join(normalize(root), name if suffix in _FILE_SUFFIXES else name + suffix)
 
 
 @dataclass(frozen=True)
@@ -207,16 +208,16 @@ def export_checkpoint(checkpoint: str, target: str, options: ExportOptions, *, t
     returns ``target``. Either may be an object-store URL. Raises ``CheckpointWriteError`` naming the
     checkpoint."""
     source, destination = backend_for(checkpoint), backend_for(target)
-    checkpoint, target = source.normalize(checkpoint), destination.normalize(target)
-    token = token or leftovers.owner_token()
+    checkpoint, target = normalize(checkpoint), normalize(target)
+    token = token or owners.owner_token()
     try:
         if not source.remote and not destination.remote:
             _export(checkpoint, target, options, token, progress, export_of=checkpoint)
             return target
         with tempfile.TemporaryDirectory(prefix="asyncckpt-export-") as scratch:
-            local = restore(checkpoint, os.path.join(scratch, "checkpoint", source.basename(checkpoint))) \
+            local = restore(checkpoint, os.path.join(scratch, "checkpoint", basename(checkpoint))) \
                 if source.remote else checkpoint
-            staged = os.path.join(scratch, "export", destination.basename(target)) if destination.remote else target
+            staged = os.path.join(scratch, "export", basename(target)) if destination.remote else target
             _export(local, staged, options, token, progress, export_of=checkpoint)
             if destination.remote:
                 upload(staged, target, token)
@@ -239,15 +240,15 @@ def _export(checkpoint: str, target: str, options: ExportOptions, token: str,
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.makedirs(staging)
         checksums = _write_export(source, chosen, staging, options, progress)
-        replaced = local.publish_with_record(staging, target, {
+        replaced = publish_checkpoint(backend_for(target), staging, target, {
             "save_id": token, "world_size": 1, "step": (record or {}).get("step"), "checksums": checksums,
             "export_of": export_of, "export_format": EXPORT_FORMAT})
     except BaseException:
         if os.path.lexists(staging):
-            leftovers.delete(staging, token)
+            backend_for(staging).remove_tree(staging, token, later=at_once)
         raise
     if replaced is not None:
-        leftovers.delete(replaced, token)
+        backend_for(replaced).remove_tree(replaced, token, later=at_once)
 
 
 def _write_export(source: Source, chosen: list[tuple[OutputTensor, SourceTensor]], staging: str,
@@ -293,7 +294,7 @@ class ExportRequest:
         if not backend_for(root).remote:
             context.tidy(root)  # a killed export's staging directory
         on_idle_cpu(lambda: export_checkpoint(self.checkpoint, self.target, self.options, token=context.token()))
-        backend_for(root).remove(stale_exports(root, self.options.keep_last), context.token(), context.after_reply)
+        removal.remove(stale_exports(root, self.options.keep_last), context.token(), context.after_reply)
 
 
 def on_idle_cpu(work: Callable[[], object]) -> None:
@@ -347,8 +348,7 @@ def stale_exports(root: str, keep_last: Optional[int]) -> list[str]:
     """The committed exports under ``root`` to delete: beyond the newest ``keep_last``, or (without
     ``keep_last``) those whose checkpoint no longer exists. Never the newest."""
     exports = []
-    for path, body in backend_for(root).commit_bodies_under(root):
-        record = commit_record.parse(body)
+    for path, record in commit.committed_under(root):
         if record is not None and record.get("export_format") == EXPORT_FORMAT:
             step = record.get("step")
             exports.append(((step if isinstance(step, int) else -1, record.get("committed_at_ns", 0)), path, record))
@@ -357,5 +357,5 @@ def stale_exports(root: str, keep_last: Optional[int]) -> list[str]:
     if keep_last is not None:
         return [path for _key, path, _record in exports[:-keep_last]]
     return [path for _key, path, record in candidates
-            if not backend_for(str(record.get("export_of"))).exists(str(record.get("export_of")))]
+            if not exists(backend_for(str(record.get("export_of"))), str(record.get("export_of")))]
 
