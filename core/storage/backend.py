@@ -23,7 +23,7 @@ The primitives, and why each is one (``local.LocalBackend``: the file system;
 primitive                 file system                           object store
 ========================  ====================================  ============================================
 ``stat``                  a stat (symlinks followed)            a HEAD (a prefix: a listing of one key)
-``names``                 a readdir, no stat: cheap to poll      one delimited LIST (as ``listing``)
+``names``                 a readdir, no stat: cheap to poll     one delimited LIST (as ``listing``)
 ``listing``               a readdir and a stat per entry        one delimited LIST says it all
 ``read_ranges``           one read after another                ``concurrency`` GETs in flight
 ``read_pieces``           into one reused buffer                one GET
@@ -45,9 +45,10 @@ primitive                 file system                           object store
 ``abort_uploads``         under a hidden name, listed           listing shows
 ========================  ====================================  ============================================
 
-``remote`` says which kind a backend is where that decides more than one call: an object store is
-written in place under the checkpoint's own name (there is no rename), has no shared directory
-for the ranks to meet in, and bills every request (nothing lists a bucket after each save).
+``remote`` is the kind itself, for what follows from it above the seam: an object store is
+written in place under the checkpoint's own name (there is no rename: ``staging``, ``leftovers``,
+``writer.barrier``), has no shared directory for the ranks to meet in, and bills every request
+(nothing lists a bucket after each save).
 
 Names are the same for both (a URL's keys are POSIX paths: ``join``, ``basename``); the form the
 core keeps a path in is ``normalize``'s. The commit record is encoded and parsed in one place
