@@ -66,7 +66,6 @@ from test_survival import CHILD, kill, start, writers_of  # noqa: E402
 
 from asyncckpt import core  # noqa: E402
 from asyncckpt.core.storage import leftovers, orphans  # noqa: E402
-from asyncckpt.core.storage.backend import backend_for  # noqa: E402
 from asyncckpt.core.verify import integrity  # noqa: E402
 
 CORE_ELEMENTS = 8 << 20  # per tensor, 8 tensors per rank: 256 MiB, as in tests/test_survival.py
@@ -190,7 +189,7 @@ def core_returned(root: str, seed: int, world: int, elements: int, writer: str =
     check_core_holds(path, seed, world, elements)
     log_lines = logged(place, "next") if not url else []  # an orphan logs beside local checkpoints only
     check_log(log_lines, "next")
-    left = backend_for(place).find_leftovers(place) if url else list(leftovers.find(place))
+    left = leftovers.find(place)
     check(not left, f"hidden leftovers after the commit: {left}")
     return {"visible_at_death": visible, "commit_after_death_s": commit_s, "writers_gone_s": writers_s,
             "gib": world * TENSORS * elements * 4 / 2**30, "log": log_lines}

@@ -15,8 +15,7 @@ import torch
 
 from asyncckpt import core
 from asyncckpt.core.formats import commit_record, names
-from asyncckpt.core.storage import local
-from asyncckpt.core.storage.object_store import store_for
+from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.writer.barrier import BarrierSpec, MarkerBarrier, StoreBarrier
 from asyncckpt.core.snapshot.dist_env import default_store
 from dist_helper import run_on_ranks
@@ -48,12 +47,11 @@ def _meet(rank, world, kind, root, scenario):
         barrier.arrive(rank)
         if rank == 0:
             barrier.wait_all()
-            if kind == "files":  # the commit record under the final name is what the others wait for
-                os.makedirs(barrier.spec.final_path)
-                local.write_commit_record(barrier.spec.final_path, {"save_id": scenario})
-            elif kind == "objects":
-                url = f"{barrier.spec.final_path}/{names.COMMIT_RECORD}"
-                store_for(url).put(url, commit_record.encode({"files": {}, "save_id": scenario}))
+            if kind != "store":  # the commit record under the final name is what the others wait for
+                record = f"{barrier.spec.final_path}/{names.COMMIT_RECORD}"
+                if kind == "files":
+                    os.makedirs(barrier.spec.final_path)
+                backend_for(record).write(record, commit_record.encode({"files": {}, "save_id": scenario}), atomic=True)
             barrier.committed()
         else:
             barrier.wait_commit()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from asyncckpt import core
-from asyncckpt.core.storage import leftovers
+from asyncckpt.core.storage.owners import owner_token
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.names import COMMIT_RECORD
 from asyncckpt.core.storage.sidecars import read_rank_sidecar
@@ -185,7 +185,7 @@ LIVE_OWNER = ".step_000050.asyncckpt-staging-live"
 
 def _dead_token() -> str:
     """The owner token of a process that has exited."""
-    return subprocess.run([sys.executable, "-c", "from asyncckpt.core.storage.leftovers import owner_token; print(owner_token())"],
+    return subprocess.run([sys.executable, "-c", "from asyncckpt.core.storage.owners import owner_token; print(owner_token())"],
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
@@ -195,7 +195,7 @@ def _leftovers(good: Path, root: Path) -> Path:
     checkpoint; a fresh staging dir whose writer is gone; an old one whose writer (this process) lives."""
     copy(good, root / "step_000010")
     two_hours_ago = os.path.getmtime(good) - 7200
-    owners = {DEAD_OWNER: _dead_token(), LIVE_OWNER: leftovers.owner_token()}
+    owners = {DEAD_OWNER: _dead_token(), LIVE_OWNER: owner_token()}
     for name, keep_record in ((OLD_STAGING, False), (OLD_REPLACED, True), (FRESH_STAGING, False),
                               (DEAD_OWNER, False), (LIVE_OWNER, False)):
         directory = copy(good, root / name)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncckpt import core
-from asyncckpt.core.storage import leftovers
+from asyncckpt.core.storage import leftovers, owners
 from asyncckpt.core.formats import names
 
 # (what crashed, hidden entry it left): every naming the adapters and the core save under
@@ -29,7 +29,7 @@ CRASHED = {
 
 
 def _token_of_a_process_that_exited() -> str:
-    return subprocess.run([sys.executable, "-c", "from asyncckpt.core.storage.leftovers import owner_token; print(owner_token())"],
+    return subprocess.run([sys.executable, "-c", "from asyncckpt.core.storage.owners import owner_token; print(owner_token())"],
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
@@ -56,7 +56,7 @@ def dead_token() -> str:
 def test_the_next_save_into_the_directory_removes_a_dead_writers_leftover(tmp_path, dead_token, crashed):
     pattern, shape = CRASHED[crashed]
     leftover = _leave(tmp_path, pattern, shape, dead_token)
-    live = _leave(tmp_path, ".step_13.asyncckpt-staging-{id}", "dir", leftovers.owner_token())  # this process: alive
+    live = _leave(tmp_path, ".step_13.asyncckpt-staging-{id}", "dir", owners.owner_token())  # this process: alive
     assert [e.alive for e in leftovers.find(str(tmp_path))] == [False, True]
     with core.Checkpointer() as checkpointer:
         if shape == "dir":
@@ -73,7 +73,7 @@ def test_the_next_save_into_the_directory_removes_a_dead_writers_leftover(tmp_pa
 def test_clean_removes_every_kind_of_dead_leftover_at_once_and_keeps_live_ones(tmp_path, dead_token):
     for pattern, shape in CRASHED.values():
         _leave(tmp_path, pattern, shape, dead_token)
-    live = _leave(tmp_path, ".step_13.asyncckpt-staging-{id}", "dir", leftovers.owner_token())
+    live = _leave(tmp_path, ".step_13.asyncckpt-staging-{id}", "dir", owners.owner_token())
     os.utime(live, (1, 1))  # ancient, but its writer lives
     result = subprocess.run([sys.executable, "-m", "asyncckpt.core.cli.main", "clean", str(tmp_path)], capture_output=True,
                             text=True, check=True)

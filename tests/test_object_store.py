@@ -21,7 +21,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from asyncckpt import core
 from asyncckpt.core.cli import main
 from asyncckpt.core.storage import file_checksums
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage import leftovers
+from asyncckpt.core.storage.backend import backend_for, read_bytes
 from asyncckpt.core.storage.object_store import ObjectStoreError, ObjectStoreOptions, store_for
 from dist_helper import run_on_ranks
 from programs import Program
@@ -87,8 +88,7 @@ def test_ls_and_inspect_read_a_bucket_as_a_directory(s3_root, tmp_path, capsys):
             checkpointer.save_file({"state_dict": {"w": state["w"]}, "global_step": 7}, f"{root}/epoch=0-step=7.ckpt")
             checkpointer.wait()
         backend = backend_for(root)
-        commit_of_6 = backend.join(root, "step_000006", ".asyncckpt-commit.json")
-        os.unlink(commit_of_6) if not backend.remote else store_for(root).delete([commit_of_6])  # a save that crashed
+        backend.delete([f"{root}/step_000006/.asyncckpt-commit.json"])  # a save that crashed
         capsys.readouterr()
         assert main.main(["ls", root]) == main.EXIT_OK
         rows = [line.split() for line in capsys.readouterr().out.splitlines()]
@@ -138,7 +138,7 @@ def test_a_commit_record_of_a_newer_version_is_rejected_as_locally(s3_root, tmp_
         core.Checkpointer().save(state, path, step=1)
         assert core.latest_checkpoint(root) == path
         backend = backend_for(path)
-        record = json.loads(backend.read_bytes(f"{path}/.asyncckpt-commit.json"))
+        record = json.loads(read_bytes(backend, f"{path}/.asyncckpt-commit.json"))
         newer = json.dumps({**record, "version": record["version"] + 1}).encode()
         if backend.remote:
             store_for(path).put(f"{path}/.asyncckpt-commit.json", newer)
@@ -192,7 +192,7 @@ def test_single_file_object_with_checksum_and_overwrite(s3_root):
         loaded = torch.load(f, weights_only=True)
     assert loaded["step"] == 2 and torch.equal(loaded["w"], torch.full((3 << 20,), 2.0))
     record = file_checksums.read_record(path)
-    assert record is not None and record.size == store_for(path).size(path)
+    assert record is not None and record.size == backend_for(path).stat(path).size
     assert main.main(["verify", "--no-progress", path]) == main.EXIT_OK
     assert main.main(["inspect", path]) == main.EXIT_OK
     assert store_for(path).incomplete_uploads(f"{s3_root}/lightning") == []
@@ -307,9 +307,9 @@ def test_kill_9_mid_upload_is_invisible_and_clean_removes_it(s3_root, capsys, tm
     latest = core.latest_checkpoint(root)
     assert latest in (None, f"{root}/step_000001")
     deadline = time.monotonic() + 10  # the killed processes may not be reaped yet
-    while any(leftover.alive for leftover in backend_for(root).find_leftovers(root)) and time.monotonic() < deadline:
+    while any(leftover.alive for leftover in leftovers.find(root)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    found = backend_for(root).find_leftovers(root)
+    found = leftovers.find(root)
     assert found and all(leftover.alive is False for leftover in found), found
     uncommitted = [leftover.path for leftover in found if leftover.kind == "uncommitted"]
     assert f"{root}/step_000002" in uncommitted
@@ -318,7 +318,7 @@ def test_kill_9_mid_upload_is_invisible_and_clean_removes_it(s3_root, capsys, tm
     assert main.main(["ls", root]) == main.EXIT_OK
     assert "INCOMPLETE" in capsys.readouterr().out
     assert main.main(["clean", root]) == main.EXIT_OK
-    assert backend_for(root).find_leftovers(root) == []
+    assert leftovers.find(root) == []
     assert store_for(root).incomplete_uploads(root) == []
     assert core.latest_checkpoint(root) == latest
 

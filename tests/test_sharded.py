@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from asyncckpt import core
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.backend import backend_for, exists
 from dist_helper import run_on_ranks
 
 
@@ -206,8 +206,8 @@ def test_use_collectives_false_needs_no_process_group(tmp_path, where, request):
     path = f"{root}/ckpt"
     run_on_ranks(_no_collectives, 2, path, init_process_group=False)
     assert core.is_complete(path)
-    assert backend_for(path).exists(f"{path}/__1.asyncckpt.json")
-    left = [name for name in backend_for(path).list_names(path)
+    assert exists(backend_for(path), f"{path}/__1.asyncckpt.json")
+    left = [name for name in backend_for(path).names(path)
             if name.startswith(".asyncckpt-") and name != ".asyncckpt-commit.json" or name.endswith(".done")]
     assert left == [], left  # no marker (or owner marker) left behind
 

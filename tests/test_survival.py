@@ -25,8 +25,8 @@ import torch
 from asyncckpt import core
 from asyncckpt.core.cli import main as cli
 from asyncckpt.core.formats import names
-from asyncckpt.core.storage import leftovers, orphans
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage import leftovers, orphans, owners
+from asyncckpt.core.storage.backend import backend_for, is_url
 from dist_helper import free_port
 from programs import Program
 from writers import writers_of
@@ -93,13 +93,13 @@ def place(request, tmp_path) -> tuple[str, dict]:
 def names_in(root: str) -> list[str]:
     """What is directly in ``root`` (nothing, where a prefix holds no object any more or no directory was made)."""
     try:
-        return backend_for(root).list_names(root)
+        return backend_for(root).names(root)
     except FileNotFoundError:
         return []
 
 
 def no_leftovers(root: str) -> bool:
-    return backend_for(root).find_leftovers(root) == [] if "://" in root else leftovers.find(root) == []
+    return leftovers.find(root) == []
 
 
 @pytest.mark.parametrize("writer", WRITERS)
@@ -109,7 +109,7 @@ def test_a_returned_save_is_committed_after_kill_9_single_and_multi_rank(place, 
     also where that save started the writer. Two ranks: the Store died with rank 0's process; the
     writers meet by their markers (files, or objects in the bucket)."""
     base, env = place
-    local = "://" not in base
+    local = not is_url(base)
     proving = 0
     for trial, world in enumerate([2] if writer == "idle-stopped" else [1, 2]):
         seed = random.randrange(10**6)
@@ -260,7 +260,7 @@ def test_an_orphan_gives_up_on_a_rank_whose_writer_is_gone(tmp_path, request, ho
         visible = [name for name in names_in(root) if not name.startswith(".")]
         assert visible == ["base"], visible
     else:  # its objects stay under its own name, uncommitted: no checkpoint to any reader
-        uncommitted = [found.path for found in backend_for(root).find_leftovers(root) if found.kind == "uncommitted"]
+        uncommitted = [found.path for found in leftovers.find(root) if found.kind == "uncommitted"]
         assert uncommitted == [f"{root}/next"], uncommitted
     assert cli.main(["clean", root]) == cli.EXIT_OK
     assert [name for name in names_in(root) if name != orphans.LOG_NAME] == ["base"]
@@ -291,7 +291,7 @@ def test_sigterm_to_every_process_during_a_large_save_commits_it_within_the_grac
 def test_ls_shows_a_checkpoint_an_orphaned_writer_is_finishing(tmp_path):
     """``asyncckpt ls`` names the writer finishing a checkpoint whose training process died (from its
     log line, while that writer lives: here this test process plays the live writer)."""
-    token = leftovers.owner_token()
+    token = owners.owner_token()
     (tmp_path / names.hidden_name("checkpoint-7", "staging", token)).mkdir()
     orphans.note(str(tmp_path), token, "finishing checkpoint-7 (training process 1 died)")
     listed = subprocess.run([sys.executable, "-m", "asyncckpt.core.cli", "ls", str(tmp_path)], capture_output=True,

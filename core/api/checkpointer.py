@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from asyncckpt.core.verify import integrity
 from asyncckpt.core.storage import file_checksums
-from asyncckpt.core.storage import leftovers, orphans
+from asyncckpt.core.storage import orphans, owners
 from asyncckpt.core.api import lifecycle
 from asyncckpt.core.formats import names
 from asyncckpt.core.storage import object_store as object_store_module
@@ -51,7 +51,7 @@ from asyncckpt.core.errors import (
     CorruptCheckpointError,
 )
 from asyncckpt.core.writer.file_requests import FileRequest, LinkRequest, RemoveRequest
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.backend import backend_for, exists, normalize
 from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
 from asyncckpt.core.client.handles import SaveHandle
 from asyncckpt.core.loading.state_dict import load_checkpoint
@@ -247,11 +247,11 @@ class Checkpointer:
 
     def _directory_id(self, final_dir: str, rank: int, world: int, store: Any) -> str:
         """The same id on every rank without a collective: on one rank, an owner token (random, and
-        it says whose the staging directory is, ``leftovers``); else each rank's count of
+        it says whose the staging directory is, ``owners``); else each rank's count of
         directories it began at this path, kept in the Store (unique for the job, across
         Checkpointers) or, without one, in this Checkpointer with the job's run id."""
         if world == 1:
-            return leftovers.owner_token()
+            return owners.owner_token()
         if store is not None:
             place = hashlib.blake2b(final_dir.encode(), digest_size=6).hexdigest()
             return f"d{place}-{store.add(f'asyncckpt/seq/{place}/{rank}', 1)}"
@@ -409,7 +409,7 @@ class Checkpointer:
         if queued is not None:
             return queued
         with object_store_module.using(self.object_store):
-            return backend_for(path).exists(path)
+            return exists(backend_for(path), path)
 
     def pending(self) -> list[SaveHandle]:
         """Checkpoints, removals and links not done yet, oldest first."""
@@ -573,9 +573,9 @@ class Checkpointer:
         handle = self.ledger.admit(kind, path, **details)
         if handle.is_checkpoint:
             self._queue_commit_work(handle)
-        for path in handle.paths:  # the writer changed it: what this process cached of it is stale
-            backend = backend_for(path, self.object_store)
-            handle.when_done(lambda path=path, backend=backend: backend.forget_cached(path))
+        for path in handle.paths:  # the writer changed it: what this process's fsspec cached of it is stale
+            if backend_for(path).remote:
+                handle.when_done(lambda path=path: object_store_module.forget_listings(path, self.object_store))
         return handle
 
     def _foreground(self, handle: SaveHandle, step: Callable[[], Any]) -> Any:
@@ -600,5 +600,5 @@ class Checkpointer:
 
 
 def _normalize(path: str | os.PathLike) -> str:
-    """The form the core keeps a path in (``Backend.normalize``): the pending work is keyed by it."""
-    return backend_for(path).normalize(path)
+    """The form the core keeps a path in (``backend.normalize``): the pending work is keyed by it."""
+    return normalize(path)

@@ -18,14 +18,15 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from asyncckpt.core.storage import local
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.formats import commit_record
+from asyncckpt.core.formats.names import COMMIT_RECORD
+from asyncckpt.core.storage import commit
 from asyncckpt.core.snapshot.dcp_metadata import write_dcp_metadata
 from asyncckpt.core.snapshot.planner import byte_items, layout_for_plan, tensor_items
 from asyncckpt.core.snapshot.shared_buffer import StagingBuffer, copy_into
 from asyncckpt.core.formats.sidecar import ShareRecord
 from asyncckpt.core.storage.sidecars import write_rank_sidecar
-from asyncckpt.core.storage.local import LocalDestination
+from asyncckpt.core.storage.staging import Staging
 from asyncckpt.core.writer.shard_requests import write_share
 from asyncckpt.core.snapshot.tensor_copy import CopyThreads
 
@@ -59,7 +60,7 @@ class AsyncCkptStorageWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator, before any rank writes: un-commit a checkpoint being overwritten in place,
         so a crash mid-save can never leave the old commit record over new, partial data."""
-        backend_for(self.path).uncommit(self.path)
+        commit.uncommit(self.path)
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -75,7 +76,7 @@ class AsyncCkptStorageWriter(StorageWriter):
         finally:
             threads.stop()
         objects = [(item.index.fqn, planner.resolve_data(item).getvalue()) for item in byte_items(plan)]
-        items = write_share(LocalDestination(self.path, self.path, self.direct_io, self.io_threads), self.rank,
+        items = write_share(Staging(self.path, self.path, direct_io=self.direct_io, io_threads=self.io_threads), self.rank,
                             self._buffer.layout, memoryview(self._buffer.mmap)[: layout.buffer_size], objects)
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         write_rank_sidecar(self.path, ShareRecord(self.save_id, self.rank, world_size, "", self._buffer.layout.planner_data, items))
@@ -92,7 +93,8 @@ class AsyncCkptStorageWriter(StorageWriter):
         metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
         metadata.storage_meta = self.storage_meta()
         write_dcp_metadata(self.path, metadata)
-        local.write_commit_record(self.path, {"save_id": self.save_id, "world_size": len(results), "step": None})
+        Staging(self.path, self.path).write_bytes(COMMIT_RECORD, commit_record.encode(
+            {"save_id": self.save_id, "world_size": len(results), "step": None}), atomic=True)
 
     def storage_meta(self) -> Optional[StorageMeta]:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from asyncckpt.core.errors import CheckpointCancelledError, CheckpointError
 from asyncckpt.core.snapshot.file_snapshots import tensor_bytes
-from asyncckpt.core.storage import leftovers
+from asyncckpt.core.storage import owners
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.writer.directory_requests import CommitDirRequest
 from asyncckpt.core.writer.file_requests import BytesRequest, FileRequest
@@ -68,7 +68,7 @@ class DirectoryTransaction:
         """Create the staging directory now, owned by this process, and return it: for a framework
         that writes into it itself (synchronously), so that a crash meanwhile leaves a leftover
         known to be dead."""
-        leftovers.claim(self.staging_dir, self.rank, leftovers.owner_token())
+        owners.claim(self.staging_dir, self.rank, owners.owner_token())
         return self.staging_dir
 
     def path(self, name: str) -> str:

@@ -21,6 +21,8 @@ import weakref
 from multiprocessing import util
 from typing import Any, Callable, Optional
 
+from asyncckpt.core.storage.backend import is_url
+
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _registered_in: Optional[int] = None
 _drained_in: Optional[int] = None
@@ -57,7 +59,7 @@ def waiting_reader(original: Callable, *, path_at: int = 0) -> Callable:
     URLs pass through."""
     def read(*args: Any, **kwargs: Any) -> Any:
         path = args[path_at] if len(args) > path_at else None
-        if isinstance(path, (str, os.PathLike)) and "://" not in str(path):
+        if isinstance(path, (str, os.PathLike)) and not is_url(path):
             wait_for(os.path.abspath(os.fspath(path)))
         return original(*args, **kwargs)
 

@@ -11,7 +11,7 @@ import os
 import re
 from typing import Any, Optional
 
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.backend import join, normalize
 from asyncckpt.core.api.checkpointer import Checkpointer
 from asyncckpt.core.snapshot.dist_env import rank_and_world
 from asyncckpt.core.client.handles import SaveHandle
@@ -33,7 +33,7 @@ class CheckpointManager:
                  **options: Any) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 (the newest committed checkpoint is always kept)")
-        self.root = backend_for(root).normalize(root)
+        self.root = normalize(root)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.prefix, self.digits = prefix, digits
         self._pattern = rf"^{re.escape(prefix)}(\d+)$"
@@ -41,7 +41,7 @@ class CheckpointManager:
         self.retention: Optional[SaveHandle] = None  # the latest save's retention
 
     def path_for(self, step: int) -> str:
-        return backend_for(self.root).join(self.root, f"{self.prefix}{step:0{self.digits}d}")
+        return join(self.root, f"{self.prefix}{step:0{self.digits}d}")
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""

@@ -29,7 +29,8 @@ from asyncckpt.core.storage import leftovers, orphans
 from asyncckpt.core.formats import names
 from asyncckpt.core.cli import export as export_cli
 from asyncckpt.core.errors import CheckpointError
-from asyncckpt.core.storage.backend import Backend, backend_for
+from asyncckpt.core.storage.backend import Backend, backend_for, basename, normalize
+from asyncckpt.core.storage.contents import local_copy, used_bytes
 from asyncckpt.core.storage.object_store import ObjectStoreError
 from asyncckpt.core.loading.metadata_io import load_dcp_metadata
 from asyncckpt.core.formats.names import DCP_METADATA_FILE
@@ -62,7 +63,6 @@ def cmd_ls(root: str) -> int:
     """One line per checkpoint of any kind, and per leftover (``checkpoint_kinds``): name, step,
     size, status, kind. Sorted by (step, time), like ``latest_checkpoint`` ranks them, so the last
     COMPLETE line is what a resume picks. The same for a directory and an object-store prefix."""
-    backend = backend_for(root)
     try:
         entries = checkpoint_kinds.checkpoints_under(root)
     except (OSError, ObjectStoreError) as e:
@@ -71,11 +71,11 @@ def cmd_ls(root: str) -> int:
     rows = []
     finishing = {what: token for token, names_finishing in orphans.at_work(root).items() for what in names_finishing}
     for entry in entries:
-        name = backend.basename(entry.path)
+        name = basename(entry.path)
         hidden = names.parse_hidden(name)
         if hidden is not None and hidden.name in finishing:  # its training process died after the save returned
             entry.note = f"being finished by the writer {finishing[hidden.name]} of a training process that died"
-        size = entry.size if entry.size is not None else backend.used_bytes(entry.path)
+        size = entry.size if entry.size is not None else used_bytes(entry.path)
         note = ", ".join(part for part in (
             entry.kind if entry.kind != "hidden" else "", entry.note, f"epoch {entry.epoch}" if entry.epoch is not None else "",
             "no checksums" if entry.status in ("COMPLETE", "NATIVE") and not entry.checksums else "") if part)
@@ -113,7 +113,7 @@ def cmd_inspect(path: str) -> int:
         return EXIT_INCOMPLETE
     if entry.kind == "file":
         print(f"{path}: single file, {entry.size} B, {'checksum attached' if entry.checksums else 'no checksum'}")
-        return _inspect_files(backend, [(backend.basename(path), path, entry.size or 0)])
+        return _inspect_files(backend, [(basename(path), path, entry.size or 0)])
     listed = sorted(backend.listing(path), key=lambda item: item.name)
     if entry.kind == "directory":
         print(f"{path}: {entry.status}, step {'-' if entry.step is None else entry.step}")
@@ -124,7 +124,7 @@ def cmd_inspect(path: str) -> int:
           f"world size {record.get('world_size', '?')}, save {record.get('save_id', '?')}")
     described = [item.name for item in listed
                  if item.name in (names.DCP_METADATA_FILE, names.COMMIT_RECORD) or names.SIDECAR_PATTERN.match(item.name)]
-    with backend.local_copy(path, described) as local:
+    with local_copy(path, described) as local:
         shown = _inspect_sharded(path, local, {item.name: item.size for item in listed})
     return EXIT_INCOMPLETE if shown == EXIT_OK and entry.status == "INCOMPLETE" else shown
 
@@ -258,13 +258,12 @@ def cmd_verify(path: str, progress: bool = True) -> int:
 
 # ------------------------------------------------------------------------------------------ clean
 def cmd_clean(root: str, min_age_s: float, dry_run: bool) -> int:
-    """Delete what crashed or killed saves left under ROOT (``Backend.find_leftovers``): at once what
+    """Delete what crashed or killed saves left under ROOT (``leftovers.find``): at once what
     a process that is gone left on this host; what was made on another host (whose writer this
     host cannot see) only once untouched for ``min_age_s``. Never anything a live writer still uses."""
-    backend = backend_for(root)
-    root = backend.normalize(root)
+    root = normalize(root)
     try:
-        found = backend.find_leftovers(root)
+        found = leftovers.find(root)
     except (OSError, ObjectStoreError) as e:
         print(f"asyncckpt clean: {e}", file=sys.stderr)
         return EXIT_PROBLEM
@@ -276,9 +275,9 @@ def cmd_clean(root: str, min_age_s: float, dry_run: bool) -> int:
                    f"its writer cannot be checked from this host; removed once untouched for {min_age_s:.0f} s")
             print(f"kept     {name}  ({why})")
             continue
-        size = leftover.size if leftover.size is not None else backend.used_bytes(leftover.path)
+        size = leftover.size if leftover.size is not None else used_bytes(leftover.path)
         if not dry_run:
-            backend.delete_leftover(leftover)
+            leftovers.delete(leftover)
         freed, count = freed + size, count + 1
         print(f"{'would remove' if dry_run else 'removed'}  {name}  {_human(size)}  ({leftover.kind} of {leftover.belongs_to})")
     print(f"{'would free' if dry_run else 'freed'} {_human(freed)} in {count} entr{'y' if count == 1 else 'ies'}")

@@ -15,13 +15,13 @@ import sys
 from asyncckpt.core.export import torch_sources
 from asyncckpt.core.export.options import as_options
 from asyncckpt.core.export.writing import export_local
-from asyncckpt.core.storage import leftovers
+from asyncckpt.core.storage import owners
 
 
 def main(argv: list[str]) -> int:
     checkpoint, target, export_of, options = argv[0], argv[1], argv[2], as_options(json.loads(argv[3]))
     try:
-        export_local(checkpoint, target, options, read=torch_sources.read, token=leftovers.owner_token(),
+        export_local(checkpoint, target, options, read=torch_sources.read, token=owners.owner_token(),
                      progress=None, export_of=export_of)
     except Exception as e:  # noqa: BLE001 - reported to the writer, which raises it
         print(f"{type(e).__name__}: {' '.join(str(e).splitlines())}", file=sys.stderr)

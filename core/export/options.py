@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from asyncckpt.core.formats.hf_safetensors import dtype_name, parse_size
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.backend import normalize
 
 EXPORT_FORMAT = "hf-safetensors"
 _FILE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")  # a single-file checkpoint's export is a directory
@@ -64,10 +64,10 @@ class ExportOptions:
 
     def target_for(self, checkpoint: str) -> str:
         """Where the export of ``checkpoint`` goes."""
-        checkpoint = backend_for(checkpoint).normalize(checkpoint)
+        checkpoint = normalize(checkpoint)
         root = self.directory or os.path.join(os.path.dirname(checkpoint), "exports")  # os.path: '/' in URLs too
         name, suffix = os.path.splitext(os.path.basename(checkpoint))
-        return os.path.join(backend_for(root).normalize(root), name if suffix in _FILE_SUFFIXES else name + suffix)
+        return os.path.join(normalize(root), name if suffix in _FILE_SUFFIXES else name + suffix)
 
 
 def as_options(export: "ExportOptions | str | dict | None") -> Optional[ExportOptions]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from asyncckpt.core.export.options import ExportOptions
 from asyncckpt.core.export.writing import export_checkpoint, stale_exports
+from asyncckpt.core.storage import removal
 from asyncckpt.core.storage.backend import backend_for
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ class ExportRequest:
         if not backend_for(root).remote:
             context.tidy(root)  # a killed export's staging directory
         on_idle_cpu(lambda: export_checkpoint(self.checkpoint, self.target, self.options, token=context.token()))
-        backend_for(root).remove(stale_exports(root, self.options.keep_last), context.token(), context.after_reply)
+        removal.remove(stale_exports(root, self.options.keep_last), context.token(), context.after_reply)
 
 
 def on_idle_cpu(work: Callable[[], object]) -> None:

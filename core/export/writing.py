@@ -37,11 +37,12 @@ from asyncckpt.core.export import sources
 from asyncckpt.core.export.assembly import PieceReader, write_tensor
 from asyncckpt.core.export.options import EXPORT_FORMAT, ExportOptions
 from asyncckpt.core.export.sources import Source, SourceTensor
-from asyncckpt.core.formats import commit_record, names
+from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import checksum_stream
 from asyncckpt.core.formats.hf_safetensors import FLOATING, OutputTensor, index_bytes, plan_shards
-from asyncckpt.core.storage import commit, leftovers, local
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage import commit, owners
+from asyncckpt.core.storage.backend import at_once, backend_for, basename, exists, normalize
+from asyncckpt.core.storage.staging import publish_checkpoint
 from asyncckpt.core.storage.fsio import fsync_dir
 from asyncckpt.core.writer.mirror import restore, upload
 
@@ -130,16 +131,16 @@ def export_checkpoint(checkpoint: str, target: str, options: ExportOptions, *, r
     checkpoint; where it cannot, a child process with torch writes the export (``export_local``).
     Raises ``CheckpointWriteError`` naming the checkpoint."""
     source, destination = backend_for(checkpoint), backend_for(target)
-    checkpoint, target = source.normalize(checkpoint), destination.normalize(target)
-    token = token or leftovers.owner_token()
+    checkpoint, target = normalize(checkpoint), normalize(target)
+    token = token or owners.owner_token()
     try:
         if not source.remote and not destination.remote:
             export_local(checkpoint, target, options, read=read, token=token, progress=progress, export_of=checkpoint)
             return target
         with tempfile.TemporaryDirectory(prefix="asyncckpt-export-") as scratch:
-            local = restore(checkpoint, os.path.join(scratch, "checkpoint", source.basename(checkpoint))) \
+            local = restore(checkpoint, os.path.join(scratch, "checkpoint", basename(checkpoint))) \
                 if source.remote else checkpoint
-            staged = os.path.join(scratch, "export", destination.basename(target)) if destination.remote else target
+            staged = os.path.join(scratch, "export", basename(target)) if destination.remote else target
             export_local(local, staged, options, read=read, token=token, progress=progress, export_of=checkpoint)
             if destination.remote:
                 upload(staged, target, token)
@@ -168,15 +169,15 @@ def export_local(checkpoint: str, target: str, options: ExportOptions, *, read: 
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.makedirs(staging)
         checksums = _write_export(source, chosen, staging, options, progress)
-        replaced = local.publish_with_record(staging, target, {
+        replaced = publish_checkpoint(backend_for(target), staging, target, {
             "save_id": token, "world_size": 1, "step": (record or {}).get("step"), "checksums": checksums,
             "export_of": export_of, "export_format": EXPORT_FORMAT})
     except BaseException:
         if os.path.lexists(staging):
-            leftovers.delete(staging, token)
+            backend_for(staging).remove_tree(staging, token, later=at_once)
         raise
     if replaced is not None:
-        leftovers.delete(replaced, token)
+        backend_for(replaced).remove_tree(replaced, token, later=at_once)
 
 
 def _export_in_child_with_torch(checkpoint: str, target: str, options: ExportOptions, export_of: str) -> None:
@@ -230,8 +231,7 @@ def stale_exports(root: str, keep_last: Optional[int]) -> list[str]:
     """The committed exports under ``root`` to delete: beyond the newest ``keep_last``, or (without
     ``keep_last``) those whose checkpoint no longer exists. Never the newest."""
     exports = []
-    for path, body in backend_for(root).commit_bodies_under(root):
-        record = commit_record.parse(body)
+    for path, record in commit.committed_under(root):
         if record is not None and record.get("export_format") == EXPORT_FORMAT:
             step = record.get("step")
             exports.append(((step if isinstance(step, int) else -1, record.get("committed_at_ns", 0)), path, record))
@@ -240,5 +240,5 @@ def stale_exports(root: str, keep_last: Optional[int]) -> list[str]:
     if keep_last is not None:
         return [path for _key, path, _record in exports[:-keep_last]]
     return [path for _key, path, record in candidates
-            if not backend_for(str(record.get("export_of"))).exists(str(record.get("export_of")))]
+            if not exists(backend_for(str(record.get("export_of"))), str(record.get("export_of")))]
 

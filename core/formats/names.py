@@ -15,7 +15,7 @@ tmp        a single file being written (renamed to its name when durable)      o
 link       a symlink being made (renamed over its name)                        owner token
 ========== =================================================================== ==================
 
-The *owner token* (``leftovers.owner_token``) says which process made the entry, so that a
+The *owner token* (``owners.owner_token``) says which process made the entry, so that a
 leftover of a crashed process can be told from a live one without looking at its age. A staging
 directory is shared by every rank of a save, so each rank's writer leaves an owner marker in it
 instead.
@@ -33,6 +33,7 @@ from typing import Optional
 COMMIT_RECORD = ".asyncckpt-commit.json"
 DCP_METADATA_FILE = ".metadata"
 ABORT_MARKER = "ABORTED.json"  # in a staging directory: the save failed on some rank
+REMOVING_MARKER = ".asyncckpt-removing"  # under an object-store prefix being removed: garbage, whoever wrote it
 
 
 def data_file_name(rank: int) -> str:

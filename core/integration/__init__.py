@@ -14,7 +14,8 @@ adapter would otherwise write for itself is here, once:
 * reporting: ``SaveMetrics`` (each save's stall, time to durable and bytes, for the framework's logger);
 * the framework itself: ``patching`` (reversible, contract-checked replacements of its functions, against the
   releases ``versions`` names), ``lifecycle`` (waiting for saves in flight, the exit drain), ``dist_env``
-  (what the core asks torch.distributed), ``normalize_path`` and ``is_url`` (one rule for paths).
+  (what the core asks torch.distributed), ``normalize_path`` and ``is_url`` (one rule for paths: the storage
+  seam's).
 
 Everything else under ``asyncckpt.core`` is private: its sub-packages (``api``, ``snapshot``, ``client``,
 ``writer``, ``export``, ``storage``, ``formats``, ``loading``, ``verify``, ``cli``) may change in any release; a test keeps
@@ -29,15 +30,8 @@ from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves
 from asyncckpt.core.integration.metrics import SaveMetrics
 from asyncckpt.core.snapshot import dist_env
 from asyncckpt.core.snapshot.file_snapshots import tensor_bytes
-from asyncckpt.core.storage.backend import backend_for, is_url
+from asyncckpt.core.storage.backend import is_url, normalize as normalize_path
 from asyncckpt.core.storage.orphans import wait_for_orphans
-
-
-def normalize_path(path) -> str:
-    """The form the core keeps a path in: absolute for a local path (symbolic links kept), a URL as given
-    without a trailing slash (``Backend.normalize``). Adapters compare and hand over paths in this form only."""
-    return backend_for(path).normalize(path)
-
 
 __all__ = [
     "SaveHandle", "SaveMetrics", "capture", "capturing_dcp_saves", "checksum", "dist_env", "is_url", "lifecycle",

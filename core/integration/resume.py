@@ -57,7 +57,8 @@ from asyncckpt.core.errors import CheckpointError
 import asyncckpt.core.integration.patching as patching
 from asyncckpt.core.loading.hashed_reads import BackgroundCheck, mapped_problem
 from asyncckpt.core.storage import file_checksums
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.backend import basename, is_url, normalize
+from asyncckpt.core.storage.contents import local_copy
 from asyncckpt.core.storage.orphans import wait_for_orphans
 from asyncckpt.core.storage.file_checksums import FileChecksum
 from asyncckpt.core.verify import integrity
@@ -91,7 +92,7 @@ def prepare(checkpointer: Any, place: Optional[str], *, newest_first: Optional[C
     ``newest_first(place)``, or no file ``mirrored_name``: a framework that looks for a fixed name, as
     Lightning's ``last.ckpt``), the newest mirrored checkpoint (or the one of that name) is restored into it."""
     checkpointer.wait(everywhere=True)
-    if place is None or backend_for(place).remote:
+    if place is None or is_url(place):
         return
     wait_for_saves(place, checkpointer.options.timeout)
     mirror = checkpointer.options.mirror_to
@@ -174,13 +175,12 @@ def load_file(path: str, load: Callable[[str], T]) -> T:
     """``load(path)``, the framework's own load of the single file ``path``, while its checksum is computed
     beside it; the result only if the bytes are those written, else ``CorruptCheckpointError`` naming the
     file. A file without a checksum: ``load(path)`` alone. A file in an object store is fetched once into a
-    temporary file (``Backend.local_copy``), which is loaded and hashed: its bytes cross the network once."""
-    backend = backend_for(path)
+    temporary file (``contents.local_copy``), which is loaded and hashed: its bytes cross the network once."""
     expected = file_checksums.read_record(path)
     if expected is None:
         return load(path)
-    name = backend.basename(path)
-    with backend.local_copy(os.path.dirname(path), [name]) as folder:
+    name = basename(path)
+    with local_copy(os.path.dirname(path), [name]) as folder:
         result, found = _load_while_checking(os.path.join(folder, name), expected, load)
     if found:
         raise integrity.damaged(path, [f"{name}: {found}"])
@@ -246,7 +246,7 @@ def verify(checkpointer: Any, path: str, *, everywhere: bool = False) -> Verifie
         return found
 
     report = checkpointer.require_intact(path, everywhere=everywhere, check_file=check_and_keep)
-    return Verified(backend_for(path).normalize(path), report, kept)
+    return Verified(normalize(path), report, kept)
 
 
 def _load_while_checking(path: str, expected: FileChecksum, load: Callable[[str], T]) -> tuple[Optional[T], Optional[str]]:

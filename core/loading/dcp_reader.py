@@ -64,7 +64,7 @@ class AsyncCkptStorageReader(StorageReader):
     def _load_sidecars(self) -> dict[tuple[str, int], tuple[Any, int]]:
         """(file, start) -> (sidecar columns, item index), for every rank sidecar present (none for plain DCP)."""
         located: dict[tuple[str, int], tuple[Any, int]] = {}
-        for name in backend_for(self.path).list_names(self.path):
+        for name in backend_for(self.path).names(self.path):
             match = names.SIDECAR_PATTERN.match(name)
             if match is None:
                 continue

@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.backend import backend_for, join
 from asyncckpt.core.loading.metadata_io import DCP_METADATA_FILE, check_relative_path
 from asyncckpt.core.loading.reader import RAW_DTYPES, FileSpans, Span, can_read_into, overlapping, read_spans
 from asyncckpt.core.formats.names import sidecar_name
@@ -84,8 +84,7 @@ def committed_sidecars(root: str, record: dict) -> Optional[list[Sidecar]]:
     if not isinstance(files, dict) or not isinstance(world_size, int) or world_size < 1:
         return None  # e.g. a reduced record of a save through DCP's own API
     try:
-        backend = backend_for(root)
-        if backend.size_of(backend.join(root, DCP_METADATA_FILE)) != files.get(DCP_METADATA_FILE):
+        if backend_for(root).stat(join(root, DCP_METADATA_FILE)).size != files.get(DCP_METADATA_FILE):
             return None  # replaced or damaged since the commit: let the checked path deal with it
         sidecars = [read_sidecar(root, rank) for rank in range(world_size) if sidecar_name(rank) in files]
     except FileNotFoundError:

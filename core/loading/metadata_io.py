@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.backend import backend_for, join, read_bytes
 from asyncckpt.core.formats.dcp_pickle import DCP_METADATA_FILE
 from asyncckpt.core.errors import CorruptCheckpointError, UnsafeMetadataError
 
@@ -72,10 +72,9 @@ def check_relative_path(root: str, relative_path: str) -> str:
 
 
 def load_dcp_metadata(checkpoint_dir: str, file_name: str = DCP_METADATA_FILE) -> dcp_metadata.Metadata:
-    backend = backend_for(checkpoint_dir)
-    path = backend.join(checkpoint_dir, file_name)
+    path = join(checkpoint_dir, file_name)
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(backend.read_bytes(path)), path).load()
+        metadata = _MetadataUnpickler(io.BytesIO(read_bytes(backend_for(checkpoint_dir), path)), path).load()
     except FileNotFoundError:
         raise
     except UnsafeMetadataError:

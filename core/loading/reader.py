@@ -18,9 +18,9 @@ A checkpoint in an object store (a ``remote`` backend) is read with ranged reque
 ``concurrency`` of them in flight (``ObjectStoreOptions``), planned from the same ``FileSpans``:
 
 - neighbouring small items (gaps of container framing up to ``GAP_BYTES``) share one range, up to
-  the backend's ``range_bytes``; each item's bytes are copied from the response into its target
+  the options' ``part_bytes``; each item's bytes are copied from the response into its target
   and hashed at once;
-- a large item is fetched in ranges of ``range_bytes``, each copied into its place in the target
+- a large item is fetched in ranges of ``part_bytes``, each copied into its place in the target
   as it arrives (in any order), and hashed once the last of its ranges has landed (xxh3 needs its
   bytes in order; the ranges arrive out of order).
 
@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from asyncckpt.core.storage import diskio
-from asyncckpt.core.storage.backend import Backend, backend_for
+from asyncckpt.core.storage.backend import Backend, backend_for, join
+from asyncckpt.core.storage.object_store import options_for
 from asyncckpt.core.formats.checksum import checksum, checksum_stream
 from asyncckpt.core.errors import CorruptCheckpointError
 
@@ -291,13 +292,13 @@ def _run_units(queues: list[list], threads: int) -> None:
 # ------------------------------------------------------------------------------- ranged requests
 def _read_ranged(backend: Backend, root: str, files: list[FileSpans]) -> None:
     """``read_spans`` for a remote backend: every span by ranged requests (module docstring)."""
-    part = backend.range_bytes(root)
-    ranges: list[tuple[str, int, int]] = []
+    part = options_for(root).part_bytes
+    ranges: list[tuple[str, int, Optional[int]]] = []
     handlers: list[Callable[[bytes], None]] = []
     for entry in files:
-        url = backend.join(root, entry.relative_path)
+        url = join(root, entry.relative_path)
         try:
-            size = backend.size_of(url)
+            size = backend.stat(url).size
         except FileNotFoundError as e:
             raise CorruptCheckpointError(f"{url}: data object is missing") from e
         if size < entry.needed_size:
@@ -323,7 +324,13 @@ def _read_ranged(backend: Backend, root: str, files: list[FileSpans]) -> None:
         if batch:
             ranges.append((url, batch[0].offset, batch[-1].offset + batch[-1].nbytes))
             handlers.append(_batch_handler(url, batch))
-    backend.read_ranges(ranges, lambda index, data: handlers[index](data))
+
+    def land(index: int, data: Optional[bytes]) -> None:
+        if data is None:
+            raise CorruptCheckpointError(f"{ranges[index][0]}: data object is missing")
+        handlers[index](data)
+
+    backend.read_ranges(ranges, land)
 
 
 def _batch_handler(url: str, batch: list[Span]) -> Callable[[bytes], None]:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.utils import _DistWrapper, find_state_dict_object, find_tensor_shard
 
 from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.staging import staging_dir_for
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.snapshot.buffer_pool import BufferPool, Slot
 from asyncckpt.core.snapshot.dist_env import rank_and_world
@@ -161,7 +162,7 @@ class ShardedSaves:
             if speculation is not None:
                 speculation.abandon()
             raise
-        staging_dir = target.staging_dir or backend_for(target.path).staging_dir_for(target.path, save_id)
+        staging_dir = target.staging_dir or staging_dir_for(target.path, save_id)
         coordinator = target.rank == 0
         kind = target.barrier_kind()
         classes = dcp_classes() if coordinator else None

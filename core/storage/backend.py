@@ -1,24 +1,58 @@
-"""The storage seam: one protocol for every place a checkpoint can live, and ``backend_for``, the
-one place that tells an object-store URL from a local path.
+"""The storage seam: the primitives every place a checkpoint can live provides, and
+``backend_for``, the one place that tells an object-store URL from a local path.
 
-Everything above ``storage`` (the writer's requests, loads, checks, the CLI) does its I/O through
-a ``Backend`` and never asks which one it has; what differs between a file system and an object
-store is said once, here and in the two implementations:
+A ``Backend`` offers only what differs between a file system and an object store; everything
+built of it is written once, above it, whatever the store (as torch.distributed.checkpoint's
+writer and reader are written once over its ``FileSystemBase``):
 
-=========================  ========================================  ===========================================
-operation                  ``local.LocalBackend``                    ``object_backend.ObjectBackend``
-=========================  ========================================  ===========================================
-a save's files             hidden staging directory (``Destination``) the checkpoint's own prefix
-atomic publish             rename of the staging directory           the commit object, created last (create-only)
-commit records             read from each directory                  one delimited listing, bodies fetched together
-a single file              temporary name, rename                    one object (an upload is atomic)
-its checksum record        an extended attribute                     the object's user metadata
-removal                    rename to a hidden name, delete later     marker, commit object first, then the rest
-leftovers                  hidden names, owner tokens                uncommitted prefixes, markers, uploads
-=========================  ========================================  ===========================================
+=========================  ==================================================================================
+written once               over the primitives
+=========================  ==================================================================================
+``commit``                 commit records under a root, ``latest_checkpoint``, ``is_complete``, un-committing
+``staging``                a sharded save's files until it is published: owner markers, writes, the publish
+``removal``                removing checkpoints and files, never seen half-removed
+``leftovers``              what crashed writers left, judged by owner token, and deleting it
+``contents``               what a checkpoint holds: its files, the bytes it uses, a local copy
+``writer.barrier``         the ranks' markers
+=========================  ==================================================================================
 
-The commit record is encoded and parsed in one place (``formats.commit_record``) whatever the
-store; a backend only moves its bytes.
+The primitives, and why each is one (``local.LocalBackend``: the file system;
+``object_backend.ObjectBackend``: an object store through the fsspec client ``object_store``):
+
+========================  ====================================  ============================================
+primitive                 file system                           object store
+========================  ====================================  ============================================
+``stat``                  a stat (symlinks followed)            a HEAD (a prefix: a listing of one key)
+``names``                 a readdir, no stat: cheap to poll     one delimited LIST (as ``listing``)
+``listing``               a readdir and a stat per entry        one delimited LIST says it all
+``read_ranges``           one read after another                ``concurrency`` GETs in flight
+``read_pieces``           into one reused buffer                one GET
+``download``              a copy                                the client's (parallel) download
+``read_checksum_record``  an extended attribute                 the object's user metadata
+``write``                 in place: O_DIRECT, parallel; bytes   one PUT, or a multipart upload (whole or
+                          atomically by a renamed temporary     nothing)
+``write_marker``          one write, not fsynced; O_EXCL,       one PUT; create-only (If-None-Match);
+                          O_APPEND                              an object is written whole
+``write_file``            a hidden temporary, its checksum as   one upload with its checksum as metadata,
+                          an attribute, renamed into place      a marker beside naming its writer
+``publish``               the commit record in the staging      the commit object, created last and
+                          directory, renamed into place         create-only (no rename exists)
+                          (exchanged with an older one)
+``delete``                unlink, the directory fsynced         one batched DELETE
+``remove_tree``           renamed to a hidden name at once,     a removing marker, the commit object, then
+                          deleted after the reply               the rest at once (the name may be reused)
+``uploads``,              none: a write in flight is a file     incomplete multipart uploads, which no
+``abort_uploads``         under a hidden name, listed           listing shows
+========================  ====================================  ============================================
+
+``remote`` is the kind itself, for what follows from it above the seam: an object store is
+written in place under the checkpoint's own name (there is no rename: ``staging``, ``leftovers``,
+``writer.barrier``), has no shared directory for the ranks to meet in, and bills every request
+(nothing lists a bucket after each save).
+
+Names are the same for both (a URL's keys are POSIX paths: ``join``, ``basename``); the form the
+core keeps a path in is ``normalize``'s. The commit record is encoded and parsed in one place
+(``formats.commit_record``) whatever the store; a backend only moves its bytes.
 
 A backend is cheap to build and to pickle (the object store's holds its options; the store
 client itself is cached per process), so requests carry a path and options, and each side calls
@@ -29,111 +63,70 @@ Kept free of torch: the background writer imports it.
 from __future__ import annotations
 
 import os
-from typing import Callable, ContextManager, Iterator, Optional, Protocol
+import posixpath
+from typing import Callable, Iterator, Optional, Protocol, Union
 
 from asyncckpt.core.formats.checksum import FileChecksum
-from asyncckpt.core.storage.leftovers import Leftover
-from asyncckpt.core.storage.listing import Listed
+from asyncckpt.core.storage.listing import IncompleteUpload, Listed
 from asyncckpt.core.storage.local import LocalBackend
 from asyncckpt.core.storage.object_backend import ObjectBackend
 from asyncckpt.core.storage.object_store import ObjectStoreOptions
 
 WaitReady = Optional[Callable[[float], float]]
+Later = Callable[[Callable[[], None]], None]  # runs an action now, or once the writer has replied
 
 
-class Destination(Protocol):
-    """Where the files of one sharded save go, and how the save becomes visible."""
-
-    directory: str  # where its files are written (read back at the commit)
-
-    def claim(self, rank: int, token: str) -> None:
-        """This rank's writer uses it now (an owner marker: no cleaner takes it for a leftover)."""
-
-    def tidy_parent(self) -> Optional[str]:
-        """The local directory whose dead writers' leftovers go after the reply (None: left to ``clean``)."""
-
-    def write_image(self, name: str, image: memoryview, size: int, wait_ready: WaitReady) -> None:
-        """Durably write ``image[:size]`` as ``name`` (see ``diskio.write_image``)."""
-
-    def write_small(self, name: str, data: bytes) -> None:
-        """Durably write small bytes as ``name``."""
-
-    def write_atomic(self, name: str, data: bytes) -> None:
-        """Durably write ``name`` so that readers see all of it or nothing."""
-
-    def publish(self, record: dict) -> Optional[str]:
-        """Coordinator: make the checkpoint visible with its commit record (listing its files and
-        sizes); returns what an overwrite replaced, to ``delete`` once the commit is reported."""
-
-    def delete(self, replaced: str, token: str) -> None: ...
+def at_once(action: Callable[[], None]) -> None:
+    """``Later`` for work nobody replies to first: run it now."""
+    action()
 
 
 class Backend(Protocol):
-    """What the core needs from a place checkpoints live (see the module docstring)."""
+    """The primitives of a place checkpoints live (see the module docstring)."""
 
-    remote: bool  # an object store: no shared directory for the ranks to meet in, nothing to rename
+    remote: bool  # an object store: written in place (no rename), no shared directory, every request billed
+    marker_poll_s: float  # the longest a barrier waits between two looks at its markers (a listing or a read)
 
-    # ---------------------------------------------------------------- names
-    def normalize(self, path: str) -> str:
-        """The form the core keeps a path in (absolute; a URL without a trailing slash)."""
+    # ---------------------------------------------------------------- what is there
+    def stat(self, path: str) -> Listed:
+        """What ``path`` is (kind, size, time); FileNotFoundError if there is nothing."""
 
-    def join(self, base: str, *parts: str) -> str: ...
-
-    def basename(self, path: str) -> str: ...
-
-    # ---------------------------------------------------------------- reading
-    def read_bytes(self, path: str) -> bytes:
-        """The whole content of a small file or object; FileNotFoundError if there is none."""
-
-    def size_of(self, path: str) -> int:
-        """Its size in bytes; FileNotFoundError if absent."""
-
-    def exists(self, path: str) -> bool: ...
-
-    def is_file(self, path: str) -> bool:
-        """A single file (object), rather than a checkpoint directory (prefix) or nothing."""
-
-    def list_names(self, path: str) -> list[str]:
-        """The names directly under ``path``; FileNotFoundError if there is nothing there."""
+    def names(self, path: str) -> list[str]:
+        """The names directly under ``path``, and nothing else of them (what a barrier polls);
+        FileNotFoundError if there is nothing there."""
 
     def listing(self, path: str) -> list[Listed]:
-        """What ``list_names`` names, with what one listing tells of each (kind, size, time)."""
+        """The names directly under ``path`` with what a listing tells of each (kind, size, time);
+        FileNotFoundError if there is nothing there."""
+
+    # ---------------------------------------------------------------- reading
+    def read_ranges(self, ranges: list[tuple[str, int, Optional[int]]],
+                    consume: Callable[[int, Optional[bytes]], None]) -> None:
+        """Read every ``(path, start, end)`` (``end`` None: the whole file, ``start`` 0) and hand
+        each to ``consume(index, data)`` as it arrives (any order, one at a time), ``data`` None
+        where there is no such file; a short range raises ``CorruptCheckpointError``."""
 
     def read_pieces(self, path: str, piece_bytes: int) -> Iterator[memoryview]:
         """The content of ``path`` in order, in pieces (each valid until the next is asked for)."""
 
-    # Remote backends only (``remote``): a local file is read in place, by file descriptor, into
-    # its targets (``loading.reader``); a remote one by ranged requests, whose bytes arrive in the
-    # client's buffers.
-    def read_ranges(self, ranges: list[tuple[str, int, int]], consume: Callable[[int, bytes], None]) -> None:
-        """Fetch every ``(path, start, end)`` range and hand each to ``consume(index, data)`` as it
-        arrives (any order, one at a time); a short range raises ``CorruptCheckpointError``."""
+    def download(self, path: str, local_path: str) -> None:
+        """Copy the file or object ``path`` into the local file ``local_path``, durably."""
 
-    def range_bytes(self, path: str) -> int:
-        """How large one ranged request under ``path`` should be at most (a part of a large item)."""
-
-    def commit_bodies_under(self, root: str) -> list[tuple[str, Optional[bytes]]]:
-        """``(path, commit record bytes or None)`` of every non-hidden name directly under ``root``
-        (nothing if ``root`` does not exist); parsed by ``formats.commit_record``."""
-
-    def used_bytes(self, path: str) -> int:
-        """The bytes stored under ``path`` (a file, or everything below a directory or prefix)."""
-
-    def local_copy(self, path: str, names: list[str]) -> ContextManager[str]:
-        """A local directory holding ``names`` of the checkpoint at ``path`` (those that exist):
-        the checkpoint itself where it is local, else a temporary copy."""
+    def read_checksum_record(self, path: str) -> Optional[FileChecksum]:
+        """The checksum record attached to the single file ``path`` (``write_file``), or None."""
 
     # ---------------------------------------------------------------- writing
-    def destination(self, final_path: str, staging_dir: str, *, coordinator: bool, direct_io: bool = True,
-                    io_threads: int = 2) -> Destination: ...
+    def write(self, path: str, data: Union[bytes, memoryview], size: Optional[int] = None, *, atomic: bool = False,
+              wait_ready: WaitReady = None, direct_io: bool = True, io_threads: int = 2) -> None:
+        """Durably write ``data`` (bytes) or ``data[:size]`` (a staging buffer's image, page-aligned;
+        with ``wait_ready`` still being copied: see ``diskio.write_image``) as ``path``, whose
+        directory exists. Written in place: what makes a save's files visible whole is its publish;
+        ``atomic`` (bytes): readers of ``path`` see all of it or nothing even before that."""
 
-    def tidy_parent(self, path: str) -> Optional[str]:
-        """The local directory beside ``path`` whose dead writers' leftovers a writer removes after
-        its reply (None: leftovers there are left to ``asyncckpt clean``: listing a bucket per save
-        is not free)."""
-
-    def staging_dir_for(self, final_path: str, save_id: str) -> str:
-        """Where a sharded save of ``final_path`` writes its files until it is published."""
+    def write_marker(self, path: str, data: bytes, *, exclusive: bool = False, append: bool = False) -> None:
+        """Leave a small coordination file, creating its directory (not fsynced: it says what
+        happened, the data was made durable before); ``exclusive``: only if there is none yet (the
+        first one stays); ``append``: added to what is there, where the store can append."""
 
     def write_file(self, path: str, image: memoryview, size: int, token: str, *,
                    checksum: Optional[Callable[[], Optional[FileChecksum]]], direct_io: bool = True,
@@ -141,47 +134,32 @@ class Backend(Protocol):
         """Durably publish ``image[:size]`` as the single file ``path``, whole or not at all, with
         the checksum record ``checksum()`` gives attached (``checksum`` None: none attached)."""
 
-    def read_checksum_record(self, path: str) -> Optional[FileChecksum]:
-        """The checksum record attached to the single file ``path``, or None."""
-
-    def download(self, path: str, local_path: str) -> None:
-        """Copy the file or object ``path`` into the local file ``local_path``, durably."""
-
-    # ---------------------------------------------------------------- where ranks meet (``writer.barrier``)
-    marker_poll_s: float  # the longest a barrier waits between two looks at its markers (a listing or a read)
-
-    def barrier_place(self, staging_dir: str, key: str) -> str:
-        """Where the ranks of the save ``key`` leave their markers: its staging directory, or a hidden
-        place of the save's own under it where saves share one (an object store writes in place)."""
-
-    def write_marker(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
-        """Leave a small coordination file (not fsynced: it says what happened, the data was made
-        durable before); ``exclusive``: only if there is none yet (the first one stays)."""
-
-    def delete_markers(self, paths: list[str]) -> None:
-        """Remove coordination files (absent ones are fine)."""
+    def publish(self, staging_dir: str, final_path: str, record: bytes) -> Optional[str]:
+        """Make the checkpoint written in ``staging_dir`` visible under ``final_path`` at once, with
+        the commit record ``record``; returns where a checkpoint it replaced now is (to
+        ``remove_tree`` once the commit is reported). FileExistsError: another save committed
+        ``final_path`` meanwhile."""
 
     # ---------------------------------------------------------------- removing
-    def uncommit(self, path: str) -> None:
-        """Durably remove the commit record, so ``path`` no longer counts as complete."""
+    def delete(self, paths: list[str], *, durable: bool = True) -> None:
+        """Delete these files (absent ones are fine); ``durable``: the deletion survives a crash."""
 
-    def remove(self, paths: list[str], token: str, after_reply: Callable[[Callable[[], None]], None],
-               hidden_parent: Optional[str] = None) -> None:
-        """Remove checkpoints and files so that none is ever seen half-removed (the commit record
-        goes first); what is slow to delete may be left to ``after_reply``."""
+    def remove_tree(self, path: str, token: str, *, later: Later, hidden_parent: Optional[str] = None) -> None:
+        """Remove the directory or prefix ``path`` so that it is never seen half-removed: out of
+        every listing at once (its commit record first, or with it); what is slow to delete may be
+        left to ``later`` (``at_once``, or once the writer replied). ``hidden_parent``: where a
+        file system moves it meanwhile (a directory whose every entry a framework counts)."""
 
-    def find_leftovers(self, root: str) -> list[Leftover]:
-        """What crashed or killed writers left directly under ``root``, judged by owner (locally,
-        NotADirectoryError if ``root`` is no directory)."""
+    def uploads(self, path: str) -> list[IncompleteUpload]:
+        """Writes begun under ``path``/ that no listing shows and nobody finished."""
 
-    def delete_leftover(self, leftover: Leftover) -> None: ...
-
-    def forget_cached(self, path: str) -> None:
-        """What this process cached about ``path`` is out of date (another process changed it)."""
+    def abort_uploads(self, path: str) -> None:
+        """Abort those of ``path`` itself and under it."""
 
 
 def is_url(path: str | os.PathLike) -> bool:
-    """Whether ``path`` names an object-store location (``scheme://...``) rather than a local path."""
+    """Whether ``path`` names an object-store location (``scheme://...``) rather than a local path:
+    the one place the core tells them apart."""
     return "://" in os.fspath(path)
 
 
@@ -193,3 +171,55 @@ def backend_for(location: str | os.PathLike, options: Optional[ObjectStoreOption
     ``scheme://``; reached with ``options``, default ``object_store.options_for``), else the local
     file system."""
     return ObjectBackend(options) if is_url(location) else _LOCAL
+
+
+# ------------------------------------------------------------------------------ names, the same for both
+def normalize(path: str | os.PathLike) -> str:
+    """The form the core keeps a path in: absolute; a URL without a trailing slash."""
+    path = os.fspath(path)
+    return path.rstrip("/") if is_url(path) else os.path.abspath(path)
+
+
+def join(base: str, *parts: str) -> str:
+    return posixpath.join(base, *parts)
+
+
+def basename(path: str) -> str:
+    return posixpath.basename(posixpath.normpath(path))
+
+
+# ------------------------------------------------------------------------------ reads built of ``read_ranges``
+def read_all(backend: Backend, paths: list[str]) -> list[Optional[bytes]]:
+    """The whole content of each of ``paths`` (None where absent), read side by side where the store allows."""
+    found: list[Optional[bytes]] = [None] * len(paths)
+
+    def keep(index: int, data: Optional[bytes]) -> None:
+        found[index] = data
+
+    if paths:
+        backend.read_ranges([(path, 0, None) for path in paths], keep)
+    return found
+
+
+def read_bytes(backend: Backend, path: str) -> bytes:
+    """The whole content of a small file or object; FileNotFoundError if there is none."""
+    body = read_all(backend, [path])[0]
+    if body is None:
+        raise FileNotFoundError(path)
+    return body
+
+
+def exists(backend: Backend, path: str) -> bool:
+    try:
+        backend.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
+
+
+def is_file(backend: Backend, path: str) -> bool:
+    """A single file (object), rather than a checkpoint directory (prefix) or nothing."""
+    try:
+        return not backend.stat(path).is_dir
+    except (FileNotFoundError, NotADirectoryError):
+        return False

@@ -1,8 +1,9 @@
-"""Which checkpoints are committed: the commit record of a checkpoint, and ``latest_checkpoint``.
+"""Which checkpoints are committed: the commit record of a checkpoint, every one under a root,
+``latest_checkpoint``, and taking a commit back; written once over the storage primitives.
 
 A checkpoint is visible only once its commit record (``.asyncckpt-commit.json``) exists under its
-final name: a local directory gets it just before the rename that publishes it (``local``), an
-object-store prefix as the object created last (``object_backend``). Whatever the store, the
+final name: a local directory gets it just before the rename that publishes it, an object-store
+prefix as the object created last (``Backend.publish``, ``staging``). Whatever the store, the
 record's bytes come from its backend and are parsed by the one parser in
 ``formats.commit_record`` (which rejects a record of a newer version than this code knows).
 
@@ -18,19 +19,14 @@ from asyncckpt.core.errors import IncompleteCheckpointError
 from asyncckpt.core.formats import commit_record
 from asyncckpt.core.formats import names
 from asyncckpt.core.storage import orphans
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.backend import backend_for, exists, join, read_all
 from asyncckpt.core.storage.object_store import ObjectStoreOptions
 
 
 def read_commit_record(path: str, options: Optional[ObjectStoreOptions] = None) -> Optional[dict]:
     """The commit record of the checkpoint at ``path`` (a directory, or an object-store prefix
     whose commit object it is, reached with ``options``), or None."""
-    backend = backend_for(path, options)
-    try:
-        body = backend.read_bytes(backend.join(path, names.COMMIT_RECORD))
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return commit_record.parse(body)
+    return commit_record.parse(read_all(backend_for(path, options), [join(path, names.COMMIT_RECORD)])[0])
 
 
 def is_complete(path: str) -> bool:
@@ -40,7 +36,7 @@ def is_complete(path: str) -> bool:
 
 def require_complete(path: str) -> dict:
     """The commit record of ``path``; raises a clear error if it is missing or was never committed."""
-    if not backend_for(path).exists(path):
+    if not exists(backend_for(path), path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     record = read_commit_record(path)
     if record is None or names.is_hidden(path):
@@ -52,8 +48,24 @@ def require_complete(path: str) -> dict:
 
 def committed_under(root: str, options: Optional[ObjectStoreOptions] = None) -> list[tuple[str, Optional[dict]]]:
     """``(path, commit record or None)`` of every checkpoint name directly under ``root`` (an
-    object store reached with ``options``)."""
-    return [(path, commit_record.parse(body)) for path, body in backend_for(root, options).commit_bodies_under(root)]
+    object store reached with ``options``): one listing of ``root`` (for a URL, one delimited
+    listing: never the checkpoints' own objects), then the commit records, read side by side
+    where the store allows. Nothing if ``root`` does not exist."""
+    backend = backend_for(root, options)
+    try:
+        entries = backend.listing(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    candidates = [entry.path for entry in entries if entry.is_dir and not entry.name.startswith(".")]
+    bodies = read_all(backend, [join(path, names.COMMIT_RECORD) for path in candidates])
+    return [(path, commit_record.parse(body)) for path, body in zip(candidates, bodies)]
+
+
+def uncommit(path: str, options: Optional[ObjectStoreOptions] = None) -> None:
+    """Durably remove the commit record of the checkpoint at ``path``, so it no longer counts as
+    complete: before a save writes anything under a checkpoint's final name (an object store's
+    prefix, a DCP save in place)."""
+    backend_for(path, options).delete([join(path, names.COMMIT_RECORD)])
 
 
 def latest_checkpoint(root: str, *, orphan_timeout: float = 600.0) -> Optional[str]:

@@ -112,8 +112,8 @@ def submit_background(function):
 
 def run_parallel(function, jobs: list, threads: int) -> list:
     """Run ``function(job)`` for each job on threads of its own and return results in order. Used by
-    loads in the training process, which keep no thread of ours once they return (starting two
-    threads costs a fraction of a millisecond; a load takes tens)."""
+    loads in the training process, which keep no thread of ours once they return (starting them is
+    small next to a load: docs/DESIGN.md)."""
     if threads <= 1 or len(jobs) <= 1:
         return [function(job) for job in jobs]
     with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="asyncckpt-read") as pool:

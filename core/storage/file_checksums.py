@@ -36,7 +36,7 @@ def problem(path: str, expected: FileChecksum, progress: Optional[Callable[[int]
     """What is wrong with the file at ``path`` against ``expected``, or None if it matches."""
     backend = backend_for(path)
     try:
-        size = backend.size_of(path)
+        size = backend.stat(path).size
     except FileNotFoundError:
         return f"missing (recorded with {expected.size} B)"
     if size != expected.size:

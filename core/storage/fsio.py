@@ -7,7 +7,7 @@ import errno
 import os
 
 from asyncckpt.core.formats import names
-from asyncckpt.core.storage.leftovers import owner_token
+from asyncckpt.core.storage.owners import owner_token
 
 _RENAME_EXCHANGE = 2
 

@@ -1,208 +1,165 @@
-"""What crashed saves leave behind, whether its writer still lives, and removing it.
+"""What crashed saves leave behind, whether its writer still lives, and removing it: written once
+over the storage primitives, for every store.
 
-Every entry asyncckpt makes beside a checkpoint has a hidden name (``names``). Whether one is a
-leftover is decided by its owner, not its age: entries of a single writer carry that writer's
-*owner token* in their name, and a staging directory (shared by every rank of a save) holds an
-owner marker per rank. A token names the host, the boot and the process id, so on the host that
-made it, a process that is gone, or a boot that is over, means a leftover. An entry made on
-another host cannot be judged here: ``asyncckpt clean`` removes those only past an age the user
-gives. Checkpoints being deleted (``replaced``, ``removing``) are garbage whoever holds them.
+Every entry asyncckpt makes beside a checkpoint has a hidden name (``names``), and whether one is
+a leftover is decided by its owner, not its age (``owners``): its owner token, or for a place the
+ranks of a save share (a staging directory; an object-store prefix written in place) the owner
+markers in it. On the host that made it, a process that is gone, or a boot that is over, means a
+leftover; an entry made on another host cannot be judged here, and ``asyncckpt clean`` removes
+those only past an age the user gives. Checkpoints being deleted (``replaced``, ``removing``, a
+prefix with a removing marker) are garbage whoever holds them.
 
-Removal renames the leftover to a ``removing`` name of our own first, so that two cleaners (two
-ranks' writers, the CLI) never delete into each other, and a crash half-way through leaves a
-leftover that is recognisably dead.
+Directly under a root:
+
+* a hidden entry of ours: a staging directory, a checkpoint an overwrite swapped out (``replaced``)
+  or a removal moved aside (``removing``), a single file or link being written (``tmp``, ``link``;
+  in an object store, the marker beside a single-file upload);
+* where saves are written in place (an object store), a checkpoint prefix without a commit record;
+* writes nobody finished that no listing shows (an object store's incomplete multipart uploads).
+
+A directory is deleted through ``Backend.remove_tree``, so that two cleaners (two ranks' writers,
+the CLI) never delete into each other, and a crash half-way through leaves a leftover that is
+recognisably dead.
 
 Kept free of torch: the background writer and the CLI use it.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import os
-import re
-import secrets
-import shutil
-import socket
 import time
 from dataclasses import dataclass
 from typing import Optional
 
+from asyncckpt.core.formats import commit_record
 from asyncckpt.core.formats import names
-
-_TOKEN = re.compile(r"^(?P<host>[0-9a-f]{6})(?P<boot>[0-9a-f]{6})-(?P<pid>\d+)-[0-9a-f]+$")
-
-
-def _short_hash(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=3).hexdigest()
-
-
-@functools.lru_cache(maxsize=None)
-def _host_and_boot() -> tuple[str, str]:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:  # not Linux: no boot id; a reboot then looks like a live owner (never wrongly deleted)
-        boot = "unknown"
-    return _short_hash(socket.gethostname()), _short_hash(boot)
-
-
-def owner_token() -> str:
-    """This process as an owner: host, boot, pid, and a random part that keeps names unique."""
-    host, boot = _host_and_boot()
-    return f"{host}{boot}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    try:  # an exited process nobody reaped yet (an orphaned writer, until init reaps it) is gone
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
-
-
-def owner_alive(token: str) -> Optional[bool]:
-    """True / False for a token made on this host; None when that cannot be known here (another
-    host, or not a token of ours)."""
-    match = _TOKEN.match(token)
-    if match is None:
-        return None
-    host, boot = _host_and_boot()
-    if match["host"] != host:
-        return None
-    if match["boot"] != boot:
-        return False
-    return _pid_alive(int(match["pid"]))
-
-
-def _same_process(a: str, b: str) -> bool:
-    """Two owner tokens made by one process (they differ in their random part)."""
-    return a.rsplit("-", 1)[0] == b.rsplit("-", 1)[0]
-
-
-def claim(staging_dir: str, rank: int, token: str) -> None:
-    """Create ``staging_dir`` (if needed) and add ``token``'s process to this rank's owner marker,
-    so that nobody takes the directory for a leftover while any process writing into it lives:
-    the training process, and its writer, which finishes the save if the training process dies.
-    The staging directory of a single process's save is named with its owner token already
-    (``Checkpointer.begin_directory``): only other processes are added."""
-    os.makedirs(staging_dir, exist_ok=True)
-    hidden = names.parse_hidden(os.path.basename(staging_dir))
-    if hidden is not None and _TOKEN.match(hidden.token) and _same_process(hidden.token, token):
-        return
-    marker = os.path.join(staging_dir, names.owner_marker_name(rank))
-    try:
-        with open(marker) as f:
-            owners = f.read().split()
-    except FileNotFoundError:
-        owners = []
-    if any(_same_process(owner, token) for owner in owners):
-        return
-    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, f"{token}\n".encode())  # one write: two claimers never interleave a line
-    finally:
-        os.close(fd)
-
-
-def _staging_alive(path: str) -> Optional[bool]:
-    """A staging directory lives while any rank's writer does; None if no marker says."""
-    verdicts = []
-    try:
-        entries = os.listdir(path)
-    except OSError:
-        return False
-    for entry in entries:
-        if names.OWNER_MARKER_PATTERN.match(entry):
-            try:
-                with open(os.path.join(path, entry)) as f:
-                    verdicts.extend(owner_alive(token) for token in f.read().split())
-            except OSError:
-                continue
-    if any(v is True for v in verdicts):
-        return True
-    if verdicts and all(v is False for v in verdicts):
-        return False
-    if not verdicts and names.COMMIT_RECORD in entries:  # a checkpoint a publish swapped out
-        return False
-    return None
+from asyncckpt.core.storage import owners
+from asyncckpt.core.storage.backend import Backend, at_once, backend_for, join, read_all
+from asyncckpt.core.storage.listing import IncompleteUpload, Listed
+from asyncckpt.core.storage.object_store import ObjectStoreOptions
 
 
 @dataclass(frozen=True)
 class Leftover:
-    """A hidden entry of ours (or, in an object store, what a crashed writer left: ``object_backend``):
-    ``alive`` True (a writer still uses it), False (a leftover), or None (made elsewhere: cannot
-    tell). ``size`` where finding it measured it (object stores), else None (``Backend.used_bytes``)."""
+    """What a crashed writer may have left: ``alive`` True (a writer still uses it), False (a
+    leftover), or None (made elsewhere: cannot tell). ``size`` where finding it measured it, else
+    None (``contents.used_bytes``)."""
 
     path: str
-    kind: str
+    kind: str  # a hidden name's kind, "uncommitted" (an object-store prefix) or "upload"
     belongs_to: str
     alive: Optional[bool]
     modified: float
     size: Optional[int] = None
+    is_dir: bool = False  # a directory or prefix (deleted with everything under it)
 
     def describe(self) -> str:
         state = {True: "in use", False: "left by a process that is gone", None: "owner unknown (another host?)"}
         return f"{self.kind} of {self.belongs_to}: {self.path} ({state[self.alive]})"
 
 
-def _judge(path: str, hidden: names.HiddenName) -> Optional[bool]:
+def find(root: str) -> list[Leftover]:
+    """Every leftover directly under ``root`` (see the module docstring), in name order; nothing if
+    there is nothing under ``root``. NotADirectoryError if ``root`` is a file."""
+    backend = backend_for(root)
+    try:
+        entries = sorted(backend.listing(root), key=lambda entry: entry.name)
+    except FileNotFoundError:
+        return []
+    present = {entry.name for entry in entries}
+    found: list[Leftover] = []
+    for entry in entries:
+        hidden = names.parse_hidden(entry.name)
+        if hidden is not None:
+            is_dir = entry.is_dir and not entry.link
+            found.append(Leftover(entry.path, hidden.kind, hidden.name, _judge(backend, entry, hidden, present),
+                                  entry.modified, None if is_dir else entry.size, is_dir))
+    uploads = backend.uploads(root)
+    if backend.remote:  # written in place: a prefix without a commit record is a save that never committed
+        prefixes = [entry for entry in entries if entry.is_dir and not entry.name.startswith(".")]
+        records = read_all(backend, [join(entry.path, names.COMMIT_RECORD) for entry in prefixes])
+        found += [_uncommitted(backend, entry, uploads) for entry, record in zip(prefixes, records)
+                  if commit_record.parse(record) is None]
+    found += _unfinished(root, uploads, found)
+    return found
+
+
+def _judge(backend: Backend, entry: Listed, hidden: names.HiddenName, present: set[str]) -> Optional[bool]:
     if hidden.kind == "removing":
         return False
     if hidden.kind == "replaced":  # the only copy left if a crash came between the two renames of a
         # publish without an atomic exchange: kept until its checkpoint's name is back
-        return False if os.path.lexists(os.path.join(os.path.dirname(path), hidden.name)) else None
-    if hidden.kind == "staging" and not _TOKEN.match(hidden.token):  # a save id shared by ranks: markers say
-        return _staging_alive(path)
-    alive = owner_alive(hidden.token)
-    if hidden.kind == "staging" and alive is not True and _staging_alive(path) is True:
+        return False if hidden.name in present else None
+    if hidden.kind == "staging" and not owners.is_owner_token(hidden.token):  # a save id shared by ranks
+        return _place_alive(backend, entry.path)
+    alive = owners.owner_alive(hidden.token)
+    if hidden.kind == "staging" and alive is not True and _place_alive(backend, entry.path) is True:
         return True  # its writer finishes it (the process that began it is gone)
     return alive
 
 
-def find(parent: str) -> list[Leftover]:
-    """Every hidden entry of ours directly in ``parent``."""
+def _place_alive(backend: Backend, path: str, entries: Optional[list[Listed]] = None) -> Optional[bool]:
+    """A place the ranks of a save share lives while any rank's writer does (its owner markers);
+    None if no marker says. One with a removing marker, or a checkpoint a publish swapped out (a
+    commit record, no marker), is garbage."""
+    if entries is None:
+        try:
+            entries = backend.listing(path)
+        except OSError:
+            return False
+    present = {entry.name for entry in entries}
+    if names.REMOVING_MARKER in present:
+        return False
+    markers = [entry.path for entry in entries if names.OWNER_MARKER_PATTERN.match(entry.name)]
+    tokens: list[Optional[str]] = []
+    for body in read_all(backend, markers):
+        tokens += [None] if body is None else body.decode(errors="replace").split()
+    if not tokens and names.COMMIT_RECORD in present:
+        return False
+    return owners.verdict(tokens)
+
+
+def _uncommitted(backend: Backend, entry: Listed, uploads: list[IncompleteUpload]) -> Leftover:
+    """A prefix written in place that has no commit record, judged by its owner markers."""
     try:
-        entries = os.listdir(parent)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    found = []
-    for entry in sorted(entries):
-        hidden = names.parse_hidden(entry)
-        if hidden is None:
-            continue
-        path = os.path.join(parent, entry)
-        try:
-            modified = os.lstat(path).st_mtime
-        except FileNotFoundError:  # removed meanwhile
-            continue
-        found.append(Leftover(path, hidden.kind, hidden.name, _judge(path, hidden), modified))
-    return found
+        entries = backend.listing(entry.path)
+    except FileNotFoundError:  # deleted meanwhile
+        entries = []
+    modified = max([e.modified for e in entries] + [u.initiated for u in uploads if u.url.startswith(entry.path + "/")],
+                   default=0.0)
+    return Leftover(entry.path, "uncommitted", entry.name, _place_alive(backend, entry.path, entries), modified,
+                    sum(e.size for e in entries), True)
 
 
-def delete(path: str, token: Optional[str] = None) -> None:
-    """Delete an entry of ours for good: renamed to a ``removing`` name owned by ``token`` (this
-    process by default) unless it has one already, then removed."""
-    hidden = names.parse_hidden(os.path.basename(path))
-    if os.path.isdir(path) and not os.path.islink(path):
-        if hidden is None or hidden.kind != "removing":
-            doomed = names.hidden_path(path, "removing", token or owner_token())
-            try:
-                os.rename(path, doomed)
-            except FileNotFoundError:  # another cleaner took it
-                return
-            path = doomed
-        shutil.rmtree(path, ignore_errors=True)
+def _unfinished(root: str, uploads: list[IncompleteUpload], found: list[Leftover]) -> list[Leftover]:
+    """Incomplete uploads that do not go with an uncommitted prefix: a single file's (its writer
+    named by the marker beside it) or one inside a committed checkpoint (nobody's to judge)."""
+    dead_prefixes = [leftover.path for leftover in found if leftover.kind == "uncommitted"]
+    writing: dict[str, Optional[bool]] = {}  # single-file name -> whether a writer of it lives
+    for leftover in found:
+        if leftover.kind == "tmp":
+            writing[leftover.belongs_to] = True if leftover.alive or writing.get(leftover.belongs_to) else leftover.alive
+    result = []
+    for upload in uploads:
+        if any(upload.url.startswith(prefix + "/") for prefix in dead_prefixes):
+            continue  # goes with its prefix
+        below = upload.url[len(root.rstrip("/")) + 1:]
+        name = below.split("/", 1)[0]
+        result.append(Leftover(upload.url, "upload", name, writing.get(name) if "/" not in below else None,
+                               upload.initiated, 0))
+    return result
+
+
+def delete(leftover: Leftover, token: Optional[str] = None) -> None:
+    """Delete a leftover for good (as ``token``, this process by default): a directory or prefix
+    with everything under it, interrupted uploads aborted."""
+    backend = backend_for(leftover.path)
+    if leftover.kind == "upload":
+        backend.abort_uploads(leftover.path)
+    elif leftover.is_dir:
+        backend.abort_uploads(leftover.path)
+        backend.remove_tree(leftover.path, token or owners.owner_token(), later=at_once)
     else:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        backend.delete([leftover.path], durable=False)
 
 
 def removable(leftover: Leftover, unknown_older_than: Optional[float] = None) -> bool:
@@ -217,5 +174,11 @@ def clean(parent: str, *, unknown_older_than: Optional[float] = None) -> list[Le
     """Delete the leftovers in ``parent`` that are ``removable``; returns them."""
     removed = [leftover for leftover in find(parent) if removable(leftover, unknown_older_than)]
     for leftover in removed:
-        delete(leftover.path)
+        delete(leftover)
     return removed
+
+
+def tidy_parent(path: str, options: Optional[ObjectStoreOptions] = None) -> Optional[str]:
+    """The local directory beside ``path`` whose dead writers' leftovers a writer removes after
+    its reply; None in an object store (listing a bucket per save is not free: ``asyncckpt clean``)."""
+    return None if backend_for(path, options).remote else os.path.dirname(os.path.abspath(path))

@@ -43,7 +43,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from asyncckpt.core.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.core.storage.fsio import fsync_file
-from asyncckpt.core.storage.listing import Listed
+from asyncckpt.core.storage.listing import IncompleteUpload, Listed
 
 DEFAULT_PART_BYTES = 32 << 20
 DEFAULT_CONCURRENCY = 8
@@ -123,13 +123,18 @@ def store_for(url: str, options: Optional[ObjectStoreOptions] = None) -> "Object
     """The store serving ``url`` with ``options`` (default: ``options_for(url)``), one per process
     and set of options."""
     options = options or options_for(url)
-    scheme = url.split("://", 1)[0]
-    key = (scheme, options.cache_key())
+    key = (_scheme(url), options.cache_key())
     with _lock:
         store = _stores.get(key)
         if store is None:
             store = _stores[key] = ObjectStore(url, options)
         return store
+
+
+def _scheme(url: str) -> str:
+    from fsspec.core import split_protocol
+
+    return split_protocol(url)[0]
 
 
 def forget_listings(url: str, options: Optional[ObjectStoreOptions] = None) -> None:
@@ -139,13 +144,6 @@ def forget_listings(url: str, options: Optional[ObjectStoreOptions] = None) -> N
     lists its directory to find ``last.ckpt``)."""
     store = store_for(url, options)
     store.fs.invalidate_cache(store.path(url))
-
-
-@dataclass
-class IncompleteUpload:
-    url: str
-    upload_id: str
-    initiated: float  # seconds since the epoch
 
 
 @dataclass
@@ -181,7 +179,7 @@ class ObjectStore:
         import fsspec
 
         self.options = options
-        self.protocol = url.split("://", 1)[0]
+        self.protocol = _scheme(url)
         try:
             self.fs, _ = fsspec.core.url_to_fs(url, **(options.storage_options or {}))
         except ImportError as e:
@@ -303,27 +301,22 @@ class ObjectStore:
     def get(self, url: str) -> bytes:
         return self._run("read", url, lambda: self.fs._cat_file(self.path(url)))
 
-    def get_many(self, urls: list[str]) -> list[Optional[bytes]]:
-        """Each object's content (None where absent), fetched ``concurrency`` at a time."""
-        results: list[Optional[bytes]] = [None] * len(urls)
-
-        async def fetch(index: int) -> None:
-            try:
-                results[index] = await self.fs._cat_file(self.path(urls[index]))
-            except FileNotFoundError:
-                pass
-
-        if urls:
-            self._run("read", urls[0], lambda: self._each(fetch, len(urls)))
-        return results
-
-    def read_ranges(self, ranges: list[tuple[str, int, int]], consume: Callable[[int, bytes], None]) -> None:
-        """Fetch every ``(url, start, end)`` range, ``concurrency`` at a time, and hand each to
-        ``consume(index, data)`` as it arrives (on the event loop's thread)."""
+    def read_ranges(self, ranges: list[tuple[str, int, Optional[int]]],
+                    consume: Callable[[int, Optional[bytes]], None]) -> None:
+        """Fetch every ``(url, start, end)`` (``end`` None: the whole object), ``concurrency`` at a
+        time, and hand each to ``consume(index, data)`` as it arrives (on the event loop's thread),
+        ``data`` None where the object is absent."""
         async def fetch(index: int) -> None:
             url, start, end = ranges[index]
-            data = await self.fs._cat_file(self.path(url), start=start, end=end)
-            if len(data) != end - start:
+            try:
+                if end is None:
+                    data = await self.fs._cat_file(self.path(url))
+                else:
+                    data = await self.fs._cat_file(self.path(url), start=start, end=end)
+            except FileNotFoundError:
+                consume(index, None)
+                return
+            if end is not None and len(data) != end - start:
                 raise CorruptCheckpointError(f"{url}: object is truncated (wanted bytes {start}..{end}, got {len(data)})")
             consume(index, data)
 
@@ -342,14 +335,12 @@ class ObjectStore:
         self._run("read", url, lambda: self.fs._get_file(self.path(url), local_path))
         fsync_file(local_path)
 
-    def info(self, url: str) -> dict:
-        """The object's size and (S3) user metadata; FileNotFoundError if absent."""
+    def stat(self, url: str) -> Listed:
+        """What ``url`` is: an object (its size and time) or a prefix; FileNotFoundError if neither."""
         path = self.path(url)
         self.fs.invalidate_cache(path)  # another process (a writer) may have changed it
         found = self._run("look up", url, lambda: self.fs._info(path))
-        if found.get("type") == "directory":
-            raise FileNotFoundError(url)
-        return found
+        return self._listed(found)
 
     def user_metadata(self, url: str) -> dict[str, str]:
         if not self.is_s3:
@@ -358,26 +349,19 @@ class ObjectStore:
         reply = self._run("look up", url, lambda: self.fs._call_s3("head_object", Bucket=bucket, Key=key))
         return reply.get("Metadata", {})
 
-    def size(self, url: str) -> int:
-        return int(self.info(url)["size"])
-
-    def exists(self, url: str) -> bool:
-        path = self.path(url)
-        return bool(self._run("look up", url, lambda: self.fs._exists(path)))
-
     def list(self, url: str) -> list[Listed]:
         """Objects and sub-prefixes directly under ``url`` (one delimited listing); FileNotFoundError
         when there is nothing under it."""
         path = self.path(url)
         self.fs.invalidate_cache(path)
-        found = self._run("list", url, lambda: self.fs._ls(path, detail=True))
-        entries = []
-        for item in found:
-            name = item["name"].rstrip("/").rsplit("/", 1)[-1]
-            modified = item.get("LastModified") or item.get("mtime")
-            entries.append(Listed(name, self.url(item["name"].rstrip("/")), item.get("type") == "directory",
-                                 int(item.get("size") or 0), modified.timestamp() if hasattr(modified, "timestamp") else 0.0))
-        return entries
+        return [self._listed(item) for item in self._run("list", url, lambda: self.fs._ls(path, detail=True))]
+
+    def _listed(self, item: dict) -> Listed:
+        """What fsspec's ``info`` or ``ls`` says of one name, as ``Listed``."""
+        path = item["name"].rstrip("/")
+        modified = item.get("LastModified") or item.get("mtime")
+        return Listed(path.rsplit("/", 1)[-1], self.url(path), item.get("type") == "directory", int(item.get("size") or 0),
+                      modified.timestamp() if hasattr(modified, "timestamp") else 0.0)
 
     # ------------------------------------------------------------------ deleting
     def delete(self, urls: list[str]) -> None:
@@ -401,16 +385,18 @@ class ObjectStore:
         self._run("delete", url, remove)
         self.fs.invalidate_cache(path)
 
-    def incomplete_uploads(self, url: str) -> list[IncompleteUpload]:
-        """Multipart uploads begun and neither completed nor aborted, for keys under ``url``/."""
+    def incomplete_uploads(self, url: str, *, and_itself: bool = False) -> list[IncompleteUpload]:
+        """Multipart uploads begun and neither completed nor aborted, for keys under ``url``/ (and,
+        ``and_itself``, for ``url`` itself: one request either way)."""
         if not self.is_s3:
             return []
         bucket, key = self.bucket_and_key(url)
-        prefix = f"{key}/" if key else ""
+        prefix = key if and_itself else f"{key}/" if key else ""
         reply = self._run("list uploads in", url,
                           lambda: self.fs._call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix))
-        return [IncompleteUpload(self.url(f"{bucket}/{u['Key']}"), u["UploadId"], u["Initiated"].timestamp())
-                for u in reply.get("Uploads", [])]
+        found = [IncompleteUpload(self.url(f"{bucket}/{u['Key']}"), u["UploadId"], u["Initiated"].timestamp())
+                 for u in reply.get("Uploads", [])]
+        return [u for u in found if not and_itself or u.url == url or u.url.startswith(url + "/")]
 
     def abort_upload(self, upload: IncompleteUpload) -> None:
         bucket, key = self.bucket_and_key(upload.url)

@@ -4,7 +4,7 @@ When a training process dies after a save call returned, its background writer f
 handed over (``writer.process``) instead of dying with it. Such a writer is an *orphan*: nobody
 waits for it, so it says what it does in one log file beside the checkpoints it finishes
 (``.asyncckpt-writer.log`` in the checkpoint's parent directory), one line per event, each naming
-the writer by its owner token (host, boot, pid: ``leftovers.owner_alive`` judges it):
+the writer by its owner token (host, boot, pid: ``owners.owner_alive`` judges it):
 
     2026-11-26T08:00:00Z writer 1a2b3c4d5e6f-4242-9f0e1d: finishing checkpoint-5 (training process 4200 died)
     2026-11-26T08:00:01Z writer 1a2b3c4d5e6f-4242-9f0e1d: committed checkpoint-5
@@ -25,7 +25,7 @@ import re
 import time
 from typing import Optional
 
-from asyncckpt.core.storage import leftovers
+from asyncckpt.core.storage import owners
 
 LOG_NAME = ".asyncckpt-writer.log"
 _LINE = re.compile(r"^\S+ writer (?P<token>\S+): (?P<event>finishing|committed|not committed|exiting|gave up)\b"
@@ -71,7 +71,7 @@ def at_work(parent: str) -> dict[str, list[str]]:
             working.setdefault(token, []).append(match["what"] or "")
         elif event in ("exiting", "gave up"):
             working.pop(token, None)
-    return {token: what for token, what in working.items() if leftovers.owner_alive(token) is True}
+    return {token: what for token, what in working.items() if owners.owner_alive(token) is True}
 
 
 def wait_for_orphans(parent: str, timeout: float, poll_interval: float = 0.1) -> None:

@@ -8,16 +8,15 @@ import os
 
 from asyncckpt.core.formats.names import sidecar_name
 from asyncckpt.core.formats.sidecar import ShareRecord, Sidecar, encode_sidecar, parse_sidecar
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.backend import backend_for, join, read_bytes
 from asyncckpt.core.storage.fsio import atomic_write_bytes
 
 
 def read_sidecar(directory: str, rank: int) -> Sidecar:
     """Parse and check the sidecar of ``rank`` under ``directory`` (a local directory or an
     object-store prefix). FileNotFoundError if absent."""
-    backend = backend_for(directory)
-    path = backend.join(directory, sidecar_name(rank))
-    return parse_sidecar(path, backend.read_bytes(path))
+    path = join(directory, sidecar_name(rank))
+    return parse_sidecar(path, read_bytes(backend_for(directory), path))
 
 
 def read_rank_sidecar(directory: str, rank: int) -> dict:

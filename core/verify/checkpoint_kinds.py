@@ -29,9 +29,9 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from asyncckpt.core.storage import commit
+from asyncckpt.core.storage import commit, leftovers
 from asyncckpt.core.formats import names
-from asyncckpt.core.storage.backend import Backend, backend_for
+from asyncckpt.core.storage.backend import Backend, backend_for, basename, exists, is_file, join
 from asyncckpt.core.storage.leftovers import Leftover
 
 NATIVE_FILE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".safetensors")
@@ -54,7 +54,7 @@ class Entry:
     note: str = ""
     checksums: bool = False  # carries checksums to verify it by (written by asyncckpt, since they exist)
     record: Optional[dict] = None  # its commit record
-    size: Optional[int] = None  # bytes, where finding it measured them (else ``Backend.used_bytes``)
+    size: Optional[int] = None  # bytes, where finding it measured them (else ``contents.used_bytes``)
     modified: float = 0.0  # seconds since the epoch: its commit, else its listing's time
 
 
@@ -64,31 +64,32 @@ def classify(path: str, *, read_step: bool = True) -> Optional[Entry]:
     ``last.ckpt``) has it read from its content, which unpickles the file's whole structure (seconds
     for thousands of tensors): only for listings, not for checks."""
     backend = backend_for(path)
-    name = backend.basename(path)
+    name = basename(path)
     hidden = names.parse_hidden(name)
     if hidden is not None:
         return _hidden(backend, path, hidden)
-    if backend.is_file(path):
-        return _file(backend, path, name, backend.size_of(path), 0.0, read_step)
+    if is_file(backend, path):
+        return _file(backend, path, name, backend.stat(path).size, 0.0, read_step)
     return _directory(backend, path, name, commit.read_commit_record(path), 0.0)
 
 
 def checkpoints_under(root: str, *, read_step: bool = True) -> list[Entry]:
     """Every checkpoint directly under ``root`` (a directory or a URL), and every leftover of ours
-    there (``Backend.find_leftovers``: kind ``hidden``). One listing of ``root`` and its commit
+    there (``leftovers.find``: kind ``hidden``). One listing of ``root`` and its commit
     records (``commit.committed_under``); a committed checkpoint is described from its record,
     without listing it. ``read_step``: see ``classify``. OSError if ``root`` cannot be listed."""
     backend = backend_for(root)
     listed = backend.listing(root)
     records = dict(commit.committed_under(root))
-    left = {leftover.path: leftover for leftover in backend.find_leftovers(root)}
+    left = {leftover.path: leftover for leftover in leftovers.find(root)}
     shown = {item.path for item in listed if names.parse_hidden(item.name) is None}
     found = [_leftover(backend, leftover) for path, leftover in left.items() if path not in shown]
     for item in listed:
         if item.path not in shown or item.name.startswith("."):
             continue  # ours are leftovers, above; other hidden names are nobody's checkpoint
         if not item.is_dir:
-            if item.name.endswith(NATIVE_FILE_SUFFIXES):
+            dangling = item.link and not exists(backend, item.path)  # a link to a checkpoint that is gone
+            if item.name.endswith(NATIVE_FILE_SUFFIXES) and not dangling:
                 found.append(_file(backend, item.path, item.name, item.size, item.modified, read_step))
             continue
         entry = _directory(backend, item.path, item.name, records.get(item.path), item.modified)
@@ -100,13 +101,13 @@ def checkpoints_under(root: str, *, read_step: bool = True) -> list[Entry]:
 
 
 def _hidden(backend: Backend, path: str, hidden: names.HiddenName) -> Entry:
-    aborted = backend.exists(backend.join(path, names.ABORT_MARKER))
+    aborted = exists(backend, join(path, names.ABORT_MARKER))
     return Entry(path, "hidden", "INCOMPLETE", step_from_name(hidden.name), None, "aborted" if aborted else hidden.kind)
 
 
 def _leftover(backend: Backend, leftover: Leftover) -> Entry:
     """A leftover as a listing shows it: named by what it belongs to, and what it is."""
-    hidden = names.parse_hidden(backend.basename(leftover.path))
+    hidden = names.parse_hidden(basename(leftover.path))
     entry = _hidden(backend, leftover.path, hidden) if hidden is not None else Entry(
         leftover.path, "hidden", "INCOMPLETE", step_from_name(leftover.belongs_to), None, leftover.kind)
     entry.size, entry.modified = leftover.size, leftover.modified
@@ -130,7 +131,7 @@ def _directory(backend: Backend, path: str, name: str, record: Optional[dict], m
         entries = set(files)
     else:
         try:
-            entries = set(backend.list_names(path))
+            entries = set(backend.names(path))
         except OSError:  # nothing there, not a directory, not readable
             return None
     step = record.get("step") if record and isinstance(record.get("step"), int) else step_from_name(name)

@@ -37,7 +37,8 @@ from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import checksum
 from asyncckpt.core.errors import CheckpointError, CorruptCheckpointError
 from asyncckpt.core.formats.checksum import FileChecksum
-from asyncckpt.core.storage.backend import Backend, backend_for
+from asyncckpt.core.storage.backend import Backend, backend_for, basename, is_file
+from asyncckpt.core.storage.contents import local_copy
 from asyncckpt.core.loading.metadata_io import check_relative_path, load_dcp_metadata
 from asyncckpt.core.storage.sidecars import read_rank_sidecar
 
@@ -79,20 +80,20 @@ def check(path: str, *, on_problem: Callable[[str], None] = lambda message: None
     sharded checkpoint are read (the ranks of a job check their shares side by side); ``check_file``
     checks each file that has a checksum (a resume's hashes the bytes the framework loads). A checkpoint
     in an object store is checked on a local copy of what its commit record lists
-    (``Backend.local_copy``: every byte has to be read anyway, and a copy under the same names is
+    (``contents.local_copy``: every byte has to be read anyway, and a copy under the same names is
     the same checkpoint), every message naming the URL."""
     backend = backend_for(path)
-    if not names.is_hidden(path) and backend.is_file(path):
+    if not names.is_hidden(path) and is_file(backend, path):
         report = Report(path, "file", "COMPLETE")
 
         def problem(message: str) -> None:
             report.problems.append(message)
             on_problem(message)
 
-        _check_file(path, backend.basename(path), file_checksums.read_record(path), report, problem, progress,
+        _check_file(path, basename(path), file_checksums.read_record(path), report, problem, progress,
                     check_file)
         return report
-    with backend.local_copy(path, _names_to_check(backend, path)) as local:
+    with local_copy(path, _names_to_check(backend, path)) as local:
         report = _check_local(local, lambda message: on_problem(message.replace(local, path)), progress, share,
                               check_file)
     report.path = path
@@ -108,7 +109,7 @@ def _names_to_check(backend: Backend, path: str) -> list[str]:
         return sorted(set(record.get("files", {})) | {names.COMMIT_RECORD} | {
             names.sidecar_name(rank) for rank in range(record.get("world_size") or 0)})
     try:
-        entries = backend.list_names(path)
+        entries = backend.names(path)
     except NotADirectoryError:  # a hidden file: a leftover
         return []
     return sorted(name for name in entries if name == names.DCP_METADATA_FILE or names.SIDECAR_PATTERN.match(name))

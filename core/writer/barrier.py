@@ -42,9 +42,9 @@ from typing import Any, Callable, Optional, Protocol
 
 from asyncckpt.core.formats import names
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
-from asyncckpt.core.storage.backend import Backend, backend_for
+from asyncckpt.core.storage.backend import Backend, backend_for, join, read_bytes
 from asyncckpt.core.storage.commit import read_commit_record
-from asyncckpt.core.storage.leftovers import owner_alive
+from asyncckpt.core.storage.owners import owner_alive
 
 POLL_MAX_DELAY = 0.005
 HEARTBEAT_S = 2.0  # how often a writer at work on a multi-rank save rewrites its liveness marker
@@ -203,7 +203,7 @@ class _Silence:
     def _token(self, rank: int, path: str) -> Optional[str]:
         if rank not in self._tokens:
             try:
-                token = self.barrier.backend.read_bytes(path).split(b"\n", 1)[0].decode()
+                token = read_bytes(self.barrier.backend, path).split(b"\n", 1)[0].decode()
             except (FileNotFoundError, UnicodeDecodeError):
                 return None
             if not token:  # read between a rewrite's truncation and its write
@@ -212,8 +212,15 @@ class _Silence:
         return self._tokens[rank]
 
 
+def barrier_place(backend: Backend, staging_dir: str, key: str) -> str:
+    """Where the ranks of the save ``key`` leave their markers: its staging directory (each save
+    stages in one of its own), or where saves are written in place and so share one (an object
+    store), a hidden place of the save's own under it, which is never published."""
+    return join(staging_dir, names.barrier_place_name(key)) if backend.remote else staging_dir
+
+
 class MarkerBarrier:
-    """Markers where the checkpoint is written (``Backend.barrier_place``): ``__{rank}.done``,
+    """Markers where the checkpoint is written (``barrier_place``): ``__{rank}.done``,
     ``__{rank}.alive``, ``__{rank}.error.json`` and ``ABORTED.json``; the commit is the commit
     record under the final name.
 
@@ -225,11 +232,11 @@ class MarkerBarrier:
                  judge_silence: Callable[[], bool] = lambda: False) -> None:
         self.spec = spec
         self.backend = backend_for(spec.staging_dir, spec.object_store)
-        self.place = self.backend.barrier_place(spec.staging_dir, spec.key)
+        self.place = barrier_place(self.backend, spec.staging_dir, spec.key)
         self.heartbeats, self.judge_silence = heartbeats, judge_silence
 
     def _path(self, name: str) -> str:
-        return self.backend.join(self.place, name)
+        return join(self.place, name)
 
     def _alive_path(self, rank: int) -> str:
         return self._path(names.alive_marker_name(rank))
@@ -259,7 +266,7 @@ class MarkerBarrier:
     def _abort_reason(self, name: str = names.ABORT_MARKER) -> Optional[dict]:
         """The failure recorded in the marker ``name`` (the first one reported: ``ABORTED.json``)."""
         try:
-            return json.loads(self.backend.read_bytes(self._path(name)))
+            return json.loads(read_bytes(self.backend, self._path(name)))
         except (FileNotFoundError, ValueError):
             return None
 
@@ -272,7 +279,7 @@ class MarkerBarrier:
 
         def listed() -> set:
             try:
-                return set(self.backend.list_names(self.place))
+                return set(self.backend.names(self.place))
             except FileNotFoundError:
                 return set()
 
@@ -302,8 +309,8 @@ class MarkerBarrier:
         checkpoint is published."""
         ranks = range(self.spec.world_size)
         self._stop_heartbeat(*ranks)
-        self.backend.delete_markers([self._path(names.done_marker_name(rank)) for rank in ranks]
-                                    + [self._alive_path(rank) for rank in ranks])
+        self.backend.delete([self._path(names.done_marker_name(rank)) for rank in ranks]
+                            + [self._alive_path(rank) for rank in ranks], durable=False)
 
     def committed(self) -> None:
         pass  # the commit record under the final name is what the others wait for

@@ -15,7 +15,9 @@ from typing import Optional
 
 from asyncckpt.core.errors import CheckpointWriteError
 from asyncckpt.core.formats import names
-from asyncckpt.core.storage import leftovers, local
+from asyncckpt.core.storage import owners
+from asyncckpt.core.storage.backend import at_once, backend_for
+from asyncckpt.core.storage.staging import publish_checkpoint
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.writer.protocol import RequestContext
 
@@ -41,7 +43,7 @@ class CommitDirRequest:
             raise CheckpointWriteError(f"rank {self.rank}: {failure}")
         context.tidy(os.path.dirname(self.staging_dir))
         try:
-            leftovers.claim(self.staging_dir, self.rank, context.token())
+            owners.claim(self.staging_dir, self.rank, context.token())
             barrier.begin(self.rank)
             with open(os.path.join(self.staging_dir, names.files_record_name(self.rank)), "w") as f:
                 json.dump({name: [c.size, c.xxh3] for name, c in context.files(self.barrier.key).items()}, f)
@@ -50,7 +52,7 @@ class CommitDirRequest:
                 barrier.wait_commit()
                 return
             barrier.wait_all()
-            replaced = local.publish_with_record(self.staging_dir, self.final_path, {
+            replaced = publish_checkpoint(backend_for(self.final_path), self.staging_dir, self.final_path, {
                 "save_id": self.save_id, "world_size": self.barrier.world_size, "step": self.step,
                 "checksums": self._gather_checksums()})
             barrier.committed()
@@ -59,7 +61,7 @@ class CommitDirRequest:
             self._discard(context)
             raise
         if replaced is not None:
-            context.after_reply(lambda: leftovers.delete(replaced, context.token()))
+            context.after_reply(lambda: backend_for(replaced).remove_tree(replaced, context.token(), later=at_once))
 
     def _discard(self, context: RequestContext) -> None:
         """A failed save alone in its staging directory takes it along (after the reply). With
@@ -67,7 +69,8 @@ class CommitDirRequest:
         under way): it stays, a leftover the next save or ``asyncckpt clean`` removes once its
         writers are gone."""
         if self.barrier.world_size == 1:
-            context.after_reply(lambda: leftovers.delete(self.staging_dir, context.token()))
+            context.after_reply(lambda: backend_for(self.staging_dir).remove_tree(self.staging_dir, context.token(),
+                                                                                  later=at_once))
 
     def _gather_checksums(self) -> dict[str, dict]:
         """Every rank's file checksums, for the commit record (the ranks' lists of them go)."""

@@ -11,7 +11,7 @@ whole directory fails on every rank (and the directory's commit on this rank kno
 Every file written gets a checksum (``file_checksums``), hashed from the staging buffer while the
 file is written.
 
-Removal is atomic (``Backend.remove``): no framework, ``latest_checkpoint`` or ``asyncckpt ls``
+Removal is atomic (``removal``): no framework, ``latest_checkpoint`` or ``asyncckpt ls``
 ever sees a checkpoint half-deleted; a crash in between leaves only a leftover whose owner is
 gone, which the next save into that directory or ``asyncckpt clean`` removes.
 """
@@ -23,12 +23,13 @@ from typing import Any, Optional
 
 from asyncckpt.core.storage import diskio
 from asyncckpt.core.storage import leftovers
+from asyncckpt.core.storage import owners
+from asyncckpt.core.storage import removal
 from asyncckpt.core.formats import names
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.formats.checksum import FileChecksum, checksum
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.backend import at_once, backend_for
 from asyncckpt.core.storage.fsio import atomic_write_bytes, fsync_dir
-from asyncckpt.core.storage.local import remove_paths
 from asyncckpt.core.writer.protocol import RequestContext
 
 
@@ -44,7 +45,7 @@ def settle_in(directory: str, context: RequestContext, spec: Optional[BarrierSpe
     """Make ``directory`` for a file of a multi-file save, first claiming the save's staging
     directory (so it is never taken for a leftover while this writer lives). Tidies leftovers of
     dead writers beside the staging directory once the reply is sent."""
-    leftovers.claim(spec.staging_dir, rank, context.token())
+    owners.claim(spec.staging_dir, rank, context.token())
     context.barrier(spec).begin(rank)
     context.tidy(os.path.dirname(spec.staging_dir))
     os.makedirs(directory, exist_ok=True)
@@ -69,8 +70,8 @@ class FileRequest:
         try:
             if self.barrier is not None:
                 settle_in(os.path.dirname(self.path), context, self.barrier, self.rank)
-            elif backend.tidy_parent(self.path) is not None:
-                context.tidy(backend.tidy_parent(self.path))
+            elif (parent := leftovers.tidy_parent(self.path, self.object_store)) is not None:
+                context.tidy(parent)
             image = context.image[:self.size]
             hashing = diskio.submit_background(lambda: checksum(image))  # while the file is written
             digest = lambda: FileChecksum(self.size, hashing.result())  # noqa: E731
@@ -115,16 +116,14 @@ class RemoveRequest:
     object_store: Any = None  # ObjectStoreOptions when the paths are URLs
 
     def run(self, context: RequestContext) -> None:
-        if self.paths:
-            backend_for(self.paths[0], self.object_store).remove(self.paths, context.token(), context.after_reply,
-                                                                 self.hidden_parent)
+        removal.remove(self.paths, context.token(), context.after_reply, hidden_parent=self.hidden_parent,
+                       options=self.object_store)
 
     def run_here(self) -> None:
         """Remove at once, in the calling process: with nothing else pending, starting a writer
         process for a removal costs more than the removal."""
-        if self.paths:
-            backend_for(self.paths[0], self.object_store).remove(self.paths, leftovers.owner_token(),
-                                                                 lambda action: action(), self.hidden_parent)
+        removal.remove(self.paths, owners.owner_token(), at_once, hidden_parent=self.hidden_parent,
+                       options=self.object_store)
 
 
 @dataclass
@@ -138,7 +137,7 @@ class LinkRequest:
         directory = os.path.dirname(self.linkpath)
         os.makedirs(directory, exist_ok=True)
         if os.path.isdir(self.linkpath) and not os.path.islink(self.linkpath):
-            remove_paths([self.linkpath], context.token(), context.after_reply)
+            backend_for(self.linkpath).remove_tree(self.linkpath, context.token(), later=context.after_reply)
         temporary = names.hidden_path(self.linkpath, "link", context.token())
         os.symlink(os.path.relpath(self.target, directory), temporary)
         try:

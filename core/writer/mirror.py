@@ -23,13 +23,14 @@ from typing import Optional
 
 from asyncckpt.core.storage import commit
 from asyncckpt.core.storage import file_checksums
-from asyncckpt.core.storage import leftovers
+from asyncckpt.core.storage import owners
 from asyncckpt.core.formats import names
 from asyncckpt.core.errors import CheckpointWriteError, IncompleteCheckpointError
-from asyncckpt.core.storage.backend import backend_for
-from asyncckpt.core.storage.fsio import atomic_write_bytes, fsync_dir
-from asyncckpt.core.storage.local import attach_checksum, publish
+from asyncckpt.core.storage.backend import backend_for, basename, exists, is_file, join, read_bytes
+from asyncckpt.core.storage.fsio import fsync_dir
+from asyncckpt.core.storage.local import attach_checksum
 from asyncckpt.core.storage.object_store import ObjectStoreOptions
+from asyncckpt.core.storage.staging import Staging
 from asyncckpt.core.writer.protocol import RequestContext
 
 
@@ -68,7 +69,7 @@ def upload(source: str, url: str, token: str, options: Optional[ObjectStoreOptio
     record = commit.read_commit_record(source)
     if record is None:
         raise CheckpointWriteError(f"cannot mirror {source}: it is not a committed checkpoint")
-    place = target.destination(url, target.staging_dir_for(url, token), coordinator=True)
+    place = Staging(url, url, options, coordinator=True)
     place.claim(0, token)
     for name in sorted(record.get("files", {})):
         mapping, size = _mapped(os.path.join(source, name))
@@ -86,9 +87,9 @@ def restore(url: str, path: str) -> str:
     committed checkpoint."""
     path = os.path.abspath(path)
     source = backend_for(url)
-    if source.is_file(url):
+    if is_file(source, url):
         checksum = source.read_checksum_record(url)
-        temporary = names.hidden_path(path, "tmp", leftovers.owner_token())
+        temporary = names.hidden_path(path, "tmp", owners.owner_token())
         os.makedirs(os.path.dirname(path), exist_ok=True)
         source.download(url, temporary)
         if checksum is not None:
@@ -99,12 +100,11 @@ def restore(url: str, path: str) -> str:
     record = commit.read_commit_record(url)
     if record is None:
         raise IncompleteCheckpointError(f"{url} holds no committed checkpoint to restore", path=url)
-    staging = names.staging_dir_for(path, leftovers.owner_token())
+    staging = names.staging_dir_for(path, owners.owner_token())
     os.makedirs(staging)
     for name in sorted(record.get("files", {})):
-        source.download(source.join(url, name), os.path.join(staging, name))
-    atomic_write_bytes(os.path.join(staging, names.COMMIT_RECORD), source.read_bytes(source.join(url, names.COMMIT_RECORD)))
-    publish(staging, path)
+        source.download(join(url, name), os.path.join(staging, name))
+    backend_for(path).publish(staging, path, read_bytes(source, join(url, names.COMMIT_RECORD)))
     return path
 
 
@@ -115,10 +115,9 @@ def restore_latest(url_root: str, local_root: str, name: Optional[str] = None) -
     if name is None:
         latest = commit.latest_checkpoint(url_root)
     else:
-        source = backend_for(url_root)
-        latest = source.join(url_root, name)
-        latest = latest if source.exists(latest) else None
+        latest = join(url_root, name)
+        latest = latest if exists(backend_for(latest), latest) else None
     if latest is None:
         return None
-    local = os.path.join(local_root, backend_for(latest).basename(latest))
+    local = os.path.join(local_root, basename(latest))
     return local if os.path.exists(local) else restore(latest, local)

@@ -37,7 +37,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any, Callable, Optional
 
-from asyncckpt.core.storage import leftovers, orphans
+from asyncckpt.core.storage import leftovers, orphans, owners
 from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.writer import protocol
 from asyncckpt.core.writer.barrier import (
@@ -226,7 +226,7 @@ class Writer:
 
     @functools.cached_property
     def token(self) -> str:
-        return leftovers.owner_token()
+        return owners.owner_token()
 
     def _after_replies(self) -> None:
         """Work nobody waits for, done once the replies are sent: deleting what commits replaced
@@ -252,7 +252,7 @@ class _Context:
         self.writer, self.layout, self.image = writer, layout, image
 
     def token(self) -> str:
-        return leftovers.owner_token()
+        return owners.owner_token()
 
     def trainer_gone(self) -> bool:
         return not self.writer.trainer.alive

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from asyncckpt.core.storage import commit
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage.backend import basename
 from asyncckpt.core.writer.file_requests import RemoveRequest
 from asyncckpt.core.writer.protocol import RequestContext
 
@@ -30,7 +30,7 @@ def select_deletions(committed_steps: list[int], keep_last: Optional[int], keep_
 @dataclass
 class RetentionRequest:
     """Applied by the background writer right after the save of the newest checkpoint, and only
-    if it committed (``protocol.Job.after``): deletions are atomic (``Backend.remove``)."""
+    if it committed (``protocol.Job.after``): deletions are atomic (``removal``)."""
 
     root: str
     pattern: str
@@ -47,10 +47,9 @@ class RetentionRequest:
 def committed_steps(root: str, pattern: re.Pattern, options: Any = None) -> dict[int, str]:
     """step -> path of every committed checkpoint under ``root`` whose name matches ``pattern``
     (``commit.committed_under``: for a URL, the commit objects of one delimited listing)."""
-    backend = backend_for(root, options)
     found = {}
     for path, record in commit.committed_under(root, options):
-        match = pattern.match(backend.basename(path))
+        match = pattern.match(basename(path))
         if match and record is not None:
             found[int(match.group(1))] = path
     return found

@@ -4,9 +4,9 @@
 behind ``AsyncCkptStorageWriter``, which implements torch.distributed.checkpoint's StorageWriter
 so that ``dcp.save`` can use it directly.
 
-Where the files go is a ``backend.Destination`` its backend gives: a local staging directory
-renamed into place at the commit (``local``), or an object-store prefix made visible by a
-create-only commit object (``object_backend``, for URLs). The steps of a save are the same.
+Where the files go is a ``staging.Staging``: a local staging directory renamed into place at the
+commit, or an object-store prefix made visible by a create-only commit object (for URLs). The
+steps of a save are the same.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from asyncckpt.core.formats.dcp_pickle import DcpClasses, metadata_bytes
 from asyncckpt.core.errors import CheckpointWriteError, SnapshotCopyFailed
 from asyncckpt.core.writer.file_requests import fail_save
 from asyncckpt.core.formats.layout import RankLayout
-from asyncckpt.core.storage.backend import Destination, backend_for
 from asyncckpt.core.storage.sidecars import read_sidecar
+from asyncckpt.core.storage.staging import Staging
 from asyncckpt.core.writer.protocol import RequestContext
 from asyncckpt.core.formats.sidecar import ShareItems, ShareRecord, encode_sidecar
 
@@ -58,10 +58,9 @@ class ShareRequest:
     # share's failure fails; the directory's own commit publishes it (no commit of its own).
     directory_barrier: Optional[BarrierSpec] = None
 
-    def destination(self) -> Destination:
-        return backend_for(self.final_path, self.object_store).destination(
-            self.final_path, self.staging_dir, coordinator=self.coordinator, direct_io=self.direct_io,
-            io_threads=self.io_threads)
+    def destination(self) -> Staging:
+        return Staging(self.staging_dir, self.final_path, self.object_store, self.coordinator, self.direct_io,
+                       self.io_threads)
 
     def run(self, context: RequestContext) -> None:
         """The whole background part of a save for one rank: write the share and its sidecar,
@@ -82,8 +81,9 @@ class ShareRequest:
                 os.makedirs(self.staging_dir, exist_ok=True)
             barrier.begin(self.rank)
             items = write_share(place, self.rank, context.layout, image, self.byte_items, wait_ready=wait_ready)
-            place.write_atomic(names.sidecar_name(self.rank), encode_sidecar(ShareRecord(
-                self.save_id, self.rank, self.world_size, self.structure_hash, context.layout.planner_data, items)))
+            place.write_bytes(names.sidecar_name(self.rank), encode_sidecar(ShareRecord(
+                self.save_id, self.rank, self.world_size, self.structure_hash, context.layout.planner_data, items)),
+                atomic=True)
             barrier.arrive(self.rank)
         except BaseException as e:
             reason = f"{type(e).__name__}: {e}"
@@ -113,7 +113,7 @@ class ShareRequest:
 
 
 def write_share(
-    place: Destination, rank: int, layout: RankLayout, image: memoryview, byte_items: list, *,
+    place: Staging, rank: int, layout: RankLayout, image: memoryview, byte_items: list, *,
     wait_ready: Optional[Callable[[float], float]] = None,
 ) -> ShareItems:
     """Durably write one rank's tensor image and pickled objects; return what the sidecar records.
@@ -143,11 +143,11 @@ def write_share(
             objects.append((fqn, cursor, len(data), checksum(data)))
             blob += data
             cursor += len(data)
-        place.write_small(name, bytes(blob))
+        place.write_bytes(name, bytes(blob))
     return ShareItems(layout if layout.slots else None, digests, names.objects_file_name(rank) if byte_items else None, objects)
 
 
-def commit_share(req: ShareRequest, place: Destination) -> Optional[str]:
+def commit_share(req: ShareRequest, place: Staging) -> Optional[str]:
     """Coordinator, once every rank's share is durable: DCP's ``.metadata`` from the sidecars,
     the commit record, publish. Returns where a checkpoint it replaced now is."""
     write_metadata(req, place)
@@ -163,7 +163,7 @@ def remove_coordination_files(directory: str) -> None:
             os.unlink(os.path.join(directory, entry))
 
 
-def write_metadata(req: ShareRequest, place: Destination) -> None:
+def write_metadata(req: ShareRequest, place: Staging) -> None:
     """Coordinator, once every rank's share is durable: the extra files and DCP's ``.metadata``,
     built from the sidecars."""
     sidecars = [read_sidecar(place.directory, rank) for rank in range(req.world_size)]
@@ -171,15 +171,15 @@ def write_metadata(req: ShareRequest, place: Destination) -> None:
     if stale:
         raise CheckpointWriteError(f"ranks {stale} left sidecars of another save")
     for name, data in req.extra_files.items():
-        place.write_atomic(name, data)
+        place.write_bytes(name, data, atomic=True)
     if req.dcp_classes is not None:
         metadata = metadata_bytes(sidecars, req.dcp_classes, req.final_path, req.save_id)
     else:  # this torch's metadata classes are not the ones dcp_pickle writes: torch's own objects, pickled
         metadata = _metadata_by_torch(req, place)
-    place.write_atomic(names.DCP_METADATA_FILE, metadata)
+    place.write_bytes(names.DCP_METADATA_FILE, metadata, atomic=True)
 
 
-def _metadata_by_torch(req: ShareRequest, place: Destination) -> bytes:
+def _metadata_by_torch(req: ShareRequest, place: Staging) -> bytes:
     """DCP's ``.metadata`` pickled by torch, in the process ``req.metadata_command`` starts."""
     with tempfile.NamedTemporaryFile(prefix="asyncckpt-metadata-") as out:
         done = subprocess.run(req.metadata_command + [place.directory, str(req.world_size), req.final_path, req.save_id,

@@ -1,0 +1,40 @@
+"""Removing checkpoints and files so that none is ever seen half-removed: written once over the
+storage primitives, for every store.
+
+A checkpoint (a directory or prefix) leaves every listing at once, whole, before anything of it is
+deleted (``Backend.remove_tree``: renamed to a hidden name on a file system, its commit object
+deleted first in an object store); what is slow to delete goes once the writer has replied. No
+framework, ``latest_checkpoint`` or ``asyncckpt ls`` sees it half-deleted, and a crash in between
+leaves only a leftover whose owner is gone (``leftovers``), which the next save into that
+directory or ``asyncckpt clean`` removes. A single file is deleted (durably).
+
+Kept free of torch: the background writer imports it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from asyncckpt.core.storage.backend import Later, backend_for
+from asyncckpt.core.storage.object_store import ObjectStoreOptions
+
+
+def remove(paths: list[str], token: str, later: Later, *, hidden_parent: Optional[str] = None,
+           options: Optional[ObjectStoreOptions] = None) -> None:
+    """Remove each of ``paths`` (all of one store, reached with ``options``; absent ones are fine):
+    a checkpoint by ``Backend.remove_tree`` (moved into ``hidden_parent`` if given: a directory
+    whose every entry a framework counts), owned by ``token``, its deletion left to ``later``; a
+    single file, or a link, deleted."""
+    if not paths:
+        return
+    backend = backend_for(paths[0], options)
+    files = []
+    for path in paths:
+        try:
+            found = backend.stat(path)
+        except FileNotFoundError:  # a dangling link is deleted as a file
+            found = None
+        if found is not None and found.is_dir and not found.link:
+            backend.remove_tree(path, token, later=later, hidden_parent=hidden_parent)
+        else:
+            files.append(path)
+    backend.delete(files)
