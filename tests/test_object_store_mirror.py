@@ -57,3 +57,38 @@ def test_trainer_mirror_resumes_from_the_bucket(tmp_path, s3_root):
     assert first.state.global_step == 20 and resumed.state.global_step == full.state.global_step
     for name, value in full.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], value), name
+
+
+def test_lightning_mirror_restores_last_ckpt_where_it_is_missing(tmp_path, s3_root):
+    """Each committed .ckpt is copied to the bucket; a run in an empty directory with ``ckpt_path="last"``
+    restores ``last.ckpt`` from there first, and resumes as from the local file (bit for bit)."""
+    L = pytest.importorskip("lightning")
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    from asyncckpt.adapters.lightning import AsyncCkptIO
+    from asyncckpt.core.storage.backend import backend_for
+    from test_lightning import QUIET, TinyModule, data
+
+    mirror = f"{s3_root}/lightning"
+
+    class StartedAt(Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.step = trainer.global_step
+
+    def fit(root, max_steps, mirror_to=mirror, **fit_kwargs):
+        torch.manual_seed(0)
+        model, started = TinyModule(), StartedAt()
+        trainer = L.Trainer(max_steps=max_steps, plugins=[AsyncCkptIO(mirror_to=mirror_to)], default_root_dir=root,
+                            callbacks=[ModelCheckpoint(dirpath=root / "ckpts", save_last=True, every_n_train_steps=4),
+                                       started], **QUIET)
+        trainer.fit(model, data(), **fit_kwargs)
+        return model, started.step
+
+    fit(tmp_path / "a", 8)
+    mirrored = backend_for(mirror).names(mirror)
+    assert "last.ckpt" in mirrored and any(name.startswith("epoch=0-step=") for name in mirrored), mirrored
+    straight, _ = fit(tmp_path / "b", 12, mirror_to=f"{s3_root}/other")
+    resumed, started_at = fit(tmp_path / "c", 12, ckpt_path="last")  # nothing local: last.ckpt comes from the bucket
+    assert started_at == 8
+    for name, value in straight.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name
