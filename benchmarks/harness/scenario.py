@@ -39,7 +39,7 @@ class Scenario:
     options: dict[str, Option] = field(default_factory=dict)
     reps: tuple[int, int] = (3, 1)  # reps of a real sitting, of a --quick one
     limits: tuple[str, ...] = ()  # machine.LIMITS measured at the sitting's start and end
-    limits_mib: tuple[int, int] = (1024, 32)  # the bytes they are measured with (real, --quick)
+    limits_mib: tuple[int, int] | str = (256, 32)  # the MiB they are measured with (real, --quick), or an option's name
     revisioned: bool = False  # --before / --revisions apply: it runs its asyncckpt arms at each revision
     name: str = ""  # the module's name, set by ``load``
 

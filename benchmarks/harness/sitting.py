@@ -231,7 +231,8 @@ def run(scenario: Scenario, args) -> int:
     limits: dict = {}
     t0 = now()
     try:
-        nbytes = scenario.limits_mib[1 if args.quick else 0] << 20
+        mib = scenario.limits_mib
+        nbytes = (options[mib] if isinstance(mib, str) else mib[1 if args.quick else 0]) << 20
         if scenario.limits:
             with monitor.phase("limits"):
                 limits["start"] = measure_limits(scenario.limits, nbytes, scratch, options["reps"])

@@ -80,7 +80,7 @@ def exporter(kind: str, source: str, out: str) -> dict:
             checkpointer.export(source, ExportOptions(directory=out)).result()
             work = now() - started
             peak = max(_vm_hwm_mib(str(p.pid)) for p in psutil.Process().children(recursive=True))
-        return {"work_s": work, "peak_rss_mib": peak}
+        return {"work_s": work, "peak_rss_mib": peak, "output": os.path.join(out, os.path.basename(source))}
     if kind == "ours_cli":
         from importlib.metadata import entry_points
 
@@ -100,7 +100,7 @@ def exporter(kind: str, source: str, out: str) -> dict:
         save_file(torch.load(out + "/full.pt", weights_only=True)["model"], out + "/model.safetensors")
         os.unlink(out + "/full.pt")
         os.sync()
-    return {"work_s": now() - started, "peak_rss_mib": _vm_hwm_mib()}
+    return {"work_s": now() - started, "peak_rss_mib": _vm_hwm_mib(), "output": out}
 
 
 def same_tensors(ours: str, theirs: str) -> dict:
@@ -187,9 +187,10 @@ def measure(sitting) -> dict:
                                                   out=out))
             sitting.log(f"{run.label}: {found[run.label][-1]['work_s']:.2f} s")
             if reference is None:
-                reference = out
+                reference = found[run.label][-1]["output"]
                 continue
-            found[run.label][-1].update(sitting.child("same_tensors", ours=reference, theirs=out))
+            found[run.label][-1]["equal"] = sitting.child("same_tensors", ours=reference,
+                                                          theirs=found[run.label][-1]["output"])["equal"]
             shutil.rmtree(out)
     with sitting.phase("training loop during an export"):
         loop = sitting.child("slowdown", checkpoint=checkpoint, scratch=sitting.directory("during"),
