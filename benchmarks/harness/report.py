@@ -61,6 +61,15 @@ def arm_name(label: str, names: dict, result: dict) -> str:
     return f"{name} — {side or 'after'} ({revision['commit'][:7]})"
 
 
+def side(label: str, result: dict) -> str:
+    """", before (abc1234)" for a run of a sitting that compared revisions; "" otherwise."""
+    revisions = result.get("revisions", [])
+    if len(revisions) < 2:
+        return ""
+    which = label.partition("@")[2] or "after"
+    return f", {which} ({next(r for r in revisions if r['label'] == which)['commit'][:7]})"
+
+
 def is_revisioned(arm: str, result: dict) -> bool:
     return any(label.startswith(arm + "@") for label in result.get("labels", []))
 

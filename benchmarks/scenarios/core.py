@@ -36,7 +36,7 @@ from harness import Option, Scenario
 from harness.floors import PairedMemcpy, PairedODirect, RawWriter, per_tensor_copy
 from harness.machine import MemSampler, drop_caches
 from harness.ranks import on_ranks
-from harness.report import arm_name, bars, fmt, table
+from harness.report import bars, fmt, side, table
 from harness.util import GiB, error_text, free_port, log, median, now, ratio, remove
 from harness.workloads import (MMLoop, flat_tensors, n_tensors, reset_state, same_state, state_bytes, workload,
                                zeros_like_state)
@@ -461,10 +461,10 @@ def goals(result: dict) -> list[list]:
     odirect, cached, memcpy = (limit(result, k) for k in ("odirect_write", "cached_read", "memcpy"))
 
     def add(label: str, goal: str, measured: str, ok: Optional[bool]) -> None:
-        rows.append([label, goal, measured, "n/a" if ok is None else ("yes" if ok else "**no**")])
+        rows.append(([label] if label else []) + [goal, measured, "n/a" if ok is None else ("yes" if ok else "**no**")])
 
     for label in result.get("labels", ["asyncckpt"]):
-        name = arm_name(label, {"asyncckpt": "asyncckpt"}, result)
+        name = side(label, result).lstrip(", ")
         for kind in WORKLOADS:
             save = f["saves"].get(kind, {}).get(label, {})
             s = save.get("save", {}).get("ours_core_save", {})
@@ -517,11 +517,11 @@ def render(result: dict) -> str:
     lines = [f"{o['size_mib']} MiB states; medians of the back-to-back reps (min–max); `first` is a fresh process's first "
              f"call; `after idle` one rep after {o['settle_s']:g} s idle. `x` ratios use the sitting's limits (the better "
              "of start and end); `paired` ratios, each rep against the limit measured right before it, decide the goals.",
-             "", "## Goals", "", *table(["asyncckpt", "goal", "measured", "met"], goals(result))]
+             "", "## Goals", "", *table((["asyncckpt"] if len(result["revisions"]) > 1 else []) + ["goal", "measured", "met"],
+                                        goals(result))]
     for kind in WORKLOADS:
         for label, w in f["saves"].get(kind, {}).items():
-            name = arm_name(label, {"asyncckpt": ""}, result)
-            lines += [f"## Saves and loads, {kind}{': ' + name if name else ''}", "",
+            lines += [f"## Saves and loads, {kind}{side(label, result)}", "",
                       f"{w['bytes'] / GiB:.3f} GiB in {w['tensors']} tensors, one process.", "",
                       *table(["save", "first s", "s (min–max)", "GB/s", "x O_DIRECT", "paired", "durable s", "after idle s"],
                              [[SAVES[k], fmt(m(v.get("first_s"))), _range(v.get("s")), fmt(ratio(w["bytes"] / 1e9, m(v.get("s"))), ".2f"),
@@ -532,17 +532,17 @@ def render(result: dict) -> str:
                              [[LOADS[k], fmt(m(v.get("first_s"))), _range(v.get("s")), fmt(ratio(w["bytes"] / 1e9, m(v.get("s"))), ".2f"),
                                fmt(ratio(ratio(w["bytes"] / 1e9, m(v.get("s"))), cached), ".2f"), fmt(m(v.get("cold_s")))]
                               if "error" not in v else [LOADS[k], v["error"], "", "", "", ""] for k, v in w["load"].items()])]
-    rows = [[kind, arm_name(label, {"asyncckpt": "asyncckpt"}, result), fmt(m(r["first_s"])), _range(r["s"]),
+    rows = [[kind + side(label, result), fmt(m(r["first_s"])), _range(r["s"]),
              fmt(m(r["x_paired_odirect"]), ".2f"), fmt(m(r["settle_s"])), " / ".join(f"{b / 1e6:.0f} MB" for b in r["bytes_per_rank"]),
              fmt(m(r["load_s"])), all(r["load_verified"])] for kind, by in f["ranks2"].items() for label, r in by.items()]
     if rows:
         lines += ["## Two ranks", "", "gloo, 1 intra-op thread each, replicated state: the planner deduplicates it, each rank "
                   "writes about half. The slower rank's time from a barrier to `core.save` returning; `paired` = both ranks "
                   "writing their share raw at once right before each rep / the save.", "",
-                  *table(["workload", "asyncckpt", "first s", "s (min–max)", "paired", "after idle s", "bytes per rank",
+                  *table(["workload", "first s", "s (min–max)", "paired", "after idle s", "bytes per rank",
                           "load s", "load verified"], rows)]
     for label, p in f["planning"].items():
-        lines += [f"## Planning: {arm_name(label, {'asyncckpt': 'asyncckpt'}, result)}", "",
+        lines += [f"## Planning{side(label, result)}", "",
                   f"{p['tensors']} fp32 tensors of 1–16 KiB ({p['bytes'] / 1e6:.0f} MB), a fresh process; each `async_save` "
                   "split by the phases its handle reports; bookkeeping = the rest of the call, what every save repeats.", "",
                   *table(["save", "returned after s", "plan s", "bookkeeping s", "buffer s", "copy + hand-off s", "committed s"],
@@ -554,7 +554,7 @@ def render(result: dict) -> str:
     for label, st in f["stall"].items():
         floor = st["bytes"] / (limit(result, "memcpy") * 1e9) if limit(result, "memcpy") else None
         pt = st["per_tensor_copy"]
-        lines += [f"## Async save: stall, durable, memory (adam): {arm_name(label, {'asyncckpt': 'asyncckpt'}, result)}", "",
+        lines += [f"## Async save: stall, durable, memory (adam){side(label, result)}", "",
                   f"{st['bytes'] / GiB:.3f} GiB in {st['tensors']} tensors. Floors: a held memcpy of the same bytes "
                   f"{fmt(floor)} s (the sitting's rate); copying tensor by tensor into held clones {fmt(m(pt['one_by_one_s']))} s, "
                   f"one `_foreach_copy_` {fmt(m(pt['foreach_s']))} s. `staged` = the snapshot complete; `total` = the write "

@@ -18,7 +18,7 @@ import tempfile
 from typing import Any, Callable
 
 from harness import Option, Scenario
-from harness.report import arm_name, bars, fmt, table
+from harness.report import bars, fmt, side, table
 from harness.util import MiB, median, now, remove
 
 METHODS = ("d2h", "torch", "dcp", "ours")
@@ -162,8 +162,8 @@ def render(result: dict) -> str:
                 stall = median(r["stall_s"] for r in row["reps"])
                 rows.append([method, fmt(stall), fmt(median(r["durable_s"] for r in row["reps"])) if method != "d2h" else "",
                              f"{fmt(stall / floor if floor else None, '.2f')}x", fmt(row["first"]["stall_s"])])
-            lines += [f"## {name}: {entry['bytes'] / MiB:.0f} MiB in {entry['tensors']} tensors "
-                      f"({found['device']}; asyncckpt {arm_name(label, {'asyncckpt': 'of the tree'}, result)})", "",
+            lines += [f"## {name}: {entry['bytes'] / MiB:.0f} MiB in {entry['tensors']} tensors ({found['device']}"
+                      f"{side(label, result)})", "",
                       *table(["method", "stall s", "durable s", "stall / d2h copy", "first rep stall s"], rows)]
             t = entry.get("training")
             if t:

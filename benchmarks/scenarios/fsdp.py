@@ -18,7 +18,7 @@ import statistics
 from harness import Option, Scenario
 from harness.floors import PairedMemcpy, PairedODirect
 from harness.ranks import on_ranks
-from harness.report import arm_name, bars, fmt, table
+from harness.report import bars, fmt, side, table
 from harness.util import now
 
 METHODS = ("memcpy", "raw_write", "native", "ours", "dcp_async")
@@ -129,7 +129,7 @@ def render(result: dict) -> str:
         goals = [("stall <= 1.3x the memcpy of the rank's shard", m["ours"]["stall_s"] / memcpy, 1.3, "<="),
                  ("durable <= 1.3x the raw O_DIRECT write of the shard", m["ours"]["durable_s"] / raw, 1.3, "<="),
                  (">= 5x faster to durable than Accelerate's own save", native / m["ours"]["durable_s"], 5.0, ">=")]
-        lines += [f"## asyncckpt: {arm_name(label, {'asyncckpt': 'the tree'}, result)}", "",
+        lines += [*([f"## asyncckpt{side(label, result)}", ""] if side(label, result) else []),
                   f"{result['options']['total_mib']} MiB of parameters + Adam moments over 2 ranks, "
                   f"{found['shard_bytes'][0] / 2**20:.0f} MiB per rank; medians of {result['options']['reps']} reps after a "
                   "warm-up rep, each the slower rank's figure.", "",

@@ -15,7 +15,7 @@ import tempfile
 
 from harness import Option, Scenario
 from harness.floors import read_files
-from harness.report import arm_name, bars, fmt, table
+from harness.report import bars, fmt, side, table
 from harness.util import now, spread
 from harness.workloads import make_adam, make_large, n_tensors
 
@@ -99,7 +99,7 @@ def render(result: dict) -> str:
             for adapter, r in per_adapter.items():
                 m = {k: v["median"] for k, v in r["s"].items()}
                 target = max(0.10 * m["load"], 1.25 * m["cached read"])
-                rows.append([arm_name(label, {"asyncckpt": "asyncckpt"}, result), workload, adapter,
+                rows.append([f"{workload}{side(label, result)}", adapter,
                              f"{r['bytes'] / 2**20:.0f} MiB", fmt(m["cached read"]), fmt(m["verify"]), fmt(m["load"]),
                              f"{fmt(m['verify'] / m['cached read'], '.2f')}x", f"{100 * m['verify'] / m['load']:.0f}%",
                              "yes" if m["verify"] <= target else "**no**"])
@@ -108,7 +108,7 @@ def render(result: dict) -> str:
                       "framework loads); **load** = the framework's own reads of the same files, unchecked; **cached "
                       "read** = reading the files into held memory (the limit). Target: verify <= max(10% of load, 1.25x "
                       "cached read).", "",
-                      *table(["asyncckpt", "workload", "layout", "bytes", "cached read s", "verify s", "load s",
+                      *table(["workload", "layout", "bytes", "cached read s", "verify s", "load s",
                               "verify / cached read", "verify / load", "target met"], rows)])
 
 
