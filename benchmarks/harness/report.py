@@ -87,10 +87,6 @@ def bars(axes, labels: list[str], values: list[Optional[float]], ylabel: str, re
         axes.legend(fontsize=8)
 
 
-def short(label: str, width: int = 28) -> str:
-    return label if len(label) <= width else label[:width - 1] + "…"
-
-
 # ------------------------------------------------------------------------------------------ the page
 def header(scenario, result: dict, json_shown: str) -> list[str]:
     machine, load = result["machine"], result["load"]

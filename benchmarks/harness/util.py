@@ -55,12 +55,6 @@ def remove(path: str) -> None:
         os.unlink(path)
 
 
-def tree_bytes(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(root, name)) for root, _, files in os.walk(path) for name in files)
-
-
 def fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

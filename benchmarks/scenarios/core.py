@@ -469,9 +469,9 @@ def goals(result: dict) -> list[list]:
             save = f["saves"].get(kind, {}).get(label, {})
             s = save.get("save", {}).get("ours_core_save", {})
             x = m(s.get("x_paired_odirect"))
+            best = ratio(ratio(save.get("bytes"), m(s.get("s"))), odirect and odirect * 1e9)
             add(name, f"({kind}) save >= 0.8x a raw O_DIRECT write of the same bytes (1 rank)",
-                f"{fmt(x, '.2f')}x (paired, median); {fmt(ratio(ratio(save.get('bytes'), m(s.get('s'))), odirect and odirect * 1e9), '.2f')}x the sitting's best rate",
-                None if x is None else x >= 0.8)
+                f"{fmt(x, '.2f')}x (paired, median); {fmt(best, '.2f')}x the sitting's best rate", None if x is None else x >= 0.8)
             r2 = f["ranks2"].get(kind, {}).get(label, {})
             x = m(r2.get("x_paired_odirect"))
             add(name, f"({kind}) save >= 0.8x a raw O_DIRECT write of the same bytes (2 ranks)", f"{fmt(x, '.2f')}x (paired)",
@@ -513,69 +513,92 @@ def goals(result: dict) -> list[list]:
 
 def render(result: dict) -> str:
     f, o = result["figures"], result["options"]
-    odirect, cached = limit(result, "odirect_write"), limit(result, "cached_read")
+    comparing = len(result["revisions"]) > 1
     lines = [f"{o['size_mib']} MiB states; medians of the back-to-back reps (min–max); `first` is a fresh process's first "
              f"call; `after idle` one rep after {o['settle_s']:g} s idle. `x` ratios use the sitting's limits (the better "
              "of start and end); `paired` ratios, each rep against the limit measured right before it, decide the goals.",
-             "", "## Goals", "", *table((["asyncckpt"] if len(result["revisions"]) > 1 else []) + ["goal", "measured", "met"],
-                                        goals(result))]
+             "", "## Goals", "", *table((["asyncckpt"] if comparing else []) + ["goal", "measured", "met"], goals(result))]
     for kind in WORKLOADS:
         for label, w in f["saves"].get(kind, {}).items():
             lines += [f"## Saves and loads, {kind}{side(label, result)}", "",
                       f"{w['bytes'] / GiB:.3f} GiB in {w['tensors']} tensors, one process.", "",
                       *table(["save", "first s", "s (min–max)", "GB/s", "x O_DIRECT", "paired", "durable s", "after idle s"],
-                             [[SAVES[k], fmt(m(v.get("first_s"))), _range(v.get("s")), fmt(ratio(w["bytes"] / 1e9, m(v.get("s"))), ".2f"),
-                               fmt(ratio(ratio(w["bytes"] / 1e9, m(v.get("s"))), odirect), ".2f"), fmt(m(v.get("x_paired_odirect")), ".2f"),
-                               fmt(m(v.get("durable_s"))), fmt(m(v.get("settle_s")))] if "error" not in v else [SAVES[k], v["error"], *[""] * 6]
-                              for k, v in w["save"].items()]),
+                             [_save_row(SAVES[k], v, w["bytes"], result) for k, v in w["save"].items()]),
                       *table(["load", "first s", "s (min–max)", "GB/s", "x cached read", "cold s"],
-                             [[LOADS[k], fmt(m(v.get("first_s"))), _range(v.get("s")), fmt(ratio(w["bytes"] / 1e9, m(v.get("s"))), ".2f"),
-                               fmt(ratio(ratio(w["bytes"] / 1e9, m(v.get("s"))), cached), ".2f"), fmt(m(v.get("cold_s")))]
-                              if "error" not in v else [LOADS[k], v["error"], "", "", "", ""] for k, v in w["load"].items()])]
-    rows = [[kind + side(label, result), fmt(m(r["first_s"])), _range(r["s"]),
-             fmt(m(r["x_paired_odirect"]), ".2f"), fmt(m(r["settle_s"])), " / ".join(f"{b / 1e6:.0f} MB" for b in r["bytes_per_rank"]),
-             fmt(m(r["load_s"])), all(r["load_verified"])] for kind, by in f["ranks2"].items() for label, r in by.items()]
+                             [_load_row(LOADS[k], v, w["bytes"], result) for k, v in w["load"].items()])]
+    rows = [[kind + side(label, result), fmt(m(r["first_s"])), _range(r["s"]), fmt(m(r["x_paired_odirect"]), ".2f"),
+             fmt(m(r["settle_s"])), " / ".join(f"{b / 1e6:.0f} MB" for b in r["bytes_per_rank"]), fmt(m(r["load_s"])),
+             all(r["load_verified"])] for kind, by in f["ranks2"].items() for label, r in by.items()]
     if rows:
         lines += ["## Two ranks", "", "gloo, 1 intra-op thread each, replicated state: the planner deduplicates it, each rank "
                   "writes about half. The slower rank's time from a barrier to `core.save` returning; `paired` = both ranks "
                   "writing their share raw at once right before each rep / the save.", "",
-                  *table(["workload", "first s", "s (min–max)", "paired", "after idle s", "bytes per rank",
-                          "load s", "load verified"], rows)]
+                  *table(["workload", "first s", "s (min–max)", "paired", "after idle s", "bytes per rank", "load s",
+                          "load verified"], rows)]
     for label, p in f["planning"].items():
+        phases = ("return_s", "plan_s", "bookkeeping_s", "buffer_s", "copy_s", "total_s")
+        saves = (("first, fresh Checkpointer", p["first"]), ("first of a structure, writer running", p["cold_plan"]),
+                 ("later (median)", p["warm"]))
         lines += [f"## Planning{side(label, result)}", "",
                   f"{p['tensors']} fp32 tensors of 1–16 KiB ({p['bytes'] / 1e6:.0f} MB), a fresh process; each `async_save` "
                   "split by the phases its handle reports; bookkeeping = the rest of the call, what every save repeats.", "",
-                  *table(["save", "returned after s", "plan s", "bookkeeping s", "buffer s", "copy + hand-off s", "committed s"],
-                         [[what, *(fmt(r[k], ".4f") for k in ("return_s", "plan_s", "bookkeeping_s", "buffer_s", "copy_s", "total_s"))]
-                          for what, r in (("first, fresh Checkpointer", p["first"]), ("first of a structure, writer running",
-                                                                                       p["cold_plan"]), ("later (median)", p["warm"]))]),
+                  *table(["save", "returned after s", "plan s", "bookkeeping s", "buffer s", "copy + hand-off s",
+                          "committed s"], [[what, *(fmt(r[k], ".4f") for k in phases)] for what, r in saves]),
                   f"Warm planning {p['warm_planning_s']:.4f} s / cold {p['cold_planning_s']:.4f} s = "
                   f"**{100 * p['warm_planning_s'] / p['cold_planning_s']:.1f}%** (goal <= 5%).", ""]
     for label, st in f["stall"].items():
-        floor = st["bytes"] / (limit(result, "memcpy") * 1e9) if limit(result, "memcpy") else None
+        memcpy = limit(result, "memcpy")
+        floor = st["bytes"] / (memcpy * 1e9) if memcpy else None
         pt = st["per_tensor_copy"]
         lines += [f"## Async save: stall, durable, memory (adam){side(label, result)}", "",
                   f"{st['bytes'] / GiB:.3f} GiB in {st['tensors']} tensors. Floors: a held memcpy of the same bytes "
-                  f"{fmt(floor)} s (the sitting's rate); copying tensor by tensor into held clones {fmt(m(pt['one_by_one_s']))} s, "
-                  f"one `_foreach_copy_` {fmt(m(pt['foreach_s']))} s. `staged` = the snapshot complete; `total` = the write "
-                  "finished; `durable` = after a following `os.sync()`; memory = the peak of system used memory over a rep "
-                  "less its value before the call.", "",
+                  f"{fmt(floor)} s (the sitting's rate); copying tensor by tensor into held clones "
+                  f"{fmt(m(pt['one_by_one_s']))} s, one `_foreach_copy_` {fmt(m(pt['foreach_s']))} s. `staged` = the "
+                  "snapshot complete; `total` = the write finished; `durable` = after a following `os.sync()`; memory = "
+                  "the peak of system used memory over a rep less its value before the call.", "",
                   *table(["path", "first stall s", "stall s (min–max)", "x memcpy", "paired memcpy", "staged s", "total s",
                           "durable s", "paired O_DIRECT", "after idle stall s", "peak extra GiB"],
-                         [[ASYNC[k], fmt(m(v.get("first_stall_s"))), _range(v.get("stall_s")), fmt(ratio(m(v.get("stall_s")), floor), ".2f"),
-                           fmt(m(v.get("x_paired_memcpy")), ".2f"), fmt(m(v.get("staged_s"))), fmt(m(v.get("total_s"))),
-                           fmt(m(v.get("durable_s"))), fmt(m(v.get("durable_x_paired_odirect")), ".2f"), fmt(m(v.get("settle_stall_s"))),
-                           fmt(max(v.get("first_extra_used_gib", []) + v.get("extra_used_gib", []), default=None), ".2f")]
-                          if "error" not in v else [ASYNC[k], v["error"], *[""] * 9] for k, v in st["peers"].items()]),
+                         [_async_row(ASYNC[k], v, floor) for k, v in st["peers"].items()]),
                   "Computation lost while a save is in flight: a `torch.mm` 512x512 loop (torch's threads) runs from the "
                   "call's return until the save is done; `lost` = the loop's progress lost per save, the stall included.", "",
                   *table(["path", "alone steps/s", "in flight steps/s", "slowdown", "in flight s/save", "stall s/save",
-                          "lost s/save"],
-                         [[ASYNC[k], fmt(v.get("alone_steps_per_s"), ".0f"), fmt(v.get("in_flight_steps_per_s"), ".0f"),
-                           f"{fmt(v.get('slowdown_x'), '.2f')}x", fmt(v.get("in_flight_s_per_save"), ".2f"),
-                           fmt(v.get("stall_s_per_save")), fmt(v.get("compute_lost_s_per_save"), ".2f")]
-                          if "error" not in v else [ASYNC[k], v["error"], *[""] * 5] for k, v in st["slowdown"].items()])]
+                          "lost s/save"], [_slowdown_row(ASYNC[k], v) for k, v in st["slowdown"].items()])]
     return "\n".join(lines)
+
+
+def _save_row(name: str, v: dict, nbytes: int, result: dict) -> list:
+    if "error" in v:
+        return [name, v["error"], *[""] * 6]
+    rate = ratio(nbytes / 1e9, m(v.get("s")))
+    return [name, fmt(m(v.get("first_s"))), _range(v.get("s")), fmt(rate, ".2f"),
+            fmt(ratio(rate, limit(result, "odirect_write")), ".2f"), fmt(m(v.get("x_paired_odirect")), ".2f"),
+            fmt(m(v.get("durable_s"))), fmt(m(v.get("settle_s")))]
+
+
+def _load_row(name: str, v: dict, nbytes: int, result: dict) -> list:
+    if "error" in v:
+        return [name, v["error"], *[""] * 4]
+    rate = ratio(nbytes / 1e9, m(v.get("s")))
+    return [name, fmt(m(v.get("first_s"))), _range(v.get("s")), fmt(rate, ".2f"),
+            fmt(ratio(rate, limit(result, "cached_read")), ".2f"), fmt(m(v.get("cold_s")))]
+
+
+def _async_row(name: str, v: dict, floor: Optional[float]) -> list:
+    if "error" in v:
+        return [name, v["error"], *[""] * 9]
+    peak = max(v.get("first_extra_used_gib", []) + v.get("extra_used_gib", []), default=None)
+    return [name, fmt(m(v.get("first_stall_s"))), _range(v.get("stall_s")), fmt(ratio(m(v.get("stall_s")), floor), ".2f"),
+            fmt(m(v.get("x_paired_memcpy")), ".2f"), fmt(m(v.get("staged_s"))), fmt(m(v.get("total_s"))),
+            fmt(m(v.get("durable_s"))), fmt(m(v.get("durable_x_paired_odirect")), ".2f"), fmt(m(v.get("settle_stall_s"))),
+            fmt(peak, ".2f")]
+
+
+def _slowdown_row(name: str, v: dict) -> list:
+    if "error" in v:
+        return [name, v["error"], *[""] * 5]
+    return [name, fmt(v.get("alone_steps_per_s"), ".0f"), fmt(v.get("in_flight_steps_per_s"), ".0f"),
+            f"{fmt(v.get('slowdown_x'), '.2f')}x", fmt(v.get("in_flight_s_per_save"), ".2f"), fmt(v.get("stall_s_per_save")),
+            fmt(v.get("compute_lost_s_per_save"), ".2f")]
 
 
 def _range(values: Optional[list]) -> str:

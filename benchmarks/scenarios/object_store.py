@@ -37,8 +37,11 @@ class Server:
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self.pid = self.proc.pid
         else:
+            import logging
+
             from moto.server import ThreadedMotoServer
 
+            logging.getLogger("werkzeug").setLevel(logging.ERROR)  # not a line per request
             self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
             self.moto.start()
             self.pid = os.getpid()
@@ -69,91 +72,102 @@ def client_env(endpoint: str) -> dict:
             "AWS_ENDPOINT_URL": endpoint}
 
 
-def server_cpu_s(pid: int) -> float:
-    """CPU seconds of the server's process tree (moto: the sitting's own process, idle but for it)."""
+def object_store_options(part_bytes: int, concurrency: int):
+    """The revision under test's ``ObjectStoreOptions``: from ``asyncckpt.core`` where it is exported there, else
+    from the storage package, where revisions before issue 34 keep it (the same code runs both revisions)."""
+    try:
+        from asyncckpt.core import ObjectStoreOptions
+    except ImportError:
+        from asyncckpt.core.storage.object_store import ObjectStoreOptions
+    return ObjectStoreOptions(part_bytes=part_bytes, concurrency=concurrency)
+
+
+def cpu_s(pid: int, children: bool = True) -> float:
+    """CPU seconds of a process (and its children): the client's, its writer's included; the server's (moto's
+    runs in the sitting's own process, idle but for it, whose children are the clients: not counted)."""
     process = psutil.Process(pid)
-    return sum(t.user + t.system for t in [process.cpu_times()] + [c.cpu_times() for c in process.children(True)])
+    return sum(t.user + t.system for t in [process.cpu_times()] + [c.cpu_times() for c in process.children(True)
+                                                                   if children])
 
 
 # ------------------------------------------------------------------------------------------ in a child
 def methods(arm: str, kind: str, gib: float, part_mib: int, concurrency: int, endpoint: str, server_pid: int,
-            sweep: bool = False) -> dict:
-    """Each of ``arm``'s methods once on ``kind``'s workload, each on a fresh bucket: seconds, the client's
-    and the server's CPU seconds, the load average."""
+            server_tree: bool) -> dict:
+    """Each of ``arm``'s methods once on ``kind``'s workload, on a fresh bucket: seconds, the client's and the
+    server's CPU seconds, the load average. A checkpointer's first save (its writer's start) is not measured."""
     import boto3
     import s3fs
     import torch
 
     os.environ.update(client_env(endpoint))
-    client = boto3.client("s3", endpoint_url=endpoint)
+    client, fs = boto3.client("s3", endpoint_url=endpoint), s3fs.S3FileSystem()
     generator = torch.Generator().manual_seed(0)
     n = WORKLOADS[kind]
     state = {f"t{i:05d}": torch.randn(int(gib * GiB) // n // 4, generator=generator) for i in range(n)}
-    part, out = part_mib * MiB, {}
-    buckets = iter(range(1 << 20))
+    part, out, buckets = part_mib * MiB, {}, iter(range(1 << 20))
 
-    def timed(name: str, call) -> None:
-        bucket = f"b{os.getpid()}-{next(buckets)}"
-        client.create_bucket(Bucket=bucket)
-        cpu, server, load, t0 = psutil.Process().cpu_times(), server_cpu_s(server_pid), os.getloadavg()[0], now()
+    def bucket() -> str:
+        name = f"b{os.getpid()}-{next(buckets)}"
+        client.create_bucket(Bucket=name)
+        return name
+
+    def measured(name: str, call) -> None:
+        cpu, server, load, t0 = cpu_s(os.getpid()), cpu_s(server_pid, server_tree), os.getloadavg()[0], now()
         try:
-            out[name] = {"s": call(f"s3://{bucket}/ckpt"), **_after(cpu, server, server_pid, load, t0)}
+            extra = call()  # a dict of figures of its own (async_save's stall), or what the method returns
+            out[name] = {"s": now() - t0, "client_cpu_s": cpu_s(os.getpid()) - cpu,
+                         "server_cpu_s": cpu_s(server_pid, server_tree) - server, "loadavg": (load + os.getloadavg()[0]) / 2,
+                         **(extra if isinstance(extra, dict) else {})}
         except Exception as e:  # noqa: BLE001 - a failing method is a result
             out[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        s3fs.S3FileSystem().rm(bucket, recursive=True)
 
-    def zeros():
-        return {key: torch.zeros_like(value) for key, value in state.items()}
+    def save_and_load(save, load) -> None:
+        url = f"s3://{bucket()}/ckpt"
+        measured("save", lambda: save(url))
+        if load is not None and "error" not in out["save"]:
+            target = {key: torch.zeros_like(value) for key, value in state.items()}
+            measured("load", lambda: load(target, url))
+            assert all(torch.equal(target[k], state[k]) for k in list(state)[:3])
+        fs.rm(url.split("/")[2], recursive=True)
 
     if arm == "raw":
         image = torch.cat([t.flatten() for t in state.values()]).view(torch.uint8).numpy().tobytes()
-        timed("save", lambda url: _seconds(lambda: s3fs.S3FileSystem(max_concurrency=concurrency).pipe_file(
-            url, image, chunksize=part)))
+        save_and_load(lambda url: s3fs.S3FileSystem(max_concurrency=concurrency).pipe_file(url, image, chunksize=part),
+                      None)
     elif arm == "asyncckpt":
         from asyncckpt import core
-        from asyncckpt.core.storage.object_store import ObjectStoreOptions
 
-        with core.Checkpointer(object_store=ObjectStoreOptions(part_bytes=part, concurrency=concurrency)) as checkpointer:
-            def save_then_load(url: str) -> float:
-                seconds = _seconds(lambda: checkpointer.save(state, url))
-                target = zeros()
-                out.setdefault("loads", []).append(_seconds(lambda: checkpointer.load(target, url)))
-                assert all(torch.equal(target[k], state[k]) for k in list(state)[:3])
-                return seconds
+        with core.Checkpointer(object_store=object_store_options(part, concurrency)) as checkpointer:
+            warm = bucket()
+            checkpointer.save(state, f"s3://{warm}/warm")  # the writer started, the plan made, the buffer taken
+            fs.rm(warm, recursive=True)
+            save_and_load(lambda url: checkpointer.save(state, url), checkpointer.load)
+            url = f"s3://{bucket()}/ckpt"
 
-            def async_save(url: str) -> float:
+            def async_save() -> dict:
                 t0 = now()
                 handle = checkpointer.async_save(state, url)
-                out.setdefault("stalls", []).append(now() - t0)
+                stall = now() - t0
                 handle.result()
-                return now() - t0
+                return {"stall_s": stall}
 
-            timed("save", save_then_load)
-            timed("async_save", async_save)
-            out["load"] = {"s": out.pop("loads")[0]}
-            out["async_save"]["stall_s"] = out.pop("stalls")[0]
+            measured("async_save", async_save)
+            fs.rm(url.split("/")[2], recursive=True)
     elif arm == "dcp":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-        def save_then_load(url: str) -> float:
-            seconds = _seconds(lambda: dcp.save(state, storage_writer=FsspecWriter(url, thread_count=concurrency,
-                                                                                   sync_files=False), no_dist=True))
-            target = zeros()
-            out["load"] = {"s": _seconds(lambda: dcp.load(target, storage_reader=FsspecReader(url), no_dist=True))}
-            return seconds
-
-        timed("save", save_then_load)
+        save_and_load(lambda url: dcp.save(state, storage_writer=FsspecWriter(url, thread_count=concurrency, sync_files=False),
+                                           no_dist=True),
+                      lambda target, url: dcp.load(target, storage_reader=FsspecReader(url), no_dist=True))
     elif arm == "torch_put":
-        def save(url: str) -> float:
+        def save(url: str) -> None:
             with tempfile.NamedTemporaryFile(suffix=".pt") as f:
-                t0 = now()
                 torch.save(state, f)
                 f.flush()
                 s3fs.S3FileSystem(max_concurrency=concurrency).put(f.name, url, chunksize=part)
-                return now() - t0
 
-        timed("save", save)
+        save_and_load(save, None)
     return out
 
 
@@ -164,7 +178,6 @@ def sweep(gib: float, endpoint: str, reps: int) -> dict:
     import torch
 
     from asyncckpt import core
-    from asyncckpt.core.storage.object_store import ObjectStoreOptions
 
     os.environ.update(client_env(endpoint))
     client = boto3.client("s3", endpoint_url=endpoint)
@@ -176,7 +189,7 @@ def sweep(gib: float, endpoint: str, reps: int) -> dict:
         for part, concurrency in choices[rep % len(choices):] + choices[:rep % len(choices)]:
             bucket = f"sweep{rep}-{part}-{concurrency}"
             client.create_bucket(Bucket=bucket)
-            with core.Checkpointer(object_store=ObjectStoreOptions(part_bytes=part * MiB, concurrency=concurrency)) as c:
+            with core.Checkpointer(object_store=object_store_options(part * MiB, concurrency)) as c:
                 seconds.setdefault(f"{part}x{concurrency}", []).append(_seconds(lambda: c.save(state, f"s3://{bucket}/c")))
     return {"save_s": seconds}
 
@@ -187,12 +200,6 @@ def _seconds(call) -> float:
     return now() - t0
 
 
-def _after(cpu, server: float, server_pid: int, load: float, t0: float) -> dict:
-    mine = psutil.Process().cpu_times()
-    return {"wall_s": now() - t0, "client_cpu_s": mine.user + mine.system - cpu.user - cpu.system,
-            "server_cpu_s": server_cpu_s(server_pid) - server, "loadavg": (load + os.getloadavg()[0]) / 2}
-
-
 # ------------------------------------------------------------------------------------------ the sitting
 def measure(sitting) -> dict:
     o = sitting.o
@@ -201,14 +208,15 @@ def measure(sitting) -> dict:
     try:
         warm = sitting.runs(["raw"])[0]  # unmeasured: the server creates its volumes at the first writes
         sitting.child("methods", revision=warm.revision, arm="raw", kind="16", gib=min(o.gib, 0.25),
-                      part_mib=o.part_mib, concurrency=o.concurrency, endpoint=server.endpoint, server_pid=server.pid)
+                      part_mib=o.part_mib, concurrency=o.concurrency, endpoint=server.endpoint, server_pid=server.pid,
+                      server_tree=server.kind == "weed")
         for kind in WORKLOADS:
             rows: dict[str, list] = {}
             with sitting.phase(f"{kind} tensors"):
                 for _, run in sitting.abba(sitting.runs(ARMS, {"asyncckpt"}), o.reps):
                     found = sitting.child("methods", revision=run.revision, arm=run.arm, kind=kind, gib=o.gib,
                                           part_mib=o.part_mib, concurrency=o.concurrency, endpoint=server.endpoint,
-                                          server_pid=server.pid)
+                                          server_pid=server.pid, server_tree=server.kind == "weed")
                     for method, figures in found.items():
                         if method != "_child":
                             rows.setdefault(f"{run.label}/{method}", []).append(figures)

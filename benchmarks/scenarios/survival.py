@@ -9,8 +9,8 @@ trainer has ``durable - stall``; one whose writer finishes and commits what it w
               ``torch.save`` + fsync (the synchronous save) after each, in the same processes
   kills       the trainer SIGKILLs itself the moment ``async_save`` returned: was the checkpoint visible
               then, is it committed afterwards, does it load equal to what was saved, is any writer left
-  restart     a save 1.5 s after the previous one with ``writer_idle_timeout=0.5`` (the writer stopped, started
-              again inside the call) against the default (the writer still runs)
+  restart     saves 1.5 s apart with ``writer_idle_timeout=0.5`` (the writer stopped, started again inside the
+              call) against the default (the writer still runs), each in a process of its own
   first_save  a process's first ``async_save`` (it starts the writer) and its second, each rep a fresh process;
               and the process killed at the first save's return
   stress      the kill trials of ``scenarios/_kill_trials.py``, many kinds, many times
@@ -113,7 +113,9 @@ def killed_at_return(workload: str, gib: float, root: str, first: bool) -> None:
     os.kill(os.getpid(), signal.SIGKILL)  # no scheduling delay between the return and the death
 
 
-def restart(workload: str, gib: float, reps: int, root: str) -> dict:
+def restart(workload: str, gib: float, reps: int, root: str, idle_timeout: float) -> dict:
+    """Saves ``RESTART_GAP_S`` apart on a Checkpointer whose writer stops after ``idle_timeout`` s idle (0: the
+    default, it runs on); whether the writer still ran before each (the process's only child)."""
     import shutil
 
     import psutil
@@ -121,24 +123,20 @@ def restart(workload: str, gib: float, reps: int, root: str) -> dict:
     from asyncckpt.core import Checkpointer
 
     state = make(workload, gib)
-    checkpointers = {"restart": Checkpointer(writer_idle_timeout=IDLE_TIMEOUT_S), "warm": Checkpointer()}
-    out: dict[str, list] = {f"{k}_{kind}": [] for k in ("stall", "durable", "writer_ran") for kind in checkpointers}
-    for kind, checkpointer in checkpointers.items():
-        checkpointer.save(state, os.path.join(root, f"warm_{kind}"))
+    checkpointer = Checkpointer(writer_idle_timeout=idle_timeout) if idle_timeout else Checkpointer()
+    checkpointer.save(state, os.path.join(root, "warm"))
+    out: dict[str, list] = {"stall_s": [], "durable_s": [], "writer_ran": []}
     for rep in range(reps):
-        for kind, checkpointer in checkpointers.items():
-            time.sleep(RESTART_GAP_S)  # a training interval: the idle writer stops within it
-            writers = [p for p in psutil.Process().children() if p.is_running() and p.status() != "zombie"]
-            out[f"writer_ran_{kind}"].append(len(writers) == len(checkpointers))  # both writers up
-            path = os.path.join(root, f"{kind}{rep}")
-            t0 = now()
-            handle = checkpointer.async_save(state, path)
-            out[f"stall_{kind}"].append(now() - t0)
-            handle.result()
-            out[f"durable_{kind}"].append(now() - t0)
-            shutil.rmtree(path)
-    for checkpointer in checkpointers.values():
-        checkpointer.close()
+        time.sleep(RESTART_GAP_S)  # a training interval: an idle writer stops within it
+        out["writer_ran"].append(any(p.status() != psutil.STATUS_ZOMBIE for p in psutil.Process().children()))
+        path = os.path.join(root, f"rep{rep}")
+        t0 = now()
+        handle = checkpointer.async_save(state, path)
+        out["stall_s"].append(now() - t0)
+        handle.result()
+        out["durable_s"].append(now() - t0)
+        shutil.rmtree(path)
+    checkpointer.close()
     return out
 
 
@@ -218,17 +216,18 @@ def measure(sitting) -> dict:
         if "kills" in parts:
             expected = flipped(make(workload, o.gib))
             with sitting.phase(f"kills, {workload}"):
-                for revision in sitting.revisions:
-                    label = "asyncckpt" if revision is sitting.after else "asyncckpt@before"
-                    res.setdefault("kills", {})[label] = trials = []
-                    for _ in range(o.kills if revision is sitting.after else o.base_kills):
-                        trials.append(kill_trial(sitting, revision, workload, o.gib, expected, first=False))
-                        log(f"  kill {label}: {trials[-1]}")
+                for run in sitting.runs(["asyncckpt"], {"asyncckpt"}):
+                    res.setdefault("kills", {})[run.label] = trials = []
+                    for _ in range(o.kills if run.revision is sitting.after else o.base_kills):
+                        trials.append(kill_trial(sitting, run.revision, workload, o.gib, expected, first=False))
+                        log(f"  kill {run.label}: {trials[-1]}")
             del expected
         if "restart" in parts:
             with sitting.phase(f"restart, {workload}"):
-                res["restart"] = sitting.child("restart", workload=workload, gib=o.gib, reps=o.reps,
-                                               root=sitting.directory(f"restart{time.monotonic_ns()}"))
+                res["restart"] = {kind: sitting.child("restart", workload=workload, gib=o.gib, reps=o.reps,
+                                                      root=sitting.directory(f"restart{time.monotonic_ns()}"),
+                                                      idle_timeout=timeout)
+                                  for kind, timeout in (("warm", 0.0), ("restart", IDLE_TIMEOUT_S))}
     if "first_save" in parts:
         runs = sitting.runs(["asyncckpt"], {"asyncckpt"})
         first = out["first_save"] = {"timing": {r.label: [] for r in runs}, "kills": {r.label: [] for r in runs}}
@@ -288,14 +287,15 @@ def render(result: dict) -> str:
             lines.append("")
         r = res.get("restart")
         if r:
-            lines += [f"Writer restart: a save {RESTART_GAP_S} s after the previous one, {len(r['stall_warm'])} alternating "
-                      f"reps; with `writer_idle_timeout={IDLE_TIMEOUT_S}` the writer had stopped before "
-                      f"{r['writer_ran_restart'].count(False)}/{len(r['writer_ran_restart'])} of them (started again inside "
-                      "the call).", "",
+            lines += [f"Writer restart: saves {RESTART_GAP_S} s apart, {len(r['warm']['stall_s'])} per process; with "
+                      f"`writer_idle_timeout={IDLE_TIMEOUT_S}` the writer had stopped before "
+                      f"{r['restart']['writer_ran'].count(False)}/{len(r['restart']['writer_ran'])} of them (started again "
+                      f"inside the call), with the default before {r['warm']['writer_ran'].count(False)}.", "",
                       *table(["writer", "stall s", "durable s"],
-                             [["running (the default idle timeout)", fmt(median(r["stall_warm"])), fmt(median(r["durable_warm"]), ".2f")],
-                              [f"stopped after {IDLE_TIMEOUT_S} s idle, started again", fmt(median(r["stall_restart"])),
-                               fmt(median(r["durable_restart"]), ".2f")]])]
+                             [["running (the default idle timeout)", fmt(median(r["warm"]["stall_s"])),
+                               fmt(median(r["warm"]["durable_s"]), ".2f")],
+                              [f"stopped after {IDLE_TIMEOUT_S} s idle, started again", fmt(median(r["restart"]["stall_s"])),
+                               fmt(median(r["restart"]["durable_s"]), ".2f")]])]
     first = f.get("first_save")
     if first:
         lines += ["## The first save of a process", "",
