@@ -215,25 +215,19 @@ class RawWriter:
         self._process.join(10)
 
 
-def per_tensor_copy(state: dict, reps: int) -> dict:
-    """Copying ``state``'s tensors into held clones of them, one ``copy_`` each and one ``_foreach_copy_``:
-    the floor of a snapshot of many tensors, which one contiguous memcpy does not show."""
+def per_tensor_copy(state: dict, reps: int) -> list[float]:
+    """Seconds of copying ``state``'s tensors one by one into held clones of them: the floor of a snapshot of
+    many tensors, which one contiguous memcpy does not show."""
     from .workloads import flat_tensors
 
     sources = list(flat_tensors(state).values())
     held = [torch.zeros_like(t) for t in sources]
 
-    def one_by_one() -> float:
+    def once() -> float:
         t0 = now()
         for dst, src in zip(held, sources):
             dst.copy_(src)
         return now() - t0
 
-    def foreach() -> float:
-        t0 = now()
-        torch._foreach_copy_(held, sources)
-        return now() - t0
-
-    one_by_one(), foreach()  # warm
-    return {"tensors": len(sources), "one_by_one_s": [one_by_one() for _ in range(reps)],
-            "foreach_s": [foreach() for _ in range(reps)]}
+    once()  # warm
+    return [once() for _ in range(reps)]

@@ -18,8 +18,9 @@ from typing import Optional
 import psutil
 import torch
 
-from .floors import AlignedBuffer, read_files, write_file
+from .floors import AlignedBuffer, per_tensor_copy, read_files, write_file
 from .util import GiB, error_text, gbps, log, now, spread
+from .workloads import make_adam
 
 
 def facts() -> dict:
@@ -125,6 +126,7 @@ LIMITS = {
     "buffered_write": "buffered write + fsync",
     "cold_read": "sequential read after drop_caches, into a held buffer",
     "cached_read": "sequential read from the page cache, into a held buffer",
+    "per_tensor_copy": "copying a model's and Adam's ~8,000 tensors (per GiB) one by one into held clones",
 }
 
 
@@ -187,6 +189,8 @@ def measure_limits(kinds: tuple[str, ...], nbytes: int, directory: str, reps: in
         out["cold_read"] = rates(cold)
     if "cached_read" in kinds:
         out["cached_read"] = rates(lambda: read_files([path], buf.view)["s"])
+    if "per_tensor_copy" in kinds:
+        out["per_tensor_copy"] = spread([gbps(nbytes, s) for s in per_tensor_copy(make_adam(nbytes), reps)])
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     buf.close()
