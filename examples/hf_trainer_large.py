@@ -2,7 +2,7 @@
 # A >= 500 MB-state model (a 53.5 M-parameter Llama built from a config + AdamW: 642 MB of tensors per
 # checkpoint) trained twice with the Transformers Trainer, saving every 10 steps: once with the Trainer's own
 # (synchronous) checkpointing, once with AsyncCheckpointCallback. Prints how long each save blocked training.
-# The full measurement (slowdown, memcpy reference, JSON) is benchmarks/hf_trainer_bench.py.
+# The full measurement (slowdown, memcpy reference, JSON) is `python benchmarks/run.py hf_trainer`.
 import shutil, sys, tempfile, time, torch
 from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments

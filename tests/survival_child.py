@@ -1,4 +1,4 @@
-"""A training process that dies: saves, says so, and waits to be killed (test_survival.py, stress_survival.py).
+"""A training process that dies: saves, says so, and waits to be killed (test_survival.py; the benchmark's kill trials).
 
 Usage: survival_child.py ROOT SEED MODE [RANK WORLD PORT]
   MODE "returned": a committed checkpoint ``base``, then ``async_save`` of ``next``; prints
@@ -32,7 +32,7 @@ from asyncckpt.core.snapshot import shared_buffer
 from writers import writers_of
 
 TENSORS = 8
-# 256 MiB: the write outlasts the moment the call returns (stress_survival.py grows it where it does not)
+# 256 MiB: the write outlasts the moment the call returns (the benchmark's kill trials grow it where it does not)
 ELEMENTS = int(os.environ.get("SURVIVAL_ELEMENTS", 8 << 20))
 
 

@@ -37,7 +37,7 @@ WIDTH = int(os.environ.get("WIDTH", "1024"))  # the kill -9 test grows the state
 def die_if_asked(point):  # the kill -9 test: SIGKILL at this point, from inside (no scheduling delay)
     if os.environ.get("KILL_AT") == point:
         import signal; os.kill(os.getpid(), signal.SIGKILL)
-def keep_reference(net, optimizer):  # stress_survival.py: what the save about to be made holds, kept natively
+def keep_reference(net, optimizer):  # the benchmark's kill trials: what the save about to be made holds, kept natively
     if os.environ.get("REFERENCE"):
         torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, os.environ.pop("REFERENCE"))
 def model():
@@ -87,7 +87,7 @@ PROGRAMS = {
             if i == 0: keep_reference(net, opt)
             if i == 1: die_if_asked("next step")  # the first save's optimizer snapshot is complete
             print(f"SAVED {os.path.basename(acc.save_state())}", flush=True)
-            if i == 0: die_if_asked("saved")  # stress_survival.py: at once (no optimizer state is snapshot later)
+            if i == 0: die_if_asked("saved")  # the kill trials: at once (no optimizer state is snapshot later)
         acc.end_training()
     """),
     "hf_trainer": COMMON + textwrap.dedent("""

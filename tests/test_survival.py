@@ -6,7 +6,7 @@ what is on disk afterwards. A trial in which the checkpoint was already visible 
 landed proves nothing: it is counted apart, and each test needs trials that prove something.
 Each kill test runs with the writer the save finds (``WRITERS``): running since an earlier save,
 none (the process's first save starts it), and one stopped when idle (the save starts another).
-``benchmarks/stress_survival.py`` runs many more trials of the same kinds.
+``python benchmarks/run.py survival`` (its ``stress`` part) runs many more trials of the same kinds.
 """
 from __future__ import annotations
 

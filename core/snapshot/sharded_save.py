@@ -38,7 +38,7 @@ from asyncckpt.core.snapshot.planner import (
     planner_data_paths,
     tensor_items,
 )
-from asyncckpt.core.snapshot.shared_buffer import CopyInProgress, StagingBuffer, begin_copy, start_copy
+from asyncckpt.core.snapshot.shared_buffer import CopyInProgress, begin_copy, start_copy
 from asyncckpt.core.writer.shard_requests import ShareRequest
 from asyncckpt.core.snapshot.structure import describe, tied_keys
 from asyncckpt.core.snapshot.tensor_copy import CopyThreads
@@ -177,14 +177,6 @@ class ShardedSaves:
             directory_barrier=target.directory_barrier,
         )
         return PreparedSave(slot, begin, request)
-
-    def last_copy(self, state_dict: dict) -> tuple[StagingBuffer, list[torch.Tensor]]:
-        """The staging buffer and the source tensors a save of ``state_dict`` with the last plan
-        copies: for measuring the copy on its own (``benchmarks/floors.py``)."""
-        planner = AsyncCkptSavePlanner()
-        planner.set_up_planner(_resolve_stateful(state_dict), is_coordinator=True)
-        slot = next(s for s in self.buffers.slots() if s.key == self._last_key)
-        return slot.buffer, _sources(planner.state_dict, self.plan_cache.peek(self._last_key))
 
     def _plan(self, planner: AsyncCkptSavePlanner, target: SaveTarget, tied_to: dict[str, str]) -> CachedPlan:
         if target.collectives and target.world > 1 and dist.is_initialized():

@@ -1,51 +1,31 @@
-#!/usr/bin/env python
-"""Kill trials: a save that returned survives the trainer's death (issue 26), many times over.
+"""Kill trials: a save that returned survives the trainer's death, many times over (the survival scenario's
+``stress`` part; ``tests/test_survival.py`` and ``tests/test_interrupt.py`` run a few of each kind).
 
-    .venv/bin/python benchmarks/stress_survival.py [--seed S] [--scale 1.0]
-    # writes benchmarks/results/survival_stress.json and benchmarks/results/survival_stress.md
-
-Real processes, real kills, outside the default test run (``tests/test_survival.py`` and
-``tests/test_interrupt.py`` run a few trials of each kind; this runs many):
-
-  core, 1 rank     ``tests/survival_child.py`` saves a base, then ``async_save``; SIGKILL as soon
-                   as it printed that the call returned
+  core, 1 rank     ``tests/survival_child.py`` saves a base, then ``async_save``; SIGKILL as soon as it
+                   printed that the call returned
   core, 2 ranks    the same in a gloo group of 2; every rank killed at once once both returned
-                   (the Store dies with rank 0: the writers meet by marker files)
-  first save       the same, where that ``async_save`` is the process's first save, which starts its
-                   writer (1 and 2 ranks; a local directory, and a bucket of an S3 server started
-                   here, moto's, on 127.0.0.1)
-  after idle stop  the same, where the writer of the base save stopped when idle and ``async_save``
-                   starts another
+  first save       the same, where that ``async_save`` is the process's first save, which starts its writer
+                   (1 and 2 ranks; a local directory, and a bucket of moto's S3 server started here)
+  after idle stop  the same, where the writer of the base save stopped when idle and ``async_save`` starts another
   snapshot         killed in the middle of its snapshot copy (1 and 2 ranks): nothing may commit
   lightning, accelerate, hf_trainer
-                   the programs of ``tests/test_interrupt.py``: SIGKILL from inside once the save
-                   returned (Lightning ``last.ckpt``, Accelerate ``save_state`` whose snapshot is
-                   complete when it returns) or once the next step ended (the Trainer, which
-                   snapshots the optimizer state while the next step runs: the guarantee starts when
-                   that is complete); the program keeps a native copy of what it saved just before
-                   the call
-  sigterm          SIGTERM to the trainer's whole process group while a 1 GiB save is in flight,
-                   SIGKILL after a 30 s grace period if it still runs
+                   the programs of ``tests/test_interrupt.py``: SIGKILL from inside once the save returned
+                   (the Trainer: once the next step ended, when its overlapped optimizer snapshot is complete)
+  sigterm          SIGTERM to the trainer's process group while a 1 GiB save is in flight, SIGKILL after a
+                   30 s grace period if it still runs
 
-A trial *counts* only if the checkpoint was not yet visible when the trainer was dead: otherwise it
-proves nothing, and the state of that kind grows (x2) for its next trials. For every trial the
-checkpoint must be committed, check intact (``asyncckpt verify``'s checks) and load equal to what
-was saved; a killed snapshot must leave nothing but ``base``; and no writer process whose argv names
-the dead trainer's pid may remain. Each trial's seed is printed and recorded.
+A trial *counts* only if the checkpoint was not yet visible when the trainer was dead (otherwise it proves
+nothing, and the state of that kind grows x2 for its next trials). Every trial requires the checkpoint
+committed, intact (``asyncckpt verify``'s checks) and loading equal to what was saved (a killed snapshot:
+nothing but ``base`` left after ``clean``), and no writer process naming the dead trainer's pid left.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
 import random
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -53,11 +33,10 @@ from typing import Any, Callable
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from harness import git_meta, log, write_report  # noqa: E402
+from harness.util import log  # noqa: E402
 from survival_child import TENSORS, values  # noqa: E402
 from test_interrupt import PROGRAMS  # noqa: E402
 from programs import Program  # noqa: E402
@@ -354,77 +333,14 @@ def summarize(rows: list[dict]) -> dict:
     return kinds
 
 
-def render(result: dict) -> str:
-    meta, kinds = result["meta"], result["kinds"]
-    total = sum(k["trials"] for k in kinds.values())
-    lines = [
-        "# Kill trials: a save that returned survives the trainer's death",
-        "",
-        f"`benchmarks/stress_survival.py --seed {result['args']['seed']}` at {meta['git_commit'][:7]}"
-        f"{' (core/ modified: ' + meta['core_dirty'] + ')' if meta['core_dirty'] else ''}, {meta['started']}; "
-        f"{total} trials in {result['wall_s'] / 60:.1f} min; load average {meta['loadavg_before'][0]:.2f} before, "
-        f"{meta['loadavg_after'][0]:.2f} after (`uptime`: {meta['uptime_before']}; 2 vCPUs shared with other jobs).",
-        "",
-        "A trial counts only if the checkpoint was not yet visible when the trainer was dead (else the state of",
-        "that kind grows for its next trials). Every trial requires: the checkpoint committed, intact by",
-        "`asyncckpt verify`'s checks and loading equal to what was saved (a kill during the snapshot: nothing",
-        "committed, only `base` left after `clean`), and no writer process naming the dead trainer's pid left.",
-        "",
-        "| kind | trials | passed | counted | visible at death | orphan logged its commit | sizes | max commit after death s | max until no writer s |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, k in kinds.items():
-        commit = k.get("commit_after_death_s_max", k.get("committed_after_sigterm_s_max"))
-        lines.append(f"| {name} | {k['trials']} | {k['ok']} | {k['counted']} | {k['visible_at_death']} | {'-' if name == 'snapshot' else k['logged']} | "
-                     f"{', '.join(map(str, k['sizes']))} | {'-' if commit is None else f'{commit:.1f}'} | "
-                     f"{k.get('writers_gone_s_max', 0):.1f} |")
-    lines += ["", "\"Orphan logged its commit\": counted trials whose writer learnt of the trainer's death before it "
-              "committed (the kernel tells it once the trainer's memory is freed), and so logged `finishing` and `committed` "
-              "in `.asyncckpt-writer.log`; in the others it committed first, as if the trainer were alive. An orphan keeps that log "
-              "beside local checkpoints only: the object store's kinds have none.", "",
-              "Sizes: core kinds, elements per tensor (8 fp32 tensors per rank); adapters, the model's `WIDTH` "
-              "(65536: ~0.4 GiB of model and Adam state).", ""]
-    sigterm = [r for r in result["trials"] if r["kind"] == "sigterm" and r["ok"]]
-    for r in sigterm:
-        lines.append(f"SIGTERM to the process group during a {r['gib']:.1f} GiB save: the trainer was dead after "
-                     f"{r['trainer_dead_s']:.2f} s (exit status {r['trainer_returncode']}, SIGKILL needed: {r['sigkill_needed']}), "
-                     f"the checkpoint committed {r['committed_after_sigterm_s']:.1f} s after the SIGTERM "
-                     f"({'within' if r['within_grace'] else 'beyond'} the {GRACE_S:.0f} s grace period; "
-                     f"visible when the trainer was dead: {r['visible_at_death']}).")
-    lines += ["", "Seeds (drawn from the `--seed` above): " + "; ".join(
-        f"{name} {', '.join(str(r['seed']) for r in result['trials'] if r['kind'] == name)}" for name in kinds) + "."]
-    failed = [f for k in kinds.values() for f in k["failed"]]
-    lines += ["", f"Failures: {len(failed)}." if not failed else f"Failures: {len(failed)}:"]
-    lines += [f"- {f}" for f in failed]
-    lines.append("")
-    return "\n".join(lines)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, default=None, help="seeds every trial's seed (default: random, printed)")
-    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every kind's trial count")
-    parser.add_argument("--only", default=None, help="comma-separated kinds to run")
-    parser.add_argument("--dir", default=None)
-    parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "survival_stress.json"))
-    parser.add_argument("--markdown", default=str(REPO / "benchmarks" / "results" / "survival_stress.md"))
-    parser.add_argument("--from-json", action="store_true", help="only render --json into --markdown again")
-    args = parser.parse_args()
-    if args.from_json:
-        with open(args.json) as f:
-            markdown = render(json.load(f))
-        with open(args.markdown, "w") as f:
-            f.write(markdown)
-        return 0
-    args.seed = random.randrange(10**6) if args.seed is None else args.seed
-    log(f"master seed {args.seed}")
-    rng = random.Random(args.seed)
+def trials(seed: int, scale: float, only: str, root: str) -> dict:
+    """Every kind's trials (``only``: a comma-separated subset), ``scale`` x each kind's count; the trials'
+    seeds drawn from ``seed``. The rows and each kind's summary."""
+    rng = random.Random(seed)
 
     def n(count: int) -> int:
-        return max(1, round(count * args.scale))
+        return max(1, round(count * scale))
 
-    adapters = [(name, lambda root, seed, width, name=name: adapter_trial(root, seed, name, width), n(4),
-                 ADAPTER_WIDTH, ADAPTER_WIDTH_MAX) for name in ("lightning", "accelerate", "hf_trainer")]
     s3: list[str] = []  # a bucket of the S3 server, started when a kind needs it
 
     def bucket() -> str:
@@ -435,8 +351,9 @@ def main() -> int:
         return s3[0]
 
     def core_kind(world: int, writer: str = "running", on_s3: bool = False):
-        def trial(root: str, seed: int, size: int) -> dict:
-            return core_returned(root, seed, world, size, writer, f"{bucket()}/{os.path.basename(root)}" if on_s3 else "")
+        def trial(place: str, trial_seed: int, size: int) -> dict:
+            return core_returned(place, trial_seed, world, size, writer,
+                                 f"{bucket()}/{os.path.basename(place)}" if on_s3 else "")
         return trial
 
     plan = [
@@ -448,28 +365,13 @@ def main() -> int:
         ("first save 2 ranks s3", core_kind(2, "none", True), n(20), S3_ELEMENTS, S3_ELEMENTS_MAX),
         ("after idle stop 1 rank", core_kind(1, "idle-stopped"), n(5), CORE_ELEMENTS, CORE_ELEMENTS_MAX),
         ("after idle stop 2 ranks", core_kind(2, "idle-stopped"), n(5), CORE_ELEMENTS, CORE_ELEMENTS_MAX),
-        ("snapshot", lambda root, seed, size: core_snapshot(root, seed, 1 + seed % 2, size), n(5), CORE_ELEMENTS, CORE_ELEMENTS),
-        *adapters,
-        ("sigterm", lambda root, seed, size: sigterm_trial(root, seed, size), n(2), SIGTERM_ELEMENTS, SIGTERM_ELEMENTS),
+        ("snapshot", lambda place, trial_seed, size: core_snapshot(place, trial_seed, 1 + trial_seed % 2, size), n(5),
+         CORE_ELEMENTS, CORE_ELEMENTS),
+        *[(name, lambda place, trial_seed, width, name=name: adapter_trial(place, trial_seed, name, width), n(4),
+           ADAPTER_WIDTH, ADAPTER_WIDTH_MAX) for name in ("lightning", "accelerate", "hf_trainer")],
+        ("sigterm", sigterm_trial, n(2), SIGTERM_ELEMENTS, SIGTERM_ELEMENTS),
     ]
-    if args.only:
-        wanted = set(args.only.split(","))
-        plan = [p for p in plan if p[0] in wanted]
-    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    meta = {**git_meta(), "started": datetime.datetime.now().isoformat(timespec="seconds"), "python": platform.python_version(),
-            "torch": torch.__version__, "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(), "uptime_before": uptime}
-    base = tempfile.mkdtemp(prefix="stress_survival_", dir=args.dir)
-    t0 = time.monotonic()
-    try:
-        rows = run_trials(plan, base, rng)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    meta["loadavg_after"] = os.getloadavg()
-    meta["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    result = {"meta": meta, "args": vars(args), "wall_s": time.monotonic() - t0, "kinds": summarize(rows), "trials": rows}
-    write_report(result, args.json, args.markdown, render(result))
-    return 0 if all(row["ok"] for row in rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if only:
+        plan = [p for p in plan if p[0] in only.split(",")]
+    rows = run_trials(plan, root, rng)
+    return {"seed": seed, "kinds": summarize(rows), "trials": rows}

@@ -1,10 +1,8 @@
-"""The checkpointers core_bench.py measures ours against, one function each: what a peer's row times.
+"""The checkpointers asyncckpt is measured against, one function each: what a peer's row times.
 
-Kept apart from the sections so that each row's call is named and can be read on its own, beside the
-others, without the timing and bookkeeping around it. The sections that use it import it when they
-run, as they imported these libraries before, so re-rendering a report (``--from-json``) imports neither
-torch.distributed.checkpoint nor safetensors. Lightning and DCP's ``DefaultStager`` are imported inside
-their functions: a peer that cannot be imported fails its own row only.
+Each row's call is named here and can be read on its own, without the timing around it. Lightning and
+DCP's ``DefaultStager`` are imported inside their functions: a peer that cannot be imported fails its
+own row only.
 """
 from __future__ import annotations
 
@@ -17,7 +15,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from harness import copy_into_state, flat_tensors, fsync_path
+from .util import fsync_path
+from .workloads import copy_into_state, flat_tensors
 
 
 # ---------------------------------------------------------------------------------------- saves
