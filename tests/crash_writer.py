@@ -14,7 +14,7 @@ from asyncckpt import core
 root, mode = sys.argv[1], sys.argv[2]
 state = {f"layer{i}.weight": torch.zeros(4 << 20) for i in range(12)}  # 192 MiB
 state["step"] = 0
-checkpointer = core.Checkpointer()
+checkpointer = core.Checkpointer(max_in_flight=1)  # "submitted k": step k-1 is committed, step k being written
 for step in range(1, 10**6):
     for name, tensor in state.items():
         if isinstance(tensor, torch.Tensor):

@@ -157,7 +157,8 @@ class Checkpointer:
             return prepared
 
         def snapshot(prepared) -> None:
-            submit = lambda: self.ledger.queue.submit([(handle, prepared.request, prepared.slot.buffer)])  # noqa: E731
+            submit = lambda: self.ledger.queue.submit([(handle, prepared.request, prepared.slot.buffer),  # noqa: E731
+                                                       *self._follow_ups(handle)])
             self.stager.take_snapshot(handle, prepared.begin, prepared.request, submit, stream=stream)
 
         if overlap and (agreement is not group or world == 1 or not collectives):
@@ -206,7 +207,8 @@ class Checkpointer:
         handle.when_done(lambda: self.buffers.give_back(slot))
         request = FileRequest(path, image.size, handle.rank, self.options.direct_io, self.options.io_threads, object_store=self.object_store)
         self.stager.take_snapshot(handle, lambda: self.files.stage(image, slot), request,
-                                  lambda: self.ledger.queue.submit([(handle, request, slot.buffer)]))
+                                  lambda: self.ledger.queue.submit([(handle, request, slot.buffer),
+                                                                    *self._follow_ups(handle)]))
         return handle
 
     def save_file(self, obj: Any, path: str | os.PathLike, **options: Any) -> None:
@@ -242,7 +244,8 @@ class Checkpointer:
 
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
                                     ledger=self.ledger, stager=self.stager, files=self.files,
-                                    sharded=self.sharded, sharded_target=sharded_target, direct_io=self.options.direct_io,
+                                    sharded=self.sharded, sharded_target=sharded_target, follow_ups=self._follow_ups,
+                                    direct_io=self.options.direct_io,
                                     io_threads=self.options.io_threads)
 
     def _directory_id(self, final_dir: str, rank: int, world: int, store: Any) -> str:
@@ -345,23 +348,29 @@ class Checkpointer:
         return self.hooks.on_commit(checkpoint, action)
 
     def _queue_commit_work(self, checkpoint: SaveHandle) -> None:
-        """What runs once a checkpoint being saved committed: the ``on_commit`` code, and (rank 0's) its copy to
-        ``mirror_to`` and its export."""
+        """What runs once a checkpoint being saved committed, off the training loop: the ``on_commit`` code, and
+        (rank 0's) its export."""
         options = self.options
         if options.on_commit is not None:
             self.hooks.on_commit(checkpoint, options.on_commit)
-        if checkpoint.rank != 0:
-            return
-        if options.mirror_to and not backend_for(checkpoint.path).remote:
-            url = posixpath.join(options.mirror_to, os.path.basename(checkpoint.path))
-            request = MirrorRequest(checkpoint.path, url, self.object_store)
-            self.hooks.after(checkpoint, "mirror", lambda handle: self.ledger.queue.submit([(handle, request, None)]),
-                             path=url, done_by_action=True)
-        if options.export is not None:
+        if options.export is not None and checkpoint.rank == 0:
             target = options.export.target_for(checkpoint.path)
             request = ExportRequest(checkpoint.path, target, options.export)
             self.hooks.after(checkpoint, "export", lambda handle: self.ledger.queue.submit([(handle, request, None)]),
                              label=f"to {target}", done_by_action=True)
+
+    def _follow_ups(self, checkpoint: SaveHandle) -> list[tuple]:
+        """Writer jobs handed over together with a checkpoint's own request, so that they run right behind it and
+        before anything queued later (a rotation's removal of that very checkpoint): rank 0's copy of it to
+        ``mirror_to``, run only if it committed."""
+        root = self.options.mirror_to
+        if not root or checkpoint.rank != 0 or backend_for(checkpoint.path).remote:
+            return []
+        url = posixpath.join(root, os.path.basename(checkpoint.path))
+        mirror = self._admit("mirror", url, rank=checkpoint.rank, step=checkpoint.step, label=checkpoint.label,
+                             after=checkpoint)
+        mirror.set_staged()
+        return [(mirror, MirrorRequest(checkpoint.path, url, self.object_store), None)]
 
     def _queue_after(self, kind: str, path: str, request: Any, after: Optional[SaveHandle], **details: Any) -> SaveHandle:
         self._check_open()

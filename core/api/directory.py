@@ -43,14 +43,15 @@ class DirectoryTransaction:
 
     def __init__(self, *, handle: "SaveHandle", save_id: str, staging_dir: str, barrier: BarrierSpec,
                  ledger: "Ledger", stager: "Stager", files: "FileSnapshots", sharded: "ShardedSaves",
-                 sharded_target: Callable[..., "SaveTarget"], direct_io: bool,
+                 sharded_target: Callable[..., "SaveTarget"], follow_ups: Callable[["SaveHandle"], list],
+                 direct_io: bool,
                  io_threads: int) -> None:
         self.handle = handle
         self.final_dir, self.rank, self.step, self.save_id = handle.path, handle.rank, handle.step, save_id
         self.staging_dir = staging_dir
         self._barrier = barrier
         self._ledger, self._stager, self._files = ledger, stager, files
-        self._sharded, self._sharded_target = sharded, sharded_target
+        self._sharded, self._sharded_target, self._follow_ups = sharded, sharded_target, follow_ups
         self._direct_io, self._io_threads = direct_io, io_threads
         self._held: list[tuple["SaveHandle", Any, Any]] = []
         self._committing = False
@@ -146,7 +147,7 @@ class DirectoryTransaction:
             request = CommitDirRequest(self.save_id, self.final_dir, self.staging_dir, self.rank, self.step,
                                        self._barrier, self._failed)
             self.handle.set_staged()
-            self._flush([(self.handle, request, None)])
+            self._flush([(self.handle, request, None), *self._follow_ups(self.handle)])
         return self.handle
 
     def abort(self, error: BaseException, *, raised: bool = True) -> None:
