@@ -20,7 +20,8 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Optional
 
-from asyncckpt.core.storage.commit import is_complete, latest_checkpoint
+from asyncckpt.core.storage.commit import is_complete
+from asyncckpt.core.storage.tier import latest_checkpoint
 from asyncckpt.core.errors import (
     CheckpointCancelledError,
     CheckpointError,

@@ -41,6 +41,7 @@ from asyncckpt.core.snapshot.buffer_pool import BufferPool
 from asyncckpt.core.client.ledger import Ledger
 from asyncckpt.core.api.commit_hooks import CommitHooks, OnCommit
 from asyncckpt.core.api.options import CheckpointOptions, resolve, taking_options
+from asyncckpt.core.api.tiers import MemoryTiers
 from asyncckpt.core.api.directory import DirectoryTransaction
 from asyncckpt.core.snapshot.dist_env import any_rank, default_store, dist_ready, rank_and_world
 from asyncckpt.core.storage.commit import job_token
@@ -55,7 +56,7 @@ from asyncckpt.core.storage.backend import backend_for, exists, normalize
 from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
 from asyncckpt.core.client.handles import SaveHandle
 from asyncckpt.core.loading.state_dict import load_checkpoint
-from asyncckpt.core.writer.mirror import MirrorRequest, restore_latest
+from asyncckpt.core.writer.mirror import CopyRequest, restore_latest
 from asyncckpt.core.writer.retention import RetentionRequest
 from asyncckpt.core.export.options import ExportOptions, as_options
 from asyncckpt.core.export.request import ExportRequest
@@ -98,6 +99,7 @@ class Checkpointer:
         self.files = FileSnapshots(self.buffers, self.copy_threads)
         self.sharded = ShardedSaves(self.buffers, self.copy_threads, direct_io=options.direct_io,
                                     io_threads=options.io_threads, timeout=options.timeout)
+        self.tiers = MemoryTiers(options.memory_tier, options.object_store) if options.memory_tier else None
         self.stats: Counter = Counter()  # requests by kind, and removals/links queued behind a pending save
         self.closed = False
         self._directories = 0
@@ -123,7 +125,7 @@ class Checkpointer:
                    process_group: Optional[dist.ProcessGroup] = None, use_collectives: Optional[bool] = None,
                    step: Optional[int] = None, label: Optional[str] = None,
                    extra_files: Optional[dict[str, bytes]] = None, overlap_staging: Optional[bool] = None,
-                   stream: bool = False) -> SaveHandle:
+                   stream: bool = False, durable: Optional[bool] = None) -> SaveHandle:
         """Snapshot ``state_dict`` and return; the write and commit happen in the background.
 
         ``extra_files`` (name -> bytes) are written by rank 0 into the checkpoint directory
@@ -136,7 +138,7 @@ class Checkpointer:
         anyway, streams by default (figures in docs/DESIGN.md).
         """
         self._check_open()
-        path = _normalize(path)
+        path = self._placed(_normalize(path), durable)
         group = process_group if process_group is not None else self.process_group
         collectives = (self.use_collectives if use_collectives is None else use_collectives) and dist_ready()
         overlap = self.overlap_staging if overlap_staging is None else overlap_staging
@@ -189,7 +191,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ native files and directories
     def async_save_file(self, obj: Any, path: str | os.PathLike, *, format: str = "torch",
                         metadata: Optional[dict[str, str]] = None, step: Optional[int] = None,
-                        label: Optional[str] = None) -> SaveHandle:
+                        label: Optional[str] = None, durable: Optional[bool] = None) -> SaveHandle:
         """Write one native file in the background: ``format="torch"`` is what ``torch.save(obj)``
         writes; ``"safetensors"`` what ``safetensors.torch.save_file(obj, metadata=...)`` writes.
 
@@ -198,7 +200,7 @@ class Checkpointer:
         submission order, so repeated saves to one path keep their order.
         """
         self._check_open()
-        path = _normalize(path)
+        path = self._placed(_normalize(path), durable)
         self.ledger.raise_unobserved()
         image = self.files.image(obj, format, metadata)
         handle = self._admit("file", path, rank=rank_and_world(self.process_group)[0], step=step, label=label)
@@ -215,7 +217,8 @@ class Checkpointer:
         self.async_save_file(obj, path, **options).result()
 
     def begin_directory(self, final_dir: str | os.PathLike, *, step: Optional[int] = None, label: Optional[str] = None,
-                        staging_parent: Optional[str | os.PathLike] = None) -> DirectoryTransaction:
+                        staging_parent: Optional[str | os.PathLike] = None,
+                        durable: Optional[bool] = None) -> DirectoryTransaction:
         """Start a checkpoint directory of native files (SPMD: every rank of the group calls it for
         the same directories in the same order). Stage files with ``tx.save_file`` /
         ``tx.write_bytes``, then ``tx.commit()``; ``with`` aborts it on an exception.
@@ -230,6 +233,9 @@ class Checkpointer:
         self.stager.wait()  # the previous directory may still be committed from the staging thread
         self.ledger.raise_unobserved()
         final_dir = os.path.abspath(os.fspath(final_dir))
+        placed = self._placed(final_dir, durable)
+        if placed != final_dir:  # in memory, where nothing counts the entries beside it
+            final_dir, staging_parent = placed, None
         rank, world = rank_and_world(self.process_group)
         handle = self._admit("directory", final_dir, rank=rank, step=step, label=label)  # one checkpoint in flight
         store = self._store() if self.use_collectives and world > 1 else None
@@ -271,6 +277,11 @@ class Checkpointer:
         paths = tuple(_normalize(p) for p in paths)
         if len({backend_for(p).remote for p in paths}) > 1:
             raise ValueError(f"remove() takes local paths or URLs, not both at once: {paths}")
+        copies = self.tiers.memory_copies(list(paths)) if self.tiers else []
+        if copies and backend_for(paths[0]).remote:  # the memory copies of checkpoints in an object store
+            self.remove(copies, after=after)
+        elif copies:
+            paths += tuple(copies)
         request = RemoveRequest(list(paths), os.path.abspath(os.fspath(hidden_parent)) if hidden_parent else None,
                                 object_store=self.object_store)
         if after is None and not self.ledger.queue.running and not self.pending():
@@ -317,7 +328,7 @@ class Checkpointer:
         path, url = _normalize(path), _normalize(url)
         if not backend_for(url).remote:
             raise ValueError(f"mirror() copies to an object-store URL, not to {url}")
-        return self._queue_after("mirror", url, MirrorRequest(path, url, self.object_store), after)
+        return self._queue_after("mirror", url, CopyRequest(path, url, self.object_store), after)
 
     def restore_mirrored(self, url_root: str, local_root: str, name: Optional[str] = None) -> Optional[str]:
         """Before a resume: the newest committed checkpoint under ``url_root`` (``mirror``; with ``name``, the
@@ -361,16 +372,24 @@ class Checkpointer:
 
     def _follow_ups(self, checkpoint: SaveHandle) -> list[tuple]:
         """Writer jobs handed over together with a checkpoint's own request, so that they run right behind it and
-        before anything queued later (a rotation's removal of that very checkpoint): rank 0's copy of it to
-        ``mirror_to``, run only if it committed."""
+        before anything queued later (a rotation's removal of that very checkpoint), and only if it committed:
+        with the memory tier, its durable copy when due and the tier's retention (``tiers``); rank 0's copy of it
+        to ``mirror_to``."""
+        jobs = []
+        publishes = checkpoint.rank == 0 or checkpoint.kind == "file"
+        if self.tiers is not None:
+            jobs += self.tiers.follow_ups(checkpoint.path, publishes=publishes)
         root = self.options.mirror_to
-        if not root or checkpoint.rank != 0 or backend_for(checkpoint.path).remote:
-            return []
-        url = posixpath.join(root, os.path.basename(checkpoint.path))
-        mirror = self._admit("mirror", url, rank=checkpoint.rank, step=checkpoint.step, label=checkpoint.label,
-                             after=checkpoint)
-        mirror.set_staged()
-        return [(mirror, MirrorRequest(checkpoint.path, url, self.object_store), None)]
+        if root and checkpoint.rank == 0 and not backend_for(checkpoint.path).remote:
+            url = posixpath.join(root, os.path.basename(checkpoint.path))
+            jobs.append(("mirror", url, CopyRequest(checkpoint.path, url, self.object_store)))
+        handed = []
+        for kind, path, request in jobs:
+            handle = self._admit(kind, path, rank=checkpoint.rank, step=checkpoint.step, label=checkpoint.label,
+                                 after=checkpoint)
+            handle.set_staged()
+            handed.append((handle, request, None))
+        return handed
 
     def _queue_after(self, kind: str, path: str, request: Any, after: Optional[SaveHandle], **details: Any) -> SaveHandle:
         self._check_open()
@@ -403,8 +422,11 @@ class Checkpointer:
 
     def wait_for(self, path: str | os.PathLike) -> None:
         """Wait for pending work on ``path`` (a read must never see a checkpoint being written);
-        raise its failure if nobody has seen it."""
-        self.ledger.wait_for(_normalize(path))
+        raise its failure if nobody has seen it. With the memory tier: its memory copy's too."""
+        path = _normalize(path)
+        self.ledger.wait_for(path)
+        if self.tiers is not None:
+            self.ledger.wait_for(self.tiers.memory_path(path))
 
     def raise_failures(self) -> None:
         """Raise (once) a failure of earlier work that nobody has seen; never waits."""
@@ -412,8 +434,11 @@ class Checkpointer:
 
     def will_exist(self, path: str | os.PathLike) -> bool:
         """Whether ``path`` will exist once the queued work has run: what the last queued work on it
-        does (a save or link creates it, a removal deletes it), else whether it exists now."""
+        does (a save or link creates it, a removal deletes it), else whether it exists now. With the memory tier,
+        a checkpoint exists in either tier (its memory copy: what a resume would load)."""
         path = _normalize(path)
+        if self.tiers is not None and path != self.tiers.memory_path(path) and self.will_exist(self.tiers.memory_path(path)):
+            return True
         queued = self.ledger.will_exist(path)
         if queued is not None:
             return queued
@@ -537,8 +562,24 @@ class Checkpointer:
         the staging buffers and plans are kept for the next run. Raises a failure nobody has seen."""
         try:
             self.wait()
+            self._finish_memory_tier()
         finally:
             self._stop_threads()
+
+    def _finish_memory_tier(self) -> None:
+        """The end of a run: the checkpoints only in memory are written durably (by rank 0, which publishes
+        them), then, once every rank is there, this node's memory copies go: the tier holds nothing after a run
+        that ended normally (a killed run leaves it for its restart)."""
+        if self.tiers is None:
+            return
+        rank, world = rank_and_world(self.process_group)
+        for placed in self.tiers.unpersisted() if rank == 0 else []:
+            if os.path.lexists(placed.memory):
+                self._queue_after("persist", placed.durable, CopyRequest(placed.memory, placed.durable,
+                                                                         self.object_store), None)
+        self.wait(everywhere=True)
+        if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+            self.tiers.clear()
 
     def close(self) -> None:
         """``teardown()``, and free the staging buffers; the Checkpointer cannot be used again."""
@@ -568,6 +609,11 @@ class Checkpointer:
             self.sharded.close()
 
     # ------------------------------------------------------------------ internals
+    def _placed(self, path: str, durable: Optional[bool]) -> str:
+        """Where a checkpoint asked for at ``path`` is saved: with the memory tier, in memory (``tiers.place``;
+        ``durable``: also written durably now, whatever the cadence), else at ``path``."""
+        return path if self.tiers is None else self.tiers.place(path, durable_too=durable)
+
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("Checkpointer is closed")

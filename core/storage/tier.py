@@ -21,11 +21,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import time
 from typing import Optional
 
-from asyncckpt.core.storage import fsio
+from asyncckpt.core.formats import names
+from asyncckpt.core.storage import commit, fsio, orphans, owners
+from asyncckpt.core.storage.backend import backend_for
 
 NODE_ENV, MEMORY_ROOT_ENV = "ASYNCCKPT_NODE", "ASYNCCKPT_MEMORY_ROOT"
 DEFAULT_MEMORY_ROOT = "/dev/shm/asyncckpt"
@@ -84,3 +87,33 @@ def durable_root_of(directory: str) -> Optional[str]:
             return json.load(f)["durable_root"]
     except (OSError, ValueError, KeyError):
         return None
+
+
+def remove_run(directory: str) -> None:
+    """Delete a run directory: out of sight first (renamed to a hidden name), then its contents."""
+    if not os.path.isdir(directory):
+        return
+    hidden = names.hidden_path(directory, "removing", owners.owner_token())
+    os.rename(directory, hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
+def latest_checkpoint(root: str, *, orphan_timeout: float = 600.0, memory_root: Optional[str] = None) -> Optional[str]:
+    """The newest complete checkpoint of ``root`` in any tier of this node (by step, then commit time), or None:
+    directly under ``root`` (``commit.latest_checkpoint``), or in its memory run directory (under ``memory_root``,
+    else the environment's or the default), whose copy is the nearer where both hold the same step. A writer of a
+    previous run still finishing a checkpoint in either is waited for first, up to ``orphan_timeout`` seconds."""
+    best_key, best_path = None, None
+    for place, nearness in ((root, 0), (run_dir(root, memory_root), 1)):
+        if nearness and not os.path.isdir(place):
+            continue
+        if not backend_for(place).remote:
+            orphans.wait_for_orphans(place, orphan_timeout)
+        for path, record in commit.committed_under(place):
+            if record is None:
+                continue
+            step = record.get("step")
+            key = (step if step is not None else -1, nearness, record.get("committed_at_ns", 0))
+            if best_key is None or key > best_key:
+                best_key, best_path = key, path
+    return best_path

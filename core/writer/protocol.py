@@ -5,7 +5,7 @@ A *request* is plain data (a dataclass the writer unpickles without torch) with 
 writer comes through its ``RequestContext``: the staging buffer it writes from, the barrier it
 meets the other ranks at, and a place to leave work for after the reply. The request classes:
 ``shard_requests.ShareRequest``, ``file_requests.*``, ``directory_requests.CommitDirRequest``,
-``retention.RetentionRequest``, ``mirror.MirrorRequest``, ``Idle`` below, and ``export.request.ExportRequest``
+``retention.RetentionRequest``, ``mirror.CopyRequest``, ``Idle`` below, and ``export.request.ExportRequest``
 (the one request class outside this package: an export's torch-free half, see docs/DESIGN.md).
 
 Messages, each a tuple whose first element is its kind:

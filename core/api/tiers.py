@@ -1,0 +1,111 @@
+"""The memory tier of one ``Checkpointer``: where each checkpoint goes, and what follows its commit.
+
+With ``memory_tier`` on, a checkpoint asked for at its durable path (``run/checkpoint-20``) is saved at its memory
+path on this node (``storage.tier.memory_path``) by the usual save machinery, so it is committed there exactly as a
+checkpoint is anywhere (staging, commit record, checksums), at the speed of a copy into shared memory. Behind its
+commit, in the writer's queue, come:
+
+* every ``persist_every``-th checkpoint of a durable root (and, at the end of a run, the last one): its copy to
+  the durable path, committed there as any checkpoint (``CopyRequest``): no second snapshot, the writer reads the
+  memory copy;
+* the memory tier's own retention: the memory checkpoints of the root beyond the newest ``keep`` are removed
+  (the durable ones are the framework's to rotate, as without the tier).
+
+A root whose checkpoints do not fit in the memory the tier may use is saved durably only, with one warning saying
+what would fit. A run that ends normally (``finish``) persists its last checkpoint and leaves nothing in memory.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from asyncckpt.core.api.options import MemoryTier
+from asyncckpt.core.storage import tier
+from asyncckpt.core.storage.backend import is_url
+from asyncckpt.core.writer.mirror import CopyRequest
+
+logger = logging.getLogger("asyncckpt.core")
+
+
+@dataclass
+class _Run:
+    """The checkpoints of one durable root, as this process saved them."""
+
+    directory: str  # its run directory in memory on this node
+    saves: int = 0
+    unpersisted: Optional[str] = None  # the memory path of its newest checkpoint not written durably (yet)
+    durable_only: bool = False  # its checkpoints do not fit in memory
+
+
+@dataclass
+class Placement:
+    """Where one checkpoint went: its memory path and its durable one, and whether it is also persisted."""
+
+    memory: str
+    durable: str
+    persist: bool
+    run: _Run = field(repr=False)
+
+
+class MemoryTiers:
+    def __init__(self, options: MemoryTier, object_store: Any) -> None:
+        self.options, self.object_store = options, object_store
+        self._runs: dict[str, _Run] = {}
+        self._placed: dict[str, Placement] = {}  # by memory path
+        self._lock = threading.Lock()
+
+    def place(self, durable: str, *, durable_too: Optional[bool] = None) -> str:
+        """Where the checkpoint asked for at ``durable`` is saved: its memory path (counted for the persist
+        cadence; ``durable_too`` overrides the cadence), or ``durable`` itself where its root saves durably only."""
+        root = posixpath.dirname(durable) if is_url(durable) else os.path.dirname(durable)
+        with self._lock:
+            run = self._runs.get(root)
+            if run is None:
+                run = self._runs[root] = _Run(tier.open_run(root, self.options.root))
+            if run.durable_only:
+                return durable
+            run.saves += 1
+            memory = os.path.join(run.directory, os.path.basename(durable.rstrip("/")))
+            persist = run.saves % self.options.persist_every == 0 if durable_too is None else durable_too
+            self._placed[memory] = Placement(memory, durable, persist, run)
+            return memory
+
+    def memory_path(self, durable: str) -> str:
+        """Where the memory copy of the checkpoint at ``durable`` lives on this node (whether or not it is there)."""
+        return tier.memory_path(durable, self.options.root)
+
+    def placement(self, memory: str) -> Optional[Placement]:
+        return self._placed.get(memory)
+
+    def follow_ups(self, memory: str, *, publishes: bool) -> list[tuple[str, str, Any]]:
+        """The writer jobs behind the commit of the checkpoint saved at ``memory``, as ``(kind, path,
+        request)``: its persistence when due, by the rank that publishes it (``publishes``)."""
+        placed = self._placed.get(memory)
+        if placed is None:
+            return []
+        placed.run.unpersisted = None if placed.persist else memory
+        if not (placed.persist and publishes):
+            return []
+        return [("persist", placed.durable, CopyRequest(memory, placed.durable, self.object_store))]
+
+    def memory_copies(self, durable_paths: list[str]) -> list[str]:
+        """The memory copies on this node of the checkpoints at ``durable_paths`` (a framework's rotation removes
+        the checkpoint, wherever it is)."""
+        copies = [tier.memory_path(path, self.options.root) for path in durable_paths]
+        return [path for path in copies if os.path.lexists(path)]
+
+    def unpersisted(self) -> list[Placement]:
+        """The newest checkpoint of each root that is in memory only: what the end of a run persists."""
+        with self._lock:
+            return [self._placed[run.unpersisted] for run in self._runs.values() if run.unpersisted is not None]
+
+    def clear(self) -> None:
+        """Remove this node's memory copies of every root this process saved (the end of a run)."""
+        with self._lock:
+            runs, self._runs, self._placed = list(self._runs.values()), {}, {}
+        for run in runs:
+            tier.remove_run(run.directory)
