@@ -168,9 +168,28 @@ def test_capacity_of_a_real_tmpfs_and_what_would_fit(small_tmpfs):
     larger = tier.what_would_fit(40 * MiB, 2, found)
     size = re.search(r"; a ([\d.]+) MiB tmpfs would fit$", larger)
     assert size, larger
+    assert tier.what_would_fit(7 * MiB, 2, found).endswith("; it fits")
+
     bigger_root = small_tmpfs(int(float(size.group(1)) * MiB)) / "asyncckpt"
     shutil.copytree(root, bigger_root)  # the same tier, on the file system the sentence asks for
     assert tier.fits(tier.needed_bytes(40 * MiB, 2), tier.capacity(str(bigger_root)))
+
+
+def test_what_a_run_holds_already_is_room_for_its_own_next_checkpoints(small_tmpfs):
+    """A restarted job finds its tier full of its own checkpoints: retention replaces them, so they are
+    room for it, not use by others; another run's checkpoints are."""
+    root = small_tmpfs(64 * MiB) / "asyncckpt"
+    own, other = (Path(tier.open_run(f"/data/{name}", str(root))) for name in ("own", "other"))
+    for run, size in ((own, 20 * MiB), (other, 4 * MiB)):
+        (run / "step_000001").mkdir()
+        (run / "step_000001" / "__0_0.distcp").write_bytes(b"\0" * size)
+
+    everyone, for_own = tier.capacity(str(root)), tier.capacity(str(root), for_run=str(own))
+
+    assert not tier.fits(tier.needed_bytes(10 * MiB, 1), everyone)
+    assert tier.fits(tier.needed_bytes(10 * MiB, 1), for_own)
+    assert 4 * MiB <= for_own.used < 4 * MiB + 4096 and 20 * MiB <= everyone.used - for_own.used < 20 * MiB + 4096
+    assert for_own.available == everyone.available + everyone.used - for_own.used
 
 
 def test_a_configured_limit_and_what_limit_would_fit(memory_root, run):

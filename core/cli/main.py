@@ -53,14 +53,14 @@ def _shape(size) -> str:
 
 
 # --------------------------------------------------------------------------------------------- ls
-def cmd_ls(root: str, memory_root: str) -> int:
+def cmd_ls(root: str, memory_root: Optional[str] = None) -> int:
     """One line per checkpoint of any kind, and per leftover (``checkpoint_kinds``): name, step,
     size, status, kind. Then, beside them, the memory checkpoints of ROOT's run directory under this
-    node's ``memory_root``, marked ``memory``: the bytes this node holds, COMPLETE if every file is
+    node's ``memory_root`` (default: ``tier.memory_root()``), marked ``memory``: the bytes this node holds, COMPLETE if every file is
     here, else PARTIAL and which are missing (on which nodes they are), and whether ROOT holds a
     durable copy. Sorted by (step, time), like ``latest_checkpoint`` ranks them, so the last
     COMPLETE line is what a resume picks. The same for a directory and an object-store prefix."""
-    run = os.path.join(memory_root, tier.run_name(root))
+    run = os.path.join(memory_root or tier.memory_root(), tier.run_name(root))
     memory_rows = _memory_rows(run)
     try:
         entries = checkpoint_kinds.checkpoints_under(root)
@@ -84,8 +84,9 @@ def cmd_ls(root: str, memory_root: str) -> int:
                      entry.status, note))
     durable = {basename(entry.path) for entry in entries if entry.status in ("COMPLETE", "NATIVE")}
     for key, name, step, size, status, note in memory_rows:
-        if status != "INCOMPLETE":
-            note += ", durable copy too" if name in durable else ", memory only"
+        if status != "INCOMPLETE":  # a committed memory checkpoint: is it also durable?
+            copy = "memory, durable copy too" if name in durable else "memory only"
+            note = f"{copy}, {note}" if note else copy
         rows.append((key, name, step, size, status, note))
     rows.sort(key=lambda row: row[0])
     width = max((len(row[1]) for row in rows), default=0)
@@ -101,7 +102,7 @@ def _memory_rows(run: str) -> list[tuple]:
     rows = []
     for checkpoint in tier.memory_checkpoints(run):
         status = "COMPLETE" if checkpoint.complete else "PARTIAL"
-        note = "memory" if checkpoint.complete else f"memory, {_missing(checkpoint)}"
+        note = "" if checkpoint.complete else _missing(checkpoint)
         rows.append(((-1 if checkpoint.step is None else checkpoint.step, checkpoint.committed_at, checkpoint.name),
                      checkpoint.name, checkpoint.step, checkpoint.bytes_here, status, note))
     for leftover in leftovers.find(run):

@@ -209,17 +209,21 @@ class Capacity:
         return max(0, min(self.limit - self.used, self.available))
 
 
-def capacity(root: str, max_bytes: Optional[int] = None) -> Capacity:
+def capacity(root: str, max_bytes: Optional[int] = None, for_run: Optional[str] = None) -> Capacity:
     """The capacity of the memory root ``root`` (a directory, ``memory_root()``; its file system is that of
     its nearest existing parent until it exists): ``max_bytes`` if given, else half of its file system, so
-    that the tier never takes the memory training needs (a tmpfs holds its pages in RAM)."""
+    that the tier never takes the memory training needs (a tmpfs holds its pages in RAM). ``for_run``: the
+    run directory it is asked for; what that run holds already (a restarted job's checkpoints) counts as
+    free, since it is part of what the run needs (``needed_bytes``): retention makes room for the new ones."""
     probe = os.path.abspath(root)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     stats = os.statvfs(probe)
     filesystem, available = stats.f_blocks * stats.f_frsize, stats.f_bavail * stats.f_frsize
     limit = max_bytes if max_bytes is not None else filesystem // 2
-    return Capacity(os.path.abspath(root), limit, used_bytes(root), available, filesystem, max_bytes is not None)
+    own = used_bytes(for_run) if for_run is not None else 0
+    return Capacity(os.path.abspath(root), limit, used_bytes(root) - own, available + own, filesystem,
+                    max_bytes is not None)
 
 
 def needed_bytes(per_checkpoint: int, keep: int) -> int:
@@ -242,6 +246,8 @@ def what_would_fit(per_checkpoint: int, keep: int, capacity: Capacity) -> str:
     said = (f"the memory tier needs {human_bytes(needed)} on this node ({keep + 1} checkpoints of "
             f"{human_bytes(per_checkpoint)}: keep={keep} and the one being saved), {human_bytes(capacity.free)} "
             f"is free for it under {capacity.root}")
+    if fits(needed, capacity):
+        return f"{said}; it fits"
     smaller = next((k for k in range(keep - 1, 0, -1) if fits(needed_bytes(per_checkpoint, k), capacity)), None)
     if smaller is not None:
         return f"{said}; keep={smaller} would fit"
