@@ -53,7 +53,7 @@ from asyncckpt.core.errors import (
 )
 from asyncckpt.core.writer.file_requests import FileRequest, LinkRequest, RemoveRequest
 from asyncckpt.core.storage.backend import backend_for, exists, normalize
-from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
+from asyncckpt.core.snapshot.file_snapshots import FileSnapshots, tensor_bytes
 from asyncckpt.core.client.handles import SaveHandle
 from asyncckpt.core.loading.state_dict import load_checkpoint
 from asyncckpt.core.writer.mirror import CopyRequest, restore_latest
@@ -138,7 +138,7 @@ class Checkpointer:
         anyway, streams by default (figures in docs/DESIGN.md).
         """
         self._check_open()
-        path = self._placed(_normalize(path), durable)
+        path = self._placed(_normalize(path), durable, lambda: tensor_bytes(state_dict))
         group = process_group if process_group is not None else self.process_group
         collectives = (self.use_collectives if use_collectives is None else use_collectives) and dist_ready()
         overlap = self.overlap_staging if overlap_staging is None else overlap_staging
@@ -200,9 +200,9 @@ class Checkpointer:
         submission order, so repeated saves to one path keep their order.
         """
         self._check_open()
-        path = self._placed(_normalize(path), durable)
         self.ledger.raise_unobserved()
         image = self.files.image(obj, format, metadata)
+        path = self._placed(_normalize(path), durable, lambda: image.size)
         handle = self._admit("file", path, rank=rank_and_world(self.process_group)[0], step=step, label=label)
         slot = self.buffers.take_for_file(image.size, handle)
         handle.add_bytes(image.size)
@@ -233,7 +233,7 @@ class Checkpointer:
         self.stager.wait()  # the previous directory may still be committed from the staging thread
         self.ledger.raise_unobserved()
         final_dir = os.path.abspath(os.fspath(final_dir))
-        placed = self._placed(final_dir, durable)
+        placed = self._placed(final_dir, durable, lambda: 0)
         if placed != final_dir:  # in memory, where nothing counts the entries beside it
             final_dir, staging_parent = placed, None
         rank, world = rank_and_world(self.process_group)
@@ -378,7 +378,7 @@ class Checkpointer:
         jobs = []
         publishes = checkpoint.rank == 0 or checkpoint.kind == "file"
         if self.tiers is not None:
-            jobs += self.tiers.follow_ups(checkpoint.path, publishes=publishes)
+            jobs += self.tiers.follow_ups(checkpoint.path, checkpoint.nbytes, publishes=publishes)
         root = self.options.mirror_to
         if root and checkpoint.rank == 0 and not backend_for(checkpoint.path).remote:
             url = posixpath.join(root, os.path.basename(checkpoint.path))
@@ -578,8 +578,7 @@ class Checkpointer:
                 self._queue_after("persist", placed.durable, CopyRequest(placed.memory, placed.durable,
                                                                          self.object_store), None)
         self.wait(everywhere=True)
-        if int(os.environ.get("LOCAL_RANK", rank)) == 0:
-            self.tiers.clear()
+        self.tiers.clear(remove=int(os.environ.get("LOCAL_RANK", rank)) == 0)
 
     def close(self) -> None:
         """``teardown()``, and free the staging buffers; the Checkpointer cannot be used again."""
@@ -609,10 +608,10 @@ class Checkpointer:
             self.sharded.close()
 
     # ------------------------------------------------------------------ internals
-    def _placed(self, path: str, durable: Optional[bool]) -> str:
-        """Where a checkpoint asked for at ``path`` is saved: with the memory tier, in memory (``tiers.place``;
-        ``durable``: also written durably now, whatever the cadence), else at ``path``."""
-        return path if self.tiers is None else self.tiers.place(path, durable_too=durable)
+    def _placed(self, path: str, durable: Optional[bool], nbytes: Callable[[], int]) -> str:
+        """Where a checkpoint asked for at ``path`` (of ``nbytes()`` on this rank) is saved: with the memory tier,
+        in memory (``tiers.place``; ``durable``: also written durably now, whatever the cadence), else at ``path``."""
+        return path if self.tiers is None else self.tiers.place(path, nbytes(), durable_too=durable)
 
     def _check_open(self) -> None:
         if self.closed:

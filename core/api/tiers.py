@@ -27,6 +27,7 @@ from asyncckpt.core.api.options import MemoryTier
 from asyncckpt.core.storage import tier
 from asyncckpt.core.storage.backend import is_url
 from asyncckpt.core.writer.mirror import CopyRequest
+from asyncckpt.core.writer.retention import MemoryRetentionRequest
 
 logger = logging.getLogger("asyncckpt.core")
 
@@ -36,7 +37,9 @@ class _Run:
     """The checkpoints of one durable root, as this process saved them."""
 
     directory: str  # its run directory in memory on this node
+    owner: str  # this process's owner token in it (``tier.claim_run``)
     saves: int = 0
+    last_bytes: int = 0  # the size of its last checkpoint: what the next one is expected to need
     unpersisted: Optional[str] = None  # the memory path of its newest checkpoint not written durably (yet)
     durable_only: bool = False  # its checkpoints do not fit in memory
 
@@ -54,18 +57,22 @@ class Placement:
 class MemoryTiers:
     def __init__(self, options: MemoryTier, object_store: Any) -> None:
         self.options, self.object_store = options, object_store
+        self.root = tier.memory_root(options.root)
         self._runs: dict[str, _Run] = {}
         self._placed: dict[str, Placement] = {}  # by memory path
         self._lock = threading.Lock()
 
-    def place(self, durable: str, *, durable_too: Optional[bool] = None) -> str:
-        """Where the checkpoint asked for at ``durable`` is saved: its memory path (counted for the persist
-        cadence; ``durable_too`` overrides the cadence), or ``durable`` itself where its root saves durably only."""
+    def place(self, durable: str, nbytes: int, *, durable_too: Optional[bool] = None) -> str:
+        """Where the checkpoint asked for at ``durable`` (of ``nbytes`` on this rank, 0 where not known yet) is
+        saved: its memory path (counted for the persist cadence; ``durable_too`` overrides the cadence), or
+        ``durable`` itself where its root's checkpoints do not fit in memory (one warning saying what would)."""
         root = posixpath.dirname(durable) if is_url(durable) else os.path.dirname(durable)
         with self._lock:
             run = self._runs.get(root)
             if run is None:
-                run = self._runs[root] = _Run(tier.open_run(root, self.options.root))
+                run = self._runs[root] = self._open(root)
+            if not run.durable_only:
+                run.durable_only = not self._fits(run, max(nbytes, run.last_bytes))
             if run.durable_only:
                 return durable
             run.saves += 1
@@ -78,19 +85,39 @@ class MemoryTiers:
         """Where the memory copy of the checkpoint at ``durable`` lives on this node (whether or not it is there)."""
         return tier.memory_path(durable, self.options.root)
 
-    def placement(self, memory: str) -> Optional[Placement]:
-        return self._placed.get(memory)
+    def _open(self, root: str) -> _Run:
+        """A root's run directory, this process its owner (first: a restart must not take its own tier for an
+        orphan), and the orphaned runs of dead jobs on this node gone."""
+        directory = tier.open_run(root, self.options.root)
+        run = _Run(directory, tier.claim_run(directory))
+        tier.remove_orphans(self.root)
+        return run
 
-    def follow_ups(self, memory: str, *, publishes: bool) -> list[tuple[str, str, Any]]:
-        """The writer jobs behind the commit of the checkpoint saved at ``memory``, as ``(kind, path,
-        request)``: its persistence when due, by the rank that publishes it (``publishes``)."""
+    def _fits(self, run: _Run, nbytes: int) -> bool:
+        capacity = tier.capacity(self.root, self.options.max_bytes, for_run=run.directory)
+        if tier.fits(tier.needed_bytes(nbytes, self.options.keep), capacity):
+            return True
+        logger.warning("asyncckpt: the memory tier does not fit the checkpoints of %s: %s; saving them to storage "
+                       "only", tier.durable_root_of(run.directory), tier.what_would_fit(nbytes, self.options.keep,
+                                                                                         capacity))
+        return False
+
+    def follow_ups(self, memory: str, nbytes: int, *, publishes: bool) -> list[tuple[str, str, Any]]:
+        """The writer jobs behind the commit of the checkpoint saved at ``memory`` (``nbytes`` on this rank), as
+        ``(kind, path, request)``: its persistence when due, by the rank that publishes it (``publishes``); then,
+        by one rank per node, the tier's retention on this node."""
         placed = self._placed.get(memory)
         if placed is None:
             return []
         placed.run.unpersisted = None if placed.persist else memory
-        if not (placed.persist and publishes):
-            return []
-        return [("persist", placed.durable, CopyRequest(memory, placed.durable, self.object_store))]
+        placed.run.last_bytes = nbytes
+        jobs = []
+        if placed.persist and publishes:
+            jobs.append(("persist", placed.durable, CopyRequest(memory, placed.durable, self.object_store)))
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            jobs.append(("retention", placed.run.directory, MemoryRetentionRequest(placed.run.directory,
+                                                                                   self.options.keep)))
+        return jobs
 
     def memory_copies(self, durable_paths: list[str]) -> list[str]:
         """The memory copies on this node of the checkpoints at ``durable_paths`` (a framework's rotation removes
@@ -103,9 +130,12 @@ class MemoryTiers:
         with self._lock:
             return [self._placed[run.unpersisted] for run in self._runs.values() if run.unpersisted is not None]
 
-    def clear(self) -> None:
-        """Remove this node's memory copies of every root this process saved (the end of a run)."""
+    def clear(self, *, remove: bool) -> None:
+        """The end of a run: this process no longer owns its run directories; with ``remove`` (one process per
+        node), this node's memory copies of every root it saved go."""
         with self._lock:
             runs, self._runs, self._placed = list(self._runs.values()), {}, {}
         for run in runs:
-            tier.remove_run(run.directory)
+            tier.release_run(run.directory, run.owner)
+            if remove:
+                tier.remove_run(run.directory)

@@ -17,10 +17,11 @@ Kept free of torch: the background writer imports it.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 from asyncckpt.core.storage import commit
 from asyncckpt.core.storage import file_checksums
@@ -35,11 +36,20 @@ from asyncckpt.core.storage.staging import Staging, staging_dir_for
 from asyncckpt.core.writer.protocol import RequestContext
 
 
-def _mapped(path: str):
-    """``(mapping or None, size)`` of a local file (an empty file cannot be mapped)."""
+@contextlib.contextmanager
+def _mapped(path: str) -> Iterator[tuple[memoryview, int]]:
+    """The bytes of a local file, memory-mapped (an empty file cannot be mapped), and its size; the view is
+    released before the mapping is closed."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        return (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None), size
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+    try:
+        with memoryview(mapping if mapping is not None else b"") as view:
+            yield view, size
+    finally:
+        if mapping is not None:
+            with contextlib.suppress(BufferError):  # a failed write's traceback still holds a slice of it: the
+                mapping.close()                     # mapping goes with it, and the write's own error is raised
 
 
 @dataclass
@@ -60,26 +70,18 @@ def copy(source: str, target: str, token: str, options: Optional[ObjectStoreOpti
     backend = backend_for(target, options)
     if os.path.isfile(source):
         checksum = file_checksums.read_record(source)
-        mapping, size = _mapped(source)
-        try:
-            backend.write_file(target, memoryview(mapping) if mapping is not None else memoryview(b""), size, token,
-                               checksum=lambda: checksum)
-        finally:
-            if mapping is not None:
-                mapping.close()
+        with _mapped(source) as (view, size):
+            backend.write_file(target, view, size, token, checksum=lambda: checksum)
         return
     record = commit.read_commit_record(source)
     if record is None:
         raise CheckpointWriteError(f"cannot copy {source}: it is not a committed checkpoint")
-    place = Staging(staging_dir_for(target, token), target, options, coordinator=True)
+    # buffered: a mapped file's last page is not whole, as O_DIRECT would need (an object store streams it anyway)
+    place = Staging(staging_dir_for(target, token), target, options, coordinator=True, direct_io=False)
     place.claim(0, token)
     for name in sorted(record.get("files", {})):
-        mapping, size = _mapped(os.path.join(source, name))
-        try:
-            place.write_image(name, memoryview(mapping) if mapping is not None else memoryview(b""), size, None)
-        finally:
-            if mapping is not None:
-                mapping.close()
+        with _mapped(os.path.join(source, name)) as (view, size):
+            place.write_image(name, view, size, None)
     replaced = place.publish(record)  # the source's record as it is: files, sizes, checksums, step, commit time
     if replaced is not None:
         place.delete(replaced, token)
