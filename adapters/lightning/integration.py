@@ -27,7 +27,8 @@ replaced                                                   with the plugin
                                                            saves in flight committed, ``last.ckpt``
                                                            restored from ``mirror_to``; note which
                                                            checkpoint it picked: ``resume_from_intact``
-``ModelCheckpoint._find_last_checkpoints``                 a ``dirpath`` URL: the candidates keep its
+``ModelCheckpoint._find_last_checkpoints``                 also the ``last*.ckpt`` in the memory tier;
+                                                           a ``dirpath`` URL: the candidates keep its
                                                            scheme (Lightning drops it, and then finds
                                                            no ``last.ckpt`` in object storage)
 ``FSDPStrategy`` / ``ModelParallelStrategy.teardown``      also calls ``checkpoint_io.teardown()``,
@@ -39,6 +40,7 @@ replaced                                                   with the plugin
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 from typing import Any, Callable, Optional
 
@@ -69,7 +71,7 @@ def install(plugin_type: type) -> None:
     patching.install(ModelCheckpoint, "_link_checkpoint", _link_checkpoint)
     patching.install(saving, "pl_load", lifecycle.waiting_reader)
     patching.install(_CheckpointConnector, "_parse_ckpt_path", _noting_the_pick)
-    patching.install(ModelCheckpoint, "_find_last_checkpoints", _last_checkpoints_as_urls)
+    patching.install(ModelCheckpoint, "_find_last_checkpoints", _last_checkpoints)
     for strategy, model_key, sharded in ((FSDPStrategy, "model", lambda s: s._state_dict_type == "sharded"),
                                          (ModelParallelStrategy, "state_dict", lambda s: s._save_distributed_checkpoint)):
         patching.install(strategy, "save_checkpoint", _sharded_save(model_key, sharded))
@@ -172,13 +174,20 @@ def _noting_the_pick(original: Callable) -> Callable:
     return parse_ckpt_path
 
 
-def _last_checkpoints_as_urls(original: Callable) -> Callable:
+def _last_checkpoints(original: Callable) -> Callable:
     def find_last_checkpoints(self, trainer) -> set[str]:
         found = original(self, trainer)
-        if plugin_of(trainer.strategy) is None or not is_url(str(self.dirpath)):
+        io = plugin_of(trainer.strategy)
+        if io is None or self.dirpath is None:
             return found
-        scheme = urllib.parse.urlsplit(str(self.dirpath)).scheme
-        return {path if is_url(path) else f"{scheme}://{path}" for path in found}
+        if is_url(str(self.dirpath)):
+            scheme = urllib.parse.urlsplit(str(self.dirpath)).scheme
+            found = {path if is_url(path) else f"{scheme}://{path}" for path in found}
+        last = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-\d+)?{re.escape(self.FILE_EXTENSION)}$")
+        for folder in resume.places(io.checkpointer, normalize_path(str(self.dirpath)))[1:]:  # in memory
+            found |= {os.path.join(folder, name) for name in os.listdir(folder) if last.match(name)} \
+                if os.path.isdir(folder) else set()
+        return found
 
     return find_last_checkpoints
 

@@ -277,7 +277,7 @@ class Checkpointer:
         paths = tuple(_normalize(p) for p in paths)
         if len({backend_for(p).remote for p in paths}) > 1:
             raise ValueError(f"remove() takes local paths or URLs, not both at once: {paths}")
-        copies = self.tiers.memory_copies(list(paths)) if self.tiers else []
+        copies = [copy for copy in map(self.tiers.memory_path, paths) if self._will_exist(copy)] if self.tiers else []
         if copies and backend_for(paths[0]).remote:  # the memory copies of checkpoints in an object store
             self.remove(copies, after=after)
         elif copies:
@@ -437,8 +437,9 @@ class Checkpointer:
         does (a save or link creates it, a removal deletes it), else whether it exists now. With the memory tier,
         a checkpoint exists in either tier (its memory copy: what a resume would load)."""
         path = _normalize(path)
-        if self.tiers is not None and path != self.tiers.memory_path(path) and self.will_exist(self.tiers.memory_path(path)):
-            return True
+        return (self.tiers is not None and self._will_exist(self.tiers.memory_path(path))) or self._will_exist(path)
+
+    def _will_exist(self, path: str) -> bool:
         queued = self.ledger.will_exist(path)
         if queued is not None:
             return queued

@@ -81,6 +81,10 @@ class MemoryTiers:
             self._placed[memory] = Placement(memory, durable, persist, run)
             return memory
 
+    def run_dir(self, durable_root: str) -> str:
+        """The memory run directory of ``durable_root`` on this node (whether or not it exists)."""
+        return tier.run_dir(durable_root, self.options.root)
+
     def memory_path(self, durable: str) -> str:
         """Where the memory copy of the checkpoint at ``durable`` lives on this node (whether or not it is there)."""
         return tier.memory_path(durable, self.options.root)
@@ -118,12 +122,6 @@ class MemoryTiers:
             jobs.append(("retention", placed.run.directory, MemoryRetentionRequest(placed.run.directory,
                                                                                    self.options.keep)))
         return jobs
-
-    def memory_copies(self, durable_paths: list[str]) -> list[str]:
-        """The memory copies on this node of the checkpoints at ``durable_paths`` (a framework's rotation removes
-        the checkpoint, wherever it is)."""
-        copies = [tier.memory_path(path, self.options.root) for path in durable_paths]
-        return [path for path in copies if os.path.lexists(path)]
 
     def unpersisted(self) -> list[Placement]:
         """The newest checkpoint of each root that is in memory only: what the end of a run persists."""
