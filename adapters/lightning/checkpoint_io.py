@@ -110,8 +110,9 @@ class AsyncCkptIO(CheckpointIO):
         if not is_url(path) and os.path.isdir(path) and not os.path.islink(path):
             raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
         step, label = _step_and_label(checkpoint)
-        best = self.trainer is not None and any(normalize_path(getattr(callback, "best_model_path", "") or ".") == path
-                                                for callback in self.trainer.checkpoint_callbacks)
+        best = self.trainer is not None and any(  # a monitored best (without a monitor, the best is the last)
+            getattr(callback, "monitor", None) and normalize_path(callback.best_model_path or ".") == path
+            for callback in self.trainer.checkpoint_callbacks)
         handle = self.checkpointer.async_save_file(checkpoint, path, step=step, label=label,
                                                    durable=True if best else None)  # "best" loads it after the run
         self._saved(handle, path, started)

@@ -138,7 +138,7 @@ class Checkpointer:
         anyway, streams by default (figures in docs/DESIGN.md).
         """
         self._check_open()
-        path = self._placed(_normalize(path), durable, lambda: tensor_bytes(state_dict))
+        path = self._placed(_normalize(path), durable, lambda: tensor_bytes(state_dict), step)
         group = process_group if process_group is not None else self.process_group
         collectives = (self.use_collectives if use_collectives is None else use_collectives) and dist_ready()
         overlap = self.overlap_staging if overlap_staging is None else overlap_staging
@@ -202,7 +202,7 @@ class Checkpointer:
         self._check_open()
         self.ledger.raise_unobserved()
         image = self.files.image(obj, format, metadata)
-        path = self._placed(_normalize(path), durable, lambda: image.size)
+        path = self._placed(_normalize(path), durable, lambda: image.size, step)
         handle = self._admit("file", path, rank=rank_and_world(self.process_group)[0], step=step, label=label)
         slot = self.buffers.take_for_file(image.size, handle)
         handle.add_bytes(image.size)
@@ -233,7 +233,7 @@ class Checkpointer:
         self.stager.wait()  # the previous directory may still be committed from the staging thread
         self.ledger.raise_unobserved()
         final_dir = os.path.abspath(os.fspath(final_dir))
-        placed = self._placed(final_dir, durable, lambda: 0)
+        placed = self._placed(final_dir, durable, lambda: 0, step)
         if placed != final_dir:  # in memory, where nothing counts the entries beside it
             final_dir, staging_parent = placed, None
         rank, world = rank_and_world(self.process_group)
@@ -609,10 +609,10 @@ class Checkpointer:
             self.sharded.close()
 
     # ------------------------------------------------------------------ internals
-    def _placed(self, path: str, durable: Optional[bool], nbytes: Callable[[], int]) -> str:
+    def _placed(self, path: str, durable: Optional[bool], nbytes: Callable[[], int], step: Optional[int]) -> str:
         """Where a checkpoint asked for at ``path`` (of ``nbytes()`` on this rank) is saved: with the memory tier,
         in memory (``tiers.place``; ``durable``: also written durably now, whatever the cadence), else at ``path``."""
-        return path if self.tiers is None else self.tiers.place(path, nbytes(), durable_too=durable)
+        return path if self.tiers is None else self.tiers.place(path, nbytes(), step, durable_too=durable)
 
     def _check_open(self) -> None:
         if self.closed:

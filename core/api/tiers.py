@@ -38,7 +38,8 @@ class _Run:
 
     directory: str  # its run directory in memory on this node
     owner: str  # this process's owner token in it (``tier.claim_run``)
-    saves: int = 0
+    saves: int = 0  # checkpoints saved: distinct steps (a framework may save one step under two names)
+    last_step: Optional[int] = None
     last_bytes: int = 0  # the size of its last checkpoint: what the next one is expected to need
     unpersisted: Optional[str] = None  # the memory path of its newest checkpoint not written durably (yet)
     durable_only: bool = False  # its checkpoints do not fit in memory
@@ -62,10 +63,11 @@ class MemoryTiers:
         self._placed: dict[str, Placement] = {}  # by memory path
         self._lock = threading.Lock()
 
-    def place(self, durable: str, nbytes: int, *, durable_too: Optional[bool] = None) -> str:
-        """Where the checkpoint asked for at ``durable`` (of ``nbytes`` on this rank, 0 where not known yet) is
-        saved: its memory path (counted for the persist cadence; ``durable_too`` overrides the cadence), or
-        ``durable`` itself where its root's checkpoints do not fit in memory (one warning saying what would)."""
+    def place(self, durable: str, nbytes: int, step: Optional[int], *, durable_too: Optional[bool] = None) -> str:
+        """Where the checkpoint of ``step`` asked for at ``durable`` (of ``nbytes`` on this rank, 0 where not known
+        yet) is saved: its memory path (counted for the persist cadence, one count per step: Lightning saves a
+        step's ``last.ckpt`` beside its top-k file; ``durable_too`` overrides the cadence), or ``durable`` itself
+        where its root's checkpoints do not fit in memory (one warning saying what would)."""
         root = posixpath.dirname(durable) if is_url(durable) else os.path.dirname(durable)
         with self._lock:
             run = self._runs.get(root)
@@ -75,7 +77,8 @@ class MemoryTiers:
                 run.durable_only = not self._fits(run, max(nbytes, run.last_bytes))
             if run.durable_only:
                 return durable
-            run.saves += 1
+            if step is None or step != run.last_step:
+                run.saves, run.last_step = run.saves + 1, step
             memory = os.path.join(run.directory, os.path.basename(durable.rstrip("/")))
             persist = run.saves % self.options.persist_every == 0 if durable_too is None else durable_too
             self._placed[memory] = Placement(memory, durable, persist, run)

@@ -186,9 +186,12 @@ def _size(path: str) -> Optional[int]:
 
 
 def stale(run_directory: str, keep: int) -> list[str]:
-    """The paths of the memory checkpoints in ``run_directory`` beyond its ``keep`` newest (never the newest,
-    whatever ``keep``): what retention removes (``removal.remove``)."""
-    return [checkpoint.path for checkpoint in memory_checkpoints(run_directory)[max(keep, 1):]]
+    """The paths of the memory checkpoints in ``run_directory`` beyond its ``keep`` most recently committed (never
+    the newest, whatever ``keep``): what retention removes (``removal.remove``). By commit time, not step: a
+    framework's checkpoint without a step of its own (Lightning's ``last.ckpt``) is as new as its save."""
+    newest_first = sorted(memory_checkpoints(run_directory), key=lambda checkpoint: checkpoint.committed_at,
+                          reverse=True)
+    return [checkpoint.path for checkpoint in newest_first[max(keep, 1):]]
 
 
 # ------------------------------------------------------------------------------------------- capacity

@@ -71,7 +71,7 @@ def copy(source: str, target: str, token: str, options: Optional[ObjectStoreOpti
     if os.path.isfile(source):
         checksum = file_checksums.read_record(source)
         with _mapped(source) as (view, size):
-            backend.write_file(target, view, size, token, checksum=lambda: checksum)
+            backend.write_file(target, view, size, token, checksum=lambda: checksum, direct_io=False)
         return
     record = commit.read_commit_record(source)
     if record is None:
