@@ -232,6 +232,31 @@ def test_a_path_leaving_the_memory_root_is_refused_on_both_sides(tmp_path, start
     assert files_under(a.root) == {path: data}
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 4 MiB tmpfs (a node whose memory is nearly full), unmounted at the end; skipped where mounting is refused."""
+    directory = tmp_path / "small-node"
+    directory.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(directory)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"this machine refuses to mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
+def test_a_file_the_peer_has_no_room_for_is_refused_named_and_leaves_nothing(tmp_path, small_tmpfs, start_node):
+    source = tmp_path / "source"
+    files = a_checkpoint(source)
+    a = start_node("small-node/root")
+    outcomes = send(a.address, str(source), list(files), timeout=30)
+    too_large = {path for path, data in files.items() if len(data) > (4 << 20)}
+    assert {t.path for t in outcomes if not t.ok} == too_large
+    assert all("No space left" in t.error and t.path in t.error for t in outcomes if not t.ok)
+    assert files_under(a.root) == {path: data for path, data in files.items() if path not in too_large}
+
+
 # --------------------------------------------------------------------------------------- failing peers
 def test_a_stopped_peer_fails_the_send_within_its_timeout(tmp_path, start_node):
     source = tmp_path / "source"
@@ -319,6 +344,25 @@ def test_closing_a_receiver_ends_its_connections(tmp_path):
             os.close(fd)
     with pytest.raises(ReplicationError, match="refused"):
         send(receiver.address, str(source), [path], timeout=30)
+
+
+def test_a_receiver_at_its_connection_limit_holds_the_next_sender_until_one_ends(tmp_path):
+    source = tmp_path / "source"
+    files = a_checkpoint(source)
+    path = f"{CHECKPOINT}/config.json"
+    with Receiver(str(tmp_path / "node-a"), bind="127.0.0.1", max_connections=1) as receiver:
+        first = PeerConnection(receiver.address, timeout=30)
+        fd = os.open(source / path, os.O_RDONLY)
+        try:
+            assert first.put(path, fd, FileChecksum(len(files[path]), checksum(files[path]))) is None
+        finally:
+            os.close(fd)
+        with pytest.raises(ReplicationError, match="no answer"):  # held, and its wait bounded by its timeout
+            send(receiver.address, str(source), [path], timeout=1)
+        waiting = Background(lambda: send(receiver.address, str(source), list(files), timeout=60))
+        first.close()  # a connection ends: the one waiting is served
+        assert [t.error for t in waiting.result(60)] == [None] * len(files)
+    assert files_under(tmp_path / "node-a") == files
 
 
 # --------------------------------------------------------------------------------------- a node's network gone

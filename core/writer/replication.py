@@ -72,6 +72,9 @@ class ReplicationError(CheckpointError):
         self.peer, self.file, self.reason = peer, file, reason
         self.finished = list(finished or [])
 
+    def __reduce__(self):  # pickled with what it was made of (its message alone would not rebuild it)
+        return type(self), (self.peer, self.file, self.reason, self.finished)
+
 
 @dataclass(frozen=True)
 class Transfer:
@@ -293,7 +296,10 @@ class _Stream:
                         "expected); not kept")
             os.close(fd)
             fd = None
-            os.replace(temporary, target)
+            try:
+                os.replace(temporary, target)
+            except OSError as e:
+                return f"{relative_path}: cannot be written here ({e.strerror})"
             temporary = None
             return None
         finally:
@@ -466,19 +472,21 @@ class Receiver:
     """Serves one node's memory root ``root`` to its peers on TCP (``bind``, ``port``; 0: any free port), from
     construction until ``close``. ``address`` is where the other nodes reach it (``public_host``).
 
-    Each connection gets a thread, up to ``max_connections`` at once (one more is refused, told why); a
-    connection whose peer sends nothing for ``idle_timeout`` seconds is dropped, with the file it was
-    receiving. Every failure is reported to the peer that caused it, which reports it; the receiver
+    Each connection gets a thread, up to ``max_connections`` at once; one more waits in the listening
+    socket's backlog until one ends (its sender's ``timeout`` bounds that wait). A connection whose peer
+    sends nothing for ``idle_timeout`` seconds is dropped, with the file it was receiving. Every failure is reported to the peer that caused it, which reports it; the receiver
     itself has nothing to log."""
 
     def __init__(self, root: str, *, bind: str = "", port: int = 0, idle_timeout: float = 60.0,
                  max_connections: int = 64) -> None:
         self.root, self.idle_timeout, self.max_connections = os.path.abspath(root), idle_timeout, max_connections
         os.makedirs(self.root, exist_ok=True)
+        host = public_host(bind)
         self._listener = socket.create_server((bind, port), family=socket.AF_INET6 if ":" in bind else socket.AF_INET,
                                               backlog=128)
-        self.address: Address = (public_host(bind), self._listener.getsockname()[1])
+        self.address: Address = (host, self._listener.getsockname()[1])
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)  # a connection ended, or the receiver is closing
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._closing = False
         self._acceptor = threading.Thread(target=self._accept, name="asyncckpt-replication-accept", daemon=True)
@@ -486,6 +494,11 @@ class Receiver:
 
     def _accept(self) -> None:
         while True:
+            with self._lock:
+                while len(self._connections) >= self.max_connections and not self._closing:
+                    self._ended.wait()
+                if self._closing:
+                    return
             try:
                 sock, _ = self._listener.accept()
             except OSError:
@@ -494,17 +507,12 @@ class Receiver:
                 time.sleep(0.1)  # out of file descriptors, say: try again once some are free
                 continue
             with self._lock:
-                if self._closing or len(self._connections) >= self.max_connections:
-                    busy = True
-                else:
-                    busy = False
-                    thread = threading.Thread(target=self._serve, args=(sock,), name="asyncckpt-replication-serve",
-                                              daemon=True)
-                    self._connections[sock] = thread
-            if busy:
-                self._refuse(sock, f"{self.max_connections} connections at once already")
-            else:
-                thread.start()
+                if self._closing:
+                    sock.close()
+                    return
+                thread = threading.Thread(target=self._serve, args=(sock,), name="asyncckpt-replication-serve", daemon=True)
+                self._connections[sock] = thread
+            thread.start()
 
     @staticmethod
     def _refuse(sock: socket.socket, reason: str) -> None:
@@ -537,6 +545,7 @@ class Receiver:
             sock.close()
             with self._lock:
                 self._connections.pop(sock, None)
+                self._ended.notify()
 
     def _receive(self, stream: _Stream, request: dict) -> None:
         path, size, xxh3 = _announced(request, "put")
@@ -579,6 +588,7 @@ class Receiver:
         every thread has ended."""
         with self._lock:
             self._closing = True
+            self._ended.notify()
             connections = dict(self._connections)
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
