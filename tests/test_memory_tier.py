@@ -72,7 +72,7 @@ def test_the_framework_rotation_removes_both_copies(tmp_path, memory_root):
 
 
 KILLED = textwrap.dedent('''
-    import sys, torch
+    import sys, time, torch
     from asyncckpt import core
     root = sys.argv[1]
     checkpointer = core.Checkpointer(memory_tier=core.MemoryTier(persist_every=3, keep=2, replicas=0))
@@ -80,7 +80,7 @@ KILLED = textwrap.dedent('''
         state = {"w": torch.full((1 << 20,), float(step)), "b": torch.arange(10) * step, "step": step}
         checkpointer.async_save(state, f"{root}/step_{step:03d}", step=step)
         print(f"saved {step}", flush=True)
-    input()  # killed here, its last save handed over
+    time.sleep(3600)  # killed here, its last save handed over
 ''')
 
 
@@ -149,3 +149,41 @@ def test_a_tier_that_does_not_fit_saves_durably_with_one_warning(tmp_path, memor
     assert len(warnings) == 1 and "would fit" in warnings[0], warnings
     assert _names(durable) == ["step_1", "step_2", "step_3"]
     assert _names(tier.run_dir(str(durable))) == []
+
+
+TERMINATED = textwrap.dedent('''
+    import sys, time, torch
+    from asyncckpt import core
+    root = sys.argv[1]
+    checkpointer = core.Checkpointer(memory_tier=core.MemoryTier(persist_every=10, keep=2, replicas=0))
+    for step in range(1, 4):
+        checkpointer.save({"w": torch.full((1 << 16,), float(step)), "step": step}, f"{root}/step_{step:03d}", step=step)
+    print("saved 3", flush=True)
+    time.sleep(3600)  # a preemption's SIGTERM comes here
+''')
+
+
+def test_a_preemption_sigterm_writes_the_newest_memory_checkpoint_durably(tmp_path, memory_root):
+    """A preemption signals every process of the job: the writer then writes the newest checkpoint it published
+    that is in memory only to the durable place before it exits (the node and its memory may go next)."""
+    durable = str(tmp_path / "run")
+    program = tmp_path / "terminated.py"
+    program.write_text(TERMINATED)
+    process = Program([sys.executable, str(program), durable], tmp_path / "logs")
+    try:
+        process.wait_for_line("saved 3", timeout=180)
+        writers = writers_of(process.pid)
+        assert len(writers) == 1 and _names(durable) == []  # all three in memory only
+        os.kill(writers[0], signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+    finally:
+        process.kill()
+    deadline = time.monotonic() + 60
+    while writers_of(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert writers_of(process.pid) == []
+    assert _names(durable) == ["step_003"] and core.is_complete(f"{durable}/step_003")
+    state = {"w": torch.zeros(1 << 16), "step": None}
+    core.load(state, f"{durable}/step_003")
+    assert state["step"] == 3 and torch.equal(state["w"], torch.full((1 << 16,), 3.0))

@@ -56,7 +56,7 @@ from asyncckpt.core.api import lifecycle
 from asyncckpt.core.errors import CheckpointError
 import asyncckpt.core.integration.patching as patching
 from asyncckpt.core.loading.hashed_reads import BackgroundCheck, mapped_problem
-from asyncckpt.core.storage import file_checksums, tier
+from asyncckpt.core.storage import commit, file_checksums, tier
 from asyncckpt.core.storage.backend import basename, is_url, normalize
 from asyncckpt.core.storage.contents import local_copy
 from asyncckpt.core.storage.orphans import wait_for_orphans
@@ -127,7 +127,7 @@ def copies(checkpointer: Any, root: str, key: Key) -> list[str]:
             found.setdefault(os.path.basename(path), []).append((key(path), nearness, path))
     for held in found.values():
         held.sort(key=lambda entry: (entry[0], entry[1]), reverse=True)
-        if len(held) == 2 and held[0][1] == 0 and integrity.same_content(held[0][2], held[1][2]):
+        if len(held) == 2 and held[0][1] == 0 and commit.same_save(held[0][2], held[1][2]):
             held.reverse()  # the durable copy was written after the memory one: the same checkpoint, further away
     names = sorted(found, key=lambda name: max(entry[0] for entry in found[name]), reverse=True)
     return [path for name in names for _key, _nearness, path in found[name]]

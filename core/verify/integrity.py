@@ -209,18 +209,6 @@ def require_intact(path: str, share: tuple[int, int] = (0, 1), check_file: FileC
     return report
 
 
-def same_content(a: str, b: str) -> bool:
-    """Whether ``a`` and ``b`` are copies of one checkpoint (a memory copy and its durable one): directories with
-    the same save in their commit records (a copy carries its source's record), or files with equal checksum
-    records. What lacks a record is not known to be the same."""
-    if os.path.isdir(a) and os.path.isdir(b):
-        records = [commit.read_commit_record(path) for path in (a, b)]
-        return all(records) and records[0].get("save_id") is not None \
-            and records[0].get("save_id") == records[1].get("save_id")
-    checksums = [file_checksums.read_record(path) for path in (a, b)]
-    return all(checksums) and checksums[0] == checksums[1]
-
-
 def damaged(path: str, problems: list[str]) -> CorruptCheckpointError:
     """The error for a checkpoint found damaged: its path and the first few problems."""
     shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
