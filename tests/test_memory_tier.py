@@ -187,3 +187,17 @@ def test_a_preemption_sigterm_writes_the_newest_memory_checkpoint_durably(tmp_pa
     state = {"w": torch.zeros(1 << 16), "step": None}
     core.load(state, f"{durable}/step_003")
     assert state["step"] == 3 and torch.equal(state["w"], torch.full((1 << 16,), 3.0))
+
+
+def test_the_first_durable_save_logs_the_least_loss_interval(tmp_path, memory_root, caplog):
+    from asyncckpt.core.api import interval
+
+    with caplog.at_level(logging.INFO, logger="asyncckpt"):
+        with core.Checkpointer(memory_tier=core.MemoryTier(persist_every=2, replicas=0), failures_per_day=24) as ck:
+            for step in (1, 2, 3, 4):
+                ck.save(_state(step), str(tmp_path / "run" / f"step_{step}"), step=step)
+    lines = [record.getMessage() for record in caplog.records if "loses the least work" in record.getMessage()]
+    assert len(lines) == 1 and "at 24 failure(s) a day" in lines[0] and "with the memory tier" in lines[0], lines
+    # Young: sqrt(2 C M); never shorter than the time a checkpoint takes to be safe
+    assert interval.least_loss(0.5, 1.0, 0.0, 24).seconds == pytest.approx((2 * 0.5 * 3600) ** 0.5)
+    assert interval.least_loss(0.5, 600.0, 0.0, 24).seconds == 600.0

@@ -20,6 +20,7 @@ fresh one, with nothing in flight.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import posixpath
 import threading
@@ -41,6 +42,7 @@ from asyncckpt.core.snapshot.buffer_pool import BufferPool
 from asyncckpt.core.client.ledger import Ledger
 from asyncckpt.core.api.commit_hooks import CommitHooks, OnCommit
 from asyncckpt.core.api.options import CheckpointOptions, resolve, taking_options
+from asyncckpt.core.api import interval
 from asyncckpt.core.api.tiers import MemoryTiers
 from asyncckpt.core.api.directory import DirectoryTransaction
 from asyncckpt.core.snapshot.dist_env import any_rank, default_store, dist_ready, rank_and_world
@@ -65,6 +67,7 @@ from asyncckpt.core.snapshot.handoff import Stager
 from asyncckpt.core.snapshot.tensor_copy import CopyThreads
 
 
+logger = logging.getLogger("asyncckpt.core")
 STATE_DICT = dict[str, Any]
 T = TypeVar("T")
 class Checkpointer:
@@ -100,6 +103,7 @@ class Checkpointer:
         self.sharded = ShardedSaves(self.buffers, self.copy_threads, direct_io=options.direct_io,
                                     io_threads=options.io_threads, timeout=options.timeout)
         self.tiers = MemoryTiers(options.memory_tier, options.object_store) if options.memory_tier else None
+        self._advised = False  # the interval advice is logged once (``_committed``)
         self.stats: Counter = Counter()  # requests by kind, and removals/links queued behind a pending save
         self.closed = False
         self._directories = 0
@@ -614,6 +618,22 @@ class Checkpointer:
         in memory (``tiers.place``; ``durable``: also written durably now, whatever the cadence), else at ``path``."""
         return path if self.tiers is None else self.tiers.place(path, nbytes(), step, durable_too=durable)
 
+    def _committed(self, handle: SaveHandle, seconds: float) -> None:
+        """A checkpoint (or its durable copy) is done: at the first that is durable, one log line with the
+        checkpoint interval this run's measured costs make the least lossy (``interval``)."""
+        handle.timings["committed_s"] = seconds
+        if self._advised or handle.exception() is not None:
+            return
+        memory = handle.after if handle.kind == "persist" else None
+        if memory is None and self.tiers is not None and self.tiers.placement(handle.path) is not None:
+            return  # in memory: its durable copy, if any, says it
+        self._advised = True
+        saved = memory or handle
+        stall = sum(saved.timings.get(part, 0.0) for part in ("waited_s", "prepare_s", "copy_s"))
+        memory_commit = saved.timings.get("committed_s", seconds) - stall if memory is not None else None
+        logger.info("%s", interval.advice(stall, seconds - (0.0 if memory is not None else stall),
+                                          self.options.failures_per_day, memory_commit))
+
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("Checkpointer is closed")
@@ -625,7 +645,10 @@ class Checkpointer:
         if kind in ("save", "file", "directory") and not backend_for(path).remote:
             orphans.wait_for_orphans(os.path.dirname(path), self.timeout)  # never save over what one commits
         self.stats[kind] += 1
+        admitted = time.perf_counter()
         handle = self.ledger.admit(kind, path, **details)
+        if handle.is_checkpoint or kind == "persist":  # seconds from the save call (or the persist's queueing) to commit
+            handle.when_done(lambda: self._committed(handle, time.perf_counter() - admitted))
         if handle.is_checkpoint:
             self._queue_commit_work(handle)
         for path in handle.paths:  # the writer changed it: what this process's fsspec cached of it is stale

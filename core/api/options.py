@@ -96,6 +96,9 @@ class CheckpointOptions:
         memory_tier: ``True`` (the defaults) or a ``MemoryTier``: checkpoints first committed to node-local memory
             and replicated to other nodes, every ``persist_every``-th also written durably; a restart loads from the
             nearest intact copy (docs/memory_tier.md). Off by default.
+        failures_per_day: how often the job fails (any cause), for the one log line at the first durable save
+            that gives the checkpoint interval losing the least work at this run's measured costs (Young/Daly,
+            ``api.interval``; docs/memory_tier.md). One a day by default.
     """
 
     max_in_flight: int = 2
@@ -112,6 +115,7 @@ class CheckpointOptions:
     writer_idle_timeout: Optional[float] = 30.0
     object_store: Optional[ObjectStoreOptions] = None
     memory_tier: Optional[MemoryTier | bool] = None
+    failures_per_day: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:

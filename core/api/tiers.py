@@ -84,6 +84,10 @@ class MemoryTiers:
             self._placed[memory] = Placement(memory, durable, persist, run)
             return memory
 
+    def placement(self, memory: str) -> Optional[Placement]:
+        """Where the checkpoint saved at ``memory`` went (None: not a memory save of this process)."""
+        return self._placed.get(memory)
+
     def run_dir(self, durable_root: str) -> str:
         """The memory run directory of ``durable_root`` on this node (whether or not it exists)."""
         return tier.run_dir(durable_root, self.options.root)
