@@ -62,23 +62,29 @@ TRAINER = textwrap.dedent('''
 
     class KillAt(TrainerCallback):  # after the next optimizer step: the overlapped snapshot of the save is handed over
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == int(sys.argv[3]) + 1: os.kill(os.getpid(), signal.SIGKILL)
+            if sys.argv[2] == "first" and state.global_step == int(sys.argv[3]) + 1: os.kill(os.getpid(), signal.SIGKILL)
         def on_train_begin(self, args, state, control, **kwargs):
             print(f"RANK {args.process_index} BEGINS AT {state.global_step}", flush=True)
 
-    mode, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    def train(out, use_asyncckpt, resume):
+        torch.manual_seed(0)
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=16, num_train_epochs=4, learning_rate=1e-2,
+                                 save_strategy="steps", save_steps=5, save_total_limit=2, logging_steps=5, report_to=[],
+                                 use_cpu=True, disable_tqdm=True, ddp_find_unused_parameters=False)
+        callbacks = [KillAt()] + ([AsyncCheckpointCallback(memory_tier=MemoryTier(persist_every=2, replicas=0))]
+                                  if use_asyncckpt else [])
+        trainer = Trainer(model=Net(), args=args, train_dataset=Toy(), callbacks=callbacks)
+        trainer.train(resume_from_checkpoint=resume)
+        if args.process_index == 0:
+            torch.save(trainer.model.state_dict(), os.path.join(out, "final.pt"))
+
+    root, phase = sys.argv[1], sys.argv[2]
     print(f"PID {os.getpid()}", flush=True)
-    torch.manual_seed(0)
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=16, num_train_epochs=4, learning_rate=1e-2,
-                             save_strategy="steps", save_steps=5, save_total_limit=2, logging_steps=5, report_to=[],
-                             use_cpu=True, disable_tqdm=True, ddp_find_unused_parameters=False)
-    callbacks = [KillAt()] + ([AsyncCheckpointCallback(memory_tier=MemoryTier(persist_every=2, replicas=0))]
-                              if mode == "async" else [])
-    trainer = Trainer(model=Net(), args=args, train_dataset=Toy(), callbacks=callbacks)
-    trainer.train(resume_from_checkpoint=os.path.isdir(out) and any(n.startswith("checkpoint-") for n in os.listdir(out))
-                  or mode == "async" and kill_at == 0)
-    if args.process_index == 0:
-        torch.save(trainer.model.state_dict(), os.path.join(out, "final.pt"))
+    if phase == "first":  # killed in step KILL_AT + 1
+        train(os.path.join(root, "async"), True, False)
+    else:  # uninterrupted without asyncckpt, then the relaunch of the killed run
+        train(os.path.join(root, "native"), False, False)
+        train(os.path.join(root, "async"), True, True)
 ''')
 
 
@@ -86,55 +92,64 @@ def test_trainer_resumes_from_memory_after_every_process_was_killed(tmp_path):
     program = tmp_path / "trainer.py"
     program.write_text(TRAINER)
     memory = tmp_path / "memory"
-    native = _torchrun(program, tmp_path, "native", str(tmp_path / "native"), "-1", memory_root=memory)
-    first = _torchrun(program, tmp_path, "async", str(tmp_path / "async"), str(KILL_AT), memory_root=memory,
-                      expect_killed=True)
+    first = _torchrun(program, tmp_path, str(tmp_path), "first", str(KILL_AT), memory_root=memory, expect_killed=True)
     durable = sorted(name for name in os.listdir(tmp_path / "async") if name.startswith("checkpoint-"))
     assert durable == ["checkpoint-10"], durable  # 15 is in memory only
-    second = _torchrun(program, tmp_path, "async", str(tmp_path / "async"), "0", memory_root=memory)
+    second = _torchrun(program, tmp_path, str(tmp_path), "second", str(KILL_AT), memory_root=memory)
     assert "RANK 0 BEGINS AT 15" in second and "RANK 1 BEGINS AT 15" in second, second  # from memory
     a, b = (torch.load(tmp_path / name / "final.pt", weights_only=True) for name in ("async", "native"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [entry for entry in os.scandir(memory) if not entry.name.startswith(".")] == []  # nothing left in memory
     _no_process_left(first + second)
-    assert "RANK 0 BEGINS AT 0" in native
 
 
 ACCELERATE = textwrap.dedent("""
     import os, signal, sys, torch
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import ProjectConfiguration, set_seed
     from torch.utils.data import DataLoader, TensorDataset
     from asyncckpt.adapters.accelerate import enable_async_checkpointing
     from asyncckpt.core import MemoryTier
 
-    mode, project, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    def train(project, use_asyncckpt, kill_after, resume):
+        set_seed(0)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=project, total_limit=2,
+                                                                        automatic_checkpoint_naming=True))
+        handle = enable_async_checkpointing(acc, memory_tier=MemoryTier(persist_every=2, replicas=0)) \
+            if use_asyncckpt else None
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 8, generator=g)
+        dl = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+        model, opt, dl = acc.prepare(model, opt, dl)
+        start = 0
+        if resume:
+            acc.load_state()
+            start = acc.project_configuration.iteration
+        print(f"RANK {acc.process_index} BEGINS AT {start}", flush=True)
+        for epoch in range(start, 5):
+            for i, (xb, yb) in enumerate(dl):
+                loss = torch.nn.functional.mse_loss(model(xb), yb); acc.backward(loss); opt.step(); opt.zero_grad()
+                if epoch == kill_after + 1 and i == 0:  # the optimizer step after the save: its snapshot handed over
+                    os.kill(os.getpid(), signal.SIGKILL)
+            acc.save_state()
+        acc.end_training()
+        if acc.is_main_process:
+            torch.save(acc.unwrap_model(model).state_dict(), os.path.join(project, "final.pt"))
+        if handle is not None:
+            handle.remove()
+
+    root, phase, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
     print(f"PID {os.getpid()}", flush=True)
-    set_seed(0)
-    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True,
-                                                                    total_limit=2))
-    if mode == "async":
-        enable_async_checkpointing(acc, memory_tier=MemoryTier(persist_every=2, replicas=0))
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 8, generator=g)
-    dl = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
-    model, opt, dl = acc.prepare(model, opt, dl)
-    start = 0
-    if mode == "async" and kill_after < 0:
-        acc.load_state()
-        start = acc.project_configuration.iteration
-    print(f"RANK {acc.process_index} BEGINS AT {start}", flush=True)
-    for epoch in range(start, 5):
-        for i, (xb, yb) in enumerate(dl):
-            loss = torch.nn.functional.mse_loss(model(xb), yb); acc.backward(loss); opt.step(); opt.zero_grad()
-            if epoch == kill_after + 1 and i == 0:  # the optimizer step after the save: its snapshot handed over
-                os.kill(os.getpid(), signal.SIGKILL)
-        acc.save_state()
-    acc.end_training()
-    if acc.is_main_process:
-        torch.save(acc.unwrap_model(model).state_dict(), os.path.join(project, "final.pt"))
+    if phase == "first":
+        train(os.path.join(root, "async"), True, kill_after, False)
+    else:  # uninterrupted without asyncckpt, then the relaunch of the killed run
+        train(os.path.join(root, "native"), False, -99, False)
+        train(os.path.join(root, "async"), True, -99, True)
 """)
 
 
@@ -142,10 +157,9 @@ def test_accelerate_resumes_from_memory_after_every_process_was_killed(tmp_path)
     program = tmp_path / "accelerate_run.py"
     program.write_text(ACCELERATE)
     memory = tmp_path / "memory"
-    _torchrun(program, tmp_path, "native", str(tmp_path / "native"), "99", memory_root=memory)
-    first = _torchrun(program, tmp_path, "async", str(tmp_path / "async"), "2", memory_root=memory, expect_killed=True)
+    first = _torchrun(program, tmp_path, str(tmp_path), "first", "2", memory_root=memory, expect_killed=True)
     assert sorted(os.listdir(tmp_path / "async" / "checkpoints")) == ["checkpoint_1"]  # 0 and 2: in memory only
-    second = _torchrun(program, tmp_path, "async", str(tmp_path / "async"), "-1", memory_root=memory)
+    second = _torchrun(program, tmp_path, str(tmp_path), "second", "2", memory_root=memory)
     assert "RANK 0 BEGINS AT 3" in second and "RANK 1 BEGINS AT 3" in second, second  # from checkpoint_2, in memory
     a, b = (torch.load(tmp_path / name / "final.pt", weights_only=True) for name in ("async", "native"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -173,23 +187,30 @@ LIGHTNING = textwrap.dedent("""
         def on_train_start(self, trainer, module):
             print(f"RANK {trainer.global_rank} BEGINS AT {trainer.global_step}", flush=True)
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if trainer.global_step == int(sys.argv[3]) + 1: os.kill(os.getpid(), signal.SIGKILL)
+            if sys.argv[2] != "second" and trainer.global_step == int(sys.argv[3]) + 1: os.kill(os.getpid(), signal.SIGKILL)
 
-    mode, root, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    def fit(root, use_asyncckpt, resume):
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(128, 8, generator=g)
+        data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+        plugins = [AsyncCkptIO(memory_tier=MemoryTier(persist_every=2, replicas=0))] if use_asyncckpt else []
+        trainer = L.Trainer(max_steps=32, accelerator="cpu", devices=2, strategy="ddp", plugins=plugins, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                            callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=5,
+                                                       save_top_k=-1, save_last=True), KillAt()])
+        model = Net()
+        trainer.fit(model, data, ckpt_path="last" if resume else None)
+        if trainer.global_rank == 0:
+            torch.save(model.state_dict(), os.path.join(root, "final.pt"))
+
+    root, phase = sys.argv[1], sys.argv[2]
     print(f"PID {os.getpid()}", flush=True)
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(128, 8, generator=g)
-    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
-    plugins = [AsyncCkptIO(memory_tier=MemoryTier(persist_every=2, replicas=0))] if mode == "async" else []
-    trainer = L.Trainer(max_steps=32, accelerator="cpu", devices=2, strategy="ddp", plugins=plugins, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                        callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=5,
-                                                   save_top_k=-1, save_last=True), KillAt()])
-    model = Net()
-    trainer.fit(model, data, ckpt_path="last" if kill_at < 0 else None)
-    if trainer.global_rank == 0:
-        torch.save(model.state_dict(), os.path.join(root, "final.pt"))
+    if phase == "second":  # each killed run relaunched: without asyncckpt (Lightning's own resume), and with it
+        fit(os.path.join(root, "native"), False, True)
+        fit(os.path.join(root, "async"), True, True)
+    else:  # killed in step KILL_AT + 1
+        fit(os.path.join(root, phase), phase == "async", False)
 """)
 
 
@@ -199,14 +220,12 @@ def test_lightning_resumes_from_memory_after_every_process_was_killed(tmp_path):
     program = tmp_path / "lightning_run.py"
     program.write_text(LIGHTNING)
     memory = tmp_path / "memory"
-    _torchrun(program, tmp_path, "native", str(tmp_path / "native"), str(KILL_AT), memory_root=memory, expect_killed=True)
-    _torchrun(program, tmp_path, "native", str(tmp_path / "native"), "-1", memory_root=memory)
-    first = _torchrun(program, tmp_path, "async", str(tmp_path / "async"), str(KILL_AT), memory_root=memory,
-                      expect_killed=True)
+    _torchrun(program, tmp_path, str(tmp_path), "native", str(KILL_AT), memory_root=memory, expect_killed=True)
+    first = _torchrun(program, tmp_path, str(tmp_path), "async", str(KILL_AT), memory_root=memory, expect_killed=True)
     durable = sorted(os.listdir(tmp_path / "async" / "ckpts"))
     assert durable == ["epoch=0-step=10.ckpt", "last.ckpt"], durable  # step 10's: the 2nd checkpoint; 5 and 15: memory
-    second = _torchrun(program, tmp_path, "async", str(tmp_path / "async"), "-1", memory_root=memory)
-    assert "RANK 0 BEGINS AT 15" in second and "RANK 1 BEGINS AT 15" in second, second  # last.ckpt of step 15, in memory
+    second = _torchrun(program, tmp_path, str(tmp_path), "second", str(KILL_AT), memory_root=memory)
+    assert second.count("RANK 0 BEGINS AT 15") == 2 and second.count("RANK 1 BEGINS AT 15") == 2, second  # async: memory
     a, b = (torch.load(tmp_path / name / "final.pt", weights_only=True) for name in ("async", "native"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [entry for entry in os.scandir(memory) if not entry.name.startswith(".")] == []
