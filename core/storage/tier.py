@@ -111,6 +111,26 @@ def durable_root_of(directory: str) -> Optional[str]:
 
 
 # ------------------------------------------------------------------------------------- what a run holds
+#: In the commit record of a memory checkpoint saved on several nodes (``writer.replicas``): ``{"holders": {file:
+#: [node, ...]}, "checksums": {file: {"size": ..., "xxh3": ...}}}``: which nodes hold each file (its own and the
+#: peers that took a replica, as the save left them), and the whole-file checksums the record does not carry
+#: otherwise (a sharded save's data files, sidecars, ``.metadata``), which a copy from another node is checked by.
+TIER_ENTRY = "tier"
+
+
+def record_checksums(record: dict) -> dict[str, FileChecksum]:
+    """Every whole-file checksum the commit record ``record`` carries: its ``"checksums"`` (a directory
+    checkpoint's files, a sharded one's extra files) and its ``TIER_ENTRY``'s."""
+    entries = {**record.get(TIER_ENTRY, {}).get("checksums", {}), **record.get("checksums", {})}
+    return {name: FileChecksum(entry["size"], entry["xxh3"]) for name, entry in entries.items()}
+
+
+def holders(record: dict) -> dict[str, list[str]]:
+    """The nodes that hold each file of the checkpoint whose commit record is ``record``, as its save left them
+    (none recorded: a save on one node)."""
+    return dict(record.get(TIER_ENTRY, {}).get("holders", {}))
+
+
 @dataclass(frozen=True)
 class MemoryCheckpoint:
     """A committed checkpoint in a run directory, as this node holds it. A node's copy of a checkpoint may hold
