@@ -181,7 +181,7 @@ class MemoryTiers:
         nodes = self._nodes
         if nodes is None:
             return None
-        run_directory = self.run_dir(durable_root)
+        run_directory = tier.open_run(durable_root, self.options.root)  # a replaced node's is made (to fetch into)
         held = [(c.name, c.record, sorted(set(c.record.get("files", {})) - set(c.missing)))
                 for c in tier.memory_checkpoints(run_directory) if c.record is not None]
         gathered: list[Any] = [None] * dist.get_world_size(group)
