@@ -107,6 +107,7 @@ def _held(memory: Path) -> list[str]:
 # ------------------------------------------------------------------------------------------ the core
 CORE = textwrap.dedent('''
     import json, os, sys, time, torch, torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from asyncckpt import core
@@ -128,9 +129,13 @@ CORE = textwrap.dedent('''
 
     checkpointer = core.Checkpointer(memory_tier=core.MemoryTier(persist_every=2, keep=2, replicas=replicas,
                                                                  peer_timeout=2))
-    if mode == "save":  # steps 1-3: 2 is durable too, 3 in memory only
+    if mode == "save":  # steps 1-3: 2 is durable too, 3 in memory only; a directory with a DCP part, in memory only
         for step in (1, 2, 3):
             checkpointer.async_save(state(step), f"{root}/step_{step:03d}", step=step)
+        directory = checkpointer.begin_directory(f"{root}-directories/checkpoint_3", step=3)
+        directory.save_sharded(state(3), "model")
+        directory.write_bytes(f"rank_{dist.get_rank()}.json", json.dumps({"step": 3}).encode())
+        directory.commit()
         checkpointer.wait()
         dist.barrier()
         print("SAVED", flush=True)
@@ -143,6 +148,15 @@ CORE = textwrap.dedent('''
         expected = state(loaded["step"])
         same = torch.equal(loaded["w"].to_local(), expected["w"].to_local()) and torch.equal(loaded["b"], expected["b"])
         print(f"RESUMED {path} {loaded['step']} {same}", flush=True)
+        directory = checkpointer.latest_checkpoint(f"{root}-directories")
+        if directory is not None:
+            part = {"w": distribute_tensor(torch.zeros(3 * 4096, 64), mesh, [Shard(0)]), "b": torch.zeros(1000, dtype=torch.int64)}
+            dcp.load(part, checkpoint_id=os.path.join(directory, "model"))
+            expected = state(3)
+            same = torch.equal(part["w"].to_local(), expected["w"].to_local()) and torch.equal(part["b"], expected["b"])
+            with open(os.path.join(directory, f"rank_{dist.get_rank()}.json")) as f:
+                same = same and json.load(f) == {"step": 3}
+        print(f"DIRECTORY {directory} {directory is not None and same}", flush=True)
         checkpointer.close()
     else:  # "stall": step 1 everywhere, then steps 2 and 3 while the test holds node 1's writer stopped
         go = sys.argv[4]
@@ -176,8 +190,9 @@ CORE = textwrap.dedent('''
 @pytest.fixture(scope="module")
 def three_nodes(tmp_path_factory):
     """A job of three nodes (one rank each, replicas=2: every node's shares on both others) that saved steps 1-3
-    (2 durable too, 3 in memory only) and was then killed whole (kill -9): its memory roots and durable root, and a
-    copy of them as the kill left them, for each test to start from."""
+    (2 durable too, 3 in memory only) and a directory checkpoint with a DCP part (memory only), and was then killed
+    whole (kill -9): its memory roots and durable root, and a copy of them as the kill left them, for each test to
+    start from."""
     base = tmp_path_factory.mktemp("three_nodes")
     program = base / "core_nodes.py"
     program.write_text(CORE)
@@ -189,6 +204,7 @@ def three_nodes(tmp_path_factory):
     finally:
         job.stop()
     assert sorted(os.listdir(durable)) == ["step_002"]  # step 3: in memory only
+    assert not os.path.exists(f"{durable}-directories/checkpoint_3")
     shutil.copytree(memory, base / "pristine-memory", symlinks=True)
     return base, program, memory, durable
 
@@ -218,8 +234,11 @@ def test_a_replaced_node_fetches_its_shares_from_its_peers_and_a_damaged_replica
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
     job = jobs(program, ["load", str(durable), "2"], nodes=3, memory=memory, logs=base / "logs-replaced")
-    resumed = _resumed(job.finish())
+    lines = job.finish()
+    resumed = _resumed(lines)
     assert sorted(resumed) == sorted((str(path), 3, True) for path in memory.glob("n*/*/step_003")), resumed
+    directories = sorted(line.split()[1:] for line in lines if line.startswith("DIRECTORY "))
+    assert directories == sorted([str(path), "True"] for path in memory.glob("n*/*/checkpoint_3")), directories
     warnings = [line for line in job.nodes[2].error_output().splitlines() if "not using the copy" in line]
     assert len(warnings) == 1 and "__2_0.distcp" in warnings[0] and "node n0" in warnings[0], warnings
 
@@ -228,7 +247,9 @@ def test_with_every_node_memory_lost_the_job_resumes_from_storage(three_nodes, j
     base, program, memory, durable = _restored(three_nodes)
     shutil.rmtree(memory)
     job = jobs(program, ["load", str(durable), "2"], nodes=3, memory=memory, logs=base / "logs-lost")
-    assert _resumed(job.finish()) == [(str(durable / "step_002"), 2, True)] * 3
+    lines = job.finish()
+    assert _resumed(lines) == [(str(durable / "step_002"), 2, True)] * 3
+    assert [line for line in lines if line.startswith("DIRECTORY ")] == ["DIRECTORY None False"] * 3  # memory only
 
 
 def test_a_peer_that_stops_answering_leaves_training_and_saves_going(tmp_path, jobs):

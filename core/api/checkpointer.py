@@ -246,17 +246,17 @@ class Checkpointer:
         staging_dir = names.staging_dir_for(final_dir, save_id, os.fspath(staging_parent) if staging_parent else None)
         barrier = BarrierSpec("store" if store is not None else "files", save_id, world, staging_dir, final_dir, self.timeout)
         collectives = self.use_collectives and dist_ready()
+        replicas = self._replicas(final_dir, self.process_group)
 
         def sharded_target(path: str, group: Optional[dist.ProcessGroup], **details: Any):
             return self.sharded.target(path, group if group is not None else self.process_group, collectives,
-                                       self._store, **details)
+                                       self._store, replicas=replicas, **details)
 
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
                                     ledger=self.ledger, stager=self.stager, files=self.files,
                                     sharded=self.sharded, sharded_target=sharded_target, follow_ups=self._follow_ups,
                                     direct_io=self.options.direct_io,
-                                    io_threads=self.options.io_threads,
-                                    replicas=self._replicas(final_dir, self.process_group))
+                                    io_threads=self.options.io_threads, replicas=replicas)
 
     def _directory_id(self, final_dir: str, rank: int, world: int, store: Any) -> str:
         """The same id on every rank without a collective: on one rank, an owner token (random, and
@@ -436,7 +436,7 @@ class Checkpointer:
             if self.tiers.across_nodes:
                 return assembled or commit.latest_checkpoint(root, orphan_timeout=self.timeout)
         return tier.latest_checkpoint(root, orphan_timeout=self.timeout,
-                                      memory_root=self.options.memory_tier.root if self.tiers is not None else None)
+                                      memory_root=self.tiers.options.root if self.tiers is not None else None)
 
     def wait_for(self, path: str | os.PathLike) -> None:
         """Wait for pending work on ``path`` (a read must never see a checkpoint being written);

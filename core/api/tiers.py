@@ -116,26 +116,28 @@ class MemoryTiers:
         (``replication.publish_address``) and hands it the listening socket. Once per Checkpointer; nothing
         without a Store or with one rank."""
         with self._connecting:
-            if self._connected:
-                return
-            self._connected = True
-            store = self._store()
-            rank, world = rank_and_world()
-            if store is None or world < 2:
-                return
-            node = tier.node_id()
-            store.set(NODE_KEY.format(rank=rank), node)
-            of_rank = tuple(_text(store.get(NODE_KEY.format(rank=other))) for other in range(world))
-            if len(set(of_rank)) < 2:
-                return
-            if of_rank.index(node) == rank:
-                self._listener = listening_socket()
-                host, port = self._listener.getsockname()[:2]
-                publish_address(store, node, (public_host(host), port))
-                self._queue.serve_replicas(self._listener, self.root)
-            addresses = tuple((other, format_address(peer_address(store, other))) for other in sorted(set(of_rank))
-                              if other != node)
-            self._nodes = _Nodes(of_rank, NodeMap(self.root, node, addresses, self.options.peer_timeout))
+            if not self._connected:
+                self._nodes = self._find_nodes()
+                self._connected = True
+
+    def _find_nodes(self) -> Optional[_Nodes]:
+        store = self._store()
+        rank, world = rank_and_world()
+        if store is None or world < 2:
+            return None
+        node = tier.node_id()
+        store.set(NODE_KEY.format(rank=rank), node)
+        of_rank = tuple(_text(store.get(NODE_KEY.format(rank=other))) for other in range(world))
+        if len(set(of_rank)) < 2:
+            return None
+        if of_rank.index(node) == rank and self._listener is None:
+            self._listener = listening_socket()
+            host, port = self._listener.getsockname()[:2]
+            publish_address(store, node, (public_host(host), port))
+            self._queue.serve_replicas(self._listener, self.root)
+        addresses = tuple((other, format_address(peer_address(store, other))) for other in sorted(set(of_rank))
+                          if other != node)
+        return _Nodes(of_rank, NodeMap(self.root, node, addresses, self.options.peer_timeout))
 
     @property
     def across_nodes(self) -> bool:

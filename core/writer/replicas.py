@@ -24,6 +24,8 @@ every node), and the writers of the ranks, given ``Replicas`` in their requests,
    named in a warning and the next holder is tried.
 
 A single file (Lightning's ``.ckpt``, saved by one rank) is only spread, whole, with its checksum (``spread_file``).
+A DCP part of a directory checkpoint (``DirectoryTransaction.save_sharded``) is spread with the directory's files,
+its sidecars sent to rank 0's node first (``to_coordinator``), where ``.metadata`` is made.
 
 Kept free of torch: the background writer runs it (and the training process, for a restart's fetches).
 """
@@ -159,21 +161,26 @@ def spread(replicas: Replicas, staging_dir: str, rank: int, files: Mapping[str, 
     held = _replicate(replicas, {os.path.join(base, name): checksum for name, checksum in files.items()})
     holders = {name: [nodes.node, *held[os.path.join(base, name)]] for name in files}
     record = write_files_record(staging_dir, rank, files, holders)
+    needed = {name: files[name] for name in coordinator_needs if replicas.coordinator not in holders[name]}
+    to_coordinator(replicas, staging_dir, rank, {**needed, record: file_checksum(os.path.join(staging_dir, record))})
+
+
+def to_coordinator(replicas: Replicas, staging_dir: str, rank: int, files: Mapping[str, FileChecksum]) -> None:
+    """What rank 0 needs to commit (``files``, names in ``staging_dir`` with their checksums), to rank 0's node
+    where that is another; ``CheckpointWriteError`` if it does not take them (the save cannot commit)."""
+    nodes = replicas.nodes
     if replicas.coordinator == nodes.node:
         return
-    needed = {os.path.join(base, name): files[name] for name in coordinator_needs
-              if replicas.coordinator not in holders[name]}
-    needed[os.path.join(base, record)] = file_checksum(os.path.join(staging_dir, record))
+    paths = {os.path.join(nodes.relative(staging_dir), name): checksum for name, checksum in files.items()}
     address = dict(nodes.addresses)[replicas.coordinator]
     try:
-        outcomes = send(parse_address(address), nodes.root, list(needed), timeout=nodes.timeout, checksums=needed)
+        outcomes = send(parse_address(address), nodes.root, list(paths), timeout=nodes.timeout, checksums=paths)
+        refused = "; ".join(transfer.error for transfer in outcomes if not transfer.ok)
     except ReplicationError as e:
-        raise CheckpointWriteError(f"rank {rank}: rank 0's node {replicas.coordinator} did not take what it needs to "
-                                   f"commit: {e}") from None
-    refused = [transfer.error for transfer in outcomes if not transfer.ok]
+        refused = str(e)
     if refused:
         raise CheckpointWriteError(f"rank {rank}: rank 0's node {replicas.coordinator} did not take what it needs to "
-                                   f"commit: {'; '.join(refused)}")
+                                   f"commit: {refused}")
 
 
 def spread_file(replicas: Replicas, path: str, checksum: FileChecksum) -> None:
@@ -222,7 +229,8 @@ def publish_copy(replicas: Replicas, staging_dir: str, final_path: str, token: s
         PEERS.failed(coordinator, dict(nodes.addresses)[coordinator], str(e))
         backend_for(staging_dir).remove_tree(staging_dir, token, later=at_once)
         return
-    remove_coordination_files(staging_dir)
+    for directory, _subdirectories, _files in os.walk(staging_dir):  # a DCP part's barrier files too
+        remove_coordination_files(directory)
     replaced = backend_for(final_path).publish(staging_dir, final_path, body)
     if replaced is not None:
         backend_for(replaced).remove_tree(replaced, token, later=at_once)

@@ -29,7 +29,7 @@ from asyncckpt.core.storage.sidecars import read_sidecar, take_files_records
 from asyncckpt.core.storage.staging import Staging, remove_coordination_files
 from asyncckpt.core.writer.protocol import RequestContext
 from asyncckpt.core.formats.sidecar import ShareItems, ShareRecord, encode_sidecar
-from asyncckpt.core.writer.replicas import Replicas, commit_entries, publish_copy, spread
+from asyncckpt.core.writer.replicas import Replicas, commit_entries, publish_copy, spread, to_coordinator
 from asyncckpt.core.writer.replication import file_checksum
 
 
@@ -88,11 +88,7 @@ class ShareRequest:
                 self.save_id, self.rank, self.world_size, self.structure_hash, context.layout.planner_data, items)),
                 atomic=True)
             if self.replicas is not None:
-                written = [name for name in (items.layout and items.layout.file_name, items.objects_file,
-                                             names.sidecar_name(self.rank)) if name]
-                spread(self.replicas, self.staging_dir, self.rank,
-                       {name: file_checksum(os.path.join(self.staging_dir, name)) for name in written},
-                       coordinator_needs=[names.sidecar_name(self.rank)])
+                self._spread(context, items)
             barrier.arrive(self.rank)
         except BaseException as e:
             reason = f"{type(e).__name__}: {e}"
@@ -112,6 +108,9 @@ class ShareRequest:
             if self.directory_barrier is not None:
                 write_metadata(self, place)
                 remove_coordination_files(self.staging_dir)
+                if self.replicas is not None:  # the directory's commit spreads it
+                    self._record(context, {names.DCP_METADATA_FILE: file_checksum(
+                        os.path.join(self.staging_dir, names.DCP_METADATA_FILE))})
                 return
             replaced = commit_share(self, place)
             barrier.committed()
@@ -121,6 +120,25 @@ class ShareRequest:
             raise
         if replaced is not None:
             context.after_reply(lambda: place.delete(replaced, context.token()))
+
+    def _spread(self, context: RequestContext, items: ShareItems) -> None:
+        """On several nodes (``replicas``): this rank's files to its node's peers, and its sidecar to rank 0's node
+        (``.metadata`` is made from every sidecar); in a directory checkpoint the directory's commit spreads its
+        files with the others', and only the sidecar goes now."""
+        sidecar = names.sidecar_name(self.rank)
+        written = {name: file_checksum(os.path.join(self.staging_dir, name))
+                   for name in (items.layout and items.layout.file_name, items.objects_file, sidecar) if name}
+        if self.directory_barrier is None:
+            spread(self.replicas, self.staging_dir, self.rank, written, coordinator_needs=[sidecar])
+            return
+        self._record(context, written)
+        to_coordinator(self.replicas, self.staging_dir, self.rank, {sidecar: written[sidecar]})
+
+    def _record(self, context: RequestContext, files: dict) -> None:
+        """Files of this DCP part, for its directory's commit (named relative to the directory)."""
+        for name, checksum in files.items():
+            context.record_file(self.directory_barrier.key, os.path.relpath(
+                os.path.join(self.staging_dir, name), self.directory_barrier.staging_dir), checksum)
 
 
 def write_share(
