@@ -158,7 +158,8 @@ class MemoryTiers:
             return None
         node = node_of[rank]
         peers = tuple(members[i] for i in peers_for(members.index(node), len(members), self.options.replicas))
-        return Replicas(nodes.map, peers, node_of[0], members, publishes=node_of.index(node) == rank and node != node_of[0])
+        publishes = node_of.index(node) == rank and node != node_of[0]
+        return Replicas(nodes.map, peers, node_of[0], members, publishes)
 
     def _received(self) -> int:
         """Replicas of other nodes' shares this node holds, per share of its own (``peers_for``: as many as it
@@ -201,12 +202,13 @@ class MemoryTiers:
         self._agreed[run_directory] = agreed
         return None if agreed is None else os.path.join(run_directory, agreed)
 
-    def usable(self, run_directory: str) -> set[str]:
-        """The memory checkpoints in ``run_directory`` a resume on this node may load (names): on several nodes the
-        one they agreed on (``assemble``; none before), else every one whole here."""
-        if self._nodes is not None:
-            return {self._agreed[run_directory]} if self._agreed.get(run_directory) else set()
-        return {checkpoint.name for checkpoint in tier.memory_checkpoints(run_directory) if checkpoint.complete}
+    def usable(self, run_directory: str) -> Optional[set[str]]:
+        """The memory checkpoints in ``run_directory`` a resume on this node may load (names): on several nodes, the
+        one they agreed on (``assemble``; none before it, nor a single file, which it does not complete); None on
+        one node: any (each is whole there)."""
+        if self._nodes is None:
+            return None
+        return {self._agreed[run_directory]} if self._agreed.get(run_directory) else set()
 
     def close(self) -> None:
         """The Checkpointer is closed: its listening socket goes (a writer serving on it keeps its own)."""
@@ -317,8 +319,8 @@ def _candidates(held_by_node: dict[str, list], durable_step: Optional[int]) -> l
                 holders[file].append(node)
 
     def step(name: str, record: dict) -> int:  # -1: none (older than any step)
-        found = record["step"] if isinstance(record.get("step"), int) else names.step_from_name(name)
-        return -1 if found is None else found
+        number = record["step"] if isinstance(record.get("step"), int) else names.step_from_name(name)
+        return -1 if number is None else number
 
     usable = [(name, record, dict(holders)) for (name, _save_id), (record, holders) in found.items()
               if set(record.get("files", {})) <= set(holders)

@@ -124,11 +124,11 @@ def places(checkpointer: Any, root: str) -> list[str]:
 def copies(checkpointer: Any, root: str, key: Key) -> list[str]:
     """The checkpoints of ``root`` in every tier of this node, newest first by the framework's ``key``, each copy
     of a checkpoint its own entry, the nearer first: of a name held in memory and on storage, the memory copy
-    comes first when it is the same checkpoint (its content's checksums equal) or the newer one. Of the memory
-    copies, only those a resume may load (``tiers.usable``: whole here; on several nodes, the one they agreed on)."""
+    comes first when it is the same checkpoint (its content's checksums equal) or the newer one. On several nodes,
+    of the memory copies only the one they agreed on (``tiers.usable``): every rank tries the same checkpoints."""
     found: dict[str, list[tuple[float, int, str]]] = {}
     for nearness, place in enumerate(places(checkpointer, root)):
-        usable = checkpointer.tiers.usable(place) if nearness else None
+        usable = checkpointer.tiers.usable(place) if nearness else None  # None: any
         for path in candidates(place, key):
             if usable is None or os.path.basename(path) in usable:
                 found.setdefault(os.path.basename(path), []).append((key(path), nearness, path))
