@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -46,13 +47,14 @@ class Job:
         for node in self.nodes:
             node.wait_for_line(wanted, timeout)
 
-    def trainer(self, node: int) -> int:
-        return next(int(line.split()[1]) for line in self.nodes[node].lines() if line.startswith("PID "))
+    def trainer(self, node: int) -> Optional[int]:
+        """The pid of ``node``'s training process (None before it printed it)."""
+        return next((int(line.split()[1]) for line in self.nodes[node].lines() if line.startswith("PID ")), None)
 
     def kill_node(self, node: int) -> None:
         """kill -9 every process of ``node``: its launcher, its training process and that one's writer."""
         trainer = self.trainer(node)
-        for pid in [self.nodes[node].pid, trainer, *writers_of(trainer)]:
+        for pid in [self.nodes[node].pid, *([trainer, *writers_of(trainer)] if trainer is not None else [])]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -61,7 +63,7 @@ class Job:
 
     def kill(self) -> None:
         """kill -9 every node's processes (a job whose node died, restarted by its launcher)."""
-        trainers = [self.trainer(node) for node in range(len(self.nodes))]
+        trainers = [pid for pid in map(self.trainer, range(len(self.nodes))) if pid is not None]
         for node in range(len(self.nodes)):
             self.kill_node(node)
         deadline = time.monotonic() + 60
@@ -78,10 +80,9 @@ class Job:
         return lines
 
     def stop(self) -> None:
-        for node in self.nodes:
-            if node.poll() is None:
-                node.kill()
-                node.wait(30)
+        """Every process still running killed (a failed test's: a launcher killed alone leaves its workers)."""
+        for node in range(len(self.nodes)):
+            self.kill_node(node)
 
 
 @pytest.fixture
@@ -123,8 +124,10 @@ CORE = textwrap.dedent('''
         return {"w": distribute_tensor(torch.randn(3 * 4096, 64, generator=g), mesh, [Shard(0)]),
                 "b": torch.arange(1000) * step, "step": step}
 
-    def wait_for(path):
+    def wait_for(path):  # the test's signal; a test that failed before giving it leaves nothing waiting for ever
+        deadline = time.monotonic() + 300
         while not os.path.exists(path):
+            assert time.monotonic() < deadline, f"no {path}"
             time.sleep(0.05)
 
     checkpointer = core.Checkpointer(memory_tier=core.MemoryTier(persist_every=2, keep=2, replicas=replicas,

@@ -419,7 +419,9 @@ def latest_checkpoint(root: str, *, orphan_timeout: float = 600.0, memory_root: 
     """The newest complete checkpoint of ``root`` in any tier of this node (by step, then commit time), or None:
     directly under ``root`` (``commit.latest_checkpoint``), or in its memory run directory (under ``memory_root``,
     else the environment's or the default), whose copy is the nearer where both hold the same step. A writer of a
-    previous run still finishing a checkpoint in either is waited for first, up to ``orphan_timeout`` seconds."""
+    previous run still finishing a checkpoint in either is waited for first, up to ``orphan_timeout`` seconds. This
+    node's view only: on several nodes, ``Checkpointer.latest_checkpoint`` (the nodes agree, and complete their
+    copies from each other)."""
     best_key, best_path = None, None
     for place, nearness in ((root, 0), (run_dir(root, memory_root), 1)):
         if nearness and not os.path.isdir(place):
