@@ -185,8 +185,9 @@ def _last_checkpoints(original: Callable) -> Callable:
             found = {path if is_url(path) else f"{scheme}://{path}" for path in found}
         last = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-\d+)?{re.escape(self.FILE_EXTENSION)}$")
         for folder in resume.places(io.checkpointer, normalize_path(str(self.dirpath)))[1:]:  # in memory
-            found |= {os.path.join(folder, name) for name in os.listdir(folder) if last.match(name)} \
-                if os.path.isdir(folder) else set()
+            usable = io.checkpointer.tiers.usable(folder)  # on several nodes: none (one a node may lack)
+            found |= {os.path.join(folder, name) for name in os.listdir(folder)
+                      if last.match(name) and (usable is None or name in usable)} if os.path.isdir(folder) else set()
         return found
 
     return find_last_checkpoints

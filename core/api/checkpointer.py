@@ -46,6 +46,7 @@ from asyncckpt.core.api import interval
 from asyncckpt.core.api.tiers import MemoryTiers
 from asyncckpt.core.api.directory import DirectoryTransaction
 from asyncckpt.core.snapshot.dist_env import any_rank, default_store, dist_ready, rank_and_world
+from asyncckpt.core.storage import commit, tier
 from asyncckpt.core.storage.commit import job_token
 from asyncckpt.core.errors import (
     CheckpointCancelledError,
@@ -102,7 +103,8 @@ class Checkpointer:
         self.files = FileSnapshots(self.buffers, self.copy_threads)
         self.sharded = ShardedSaves(self.buffers, self.copy_threads, direct_io=options.direct_io,
                                     io_threads=options.io_threads, timeout=options.timeout)
-        self.tiers = MemoryTiers(options.memory_tier, options.object_store) if options.memory_tier else None
+        self.tiers = MemoryTiers(options.memory_tier, options.object_store, store=self._store,
+                                 queue=self.ledger.queue) if options.memory_tier else None
         self._advised = False  # the interval advice is logged once (``_committed``)
         self.stats: Counter = Counter()  # requests by kind, and removals/links queued behind a pending save
         self.closed = False
@@ -148,7 +150,7 @@ class Checkpointer:
         overlap = self.overlap_staging if overlap_staging is None else overlap_staging
         self.stager.wait()  # one snapshot at a time: saves agree on their structures in call order
         target = self.sharded.target(path, group, collectives, self._store, step=step, extra_files=extra_files,
-                                     object_store=self.object_store)
+                                     object_store=self.object_store, replicas=self._replicas(path, group))
         world, agreement = target.world, target.group
         handle = self._admit("save", path, rank=target.rank, step=step, label=label)
         started = time.perf_counter()
@@ -211,7 +213,8 @@ class Checkpointer:
         slot = self.buffers.take_for_file(image.size, handle)
         handle.add_bytes(image.size)
         handle.when_done(lambda: self.buffers.give_back(slot))
-        request = FileRequest(path, image.size, handle.rank, self.options.direct_io, self.options.io_threads, object_store=self.object_store)
+        request = FileRequest(path, image.size, handle.rank, self.options.direct_io, self.options.io_threads,
+                              object_store=self.object_store, replicas=self._replicas(path, None))
         self.stager.take_snapshot(handle, lambda: self.files.stage(image, slot), request,
                                   lambda: self.ledger.queue.submit([(handle, request, slot.buffer),
                                                                     *self._follow_ups(handle)]))
@@ -236,27 +239,28 @@ class Checkpointer:
                              "or the adapters' mirror option)")
         self.stager.wait()  # the previous directory may still be committed from the staging thread
         self.ledger.raise_unobserved()
-        final_dir = os.path.abspath(os.fspath(final_dir))
+        final_dir = asked = os.path.abspath(os.fspath(final_dir))
         placed = self._placed(final_dir, durable, lambda: 0, step)
         if placed != final_dir:  # in memory, where nothing counts the entries beside it
             final_dir, staging_parent = placed, None
         rank, world = rank_and_world(self.process_group)
         handle = self._admit("directory", final_dir, rank=rank, step=step, label=label)  # one checkpoint in flight
         store = self._store() if self.use_collectives and world > 1 else None
-        save_id = self._directory_id(final_dir, rank, world, store)
+        save_id = self._directory_id(asked, rank, world, store)  # the path asked for: a memory path differs by node
         staging_dir = names.staging_dir_for(final_dir, save_id, os.fspath(staging_parent) if staging_parent else None)
         barrier = BarrierSpec("store" if store is not None else "files", save_id, world, staging_dir, final_dir, self.timeout)
         collectives = self.use_collectives and dist_ready()
+        replicas = self._replicas(final_dir, self.process_group)
 
         def sharded_target(path: str, group: Optional[dist.ProcessGroup], **details: Any):
             return self.sharded.target(path, group if group is not None else self.process_group, collectives,
-                                       self._store, **details)
+                                       self._store, replicas=replicas, **details)
 
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
                                     ledger=self.ledger, stager=self.stager, files=self.files,
                                     sharded=self.sharded, sharded_target=sharded_target, follow_ups=self._follow_ups,
                                     direct_io=self.options.direct_io,
-                                    io_threads=self.options.io_threads)
+                                    io_threads=self.options.io_threads, replicas=replicas)
 
     def _directory_id(self, final_dir: str, rank: int, world: int, store: Any) -> str:
         """The same id on every rank without a collective: on one rank, an owner token (random, and
@@ -424,6 +428,20 @@ class Checkpointer:
         if error is not None:
             raise error
 
+    def latest_checkpoint(self, root: str | os.PathLike) -> Optional[str]:
+        """The newest committed checkpoint of ``root`` to resume from, in any tier of this node (as
+        ``asyncckpt.core.latest_checkpoint``). With the memory tier on several nodes, a collective (every rank
+        calls it): the nodes agree on the newest checkpoint some of them hold in memory whole between them, and
+        each completes its copy from the others (``tiers.assemble``); else the newest on storage."""
+        root = _normalize(root)
+        self.wait()
+        if self.tiers is not None:
+            assembled = self.tiers.assemble(root, self.process_group)
+            if self.tiers.across_nodes:
+                return assembled or commit.latest_checkpoint(root, orphan_timeout=self.timeout)
+        return tier.latest_checkpoint(root, orphan_timeout=self.timeout,
+                                      memory_root=self.tiers.options.root if self.tiers is not None else None)
+
     def wait_for(self, path: str | os.PathLike) -> None:
         """Wait for pending work on ``path`` (a read must never see a checkpoint being written);
         raise its failure if nobody has seen it. With the memory tier: its memory copy's too."""
@@ -561,6 +579,8 @@ class Checkpointer:
         starts it, and its saves never wait for a writer stopped when idle (``writer_idle_timeout``)."""
         self._check_open()
         self.ledger.queue.start(hold=True)
+        if self.tiers is not None:
+            self.tiers.connect()
 
     def teardown(self) -> None:
         """Drain, then stop the writer process and every thread of ours (a framework's run ended);
@@ -580,8 +600,8 @@ class Checkpointer:
         rank, world = rank_and_world(self.process_group)
         for placed in self.tiers.unpersisted() if rank == 0 else []:
             if os.path.lexists(placed.memory):
-                self._queue_after("persist", placed.durable, CopyRequest(placed.memory, placed.durable,
-                                                                         self.object_store), None)
+                self._queue_after("persist", placed.durable, self.tiers.copy_request(placed.memory, placed.durable),
+                                  None)
         self.wait(everywhere=True)
         self.tiers.clear(remove=int(os.environ.get("LOCAL_RANK", rank)) == 0)
 
@@ -595,6 +615,8 @@ class Checkpointer:
             self.ledger.abandon_uncommitted()
             self.closed = True
             self.buffers.close()
+            if self.tiers is not None:
+                self.tiers.close()
             lifecycle.forget(self)
 
     def __enter__(self) -> "Checkpointer":
@@ -616,7 +638,14 @@ class Checkpointer:
     def _placed(self, path: str, durable: Optional[bool], nbytes: Callable[[], int], step: Optional[int]) -> str:
         """Where a checkpoint asked for at ``path`` (of ``nbytes()`` on this rank) is saved: with the memory tier,
         in memory (``tiers.place``; ``durable``: also written durably now, whatever the cadence), else at ``path``."""
-        return path if self.tiers is None else self.tiers.place(path, nbytes(), step, durable_too=durable)
+        if self.tiers is None:
+            return path
+        self.tiers.connect()
+        return self.tiers.place(path, nbytes(), step, durable_too=durable)
+
+    def _replicas(self, path: str, group: Optional[dist.ProcessGroup]) -> Any:
+        """What this rank's request of the save at ``path`` needs to reach the other nodes (``tiers.replicas``)."""
+        return None if self.tiers is None else self.tiers.replicas(path, group)
 
     def _committed(self, handle: SaveHandle, seconds: float) -> None:
         """A checkpoint (or its durable copy) is done: at the first that is durable, one log line with the

@@ -40,6 +40,8 @@ class MemoryTier:
         root: the memory root on each node (default ``/dev/shm/asyncckpt``; ``ASYNCCKPT_MEMORY_ROOT`` overrides).
         max_bytes: the most memory the tier may use on a node; default: half of the memory root's filesystem. A
             run whose checkpoints would not fit saves durably only, with one warning saying what would fit.
+        peer_timeout: seconds a save waits for another node that stops answering (each wait) before it commits
+            without that node's replicas; the node is then left out for a while and said once in the log.
     """
 
     replicas: int = 1
@@ -47,10 +49,11 @@ class MemoryTier:
     keep: int = 2
     root: Optional[str] = None
     max_bytes: Optional[int] = None
+    peer_timeout: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.replicas < 0 or self.persist_every < 1 or self.keep < 1:
-            raise ValueError(f"{self}: replicas >= 0, persist_every >= 1 and keep >= 1")
+        if self.replicas < 0 or self.persist_every < 1 or self.keep < 1 or not self.peer_timeout > 0:
+            raise ValueError(f"{self}: replicas >= 0, persist_every >= 1, keep >= 1 and peer_timeout > 0")
 
 
 @dataclass(frozen=True)

@@ -93,11 +93,15 @@ def prepare(checkpointer: Any, place: Optional[str], *, key: Optional[Key] = Non
     one from) committed, on every rank (a collective), orphaned writers there included. Then, with the
     ``mirror_to`` option, where the framework is about to pick from ``place`` and finds nothing there in any tier
     (no entry ``key`` knows, or no file ``mirrored_name``: a framework that looks for a fixed name, as
-    Lightning's ``last.ckpt``), the newest mirrored checkpoint (or the one of that name) is restored into it."""
+    Lightning's ``last.ckpt``), the newest mirrored checkpoint (or the one of that name) is restored into it. With
+    the memory tier on several nodes, where the framework picks from ``place`` (``key``), the nodes first agree on
+    the memory checkpoint to resume from and complete their copies of it from each other (``tiers.assemble``)."""
     checkpointer.wait(everywhere=True)
     if place is None or is_url(place):
         return
     wait_for_saves(place, checkpointer.options.timeout)
+    if checkpointer.tiers is not None and key is not None:  # on several nodes: agree, complete this node's copy
+        checkpointer.tiers.assemble(tier.durable_root_of(place) or place, checkpointer.process_group)
     mirror = checkpointer.options.mirror_to
     if not mirror or (mirrored_name is None and key is None):
         return
@@ -120,11 +124,14 @@ def places(checkpointer: Any, root: str) -> list[str]:
 def copies(checkpointer: Any, root: str, key: Key) -> list[str]:
     """The checkpoints of ``root`` in every tier of this node, newest first by the framework's ``key``, each copy
     of a checkpoint its own entry, the nearer first: of a name held in memory and on storage, the memory copy
-    comes first when it is the same checkpoint (its content's checksums equal) or the newer one."""
+    comes first when it is the same checkpoint (its content's checksums equal) or the newer one. On several nodes,
+    of the memory copies only the one they agreed on (``tiers.usable``): every rank tries the same checkpoints."""
     found: dict[str, list[tuple[float, int, str]]] = {}
     for nearness, place in enumerate(places(checkpointer, root)):
+        usable = checkpointer.tiers.usable(place) if nearness else None  # None: any
         for path in candidates(place, key):
-            found.setdefault(os.path.basename(path), []).append((key(path), nearness, path))
+            if usable is None or os.path.basename(path) in usable:
+                found.setdefault(os.path.basename(path), []).append((key(path), nearness, path))
     for held in found.values():
         held.sort(key=lambda entry: (entry[0], entry[1]), reverse=True)
         if len(held) == 2 and held[0][1] == 0 and commit.same_save(held[0][2], held[1][2]):

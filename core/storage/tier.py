@@ -111,6 +111,26 @@ def durable_root_of(directory: str) -> Optional[str]:
 
 
 # ------------------------------------------------------------------------------------- what a run holds
+#: In the commit record of a memory checkpoint saved on several nodes (``writer.replicas``): ``{"holders": {file:
+#: [node, ...]}, "checksums": {file: {"size": ..., "xxh3": ...}}}``: which nodes hold each file (its own and the
+#: peers that took a replica, as the save left them), and the whole-file checksums the record does not carry
+#: otherwise (a sharded save's data files, sidecars, ``.metadata``), which a copy from another node is checked by.
+TIER_ENTRY = "tier"
+
+
+def record_checksums(record: dict) -> dict[str, FileChecksum]:
+    """Every whole-file checksum the commit record ``record`` carries: its ``"checksums"`` (a directory
+    checkpoint's files, a sharded one's extra files) and its ``TIER_ENTRY``'s."""
+    entries = {**record.get(TIER_ENTRY, {}).get("checksums", {}), **record.get("checksums", {})}
+    return {name: FileChecksum(entry["size"], entry["xxh3"]) for name, entry in entries.items()}
+
+
+def holders(record: dict) -> dict[str, list[str]]:
+    """The nodes that hold each file of the checkpoint whose commit record is ``record``, as its save left them
+    (none recorded: a save on one node)."""
+    return dict(record.get(TIER_ENTRY, {}).get("holders", {}))
+
+
 @dataclass(frozen=True)
 class MemoryCheckpoint:
     """A committed checkpoint in a run directory, as this node holds it. A node's copy of a checkpoint may hold
@@ -399,7 +419,9 @@ def latest_checkpoint(root: str, *, orphan_timeout: float = 600.0, memory_root: 
     """The newest complete checkpoint of ``root`` in any tier of this node (by step, then commit time), or None:
     directly under ``root`` (``commit.latest_checkpoint``), or in its memory run directory (under ``memory_root``,
     else the environment's or the default), whose copy is the nearer where both hold the same step. A writer of a
-    previous run still finishing a checkpoint in either is waited for first, up to ``orphan_timeout`` seconds."""
+    previous run still finishing a checkpoint in either is waited for first, up to ``orphan_timeout`` seconds. This
+    node's view only: on several nodes, ``Checkpointer.latest_checkpoint`` (the nodes agree, and complete their
+    copies from each other)."""
     best_key, best_path = None, None
     for place, nearness in ((root, 0), (run_dir(root, memory_root), 1)):
         if nearness and not os.path.isdir(place):

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from asyncckpt.core.storage import commit
+from asyncckpt.core.storage import commit, tier
 from asyncckpt.core.storage import file_checksums
 from asyncckpt.core.storage import owners
 from asyncckpt.core.formats import names
@@ -34,6 +34,7 @@ from asyncckpt.core.storage.local import attach_checksum
 from asyncckpt.core.storage.object_store import ObjectStoreOptions
 from asyncckpt.core.storage.staging import Staging, staging_dir_for
 from asyncckpt.core.writer.protocol import RequestContext
+from asyncckpt.core.writer.replicas import NodeMap, fetch_missing
 
 
 @contextlib.contextmanager
@@ -59,14 +60,18 @@ class CopyRequest:
     source: str
     target: str
     options: Optional[ObjectStoreOptions] = None
+    nodes: Optional[NodeMap] = None  # a memory checkpoint saved on several nodes: where the files it lacks are
 
     def run(self, context: RequestContext) -> None:
-        copy(self.source, self.target, context.token(), self.options)
+        copy(self.source, self.target, context.token(), self.options, self.nodes)
 
 
-def copy(source: str, target: str, token: str, options: Optional[ObjectStoreOptions] = None) -> None:
+def copy(source: str, target: str, token: str, options: Optional[ObjectStoreOptions] = None,
+         nodes: Optional[NodeMap] = None) -> None:
     """Copy the committed local checkpoint (or single file) ``source`` to ``target`` and commit it there; what it
-    replaces there is deleted once the copy is committed."""
+    replaces there is deleted once the copy is committed. A memory copy saved on several nodes (``nodes``) that
+    lacks files of the checkpoint gets them from the nodes that hold them first (``replicas.fetch_missing``); the
+    copy's record is the checkpoint's, without what only the memory tier needs (``tier.TIER_ENTRY``)."""
     backend = backend_for(target, options)
     if os.path.isfile(source):
         checksum = file_checksums.read_record(source)
@@ -76,6 +81,12 @@ def copy(source: str, target: str, token: str, options: Optional[ObjectStoreOpti
     record = commit.read_commit_record(source)
     if record is None:
         raise CheckpointWriteError(f"cannot copy {source}: it is not a committed checkpoint")
+    if nodes is not None and tier.TIER_ENTRY in record:
+        unavailable = fetch_missing(nodes, source, record, tier.holders(record))
+        if unavailable:
+            raise CheckpointWriteError(f"cannot copy {source}: {', '.join(unavailable)} not on this node, and no node "
+                                       "that holds a copy gave an intact one")
+        record = {key: value for key, value in record.items() if key != tier.TIER_ENTRY}
     # buffered: a mapped file's last page is not whole, as O_DIRECT would need (an object store streams it anyway)
     place = Staging(staging_dir_for(target, token), target, options, coordinator=True, direct_io=False)
     place.claim(0, token)

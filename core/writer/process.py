@@ -19,6 +19,9 @@ or objects on an object store) when the Store died with the training processes
 (``barrier.SurvivingBarrier``), and says what it
 does in a log beside the checkpoint (``storage.orphans``).
 
+With the memory tier on several nodes, the writer of each node's lowest rank also serves that node's memory to
+the others (``replication.Receiver``, on a listening socket its training process made and published: RECEIVER).
+
 It never imports torch, nor anything of asyncckpt outside ``writer``, ``storage``, ``formats``,
 ``errors`` and the torch-free half of ``export`` (tests/test_layout.py runs every kind of request
 through a writer and lists what it loaded; docs/DESIGN.md says what torch would cost it).
@@ -32,6 +35,7 @@ import mmap
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -53,6 +57,7 @@ from asyncckpt.core.writer.barrier import (
 )
 from asyncckpt.core.writer.copy_progress import PROGRESS_BYTES
 from asyncckpt.core.writer.mirror import copy
+from asyncckpt.core.writer.replication import Receiver
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
 
 _REMEMBERED_FAILURES = 256  # saves whose failure (or files) on this rank a later request of theirs may ask about
@@ -106,11 +111,11 @@ class Channel:
 
     def _receive(self) -> tuple[tuple, Optional[int]]:
         message = self.conn.recv()
-        fd = recv_handle(self.conn) if message[0] == protocol.BUFFER else None
+        fd = recv_handle(self.conn) if message[0] in (protocol.BUFFER, protocol.RECEIVER) else None
         return message, fd
 
     def next_message(self) -> tuple[tuple, Optional[int]]:
-        """The next message (and the file descriptor a BUFFER message brings)."""
+        """The next message (and the file descriptor a BUFFER or RECEIVER message brings)."""
         return self._queued.pop(0) if self._queued else self._receive()
 
     def ready(self, timeout: float) -> bool:
@@ -355,6 +360,8 @@ def serve(writer: "Writer") -> None:
             writer.buffers.pop(message[1], None)
         elif kind == protocol.RUN:
             writer.run_jobs(message[1])
+        elif kind == protocol.RECEIVER:  # threads of its own until the process exits: nothing to stop
+            Receiver(message[1], listener=socket.socket(fileno=fd))
         elif kind == protocol.STOP:
             if writer.terminated:
                 writer.persist_memory()

@@ -52,6 +52,7 @@ from asyncckpt.core.errors import CheckpointError
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import FileChecksum, checksum, checksum_stream
 from asyncckpt.core.storage import owners
+from asyncckpt.core.storage.local import attach_checksum
 
 Address = tuple[str, int]
 
@@ -165,6 +166,16 @@ def _target(root: str, relative_path: str) -> str:
     return target
 
 
+def file_checksum(path: str) -> FileChecksum:
+    """The checksum of the file at ``path``, hashed from its pages (a memory root's file: no read through user
+    space)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return _file_checksum(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
 def _file_checksum(fd: int, size: int) -> FileChecksum:
     """The checksum of the first ``size`` bytes of ``fd``, hashed from its pages (no copy)."""
     if size == 0:
@@ -265,9 +276,10 @@ class _Stream:
             raise _Broken("it sent something other than the replication protocol")
         return message
 
-    def receive_file(self, root: str, relative_path: str, expected: FileChecksum) -> Optional[str]:
+    def receive_file(self, root: str, relative_path: str, expected: FileChecksum, attach: bool = False) -> Optional[str]:
         """Receive ``expected.size`` bytes into ``relative_path`` under ``root``: written to a hidden temporary
-        name, hashed as they arrive, renamed to their name only if whole and matching ``expected``. Returns
+        name, hashed as they arrive, renamed to their name only if whole and matching ``expected`` (with
+        ``attach``, carrying it as its checksum record, as a single-file checkpoint does). Returns
         None, or why the file was not kept (the bytes are read to their end either way, so that the
         connection goes on with the next file). A connection that fails meanwhile raises, and leaves nothing."""
         target = _target(root, relative_path)
@@ -297,6 +309,8 @@ class _Stream:
             os.close(fd)
             fd = None
             try:
+                if attach:
+                    attach_checksum(temporary, expected)
                 os.replace(temporary, target)
             except OSError as e:
                 return f"{relative_path}: cannot be written here ({e.strerror})"
@@ -378,18 +392,21 @@ class PeerConnection:
             raise _Broken(f"it answered for {reply.get('path')!r}")
         return reply
 
-    def put(self, relative_path: str, fd: int, expected: FileChecksum) -> Optional[str]:
+    def put(self, relative_path: str, fd: int, expected: FileChecksum, attach: bool = False) -> Optional[str]:
         """Send the first ``expected.size`` bytes of ``fd`` to ``relative_path`` under the peer's root, announced
-        with ``expected.xxh3``: None once the peer has it under its name, else why not."""
+        with ``expected.xxh3`` (``attach``: the peer keeps it as the file's checksum record): None once the peer
+        has it under its name, else why not."""
         with self._failing(relative_path) as stream:
-            stream.send_message({"put": relative_path, "size": expected.size, "xxh3": expected.xxh3})
+            stream.send_message({"put": relative_path, "size": expected.size, "xxh3": expected.xxh3, "attach": attach})
             stream.send_file(fd, expected.size)
             return self._reply(stream, relative_path).get("error")
 
-    def get(self, relative_path: str, root: str, expected: Optional[FileChecksum] = None) -> Optional[str]:
-        """Fetch the peer's ``relative_path`` into the same path under ``root``, checked against ``expected``
-        (else against the checksum the peer computes before sending it): None once it is here under its
-        name, else why not (missing there, damaged: never kept under its name)."""
+    def get(self, relative_path: str, root: str, expected: Optional[FileChecksum] = None,
+            local_path: Optional[str] = None) -> Optional[str]:
+        """Fetch the peer's ``relative_path`` into the same path under ``root`` (or ``local_path`` there),
+        checked against ``expected`` (else against the checksum the peer computes before sending it): None
+        once it is here under its name, else why not (missing there, damaged: never kept under its name)."""
+        local_path = relative_path if local_path is None else checked_path(local_path)
         with self._failing(relative_path) as stream:
             stream.send_message({"get": relative_path, "hash": expected is None})
             reply = self._reply(stream, relative_path)
@@ -403,7 +420,8 @@ class PeerConnection:
             if size != expected.size:
                 stream.discard(size)
                 return f"{relative_path}: {size} B at {self.peer}, {expected.size} B recorded; not kept"
-            return stream.receive_file(root, relative_path, expected)
+            problem = stream.receive_file(root, local_path, expected)
+            return None if problem is None else problem.replace(local_path, relative_path)
 
     def close(self) -> None:
         if self._stream is not None:
@@ -418,11 +436,13 @@ class PeerConnection:
 
 
 def send(address: Address, root: str, relative_paths: Iterable[str], *, timeout: float,
-         time_limit: Optional[float] = None, checksums: Optional[Mapping[str, FileChecksum]] = None) -> list[Transfer]:
+         time_limit: Optional[float] = None, checksums: Optional[Mapping[str, FileChecksum]] = None,
+         attach_checksums: bool = False) -> list[Transfer]:
     """Copy the files ``relative_paths`` under ``root`` into the same paths under the memory root of the
     receiver at ``address``; what became of each, in order. A file's checksum is the one in ``checksums``
     (recorded when it was written: the peer then also refuses a file damaged since), else it is hashed here
-    first. Raises ValueError for a path outside the root (before anything is sent), and
+    first; ``attach_checksums``: the peer keeps it with the file (``file_checksums``: a single-file checkpoint
+    carries its own). Raises ValueError for a path outside the root (before anything is sent), and
     ``ReplicationError`` when the peer cannot be reached or fails (``timeout``: the longest wait for it;
     ``time_limit``: for the whole call)."""
     paths, checksums = [checked_path(path) for path in relative_paths], checksums or {}
@@ -441,7 +461,7 @@ def send(address: Address, root: str, relative_paths: Iterable[str], *, timeout:
                     if expected.size != size:
                         outcomes.append(Transfer(path, f"{path}: {size} B here, {expected.size} B recorded; not sent"))
                         continue
-                    outcomes.append(Transfer(path, peer.put(path, fd, expected)))
+                    outcomes.append(Transfer(path, peer.put(path, fd, expected, attach_checksums)))
                 finally:
                     os.close(fd)
     except ReplicationError as e:
@@ -450,27 +470,37 @@ def send(address: Address, root: str, relative_paths: Iterable[str], *, timeout:
 
 
 def fetch(address: Address, root: str, relative_paths: Iterable[str], *, timeout: float,
-          time_limit: Optional[float] = None, checksums: Optional[Mapping[str, FileChecksum]] = None) -> list[Transfer]:
+          time_limit: Optional[float] = None, checksums: Optional[Mapping[str, FileChecksum]] = None,
+          local_paths: Optional[Mapping[str, str]] = None) -> list[Transfer]:
     """Copy the files ``relative_paths`` from the memory root of the receiver at ``address`` into the same
-    paths under ``root`` (replacing what is there); what became of each, in order. Each is checked as it
+    paths under ``root`` (replacing what is there), or where ``local_paths`` puts one (a relative path under
+    ``root`` too: a hidden staging directory, say); what became of each, in order. Each is checked as it
     arrives against ``checksums`` (the checkpoint's record: a replica damaged at rest is refused too), else
     against the checksum the peer computes before sending it; one that fails is never kept under its name.
     Raises as ``send`` does."""
-    paths, checksums = [checked_path(path) for path in relative_paths], checksums or {}
+    paths, checksums, local_paths = [checked_path(path) for path in relative_paths], checksums or {}, local_paths or {}
     outcomes: list[Transfer] = []
     try:
         with PeerConnection(address, timeout=timeout, time_limit=time_limit) as peer:
             for path in paths:
-                outcomes.append(Transfer(path, peer.get(path, root, checksums.get(path))))
+                outcomes.append(Transfer(path, peer.get(path, root, checksums.get(path), local_paths.get(path))))
     except ReplicationError as e:
         raise ReplicationError(e.peer, e.file, e.reason, outcomes) from None
     return outcomes
 
 
 # ------------------------------------------------------------------------------------- receiving side
+def listening_socket(bind: str = "", port: int = 0) -> socket.socket:
+    """A TCP socket listening on ``bind`` (every interface when empty) and ``port`` (0: any free one), as a
+    ``Receiver`` serves: made by whoever publishes its address (a training process, which hands it to its
+    writer: ``client.writer_queue``), so that the address is known before the receiver runs."""
+    return socket.create_server((bind, port), family=socket.AF_INET6 if ":" in bind else socket.AF_INET, backlog=128)
+
+
 class Receiver:
-    """Serves one node's memory root ``root`` to its peers on TCP (``bind``, ``port``; 0: any free port), from
-    construction until ``close``. ``address`` is where the other nodes reach it (``public_host``).
+    """Serves one node's memory root ``root`` to its peers on TCP (``bind``, ``port``; 0: any free port; or the
+    ``listener`` given, from ``listening_socket``), from construction until ``close``. ``address`` is where the
+    other nodes reach it (``public_host``).
 
     Each connection gets a thread, up to ``max_connections`` at once; one more waits in the listening
     socket's backlog until one ends (its sender's ``timeout`` bounds that wait). A connection whose peer
@@ -478,13 +508,13 @@ class Receiver:
     itself has nothing to log."""
 
     def __init__(self, root: str, *, bind: str = "", port: int = 0, idle_timeout: float = 60.0,
-                 max_connections: int = 64) -> None:
+                 max_connections: int = 64, listener: Optional[socket.socket] = None) -> None:
         self.root, self.idle_timeout, self.max_connections = os.path.abspath(root), idle_timeout, max_connections
         os.makedirs(self.root, exist_ok=True)
-        host = public_host(bind)
-        self._listener = socket.create_server((bind, port), family=socket.AF_INET6 if ":" in bind else socket.AF_INET,
-                                              backlog=128)
-        self.address: Address = (host, self._listener.getsockname()[1])
+        if listener is None:
+            listener = listening_socket(bind, port)
+        self._listener = listener
+        self.address: Address = (public_host(listener.getsockname()[0]), listener.getsockname()[1])
         self._lock = threading.Lock()
         self._ended = threading.Condition(self._lock)  # a connection ended, or the receiver is closing
         self._connections: dict[socket.socket, threading.Thread] = {}
@@ -557,7 +587,7 @@ class Receiver:
             stream.discard(size)
             problem: Optional[str] = str(e)
         else:
-            problem = stream.receive_file(self.root, path, FileChecksum(size, xxh3))
+            problem = stream.receive_file(self.root, path, FileChecksum(size, xxh3), attach=request.get("attach") is True)
         stream.send_message({"path": path, "error": problem})
 
     def _send(self, stream: _Stream, request: dict) -> None:
