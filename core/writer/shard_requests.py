@@ -136,9 +136,9 @@ class ShareRequest:
 
     def _record(self, context: RequestContext, files: dict) -> None:
         """Files of this DCP part, for its directory's commit (named relative to the directory)."""
-        for name, file_checksum in files.items():
+        for name, recorded in files.items():
             context.record_file(self.directory_barrier.key, os.path.relpath(
-                os.path.join(self.staging_dir, name), self.directory_barrier.staging_dir), file_checksum)
+                os.path.join(self.staging_dir, name), self.directory_barrier.staging_dir), recorded)
 
 
 def write_share(
