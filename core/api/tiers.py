@@ -123,6 +123,10 @@ class MemoryTiers:
     def _find_nodes(self) -> Optional[_Nodes]:
         store = self._store()
         rank, world = rank_and_world()
+        if store is None and world > int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+            raise ValueError(f"memory_tier on several nodes ({world} ranks, {os.environ['LOCAL_WORLD_SIZE']} a node) needs "
+                             "torch.distributed's Store to tell the nodes apart and meet: use_collectives=True (the "
+                             "default), or save durably only (memory_tier=None)")
         if store is None or world < 2:
             return None
         node = tier.node_id()
