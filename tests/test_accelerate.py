@@ -27,6 +27,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from asyncckpt.adapters.accelerate import enable_async_checkpointing  # noqa: E402
 from asyncckpt.core import CheckpointWriteError, is_complete  # noqa: E402
+from asyncckpt.core.integration import saving  # noqa: E402
 from writers import limit_file_size  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -496,22 +497,10 @@ def test_explicit_output_dir(tmp_path, handles):
     assert (mine / "notes.txt").read_text() == "keep me" and "optimizer.bin" in listing(mine)
 
 
-def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, handles, monkeypatch):
+def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, handles, slow_overlapped_snapshots):
     """overlap_optimizer (the default): optimizer.bin is snapshot on a thread after save_state() returns; the
     next optimizer.step() must wait for it. The thread is slowed down so that the step always arrives first:
     a torn snapshot would hold the next step's Adam state."""
-    from asyncckpt.core.integration import saving
-
-    original = saving.finish
-
-    def slow_finish(checkpointer, tx, *, stage_later=None, **kwargs):
-        def slowly():
-            time.sleep(0.3)
-            stage_later()
-
-        return original(checkpointer, tx, stage_later=slowly if stage_later else None, **kwargs)
-
-    monkeypatch.setattr(saving, "finish", slow_finish)
     acc = _fresh_accelerator(tmp_path / "p")
     handle = enable_async_checkpointing(acc, inline_bytes=4096, overlap_optimizer=True)  # optimizer.bin large enough
     handles.append(handle)

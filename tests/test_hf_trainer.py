@@ -358,22 +358,11 @@ def test_resume_fidelity_bitwise(tmp_path, overlap_optimizer):
     checkpointer.close()
 
 
-def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, shared_checkpointer, monkeypatch):
+def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, shared_checkpointer,
+                                                                    slow_overlapped_snapshots):
     """overlap_optimizer (the default): optimizer.pt is copied on a thread; the next optimizer.step() must wait for it.
     The thread is slowed down so that the next step always arrives first: a torn snapshot would hold the
     next step's Adam state and the resumed run would differ from the uninterrupted one."""
-    from asyncckpt.core.integration import saving
-
-    original = saving.finish
-
-    def slow_finish(checkpointer, tx, *, stage_later=None, **kwargs):
-        def slowly():
-            time.sleep(0.3)
-            stage_later()
-
-        return original(checkpointer, tx, stage_later=slowly if stage_later else None, **kwargs)
-
-    monkeypatch.setattr(saving, "finish", slow_finish)
     options = dict(max_steps=20, save_steps=5, save_total_limit=None, logging_steps=5)
     overlapped = lambda: AsyncCheckpointCallback(checkpointer=shared_checkpointer)  # noqa: E731
     callback = overlapped()

@@ -81,3 +81,17 @@ def init_gloo(rank: int, world: int, port: int, threads: Optional[int] = None) -
     if threads:
         torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
+
+
+PF_EXITING = 0x4  # /proc/PID/stat flags: the process is exiting
+
+
+def dying(pid: int) -> bool:
+    """Whether the process runs no more code of its own: exiting (the kernel's PF_EXITING flag: its
+    memory may still be being freed), a zombie, or gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return True
+    return fields[0] in "ZX" or bool(int(fields[6]) & PF_EXITING)

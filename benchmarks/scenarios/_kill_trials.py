@@ -36,7 +36,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-from harness.util import log  # noqa: E402
+from harness.util import dying, log  # noqa: E402
 from survival_child import TENSORS, values  # noqa: E402
 from test_interrupt import PROGRAMS  # noqa: E402
 from programs import Program  # noqa: E402
@@ -53,7 +53,6 @@ S3_ELEMENTS, S3_ELEMENTS_MAX = 2 << 20, 16 << 20  # 64 MiB, 512 MiB per rank (mo
 ADAPTER_WIDTH, ADAPTER_WIDTH_MAX = 65536, 262144  # model + Adam: ~0.4 GiB, ~1.6 GiB
 SIGTERM_ELEMENTS = 32 << 20  # 1 GiB
 GRACE_S = 30.0
-PF_EXITING = 0x4  # /proc/PID/stat flags: the process is exiting
 # The checkpoint each adapter program hands over before it dies, relative to its root.
 KEPT = {"lightning": "last.ckpt", "accelerate": "checkpoints/checkpoint_0", "hf_trainer": "checkpoint-1"}
 
@@ -83,16 +82,6 @@ def no_writer_left(procs: list[Program], timeout: float = 90) -> float:
           f"a writer of trainer(s) {[p.pid for p in procs]} still runs {timeout:.0f} s after the kill")
     return time.monotonic() - t0
 
-
-def dying(pid: int) -> bool:
-    """Whether the process runs no more code of its own: exiting (the kernel's PF_EXITING flag: its
-    memory may still be being freed), a zombie, or gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return True
-    return fields[0] in "ZX" or bool(int(fields[6]) & PF_EXITING)
 
 
 def visible_when_dead(procs: list[Program], visible: Callable[[], bool],

@@ -24,10 +24,9 @@ from typing import Any
 
 from harness import Option, Scenario, report_now
 from harness.report import arm_name, bars, each, fmt, table
-from harness.util import GiB, log, median, now
+from harness.util import GiB, dying, log, median, now
 from harness.workloads import make_adam, make_large, same_state, zeros_like_state
 
-PF_EXITING = 0x4  # /proc/PID/stat flags: the process is exiting
 GRACE_S = 30.0
 RESTART_GAP_S, IDLE_TIMEOUT_S = 1.5, 0.5
 
@@ -60,15 +59,6 @@ def writers_of(pid: int) -> list[int]:
             found.append(int(entry))
     return found
 
-
-def dying(pid: int) -> bool:
-    """Whether the process runs no more code of its own: exiting (PF_EXITING), a zombie, or gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return True
-    return fields[0] in "ZX" or bool(int(fields[6]) & PF_EXITING)
 
 
 # ------------------------------------------------------------------------------------------ children
