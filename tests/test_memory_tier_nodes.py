@@ -355,3 +355,78 @@ def test_accelerate_resumes_on_a_replaced_node_from_its_peers_memory(tmp_path, j
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _held(memory) == []
     assert writers_of(*(second.trainer(node) for node in (0, 1))) == []
+
+
+
+LIGHTNING = textwrap.dedent("""
+    import os, sys, time, torch
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+    from asyncckpt.adapters.lightning import AsyncCkptIO
+    from asyncckpt.core import MemoryTier
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__(); self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        def training_step(self, batch, batch_idx):
+            x, y = batch; return torch.nn.functional.mse_loss(self.body(x), y)
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    class StopAt(Callback):  # the checkpoint of step STOP - 1 committed, then the test kills the job
+        def on_train_start(self, trainer, module):
+            print(f"RANK {trainer.global_rank} BEGINS AT {trainer.global_step}", flush=True)
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if sys.argv[2] != "second" and trainer.global_step == int(sys.argv[2]):
+                if isinstance(trainer.strategy.checkpoint_io, AsyncCkptIO):
+                    trainer.strategy.checkpoint_io.wait()
+                trainer.strategy.barrier()
+                print("SAVED", flush=True)
+                time.sleep(600)
+
+    root = sys.argv[1]
+    print(f"PID {os.getpid()}", flush=True)
+    torch.manual_seed(0)
+    x = torch.randn(128, 8, generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+    memory_tier = MemoryTier(persist_every=2, replicas=1)
+    plugins = [AsyncCkptIO(memory_tier=memory_tier)] if os.path.basename(root) == "async" else []
+    trainer = L.Trainer(max_steps=24, accelerator="cpu", num_nodes=2, devices=1, strategy="ddp", plugins=plugins,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                        callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=5,
+                                                   save_top_k=-1, save_last=True), StopAt()])
+    model = Net()
+    trainer.fit(model, data, ckpt_path="last" if sys.argv[2] == "second" else None)
+    if trainer.global_rank == 0:
+        torch.save(model.state_dict(), os.path.join(root, "final.pt"))
+""")
+
+
+def test_lightning_on_two_nodes_saves_in_memory_and_resumes_from_storage(tmp_path, jobs):
+    """Lightning with ``Trainer(num_nodes=2, devices=1, strategy="ddp")``, a node per torchrun, the memory tier on:
+    steps 5 and 15 in memory only, 10 durable too. Every process of both nodes killed after step 15's checkpoint
+    and node 0's memory deleted: ``ckpt_path="last"`` resumes both ranks from step 10 on storage (Lightning picks
+    its file on each rank before the nodes can agree on a memory copy: docs/memory_tier.md, Limits), and ends bit
+    for bit as Lightning's own kill and resume from step 10; nothing left in memory, no process."""
+    program = tmp_path / "lightning_nodes.py"
+    program.write_text(LIGHTNING)
+    memory = tmp_path / "memory"
+    for arm, stop in (("native", "11"), ("async", "16")):
+        job = jobs(program, [str(tmp_path / arm), stop], nodes=2, memory=memory, logs=tmp_path / "logs")
+        job.wait_for_line("SAVED")
+        job.kill()
+    assert sorted(os.listdir(tmp_path / "async" / "ckpts")) == ["epoch=0-step=10.ckpt", "last.ckpt"]
+    assert _held(memory) == [str(memory / "n0" / run.name) for run in (memory / "n0").iterdir()]  # none on n1
+    assert sorted(entry.name for entry in (memory / "n0").glob("*/*") if not entry.name.startswith(".")) == [
+        "epoch=0-step=15.ckpt", "last.ckpt"]  # rank 0 saves them; the newest two kept
+    shutil.rmtree(memory / "n0")
+    lines = []
+    for arm in ("native", "async"):
+        job = jobs(program, [str(tmp_path / arm), "second"], nodes=2, memory=memory, logs=tmp_path / "logs")
+        lines += job.finish()
+    assert lines.count("RANK 0 BEGINS AT 10") == 2 and lines.count("RANK 1 BEGINS AT 10") == 2, lines
+    a, b = (torch.load(tmp_path / name / "final.pt", weights_only=True) for name in ("async", "native"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _held(memory) == []
+    assert writers_of(*(job.trainer(node) for node in (0, 1))) == []

@@ -214,7 +214,7 @@ class Checkpointer:
         handle.add_bytes(image.size)
         handle.when_done(lambda: self.buffers.give_back(slot))
         request = FileRequest(path, image.size, handle.rank, self.options.direct_io, self.options.io_threads,
-                              object_store=self.object_store, replicas=self._replicas(path, None))
+                              object_store=self.object_store)
         self.stager.take_snapshot(handle, lambda: self.files.stage(image, slot), request,
                                   lambda: self.ledger.queue.submit([(handle, request, slot.buffer),
                                                                     *self._follow_ups(handle)]))

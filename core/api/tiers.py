@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from asyncckpt.core.api.options import MemoryTier
 from asyncckpt.core.formats import names
-from asyncckpt.core.snapshot.dist_env import any_rank, rank_and_world
+from asyncckpt.core.snapshot.dist_env import any_rank, dist_ready, rank_and_world
 from asyncckpt.core.storage import commit, tier
 from asyncckpt.core.storage.backend import is_url
 from asyncckpt.core.writer.mirror import CopyRequest
@@ -114,16 +114,17 @@ class MemoryTiers:
         a collective, but it waits in the Store until every rank has left its node there: every rank starts, or
         saves). On several nodes, the lowest rank of each node publishes where its writer serves the node's memory
         (``replication.publish_address``) and hands it the listening socket. Once per Checkpointer; nothing
-        without a Store or with one rank."""
+        without a Store or with one rank; not yet on a rank of several whose process group is not up (Lightning
+        starts its plugin before it): at the next call then."""
         with self._connecting:
-            if not self._connected:
+            if not self._connected and (dist_ready() or rank_and_world()[1] < 2):
                 self._nodes = self._find_nodes()
                 self._connected = True
 
     def _find_nodes(self) -> Optional[_Nodes]:
         store = self._store()
         rank, world = rank_and_world()
-        if store is None and world > int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+        if store is None and _spans_nodes():
             raise ValueError(f"memory_tier on several nodes ({world} ranks, {os.environ['LOCAL_WORLD_SIZE']} a node) needs "
                              "torch.distributed's Store to tell the nodes apart and meet: use_collectives=True (the "
                              "default), or save durably only (memory_tier=None)")
@@ -208,10 +209,10 @@ class MemoryTiers:
 
     def usable(self, run_directory: str) -> Optional[set[str]]:
         """The memory checkpoints in ``run_directory`` a resume on this node may load (names): on several nodes, the
-        one they agreed on (``assemble``; none before it, nor a single file, which it does not complete); None on
-        one node: any (each is whole there)."""
+        one they agreed on (``assemble``; none before it, nor before the nodes are known on a job the launcher says
+        spans several, nor a single file, which is not replicated); None on one node: any (each is whole there)."""
         if self._nodes is None:
-            return None
+            return set() if not self._connected and _spans_nodes() else None
         return {self._agreed[run_directory]} if self._agreed.get(run_directory) else set()
 
     def close(self) -> None:
@@ -300,6 +301,12 @@ class MemoryTiers:
             tier.release_run(run.directory, run.owner)
             if remove:
                 tier.remove_run(run.directory)
+
+
+def _spans_nodes() -> bool:
+    """The launcher says this job has ranks on several nodes (torchrun's ``LOCAL_WORLD_SIZE`` below the world)."""
+    world = rank_and_world()[1]
+    return world > int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 def _text(value: Any) -> str:

@@ -31,7 +31,6 @@ from asyncckpt.core.formats.checksum import FileChecksum, checksum
 from asyncckpt.core.storage.backend import at_once, backend_for
 from asyncckpt.core.storage.fsio import atomic_write_bytes, fsync_dir
 from asyncckpt.core.writer.protocol import RequestContext
-from asyncckpt.core.writer.replicas import Replicas, spread_file
 
 
 def fail_save(context: RequestContext, spec: Optional[BarrierSpec], rank: int, error: BaseException) -> None:
@@ -65,7 +64,6 @@ class FileRequest:
     io_threads: int = 2
     barrier: Optional[BarrierSpec] = None  # of the directory this file belongs to
     object_store: Any = None  # ObjectStoreOptions when ``path`` is a URL
-    replicas: Optional[Replicas] = None  # a single-file checkpoint in memory, on several nodes (``replicas``)
 
     def run(self, context: RequestContext) -> None:
         backend = backend_for(self.path, self.object_store)
@@ -82,8 +80,6 @@ class FileRequest:
                                direct_io=self.direct_io, io_threads=self.io_threads)
             if self.barrier is not None:
                 context.record_file(self.barrier.key, os.path.relpath(self.path, self.barrier.staging_dir), digest())
-            elif self.replicas is not None:
-                spread_file(self.replicas, self.path, digest())
         except BaseException as e:
             fail_save(context, self.barrier, self.rank, e)
             raise

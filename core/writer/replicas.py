@@ -23,7 +23,8 @@ every node), and the writers of the ranks, given ``Replicas`` in their requests,
    each missing file from a node that holds it, checked against the record; a damaged or missing replica is
    named in a warning and the next holder is tried.
 
-A single file (Lightning's ``.ckpt``, saved by one rank) is only spread, whole, with its checksum (``spread_file``).
+A single file (Lightning's ``.ckpt``, saved by one rank) is not replicated: a node holds the files its ranks save
+(a restart on several nodes, where ranks pick a file before their process group is up, loads them from storage).
 A DCP part of a directory checkpoint (``DirectoryTransaction.save_sharded``) is spread with the directory's files,
 its sidecars sent to rank 0's node first (``to_coordinator``), where ``.metadata`` is made.
 
@@ -124,12 +125,11 @@ class Peers:
 PEERS = Peers()
 
 
-def _send(nodes: NodeMap, node: str, paths: Mapping[str, FileChecksum], *, attach: bool = False) -> list[str]:
+def _send(nodes: NodeMap, node: str, paths: Mapping[str, FileChecksum]) -> list[str]:
     """Send ``paths`` (relative to the memory root, with their checksums) to ``node``: those it now holds."""
     address = dict(nodes.addresses)[node]
     try:
-        outcomes = send(parse_address(address), nodes.root, list(paths), timeout=nodes.timeout, checksums=paths,
-                        attach_checksums=attach)
+        outcomes = send(parse_address(address), nodes.root, list(paths), timeout=nodes.timeout, checksums=paths)
     except ReplicationError as e:
         PEERS.failed(node, address, e.reason)
         return [transfer.path for transfer in e.finished if transfer.ok]
@@ -140,13 +140,13 @@ def _send(nodes: NodeMap, node: str, paths: Mapping[str, FileChecksum], *, attac
     return [transfer.path for transfer in outcomes if transfer.ok]
 
 
-def _replicate(replicas: Replicas, paths: Mapping[str, FileChecksum], *, attach: bool = False) -> dict[str, list[str]]:
+def _replicate(replicas: Replicas, paths: Mapping[str, FileChecksum]) -> dict[str, list[str]]:
     """``paths`` to each peer that is not left out: relative path -> the peers that now hold it."""
     held: dict[str, list[str]] = {path: [] for path in paths}
     for peer in replicas.peers:
         if PEERS.left_out(peer):
             continue
-        for path in _send(replicas.nodes, peer, paths, attach=attach):
+        for path in _send(replicas.nodes, peer, paths):
             held[path].append(peer)
     return held
 
@@ -181,11 +181,6 @@ def to_coordinator(replicas: Replicas, staging_dir: str, rank: int, files: Mappi
     if refused:
         raise CheckpointWriteError(f"rank {rank}: rank 0's node {replicas.coordinator} did not take what it needs to "
                                    f"commit: {refused}")
-
-
-def spread_file(replicas: Replicas, path: str, checksum: FileChecksum) -> None:
-    """A single-file checkpoint, committed at ``path`` on this node: to its peers, whole, with its checksum."""
-    _replicate(replicas, {replicas.nodes.relative(path): checksum}, attach=True)
 
 
 def commit_entries(replicas: Replicas, staging_dir: str, records: Mapping[str, tuple[FileChecksum, tuple[str, ...]]],

@@ -52,7 +52,6 @@ from asyncckpt.core.errors import CheckpointError
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import FileChecksum, checksum, checksum_stream
 from asyncckpt.core.storage import owners
-from asyncckpt.core.storage.local import attach_checksum
 
 Address = tuple[str, int]
 
@@ -276,10 +275,9 @@ class _Stream:
             raise _Broken("it sent something other than the replication protocol")
         return message
 
-    def receive_file(self, root: str, relative_path: str, expected: FileChecksum, attach: bool = False) -> Optional[str]:
+    def receive_file(self, root: str, relative_path: str, expected: FileChecksum) -> Optional[str]:
         """Receive ``expected.size`` bytes into ``relative_path`` under ``root``: written to a hidden temporary
-        name, hashed as they arrive, renamed to their name only if whole and matching ``expected`` (with
-        ``attach``, carrying it as its checksum record, as a single-file checkpoint does). Returns
+        name, hashed as they arrive, renamed to their name only if whole and matching ``expected``. Returns
         None, or why the file was not kept (the bytes are read to their end either way, so that the
         connection goes on with the next file). A connection that fails meanwhile raises, and leaves nothing."""
         target = _target(root, relative_path)
@@ -309,8 +307,6 @@ class _Stream:
             os.close(fd)
             fd = None
             try:
-                if attach:
-                    attach_checksum(temporary, expected)
                 os.replace(temporary, target)
             except OSError as e:
                 return f"{relative_path}: cannot be written here ({e.strerror})"
@@ -392,12 +388,11 @@ class PeerConnection:
             raise _Broken(f"it answered for {reply.get('path')!r}")
         return reply
 
-    def put(self, relative_path: str, fd: int, expected: FileChecksum, attach: bool = False) -> Optional[str]:
+    def put(self, relative_path: str, fd: int, expected: FileChecksum) -> Optional[str]:
         """Send the first ``expected.size`` bytes of ``fd`` to ``relative_path`` under the peer's root, announced
-        with ``expected.xxh3`` (``attach``: the peer keeps it as the file's checksum record): None once the peer
-        has it under its name, else why not."""
+        with ``expected.xxh3``: None once the peer has it under its name, else why not."""
         with self._failing(relative_path) as stream:
-            stream.send_message({"put": relative_path, "size": expected.size, "xxh3": expected.xxh3, "attach": attach})
+            stream.send_message({"put": relative_path, "size": expected.size, "xxh3": expected.xxh3})
             stream.send_file(fd, expected.size)
             return self._reply(stream, relative_path).get("error")
 
@@ -436,13 +431,11 @@ class PeerConnection:
 
 
 def send(address: Address, root: str, relative_paths: Iterable[str], *, timeout: float,
-         time_limit: Optional[float] = None, checksums: Optional[Mapping[str, FileChecksum]] = None,
-         attach_checksums: bool = False) -> list[Transfer]:
+         time_limit: Optional[float] = None, checksums: Optional[Mapping[str, FileChecksum]] = None) -> list[Transfer]:
     """Copy the files ``relative_paths`` under ``root`` into the same paths under the memory root of the
     receiver at ``address``; what became of each, in order. A file's checksum is the one in ``checksums``
     (recorded when it was written: the peer then also refuses a file damaged since), else it is hashed here
-    first; ``attach_checksums``: the peer keeps it with the file (``file_checksums``: a single-file checkpoint
-    carries its own). Raises ValueError for a path outside the root (before anything is sent), and
+    first. Raises ValueError for a path outside the root (before anything is sent), and
     ``ReplicationError`` when the peer cannot be reached or fails (``timeout``: the longest wait for it;
     ``time_limit``: for the whole call)."""
     paths, checksums = [checked_path(path) for path in relative_paths], checksums or {}
@@ -461,7 +454,7 @@ def send(address: Address, root: str, relative_paths: Iterable[str], *, timeout:
                     if expected.size != size:
                         outcomes.append(Transfer(path, f"{path}: {size} B here, {expected.size} B recorded; not sent"))
                         continue
-                    outcomes.append(Transfer(path, peer.put(path, fd, expected, attach_checksums)))
+                    outcomes.append(Transfer(path, peer.put(path, fd, expected)))
                 finally:
                     os.close(fd)
     except ReplicationError as e:
@@ -587,7 +580,7 @@ class Receiver:
             stream.discard(size)
             problem: Optional[str] = str(e)
         else:
-            problem = stream.receive_file(self.root, path, FileChecksum(size, xxh3), attach=request.get("attach") is True)
+            problem = stream.receive_file(self.root, path, FileChecksum(size, xxh3))
         stream.send_message({"path": path, "error": problem})
 
     def _send(self, stream: _Stream, request: dict) -> None:
