@@ -20,7 +20,8 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Optional
 
-from asyncckpt.core.storage.commit import is_complete, latest_checkpoint
+from asyncckpt.core.storage.commit import is_complete
+from asyncckpt.core.storage.tier import latest_checkpoint
 from asyncckpt.core.errors import (
     CheckpointCancelledError,
     CheckpointError,
@@ -35,7 +36,7 @@ from asyncckpt.core.errors import (
 
 if TYPE_CHECKING:
     from asyncckpt.core.api.checkpointer import Checkpointer, SaveHandle
-    from asyncckpt.core.api.options import CheckpointOptions
+    from asyncckpt.core.api.options import CheckpointOptions, MemoryTier
     from asyncckpt.core.export.options import ExportOptions
     from asyncckpt.core.api.dcp_writer import AsyncCkptStorageWriter
     from asyncckpt.core.loading.dcp_reader import AsyncCkptStorageReader
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 # executes this file, and must load neither torch nor anything outside its own packages for it
 # (tests/test_layout.py lists what it loads).
 _LAZY = {
-    "Checkpointer": "api.checkpointer", "CheckpointOptions": "api.options", "SaveHandle": "client.handles",
+    "Checkpointer": "api.checkpointer", "CheckpointOptions": "api.options", "MemoryTier": "api.options", "SaveHandle": "client.handles",
     "CheckpointManager": "api.manager", "ExportOptions": "export.options",
     "AsyncCkptStorageReader": "loading.dcp_reader", "AsyncCkptStorageWriter": "api.dcp_writer",
     "AsyncCkptLoadPlanner": "snapshot.planner", "AsyncCkptSavePlanner": "snapshot.planner",
@@ -54,7 +55,7 @@ _LAZY = {
 
 __all__ = [
     "save", "async_save", "load", "latest_checkpoint", "is_complete", "wait", "default_checkpointer",
-    "Checkpointer", "CheckpointOptions", "SaveHandle", "CheckpointManager", "ExportOptions",
+    "Checkpointer", "CheckpointOptions", "MemoryTier", "SaveHandle", "CheckpointManager", "ExportOptions",
     "AsyncCkptStorageWriter", "AsyncCkptStorageReader", "AsyncCkptSavePlanner", "AsyncCkptLoadPlanner",
     "CheckpointError", "CheckpointCancelledError", "CheckpointTimeoutError", "CheckpointWriteError",
     "CorruptCheckpointError", "IncompleteCheckpointError", "StateDictMismatchError", "UnsafeMetadataError",

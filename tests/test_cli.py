@@ -11,16 +11,20 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from asyncckpt import core
+from asyncckpt.core.storage import tier
 from asyncckpt.core.storage.owners import owner_token
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.names import COMMIT_RECORD
+from asyncckpt.core.storage.local import LocalBackend
 from asyncckpt.core.storage.sidecars import read_rank_sidecar
+from asyncckpt.core.storage.staging import publish_checkpoint
 from zygote import Zygote
 
 STAGING_NAME = ".step_000020.asyncckpt-staging-0123abcd"
@@ -97,6 +101,9 @@ def runs(good, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
 
     cleaning = {kind: _leftovers(good, tmp_path_factory.mktemp(kind)) for kind in ("clean", "clean_dry_run")}
     native = _native_kinds(tmp_path_factory.mktemp("native"))
+    node = _memory_node(good, tmp_path_factory.mktemp("node"))  # this "node"'s ASYNCCKPT_MEMORY_ROOT: node / "shm"
+    cleaning_memory = {kind: _memory_to_clean(good, tmp_path_factory.mktemp(kind))
+                       for kind in ("clean_tiered", "clean_memory", "clean_memory_older_than")}
 
     commands = {
         "clean": ("clean", cleaning["clean"]),
@@ -114,10 +121,20 @@ def runs(good, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         "verify_native_root": ("verify", native, "--no-progress"),
         "verify_flipped_file": ("verify", native / "damaged" / "epoch=0-step=5.ckpt", "--no-progress"),
         "verify_damaged_directory": ("verify", native / "damaged" / "checkpoint_1", "--no-progress"),
+        "ls_tiered": ("ls", node / "tiered"),
+        "ls_tiered_elsewhere": ("ls", node / "tiered", "--memory-root", node / "empty"),
+        "ls_memory_only": ("ls", node / "not_yet_durable"),
+        "ls_memory": ("ls", "--memory"),
+        "ls_nothing": ("ls",),
+        **{f"clean_{name}": ("clean", cleaning_memory["clean_tiered"] / name,
+                             "--memory-root", cleaning_memory["clean_tiered"] / "shm") for name in ("tiered", "live")},
+        "clean_memory": ("clean", "--memory", "--memory-root", cleaning_memory["clean_memory"] / "shm"),
+        "clean_memory_older_than": ("clean", "--memory", "--older-than", "60",
+                                    "--memory-root", cleaning_memory["clean_memory_older_than"] / "shm"),
     }
     # what the CLI imports, not the CLI itself (``-m`` of an imported module warns)
-    with Zygote(["torch.distributed.checkpoint", "asyncckpt.core", "tqdm"], dict(os.environ),
-                tmp_path_factory.mktemp("cli")) as zygote:
+    with Zygote(["torch.distributed.checkpoint", "asyncckpt.core", "tqdm"],
+                {**os.environ, tier.MEMORY_ROOT_ENV: str(node / "shm")}, tmp_path_factory.mktemp("cli")) as zygote:
         return {name: cli(zygote, *args) for name, args in commands.items()}
 
 
@@ -141,6 +158,146 @@ def _native_kinds(root: Path) -> Path:
     flip_byte(root / "damaged" / "epoch=0-step=5.ckpt", os.path.getsize(root / "damaged" / "epoch=0-step=5.ckpt") // 2)
     flip_byte(root / "damaged" / "checkpoint_1" / "optimizer.bin", 100)
     return root
+
+
+def _backdate(directory: Path, seconds: float) -> None:
+    """``directory`` and what is directly in it unchanged for ``seconds``: time passing."""
+    then = time.time() - seconds
+    for path in [directory, *directory.iterdir()]:
+        os.utime(path, (then, then), follow_symlinks=False)
+
+
+def _memory_node(good: Path, node: Path) -> Path:
+    """One node's memory root (``node/shm``) beside durable roots. ``tiered``: step 10 durable and in
+    memory; in memory only, step 20 whole and step 30 of which this node holds part (its record says
+    which node holds the rest), and a save being staged; its run is owned by this (live) process.
+    ``not_yet_durable``: a checkpoint in memory only, its durable root not made yet. ``gone``: the
+    tier of a job nobody owns, unchanged for two hours."""
+    memory_root = node / "shm"
+    (node / "empty").mkdir()
+    durable = node / "tiered"
+    copy(good, durable / "step_000010")
+    run = Path(tier.open_run(str(durable), str(memory_root)))
+    tier.claim_run(str(run))
+    copy(good, run / "step_000010")
+    core.save(state_dict(), run / "step_000020", step=20)
+    core.save(state_dict(), node / "whole", step=30)
+    record = tier.memory_checkpoints(str(node))[0].record
+    staging = copy(node / "whole", Path(names.staging_dir_for(str(run / "step_000030"), "0123abcd")))
+    for name in (COMMIT_RECORD, names.objects_file_name(0)):
+        (staging / name).unlink()
+    publish_checkpoint(LocalBackend(), str(staging), str(run / "step_000030"),
+                       {**record, "tier": {"holders": {names.objects_file_name(0): ["node-b"]}}})
+    (copy(good, Path(names.staging_dir_for(str(run / "step_000040"), "4567cdef"))) / COMMIT_RECORD).unlink()
+    core.save(state_dict(), Path(tier.open_run(str(node / "not_yet_durable"), str(memory_root))) / "step_000005", step=5)
+    gone = Path(tier.open_run(str(node / "gone"), str(memory_root)))
+    copy(good, gone / "step_000010")
+    _backdate(gone, 7200)
+    return node
+
+
+def _memory_to_clean(good: Path, node: Path) -> Path:
+    """A node's memory root (``node/shm``) holding the tiers of four jobs, and what a cleaner that died
+    left: ``tiered`` (its durable root beside) and ``other``, both of jobs gone two hours ago; ``recent``,
+    of a job gone two minutes ago; ``live``, of a job alive (this process) but idle for two hours, with
+    a save in it that a writer now gone left."""
+    memory_root, dead = node / "shm", _dead_token()
+    copy(good, node / "tiered" / "step_000010")
+    for name, idle in (("tiered", 7200), ("other", 7200), ("recent", 120), ("live", 7200)):
+        run = Path(tier.open_run(str(node / name), str(memory_root)))
+        copy(good, run / "step_000010")
+        (run / (tier.OWNER_MARKER_PREFIX + (owner_token() if name == "live" else dead))).touch()
+        if name == "live":
+            (copy(good, Path(names.staging_dir_for(str(run / "step_000020"), dead))) / COMMIT_RECORD).unlink()
+        _backdate(run, idle)
+    half_removed = Path(tier.open_run(str(node / "half_removed"), str(memory_root)))
+    os.rename(half_removed, names.hidden_path(str(half_removed), "removing", dead))
+    return node
+
+
+def test_ls_shows_the_memory_tier_of_a_root_beside_its_durable_checkpoints(runs):
+    result = runs["ls_tiered"]
+
+    assert result.returncode == 0, result.stderr
+    rows = [(line.split()[0], line.split()[1], line.split()[4], line.split("(", 1)[1]) for line in result.stdout.splitlines()]
+    assert sorted(rows[:2]) == [("step_000010", "10", "COMPLETE", "memory, durable copy too)"),
+                                ("step_000010", "10", "COMPLETE", "sharded)")]
+    assert rows[2:] == [("step_000020", "20", "COMPLETE", "memory only)"),
+                        ("step_000030", "30", "PARTIAL", f"memory only, missing here: {names.objects_file_name(0)} (on node-b))"),
+                        (".step_000040.asyncckpt-staging-4567cdef", "40", "INCOMPLETE", "memory, staging)")]
+
+
+def test_ls_memory_root_names_another_node_memory(runs):
+    result = runs["ls_tiered_elsewhere"]
+
+    assert result.returncode == 0, result.stderr
+    assert [line.split()[0] for line in result.stdout.splitlines()] == ["step_000010"]
+    assert "memory" not in result.stdout
+
+
+def test_ls_shows_a_memory_tier_before_anything_is_durable(runs):
+    result = runs["ls_memory_only"]
+
+    assert result.returncode == 0, result.stderr
+    assert [line.split()[:5:4] + [line.split("(")[1]] for line in result.stdout.splitlines()] == [
+        ["step_000005", "COMPLETE", "memory only)"]]
+    assert "not_yet_durable" in result.stderr  # said once: nothing there yet
+
+
+def test_ls_memory_lists_every_tier_of_the_node(runs):
+    result = runs["ls_memory"]
+
+    assert result.returncode == 0, result.stderr
+    tiers = {line.split()[1].rsplit("/", 1)[1]: line for line in result.stdout.splitlines() if not line.startswith(" ")}
+    assert set(tiers) == {"tiered", "not_yet_durable", "gone"}
+    assert "(in use)  3 checkpoint(s)" in tiers["tiered"]  # a save being staged is none
+    assert "(no live owner, unchanged for 2.0 h; orphaned)  1 checkpoint(s)" in tiers["gone"]
+    assert "no live owner" in tiers["not_yet_durable"] and "orphaned after 60 min" in tiers["not_yet_durable"]
+    assert "  step_000030  30  " in result.stdout and f"PARTIAL (missing here: {names.objects_file_name(0)} (on node-b))" in result.stdout
+
+
+def test_ls_without_root_or_memory_is_a_usage_error(runs):
+    result = runs["ls_nothing"]
+
+    assert result.returncode == 2 and "give ROOT, or --memory" in result.stderr
+
+
+def test_clean_root_cleans_its_memory_tier_and_no_other(runs):
+    """ROOT's own tier, if orphaned, goes whole; a live one only loses what dead writers left in it."""
+    tiered, live = runs["clean_tiered"], runs["clean_live"]
+
+    assert tiered.returncode == 0 and live.returncode == 0, tiered.stderr + live.stderr
+    node = Path(tiered.args[4]).parent
+    left = {tier.durable_root_of(run.path): run.path for run in tier.runs(str(node / "shm"))}
+    assert set(left) == {str(node / name) for name in ("other", "recent", "live")}
+    assert f"memory tier of {node / 'tiered'}: no live owner, unchanged for 2.0 h" in tiered.stdout
+    assert sorted(os.listdir(node / "tiered")) == ["step_000010"]  # its durable checkpoint stays
+    assert "removed  memory .step_000020.asyncckpt-staging-" in live.stdout
+    assert "kept     memory live-" in live.stdout and "in use by a live process" in live.stdout
+    assert [c.name for c in tier.memory_checkpoints(left[str(node / "live")])] == ["step_000010"]
+    assert not [name for name in os.listdir(left[str(node / "live")]) if names.is_hidden(name)]
+
+
+def test_clean_memory_removes_every_orphaned_tier_of_the_node_never_a_live_one(runs):
+    result = runs["clean_memory"]
+
+    assert result.returncode == 0, result.stderr
+    memory_root = Path(result.args[-1])
+    node = memory_root.parent
+    left = {tier.durable_root_of(run.path) for run in tier.runs(str(memory_root))}
+    assert left == {str(node / "recent"), str(node / "live")}
+    assert len(os.listdir(memory_root)) == 2  # what the dead cleaner left went too
+    assert "(memory tier of " + str(node / "live") + ": in use by a live process)" in result.stdout
+    assert "removed once unchanged for 60 min" in result.stdout
+    assert "in 3 entries" in result.stdout
+
+
+def test_clean_memory_older_than_shortens_the_bound(runs):
+    result = runs["clean_memory_older_than"]
+
+    assert result.returncode == 0, result.stderr
+    memory_root = Path(result.args[-1])
+    assert {tier.durable_root_of(run.path) for run in tier.runs(str(memory_root))} == {str(memory_root.parent / "live")}
 
 
 def test_ls_lists_every_kind_and_marks_those_without_checksums(runs):

@@ -229,8 +229,7 @@ class AsyncCheckpointing:
         if input_dir is not None:  # the user's choice: never replaced by another
             result = resume.resume(self.checkpointer, load, reads="files", path=os.fspath(input_dir))
         elif root is not None and acc.project_configuration.automatic_checkpoint_naming:
-            result = resume.resume(self.checkpointer, load, reads="files", root=root,
-                                   newest_first=lambda folder: resume.candidates(folder, _accelerate_number))
+            result = resume.resume(self.checkpointer, load, reads="files", root=root, key=_accelerate_number)
         else:
             result = load(None)  # Accelerate raises its own error for this
         self._fix_iteration()
@@ -249,12 +248,12 @@ class AsyncCheckpointing:
     def _fix_iteration(self) -> None:
         """``load_state`` does not restore ``project_configuration.iteration``, so a resumed run would count
         from 0 again, delete newer checkpoints under total_limit and then fail with "already exists". Set it
-        past every existing ``checkpoint_N``; a higher value the user set by hand is kept."""
+        past every existing ``checkpoint_N`` (in memory too); a higher value the user set by hand is kept."""
         acc, config = self.accelerator, self.accelerator.project_configuration
         if not (self.fix_iteration and config.automatic_checkpoint_naming and acc.project_dir):
             return
-        root = os.path.join(acc.project_dir, "checkpoints")
-        numbers = [int(m[1]) for m in map(_CHECKPOINT_NAME.match, os.listdir(root) if os.path.isdir(root) else []) if m]
+        numbers = [int(m[1]) for folder in resume.places(self.checkpointer, os.path.join(acc.project_dir, "checkpoints"))
+                   for m in map(_CHECKPOINT_NAME.match, os.listdir(folder) if os.path.isdir(folder) else []) if m]
         if numbers and config.iteration <= max(numbers):
             config.iteration = max(numbers) + 1
 

@@ -164,7 +164,9 @@ class AsyncCheckpointSaver:
 
     def _begin(self, run_dir: str) -> Any:
         step = self.trainer.state.global_step
-        tx = self.checkpointer.begin_directory(self._checkpoint_dir(run_dir), step=step, label=f"global step {step}")
+        best = self.trainer.args.load_best_model_at_end and self.trainer.state.best_global_step == step
+        tx = self.checkpointer.begin_directory(self._checkpoint_dir(run_dir), step=step, label=f"global step {step}",
+                                               durable=True if best else None)  # the end of training loads it
         self.last_checkpoint = tx.handle
         return tx
 
@@ -237,7 +239,7 @@ class AsyncCheckpointSaver:
 
             if resume_from_checkpoint is True:
                 return resume.resume(self.checkpointer, load, reads="files", root=self.trainer.args.output_dir,
-                                     newest_first=_newest_first)
+                                     key=_CHECKPOINT_STEP)
             if resume_from_checkpoint and os.path.exists(resume_from_checkpoint):  # else the Trainer's own error
                 return resume.resume(self.checkpointer, load, reads="files", path=os.fspath(resume_from_checkpoint))
             return load(None)
@@ -271,11 +273,6 @@ class AsyncCheckpointSaver:
             warnings.warn(f"asyncckpt: {unsupported[0]} checkpoints are saved synchronously by the Trainer itself "
                           "(asynchronous saving covers single-process, DDP and FSDP training).", RuntimeWarning, stacklevel=2)
         return not unsupported
-
-
-def _newest_first(run_dir: str) -> list[str]:
-    """The Trainer's own pick of ``checkpoint-N`` folders (``get_last_checkpoint``): the highest step first."""
-    return resume.candidates(run_dir, _CHECKPOINT_STEP)
 
 
 def _safetensors_savers() -> list[tuple[Any, str]]:

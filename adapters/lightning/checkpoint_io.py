@@ -110,7 +110,12 @@ class AsyncCkptIO(CheckpointIO):
         if not is_url(path) and os.path.isdir(path) and not os.path.islink(path):
             raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
         step, label = _step_and_label(checkpoint)
-        self._saved(self.checkpointer.async_save_file(checkpoint, path, step=step, label=label), path, started)
+        best = self.trainer is not None and any(  # a monitored best (without a monitor, the best is the last)
+            getattr(callback, "monitor", None) and normalize_path(callback.best_model_path or ".") == path
+            for callback in self.trainer.checkpoint_callbacks)
+        handle = self.checkpointer.async_save_file(checkpoint, path, step=step, label=label,
+                                                   durable=True if best else None)  # "best" loads it after the run
+        self._saved(handle, path, started)
 
     def load_checkpoint(self, path: _PATH, map_location: Optional[Callable] = lambda storage, loc: storage,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -123,7 +128,7 @@ class AsyncCkptIO(CheckpointIO):
         path = normalize_path(path)
         picked = path == self.picked_by_lightning and not is_url(path)
         return resume.resume(self.checkpointer, load, reads="file", path=path,
-                             root=os.path.dirname(path) if picked else None, newest_first=_checkpoint_files)
+                             root=os.path.dirname(path) if picked else None, key=_checkpoint_file_mtime)
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove ``path`` after the save queued last, and only if that save committed."""
@@ -214,7 +219,6 @@ def _step_and_label(checkpoint: Any) -> tuple[Optional[int], Optional[str]]:
     return step, f"epoch={checkpoint.get('epoch')}, global_step={step}"
 
 
-def _checkpoint_files(folder: str) -> list[str]:
-    """The ``.ckpt`` files in ``folder``, newest first (by mtime, as Lightning orders its candidates)."""
-    return resume.candidates(folder, lambda path: os.path.getmtime(path)
-                             if path.endswith(".ckpt") and os.path.isfile(path) else None)
+def _checkpoint_file_mtime(path: str) -> Optional[float]:
+    """Lightning's order of its candidates: a ``.ckpt`` file's mtime."""
+    return os.path.getmtime(path) if path.endswith(".ckpt") and os.path.isfile(path) else None

@@ -10,8 +10,8 @@ plugin behave exactly as before.
 =========================================================  =========================================
 replaced                                                   with the plugin
 =========================================================  =========================================
-``Strategy.setup_environment``                             also starts the background writer (its
-                                                           start-up overlaps the run's set-up), and
+``Strategy.setup_environment`` (and each                   also starts the background writer (its
+subclass's own)                                            start-up overlaps the run's set-up), and
                                                            tells the plugin its Trainer (its loggers
                                                            get the saves' metrics)
 ``ModelCheckpoint.file_exists``                            a checkpoint still queued counts as
@@ -27,7 +27,8 @@ replaced                                                   with the plugin
                                                            saves in flight committed, ``last.ckpt``
                                                            restored from ``mirror_to``; note which
                                                            checkpoint it picked: ``resume_from_intact``
-``ModelCheckpoint._find_last_checkpoints``                 a ``dirpath`` URL: the candidates keep its
+``ModelCheckpoint._find_last_checkpoints``                 also the ``last*.ckpt`` in the memory tier;
+                                                           a ``dirpath`` URL: the candidates keep its
                                                            scheme (Lightning drops it, and then finds
                                                            no ``last.ckpt`` in object storage)
 ``FSDPStrategy`` / ``ModelParallelStrategy.teardown``      also calls ``checkpoint_io.teardown()``,
@@ -39,6 +40,7 @@ replaced                                                   with the plugin
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 from typing import Any, Callable, Optional
 
@@ -64,12 +66,12 @@ def install(plugin_type: type) -> None:
     ``plugin_type`` (the plugin installs them as its first instance is made or unpickled)."""
     global _plugin_type
     _plugin_type = plugin_type
-    patching.install(Strategy, "setup_environment", _with_plugin(_start_writer))
+    patching.install_on_subclasses((Strategy,), "setup_environment", _after_with_plugin(_start_writer))
     patching.install(ModelCheckpoint, "file_exists", _file_exists)
     patching.install(ModelCheckpoint, "_link_checkpoint", _link_checkpoint)
     patching.install(saving, "pl_load", lifecycle.waiting_reader)
     patching.install(_CheckpointConnector, "_parse_ckpt_path", _noting_the_pick)
-    patching.install(ModelCheckpoint, "_find_last_checkpoints", _last_checkpoints_as_urls)
+    patching.install(ModelCheckpoint, "_find_last_checkpoints", _last_checkpoints)
     for strategy, model_key, sharded in ((FSDPStrategy, "model", lambda s: s._state_dict_type == "sharded"),
                                          (ModelParallelStrategy, "state_dict", lambda s: s._save_distributed_checkpoint)):
         patching.install(strategy, "save_checkpoint", _sharded_save(model_key, sharded))
@@ -77,14 +79,15 @@ def install(plugin_type: type) -> None:
         patching.install(strategy, "teardown", _teardown)
 
 
-def _with_plugin(before: Callable[[Any, Any], None]) -> Callable:
-    """A replacement that runs ``before(strategy, plugin)`` on strategies with the plugin, then the original."""
+def _after_with_plugin(after: Callable[[Any, Any], None]) -> Callable:
+    """A replacement that runs the original, then ``after(strategy, plugin)`` on strategies with the plugin."""
     def make(original: Callable) -> Callable:
         def method(self, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
             io = plugin_of(self)
             if io is not None:
-                before(self, io)
-            return original(self, *args, **kwargs)
+                after(self, io)
+            return result
 
         return method
 
@@ -92,6 +95,9 @@ def _with_plugin(before: Callable[[Any, Any], None]) -> Callable:
 
 
 def _start_writer(strategy: Any, io: Any) -> None:
+    """Run by the base ``Strategy.setup_environment`` (a subclass calls it first: the writer's start-up overlaps
+    the rest of the set-up) and again once a subclass's own is done (its process group up: on several nodes the
+    memory tier finds the job's nodes then, on every rank, not only on the rank that saves)."""
     io.checkpointer.start()
     io.trainer = getattr(strategy.lightning_module, "_trainer", None) if strategy.lightning_module else None
 
@@ -172,13 +178,21 @@ def _noting_the_pick(original: Callable) -> Callable:
     return parse_ckpt_path
 
 
-def _last_checkpoints_as_urls(original: Callable) -> Callable:
+def _last_checkpoints(original: Callable) -> Callable:
     def find_last_checkpoints(self, trainer) -> set[str]:
         found = original(self, trainer)
-        if plugin_of(trainer.strategy) is None or not is_url(str(self.dirpath)):
+        io = plugin_of(trainer.strategy)
+        if io is None or self.dirpath is None:
             return found
-        scheme = urllib.parse.urlsplit(str(self.dirpath)).scheme
-        return {path if is_url(path) else f"{scheme}://{path}" for path in found}
+        if is_url(str(self.dirpath)):
+            scheme = urllib.parse.urlsplit(str(self.dirpath)).scheme
+            found = {path if is_url(path) else f"{scheme}://{path}" for path in found}
+        last = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-\d+)?{re.escape(self.FILE_EXTENSION)}$")
+        for folder in resume.places(io.checkpointer, normalize_path(str(self.dirpath)))[1:]:  # in memory
+            usable = io.checkpointer.tiers.usable(folder)  # on several nodes: what every node holds (none before a load)
+            found |= {os.path.join(folder, name) for name in os.listdir(folder)
+                      if last.match(name) and (usable is None or name in usable)} if os.path.isdir(folder) else set()
+        return found
 
     return find_last_checkpoints
 

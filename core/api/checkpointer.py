@@ -20,6 +20,7 @@ fresh one, with nothing in flight.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import posixpath
 import threading
@@ -41,8 +42,11 @@ from asyncckpt.core.snapshot.buffer_pool import BufferPool
 from asyncckpt.core.client.ledger import Ledger
 from asyncckpt.core.api.commit_hooks import CommitHooks, OnCommit
 from asyncckpt.core.api.options import CheckpointOptions, resolve, taking_options
+from asyncckpt.core.api import interval
+from asyncckpt.core.api.tiers import MemoryTiers
 from asyncckpt.core.api.directory import DirectoryTransaction
 from asyncckpt.core.snapshot.dist_env import any_rank, default_store, dist_ready, rank_and_world
+from asyncckpt.core.storage import commit, tier
 from asyncckpt.core.storage.commit import job_token
 from asyncckpt.core.errors import (
     CheckpointCancelledError,
@@ -52,10 +56,10 @@ from asyncckpt.core.errors import (
 )
 from asyncckpt.core.writer.file_requests import FileRequest, LinkRequest, RemoveRequest
 from asyncckpt.core.storage.backend import backend_for, exists, normalize
-from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
+from asyncckpt.core.snapshot.file_snapshots import FileSnapshots, tensor_bytes
 from asyncckpt.core.client.handles import SaveHandle
 from asyncckpt.core.loading.state_dict import load_checkpoint
-from asyncckpt.core.writer.mirror import MirrorRequest, restore_latest
+from asyncckpt.core.writer.mirror import CopyRequest, restore_latest
 from asyncckpt.core.writer.retention import RetentionRequest
 from asyncckpt.core.export.options import ExportOptions, as_options
 from asyncckpt.core.export.request import ExportRequest
@@ -64,6 +68,7 @@ from asyncckpt.core.snapshot.handoff import Stager
 from asyncckpt.core.snapshot.tensor_copy import CopyThreads
 
 
+logger = logging.getLogger("asyncckpt.core")
 STATE_DICT = dict[str, Any]
 T = TypeVar("T")
 class Checkpointer:
@@ -98,6 +103,9 @@ class Checkpointer:
         self.files = FileSnapshots(self.buffers, self.copy_threads)
         self.sharded = ShardedSaves(self.buffers, self.copy_threads, direct_io=options.direct_io,
                                     io_threads=options.io_threads, timeout=options.timeout)
+        self.tiers = MemoryTiers(options.memory_tier, options.object_store, store=self._store,
+                                 queue=self.ledger.queue) if options.memory_tier else None
+        self._advised = False  # the interval advice is logged once (``_committed``)
         self.stats: Counter = Counter()  # requests by kind, and removals/links queued behind a pending save
         self.closed = False
         self._directories = 0
@@ -123,7 +131,7 @@ class Checkpointer:
                    process_group: Optional[dist.ProcessGroup] = None, use_collectives: Optional[bool] = None,
                    step: Optional[int] = None, label: Optional[str] = None,
                    extra_files: Optional[dict[str, bytes]] = None, overlap_staging: Optional[bool] = None,
-                   stream: bool = False) -> SaveHandle:
+                   stream: bool = False, durable: Optional[bool] = None) -> SaveHandle:
         """Snapshot ``state_dict`` and return; the write and commit happen in the background.
 
         ``extra_files`` (name -> bytes) are written by rank 0 into the checkpoint directory
@@ -136,13 +144,13 @@ class Checkpointer:
         anyway, streams by default (figures in docs/DESIGN.md).
         """
         self._check_open()
-        path = _normalize(path)
+        path = self._placed(_normalize(path), durable, lambda: tensor_bytes(state_dict), step)
         group = process_group if process_group is not None else self.process_group
         collectives = (self.use_collectives if use_collectives is None else use_collectives) and dist_ready()
         overlap = self.overlap_staging if overlap_staging is None else overlap_staging
         self.stager.wait()  # one snapshot at a time: saves agree on their structures in call order
         target = self.sharded.target(path, group, collectives, self._store, step=step, extra_files=extra_files,
-                                     object_store=self.object_store)
+                                     object_store=self.object_store, replicas=self._replicas(path, group))
         world, agreement = target.world, target.group
         handle = self._admit("save", path, rank=target.rank, step=step, label=label)
         started = time.perf_counter()
@@ -189,7 +197,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ native files and directories
     def async_save_file(self, obj: Any, path: str | os.PathLike, *, format: str = "torch",
                         metadata: Optional[dict[str, str]] = None, step: Optional[int] = None,
-                        label: Optional[str] = None) -> SaveHandle:
+                        label: Optional[str] = None, durable: Optional[bool] = None) -> SaveHandle:
         """Write one native file in the background: ``format="torch"`` is what ``torch.save(obj)``
         writes; ``"safetensors"`` what ``safetensors.torch.save_file(obj, metadata=...)`` writes.
 
@@ -198,14 +206,15 @@ class Checkpointer:
         submission order, so repeated saves to one path keep their order.
         """
         self._check_open()
-        path = _normalize(path)
         self.ledger.raise_unobserved()
         image = self.files.image(obj, format, metadata)
+        path = self._placed(_normalize(path), durable, lambda: image.size, step)
         handle = self._admit("file", path, rank=rank_and_world(self.process_group)[0], step=step, label=label)
         slot = self.buffers.take_for_file(image.size, handle)
         handle.add_bytes(image.size)
         handle.when_done(lambda: self.buffers.give_back(slot))
-        request = FileRequest(path, image.size, handle.rank, self.options.direct_io, self.options.io_threads, object_store=self.object_store)
+        request = FileRequest(path, image.size, handle.rank, self.options.direct_io, self.options.io_threads,
+                              object_store=self.object_store)
         self.stager.take_snapshot(handle, lambda: self.files.stage(image, slot), request,
                                   lambda: self.ledger.queue.submit([(handle, request, slot.buffer),
                                                                     *self._follow_ups(handle)]))
@@ -215,7 +224,8 @@ class Checkpointer:
         self.async_save_file(obj, path, **options).result()
 
     def begin_directory(self, final_dir: str | os.PathLike, *, step: Optional[int] = None, label: Optional[str] = None,
-                        staging_parent: Optional[str | os.PathLike] = None) -> DirectoryTransaction:
+                        staging_parent: Optional[str | os.PathLike] = None,
+                        durable: Optional[bool] = None) -> DirectoryTransaction:
         """Start a checkpoint directory of native files (SPMD: every rank of the group calls it for
         the same directories in the same order). Stage files with ``tx.save_file`` /
         ``tx.write_bytes``, then ``tx.commit()``; ``with`` aborts it on an exception.
@@ -229,24 +239,28 @@ class Checkpointer:
                              "or the adapters' mirror option)")
         self.stager.wait()  # the previous directory may still be committed from the staging thread
         self.ledger.raise_unobserved()
-        final_dir = os.path.abspath(os.fspath(final_dir))
+        final_dir = asked = os.path.abspath(os.fspath(final_dir))
+        placed = self._placed(final_dir, durable, lambda: 0, step)
+        if placed != final_dir:  # in memory, where nothing counts the entries beside it
+            final_dir, staging_parent = placed, None
         rank, world = rank_and_world(self.process_group)
         handle = self._admit("directory", final_dir, rank=rank, step=step, label=label)  # one checkpoint in flight
         store = self._store() if self.use_collectives and world > 1 else None
-        save_id = self._directory_id(final_dir, rank, world, store)
+        save_id = self._directory_id(asked, rank, world, store)  # the path asked for: a memory path differs by node
         staging_dir = names.staging_dir_for(final_dir, save_id, os.fspath(staging_parent) if staging_parent else None)
         barrier = BarrierSpec("store" if store is not None else "files", save_id, world, staging_dir, final_dir, self.timeout)
         collectives = self.use_collectives and dist_ready()
+        replicas = self._replicas(final_dir, self.process_group)
 
         def sharded_target(path: str, group: Optional[dist.ProcessGroup], **details: Any):
             return self.sharded.target(path, group if group is not None else self.process_group, collectives,
-                                       self._store, **details)
+                                       self._store, replicas=replicas, **details)
 
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
                                     ledger=self.ledger, stager=self.stager, files=self.files,
                                     sharded=self.sharded, sharded_target=sharded_target, follow_ups=self._follow_ups,
                                     direct_io=self.options.direct_io,
-                                    io_threads=self.options.io_threads)
+                                    io_threads=self.options.io_threads, replicas=replicas)
 
     def _directory_id(self, final_dir: str, rank: int, world: int, store: Any) -> str:
         """The same id on every rank without a collective: on one rank, an owner token (random, and
@@ -271,6 +285,11 @@ class Checkpointer:
         paths = tuple(_normalize(p) for p in paths)
         if len({backend_for(p).remote for p in paths}) > 1:
             raise ValueError(f"remove() takes local paths or URLs, not both at once: {paths}")
+        copies = [copy for copy in map(self.tiers.memory_path, paths) if self._will_exist(copy)] if self.tiers else []
+        if copies and backend_for(paths[0]).remote:  # the memory copies of checkpoints in an object store
+            self.remove(copies, after=after)
+        elif copies:
+            paths += tuple(copies)
         request = RemoveRequest(list(paths), os.path.abspath(os.fspath(hidden_parent)) if hidden_parent else None,
                                 object_store=self.object_store)
         if after is None and not self.ledger.queue.running and not self.pending():
@@ -317,7 +336,7 @@ class Checkpointer:
         path, url = _normalize(path), _normalize(url)
         if not backend_for(url).remote:
             raise ValueError(f"mirror() copies to an object-store URL, not to {url}")
-        return self._queue_after("mirror", url, MirrorRequest(path, url, self.object_store), after)
+        return self._queue_after("mirror", url, CopyRequest(path, url, self.object_store), after)
 
     def restore_mirrored(self, url_root: str, local_root: str, name: Optional[str] = None) -> Optional[str]:
         """Before a resume: the newest committed checkpoint under ``url_root`` (``mirror``; with ``name``, the
@@ -361,16 +380,24 @@ class Checkpointer:
 
     def _follow_ups(self, checkpoint: SaveHandle) -> list[tuple]:
         """Writer jobs handed over together with a checkpoint's own request, so that they run right behind it and
-        before anything queued later (a rotation's removal of that very checkpoint): rank 0's copy of it to
-        ``mirror_to``, run only if it committed."""
+        before anything queued later (a rotation's removal of that very checkpoint), and only if it committed:
+        with the memory tier, its durable copy when due and the tier's retention (``tiers``); rank 0's copy of it
+        to ``mirror_to``."""
+        jobs = []
+        publishes = checkpoint.rank == 0 or checkpoint.kind == "file"
+        if self.tiers is not None:
+            jobs += self.tiers.follow_ups(checkpoint.path, checkpoint.nbytes, publishes=publishes)
         root = self.options.mirror_to
-        if not root or checkpoint.rank != 0 or backend_for(checkpoint.path).remote:
-            return []
-        url = posixpath.join(root, os.path.basename(checkpoint.path))
-        mirror = self._admit("mirror", url, rank=checkpoint.rank, step=checkpoint.step, label=checkpoint.label,
-                             after=checkpoint)
-        mirror.set_staged()
-        return [(mirror, MirrorRequest(checkpoint.path, url, self.object_store), None)]
+        if root and checkpoint.rank == 0 and not backend_for(checkpoint.path).remote:
+            url = posixpath.join(root, os.path.basename(checkpoint.path))
+            jobs.append(("mirror", url, CopyRequest(checkpoint.path, url, self.object_store)))
+        handed = []
+        for kind, path, request in jobs:
+            handle = self._admit(kind, path, rank=checkpoint.rank, step=checkpoint.step, label=checkpoint.label,
+                                 after=checkpoint)
+            handle.set_staged()
+            handed.append((handle, request, None))
+        return handed
 
     def _queue_after(self, kind: str, path: str, request: Any, after: Optional[SaveHandle], **details: Any) -> SaveHandle:
         self._check_open()
@@ -401,10 +428,27 @@ class Checkpointer:
         if error is not None:
             raise error
 
+    def latest_checkpoint(self, root: str | os.PathLike) -> Optional[str]:
+        """The newest committed checkpoint of ``root`` to resume from, in any tier of this node (as
+        ``asyncckpt.core.latest_checkpoint``). With the memory tier on several nodes, a collective (every rank
+        calls it): the nodes agree on the newest checkpoint some of them hold in memory whole between them, and
+        each completes its copy from the others (``tiers.assemble``); else the newest on storage."""
+        root = _normalize(root)
+        self.wait()
+        if self.tiers is not None:
+            assembled = self.tiers.assemble(root, self.process_group)
+            if self.tiers.across_nodes:
+                return assembled or commit.latest_checkpoint(root, orphan_timeout=self.timeout)
+        return tier.latest_checkpoint(root, orphan_timeout=self.timeout,
+                                      memory_root=self.tiers.options.root if self.tiers is not None else None)
+
     def wait_for(self, path: str | os.PathLike) -> None:
         """Wait for pending work on ``path`` (a read must never see a checkpoint being written);
-        raise its failure if nobody has seen it."""
-        self.ledger.wait_for(_normalize(path))
+        raise its failure if nobody has seen it. With the memory tier: its memory copy's too."""
+        path = _normalize(path)
+        self.ledger.wait_for(path)
+        if self.tiers is not None:
+            self.ledger.wait_for(self.tiers.memory_path(path))
 
     def raise_failures(self) -> None:
         """Raise (once) a failure of earlier work that nobody has seen; never waits."""
@@ -412,8 +456,12 @@ class Checkpointer:
 
     def will_exist(self, path: str | os.PathLike) -> bool:
         """Whether ``path`` will exist once the queued work has run: what the last queued work on it
-        does (a save or link creates it, a removal deletes it), else whether it exists now."""
+        does (a save or link creates it, a removal deletes it), else whether it exists now. With the memory tier,
+        a checkpoint exists in either tier (its memory copy: what a resume would load)."""
         path = _normalize(path)
+        return (self.tiers is not None and self._will_exist(self.tiers.memory_path(path))) or self._will_exist(path)
+
+    def _will_exist(self, path: str) -> bool:
         queued = self.ledger.will_exist(path)
         if queued is not None:
             return queued
@@ -531,14 +579,31 @@ class Checkpointer:
         starts it, and its saves never wait for a writer stopped when idle (``writer_idle_timeout``)."""
         self._check_open()
         self.ledger.queue.start(hold=True)
+        if self.tiers is not None:
+            self.tiers.connect()
 
     def teardown(self) -> None:
         """Drain, then stop the writer process and every thread of ours (a framework's run ended);
         the staging buffers and plans are kept for the next run. Raises a failure nobody has seen."""
         try:
             self.wait()
+            self._finish_memory_tier()
         finally:
             self._stop_threads()
+
+    def _finish_memory_tier(self) -> None:
+        """The end of a run: the checkpoints only in memory are written durably (by rank 0, which publishes
+        them), then, once every rank is there, this node's memory copies go: the tier holds nothing after a run
+        that ended normally (a killed run leaves it for its restart)."""
+        if self.tiers is None:
+            return
+        rank, world = rank_and_world(self.process_group)
+        for placed in self.tiers.unpersisted() if rank == 0 else []:
+            if os.path.lexists(placed.memory):
+                self._queue_after("persist", placed.durable, self.tiers.copy_request(placed.memory, placed.durable),
+                                  None)
+        self.wait(everywhere=True)
+        self.tiers.clear(remove=int(os.environ.get("LOCAL_RANK", rank)) == 0)
 
     def close(self) -> None:
         """``teardown()``, and free the staging buffers; the Checkpointer cannot be used again."""
@@ -550,6 +615,8 @@ class Checkpointer:
             self.ledger.abandon_uncommitted()
             self.closed = True
             self.buffers.close()
+            if self.tiers is not None:
+                self.tiers.close()
             lifecycle.forget(self)
 
     def __enter__(self) -> "Checkpointer":
@@ -568,6 +635,34 @@ class Checkpointer:
             self.sharded.close()
 
     # ------------------------------------------------------------------ internals
+    def _placed(self, path: str, durable: Optional[bool], nbytes: Callable[[], int], step: Optional[int]) -> str:
+        """Where a checkpoint asked for at ``path`` (of ``nbytes()`` on this rank) is saved: with the memory tier,
+        in memory (``tiers.place``; ``durable``: also written durably now, whatever the cadence), else at ``path``."""
+        if self.tiers is None:
+            return path
+        self.tiers.connect()
+        return self.tiers.place(path, nbytes(), step, durable_too=durable)
+
+    def _replicas(self, path: str, group: Optional[dist.ProcessGroup]) -> Any:
+        """What this rank's request of the save at ``path`` needs to reach the other nodes (``tiers.replicas``)."""
+        return None if self.tiers is None else self.tiers.replicas(path, group)
+
+    def _committed(self, handle: SaveHandle, seconds: float) -> None:
+        """A checkpoint (or its durable copy) is done: at the first that is durable, one log line with the
+        checkpoint interval this run's measured costs make the least lossy (``interval``)."""
+        handle.timings["committed_s"] = seconds
+        if self._advised or handle.exception() is not None:
+            return
+        memory = handle.after if handle.kind == "persist" else None
+        if memory is None and self.tiers is not None and self.tiers.placement(handle.path) is not None:
+            return  # in memory: its durable copy, if any, says it
+        self._advised = True
+        saved = memory or handle
+        stall = sum(saved.timings.get(part, 0.0) for part in ("waited_s", "prepare_s", "copy_s"))
+        memory_commit = saved.timings.get("committed_s", seconds) - stall if memory is not None else None
+        logger.info("%s", interval.advice(stall, seconds - (0.0 if memory is not None else stall),
+                                          self.options.failures_per_day, memory_commit))
+
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("Checkpointer is closed")
@@ -579,7 +674,10 @@ class Checkpointer:
         if kind in ("save", "file", "directory") and not backend_for(path).remote:
             orphans.wait_for_orphans(os.path.dirname(path), self.timeout)  # never save over what one commits
         self.stats[kind] += 1
+        admitted = time.perf_counter()
         handle = self.ledger.admit(kind, path, **details)
+        if handle.is_checkpoint or kind == "persist":  # seconds from the save call (or the persist's queueing) to commit
+            handle.when_done(lambda: self._committed(handle, time.perf_counter() - admitted))
         if handle.is_checkpoint:
             self._queue_commit_work(handle)
         for path in handle.paths:  # the writer changed it: what this process's fsspec cached of it is stale

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
     from asyncckpt.core.snapshot.handoff import Stager
     from asyncckpt.core.snapshot.sharded_save import SaveTarget, ShardedSaves
+    from asyncckpt.core.writer.replicas import Replicas
 
 
 class DirectoryTransaction:
@@ -45,7 +46,7 @@ class DirectoryTransaction:
                  ledger: "Ledger", stager: "Stager", files: "FileSnapshots", sharded: "ShardedSaves",
                  sharded_target: Callable[..., "SaveTarget"], follow_ups: Callable[["SaveHandle"], list],
                  direct_io: bool,
-                 io_threads: int) -> None:
+                 io_threads: int, replicas: Optional["Replicas"] = None) -> None:
         self.handle = handle
         self.final_dir, self.rank, self.step, self.save_id = handle.path, handle.rank, handle.step, save_id
         self.staging_dir = staging_dir
@@ -53,6 +54,7 @@ class DirectoryTransaction:
         self._ledger, self._stager, self._files = ledger, stager, files
         self._sharded, self._sharded_target, self._follow_ups = sharded, sharded_target, follow_ups
         self._direct_io, self._io_threads = direct_io, io_threads
+        self._replicas = replicas  # a memory-tier save on several nodes (``writer.replicas``)
         self._held: list[tuple["SaveHandle", Any, Any]] = []
         self._committing = False
         self._failed: Optional[str] = None
@@ -145,7 +147,7 @@ class DirectoryTransaction:
                 return self.handle
             self._committing = True
             request = CommitDirRequest(self.save_id, self.final_dir, self.staging_dir, self.rank, self.step,
-                                       self._barrier, self._failed)
+                                       self._barrier, self._failed, self._replicas)
             self.handle.set_staged()
             self._flush([(self.handle, request, None), *self._follow_ups(self.handle)])
         return self.handle

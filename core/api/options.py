@@ -28,6 +28,35 @@ RENAMED = {"verify_on_resume": "verify", "max_pending": "max_in_flight"}
 
 
 @dataclass(frozen=True)
+class MemoryTier:
+    """The memory tier (docs/memory_tier.md): each checkpoint is first committed to node-local memory (tmpfs), on
+    its own node and on ``replicas`` other nodes, and every ``persist_every``-th (and the last of a run) is also
+    written to the durable place, from memory.
+
+    Args:
+        replicas: copies of each node's shares on other nodes (0: a process restart is covered, a node loss is not).
+        persist_every: every so many checkpoints, one is also written durably (1: every checkpoint).
+        keep: memory checkpoints kept on each node (its own; replicas of other nodes' shares besides).
+        root: the memory root on each node (default ``/dev/shm/asyncckpt``; ``ASYNCCKPT_MEMORY_ROOT`` overrides).
+        max_bytes: the most memory the tier may use on a node; default: half of the memory root's filesystem. A
+            run whose checkpoints would not fit saves durably only, with one warning saying what would fit.
+        peer_timeout: seconds a save waits for another node that stops answering (each wait) before it commits
+            without that node's replicas; the node is then left out for a while and said once in the log.
+    """
+
+    replicas: int = 1
+    persist_every: int = 5
+    keep: int = 2
+    root: Optional[str] = None
+    max_bytes: Optional[int] = None
+    peer_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0 or self.persist_every < 1 or self.keep < 1 or not self.peer_timeout > 0:
+            raise ValueError(f"{self}: replicas >= 0, persist_every >= 1, keep >= 1 and peer_timeout > 0")
+
+
+@dataclass(frozen=True)
 class CheckpointOptions:
     """The options of every asyncckpt entry point (the core's ``Checkpointer`` and the three adapters).
 
@@ -67,6 +96,12 @@ class CheckpointOptions:
             seconds with nothing to do (None: only when torn down); the next save starts it again.
         object_store: how to reach an object store for ``s3://...`` (any fsspec URL) paths: ``storage_options``,
             multipart part size, parallel requests. Default: ``object_store.configure``'s, else fsspec's defaults.
+        memory_tier: ``True`` (the defaults) or a ``MemoryTier``: checkpoints first committed to node-local memory
+            and replicated to other nodes, every ``persist_every``-th also written durably; a restart loads from the
+            nearest intact copy (docs/memory_tier.md). Off by default.
+        failures_per_day: how often the job fails (any cause), for the one log line at the first durable save
+            that gives the checkpoint interval losing the least work at this run's measured costs (Young/Daly,
+            ``api.interval``; docs/memory_tier.md). One a day by default.
     """
 
     max_in_flight: int = 2
@@ -82,6 +117,8 @@ class CheckpointOptions:
     log_metrics: bool = True
     writer_idle_timeout: Optional[float] = 30.0
     object_store: Optional[ObjectStoreOptions] = None
+    memory_tier: Optional[MemoryTier | bool] = None
+    failures_per_day: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -91,6 +128,8 @@ class CheckpointOptions:
         if self.timeout <= 0:
             raise ValueError(f"timeout={self.timeout}: must be > 0")
         object.__setattr__(self, "export", as_options(self.export))
+        if not isinstance(self.memory_tier, (MemoryTier, type(None))):
+            object.__setattr__(self, "memory_tier", MemoryTier() if self.memory_tier else None)
 
     def replace(self, **changes: Any) -> "CheckpointOptions":
         return dataclasses.replace(self, **changes)

@@ -1,10 +1,14 @@
 """``asyncckpt``: look at and check checkpoints on disk without loading them.
 
-    asyncckpt ls ROOT        every checkpoint under ROOT, of every kind (``checkpoint_kinds``), newest last
+    asyncckpt ls ROOT        every checkpoint under ROOT, of every kind (``checkpoint_kinds``), and
+                             those of ROOT's memory tier on this node (``tier``), newest last
+    asyncckpt ls --memory    every memory tier of this node: its durable root, owner, checkpoints, bytes
     asyncckpt inspect PATH   keys, shapes, dtypes (and for sharded ones chunks and writing ranks)
     asyncckpt verify PATH    recheck a checkpoint (or every one under a directory); exit 0 good,
                              1 damaged, 2 incomplete
-    asyncckpt clean ROOT     remove what crashed saves left (``leftovers``)
+    asyncckpt clean ROOT     remove what crashed saves left (``leftovers``), and ROOT's memory tier
+                             on this node once its job is gone (``tier.remove_orphans``)
+    asyncckpt clean --memory every memory tier of this node whose job is gone
     asyncckpt export CHECKPOINT OUT   its model as Hugging Face safetensors (``cli/export``)
 
 The tool reads only what the formats promise (see docs/FORMAT.md): the commit record, the JSON
@@ -25,12 +29,12 @@ from tqdm import tqdm
 
 from asyncckpt.core.verify import checkpoint_kinds
 from asyncckpt.core.verify import integrity
-from asyncckpt.core.storage import leftovers, orphans
+from asyncckpt.core.storage import leftovers, orphans, tier
 from asyncckpt.core.formats import names
 from asyncckpt.core.cli import export as export_cli
 from asyncckpt.core.errors import CheckpointError
 from asyncckpt.core.storage.backend import Backend, backend_for, basename, normalize
-from asyncckpt.core.storage.contents import local_copy, used_bytes
+from asyncckpt.core.storage.contents import human_bytes, local_copy, used_bytes
 from asyncckpt.core.storage.object_store import ObjectStoreError
 from asyncckpt.core.loading.metadata_io import load_dcp_metadata
 from asyncckpt.core.formats.names import DCP_METADATA_FILE
@@ -39,16 +43,6 @@ EXIT_OK, EXIT_PROBLEM, EXIT_INCOMPLETE = 0, 1, 2
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def _human(nbytes: int) -> str:
-    """Sizes for people (binary units); ``inspect`` also prints exact byte counts."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
 def _trimmed(path: str) -> str:
     """``ckpt/step_10/`` or ``s3://b/run/`` named as ``ckpt/step_10`` / ``s3://b/run``."""
     return path.rstrip("/") or path
@@ -59,15 +53,22 @@ def _shape(size) -> str:
 
 
 # --------------------------------------------------------------------------------------------- ls
-def cmd_ls(root: str) -> int:
+def cmd_ls(root: str, memory_root: Optional[str] = None) -> int:
     """One line per checkpoint of any kind, and per leftover (``checkpoint_kinds``): name, step,
-    size, status, kind. Sorted by (step, time), like ``latest_checkpoint`` ranks them, so the last
+    size, status, kind. Then, beside them, the memory checkpoints of ROOT's run directory under this
+    node's ``memory_root`` (default: ``tier.memory_root()``), marked ``memory``: the bytes this node holds, COMPLETE if every file is
+    here, else PARTIAL and which are missing (on which nodes they are), and whether ROOT holds a
+    durable copy. Sorted by (step, time), like ``latest_checkpoint`` ranks them, so the last
     COMPLETE line is what a resume picks. The same for a directory and an object-store prefix."""
+    run = os.path.join(memory_root or tier.memory_root(), tier.run_name(root))
+    memory_rows = _memory_rows(run)
     try:
         entries = checkpoint_kinds.checkpoints_under(root)
     except (OSError, ObjectStoreError) as e:
         print(f"asyncckpt ls: {root}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
-        return EXIT_PROBLEM
+        if not memory_rows:
+            return EXIT_PROBLEM
+        entries = []  # nothing durable yet: the memory tier is all there is
     rows = []
     finishing = {what: token for token, names_finishing in orphans.at_work(root).items() for what in names_finishing}
     for entry in entries:
@@ -81,12 +82,76 @@ def cmd_ls(root: str) -> int:
             "no checksums" if entry.status in ("COMPLETE", "NATIVE") and not entry.checksums else "") if part)
         rows.append(((entry.step if entry.step is not None else -1, entry.modified, name), name, entry.step, size,
                      entry.status, note))
+    durable = {basename(entry.path) for entry in entries if entry.status in ("COMPLETE", "NATIVE")}
+    for key, name, step, size, status, note in memory_rows:
+        if status != "INCOMPLETE":  # a committed memory checkpoint: is it also durable?
+            copy = "memory, durable copy too" if name in durable else "memory only"
+            note = f"{copy}, {note}" if note else copy
+        rows.append((key, name, step, size, status, note))
     rows.sort(key=lambda row: row[0])
     width = max((len(row[1]) for row in rows), default=0)
     for _key, name, step, size, status, note in rows:
-        line = f"{name:<{width}}  {'-' if step is None else step:>8}  {_human(size):>10}  {status}"
+        line = f"{name:<{width}}  {'-' if step is None else step:>8}  {human_bytes(size):>10}  {status}"
         print(f"{line}  ({note})" if note else line)
     return EXIT_OK
+
+
+def _memory_rows(run: str) -> list[tuple]:
+    """The rows of ``cmd_ls`` for the run directory ``run``: its memory checkpoints, and the saves
+    being staged there (or left by a crash)."""
+    rows = []
+    for checkpoint in tier.memory_checkpoints(run):
+        status = "COMPLETE" if checkpoint.complete else "PARTIAL"
+        note = "" if checkpoint.complete else _missing(checkpoint)
+        rows.append(((-1 if checkpoint.step is None else checkpoint.step, checkpoint.committed_at, checkpoint.name),
+                     checkpoint.name, checkpoint.step, checkpoint.bytes_here, status, note))
+    for leftover in leftovers.find(run):
+        name = basename(leftover.path)
+        step = names.step_from_name(leftover.belongs_to)
+        size = leftover.size if leftover.size is not None else used_bytes(leftover.path)
+        rows.append(((-1 if step is None else step, leftover.modified, name), name, step, size, "INCOMPLETE",
+                     f"memory, {leftover.kind}"))
+    return rows
+
+
+def _missing(checkpoint: tier.MemoryCheckpoint, shown: int = 3) -> str:
+    """Which files of a memory checkpoint this node lacks, and the nodes its commit record says hold
+    them (``"tier": {"holders": {file: [node, ...]}}``)."""
+    section = (checkpoint.record or {}).get("tier")
+    holders = section.get("holders") if isinstance(section, dict) else None
+    holders = holders if isinstance(holders, dict) else {}
+    named = [f"{file} (on {', '.join(map(str, holders[file]))})" if holders.get(file) else file
+             for file in checkpoint.missing[:shown]]
+    more = f" and {len(checkpoint.missing) - shown} more" if len(checkpoint.missing) > shown else ""
+    return f"missing here: {', '.join(named)}{more}"
+
+
+def cmd_ls_memory(memory_root: str) -> int:
+    """Every run directory under this node's ``memory_root``: the durable root it is the memory
+    tier of, whether a live process owns it (else how long it has been unchanged, and whether
+    ``clean --memory`` removes it now), its checkpoints and bytes; then each of its checkpoints."""
+    runs = tier.runs(memory_root)
+    if not runs:
+        print(f"no memory tier under {memory_root}")
+        return EXIT_OK
+    for run in runs:
+        checkpoints = tier.memory_checkpoints(run.path)
+        owner = "in use" if run.alive else (
+            f"no live owner, unchanged for {_duration(run.idle_s)}"
+            f"{'; orphaned' if run.orphaned() else f'; orphaned after {_duration(tier.ORPHAN_AFTER_S)}'}")
+        print(f"{basename(run.path)}  {run.durable_root}  ({owner})  {len(checkpoints)} checkpoint(s)  "
+              f"{human_bytes(used_bytes(run.path))}")
+        for checkpoint in checkpoints:
+            state = "COMPLETE" if checkpoint.complete else f"PARTIAL ({_missing(checkpoint)})"
+            print(f"  {checkpoint.name}  {'-' if checkpoint.step is None else checkpoint.step}  "
+                  f"{human_bytes(checkpoint.bytes_here)}  {state}")
+    return EXIT_OK
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 # ---------------------------------------------------------------------------------------- inspect
@@ -195,7 +260,7 @@ def _inspect_sharded(path: str, local: str, sizes: dict[str, int]) -> int:
         t = totals[rank]
         files = sum(size for name, size in sizes.items() if rank is not None and integrity.rank_of_file(name) == rank)
         print(f"  rank {'?' if rank is None else rank}: {t['chunks']} tensor chunk(s) {t['tensor_bytes']} B, "
-              f"{t['objects']} object(s) {t['object_bytes']} B, data files {files} B ({_human(files)})")
+              f"{t['objects']} object(s) {t['object_bytes']} B, data files {files} B ({human_bytes(files)})")
     return EXIT_OK
 
 
@@ -257,19 +322,52 @@ def cmd_verify(path: str, progress: bool = True) -> int:
 
 
 # ------------------------------------------------------------------------------------------ clean
-def cmd_clean(root: str, min_age_s: float, dry_run: bool) -> int:
+def cmd_clean(root: Optional[str], min_age_s: float, dry_run: bool, memory_root: str, older_than_s: float) -> int:
     """Delete what crashed or killed saves left under ROOT (``leftovers.find``): at once what
     a process that is gone left on this host; what was made on another host (whose writer this
-    host cannot see) only once untouched for ``min_age_s``. Never anything a live writer still uses."""
-    root = normalize(root)
+    host cannot see) only once untouched for ``min_age_s``. Never anything a live writer still uses.
+    Then the same in ROOT's memory tier on this node, and the tier itself if no live process owns
+    it and nothing changed in it for ``older_than_s`` (``tier.Run.orphaned``). Without ROOT: every
+    memory tier of this node that is orphaned so (and what dead cleaners left beside them)."""
+    freed = count = 0
     try:
-        found = leftovers.find(root)
+        if root is not None:
+            root = normalize(root)
+            freed, count = _clean_leftovers(root, "", min_age_s, dry_run)
+            run = os.path.join(memory_root, tier.run_name(root))
+            selected = [found for found in tier.runs(memory_root) if found.path == run]
+            if selected:
+                more_freed, more = _clean_leftovers(run, "memory ", min_age_s, dry_run)
+                freed, count = freed + more_freed, count + more
+        else:
+            freed, count = _clean_leftovers(memory_root, "memory ", min_age_s, dry_run)
+            selected = tier.runs(memory_root)
     except (OSError, ObjectStoreError) as e:
         print(f"asyncckpt clean: {e}", file=sys.stderr)
         return EXIT_PROBLEM
+    for run in selected:
+        name = f"memory {basename(run.path)}"
+        if not run.orphaned(older_than_s):
+            why = "in use by a live process" if run.alive else (
+                f"no live owner, changed {_duration(run.idle_s)} ago; removed once unchanged for {_duration(older_than_s)}")
+            print(f"kept     {name}  (memory tier of {run.durable_root}: {why})")
+            continue
+        size = used_bytes(run.path)
+        if not dry_run and not tier.remove_orphan(run.path):
+            print(f"kept     {name}  (memory tier of {run.durable_root}: claimed by a process just now)")
+            continue
+        freed, count = freed + size, count + 1
+        print(f"{'would remove' if dry_run else 'removed'}  {name}  {human_bytes(size)}  (memory tier of "
+              f"{run.durable_root}: no live owner, unchanged for {_duration(run.idle_s)})")
+    print(f"{'would free' if dry_run else 'freed'} {human_bytes(freed)} in {count} entr{'y' if count == 1 else 'ies'}")
+    return EXIT_OK
+
+
+def _clean_leftovers(directory: str, label: str, min_age_s: float, dry_run: bool) -> tuple[int, int]:
+    """``cmd_clean``'s work on the leftovers directly in ``directory``; returns (bytes, entries) freed."""
     freed = count = 0
-    for leftover in found:
-        name = leftover.path[len(root) + 1:]
+    for leftover in leftovers.find(directory):
+        name = label + leftover.path[len(directory) + 1:]
         if not leftovers.removable(leftover, min_age_s):
             why = ("in use by a live writer" if leftover.alive else
                    f"its writer cannot be checked from this host; removed once untouched for {min_age_s:.0f} s")
@@ -279,42 +377,57 @@ def cmd_clean(root: str, min_age_s: float, dry_run: bool) -> int:
         if not dry_run:
             leftovers.delete(leftover)
         freed, count = freed + size, count + 1
-        print(f"{'would remove' if dry_run else 'removed'}  {name}  {_human(size)}  ({leftover.kind} of {leftover.belongs_to})")
-    print(f"{'would free' if dry_run else 'freed'} {_human(freed)} in {count} entr{'y' if count == 1 else 'ies'}")
-    return EXIT_OK
+        print(f"{'would remove' if dry_run else 'removed'}  {name}  {human_bytes(size)}  ({leftover.kind} of {leftover.belongs_to})")
+    return freed, count
 
 
 # ------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncckpt", description="Inspect and verify asyncckpt checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    ls = commands.add_parser("ls", help="list the checkpoints under ROOT (every kind, leftovers too), newest last")
-    ls.add_argument("root", metavar="ROOT")
+    ls = commands.add_parser("ls", help="list the checkpoints under ROOT (every kind, leftovers too, and its memory "
+                                        "tier on this node), newest last; with --memory, every memory tier of this node")
+    ls.add_argument("root", metavar="ROOT", nargs="?")
     inspect = commands.add_parser("inspect", help="keys, shapes, dtypes, chunks and writing ranks of a checkpoint")
     inspect.add_argument("path", metavar="PATH")
     verify = commands.add_parser("verify", help="recheck a checkpoint, or every one under a directory (exit 0 good, "
                                                 "1 damaged, 2 incomplete)")
     verify.add_argument("path", metavar="PATH")
     verify.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    clean = commands.add_parser("clean", help="delete what crashed saves left under ROOT (never what a live save uses)")
-    clean.add_argument("root", metavar="ROOT")
+    clean = commands.add_parser("clean", help="delete what crashed saves left under ROOT (never what a live save uses), "
+                                              "and its memory tier on this node once its job is gone; with --memory, "
+                                              "every memory tier of this node whose job is gone")
+    clean.add_argument("root", metavar="ROOT", nargs="?")
     clean.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
                        help="leftovers whose writer cannot be checked from this host (another host) only once "
                             "untouched for this long (default 3600); those of a process that is gone go at once")
+    clean.add_argument("--older-than", type=float, default=tier.ORPHAN_AFTER_S, metavar="SECONDS",
+                       help="a memory tier no live process owns only once unchanged for this long (default "
+                            f"{tier.ORPHAN_AFTER_S:.0f}: a restarted job finds its tier until then)")
     clean.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
+    for command in (ls, clean):
+        command.add_argument("--memory", action="store_true", help="every memory tier of this node (give no ROOT)")
+        command.add_argument("--memory-root", metavar="DIR",
+                             help=f"this node's memory root (default: ${tier.MEMORY_ROOT_ENV}, else {tier.DEFAULT_MEMORY_ROOT})")
     export_cli.add_parser(commands)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command in ("ls", "clean"):
+        memory_root = os.path.abspath(args.memory_root) if args.memory_root else tier.memory_root()
+        every_tier = args.memory or (args.command == "ls" and args.memory_root is not None and args.root is None)
+        if (args.root is None) != every_tier:
+            parser.error(f"{args.command}: give ROOT, or --memory (every memory tier of this node), not both")
     try:
         if args.command == "ls":
-            return cmd_ls(_trimmed(args.root))
+            return cmd_ls_memory(memory_root) if every_tier else cmd_ls(_trimmed(args.root), memory_root)
         if args.command == "inspect":
             return cmd_inspect(_trimmed(args.path))
         if args.command == "clean":
-            return cmd_clean(args.root, args.min_age, args.dry_run)
+            return cmd_clean(args.root, args.min_age, args.dry_run, memory_root, args.older_than)
         if args.command == "export":
             return export_cli.run(args)
         return cmd_verify(_trimmed(args.path), progress=not args.no_progress)

@@ -34,7 +34,7 @@ from asyncckpt.core.formats import names
 from asyncckpt.core.writer.protocol import Idle
 
 logger = logging.getLogger("asyncckpt.core")
-_CREATES = ("save", "file", "directory", "link", "hook", "export")  # a hook or export leaves its checkpoint there
+_CREATES = ("save", "file", "directory", "link", "hook", "export", "persist")  # a hook or export leaves its checkpoint there
 _ON_RANK = re.compile(r"^rank (\S+): (.*)$", re.S)
 
 

@@ -70,6 +70,7 @@ class _Writer:
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
         self.registered: set[int] = set()
+        self.serving = False  # it was handed the memory tier's listening socket (``WriterQueue.serve_replicas``)
         self.stopping = False
         self.thread = threading.Thread(target=reader, args=(self,), name="asyncckpt-writer-replies", daemon=True)
         self.thread.start()
@@ -107,6 +108,7 @@ class WriterQueue:
         self._retiring: list[_Writer] = []  # stopped when idle, still exiting
         self._jobs: dict[int, SaveHandle] = {}
         self._job_ids = itertools.count()
+        self._receiver: Optional[tuple[socket.socket, str]] = None  # ``serve_replicas``: listener, memory root
         self._lock = threading.RLock()  # held while sending: two senders cannot reorder or interleave messages
 
     @property
@@ -124,6 +126,20 @@ class WriterQueue:
             self._held = self._held or hold
             if not self.running:
                 self._writer = _Writer(self._read_replies, self.timeout)
+            if self._receiver is not None and not self._writer.serving:
+                listener, root = self._receiver
+                self._writer.conn.send((protocol.RECEIVER, root))
+                send_handle(self._writer.conn, listener.fileno(), self._writer.process.pid)
+                self._writer.serving = True
+
+    def serve_replicas(self, listener: socket.socket, root: str) -> None:
+        """Have the writer serve this node's memory root ``root`` to the other nodes on ``listener`` (a listening
+        TCP socket whose address the caller published: ``writer.replication``), from now on: this writer (started
+        now if none runs) and every one started later, none of which stops when idle (the other nodes' saves
+        need it)."""
+        with self._lock:
+            self._receiver = (listener, root)
+            self.start()
 
     def submit(self, items: list[tuple[SaveHandle, protocol.Request, Any]]) -> None:
         """Queue ``(handle, request, staging buffer or None)`` in order. A handle depending on a
@@ -189,7 +205,7 @@ class WriterQueue:
         """The reader thread heard nothing for ``idle_timeout`` s: with no job in flight, stop the
         writer (under the lock, so no job can be sent to it meanwhile: the next one starts a new one)."""
         with self._lock:
-            if self._writer is not writer or self._jobs or writer.stopping or self._held:
+            if self._writer is not writer or self._jobs or writer.stopping or self._held or writer.serving:
                 return
             writer.stopping = True
             self._writer = None

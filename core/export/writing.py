@@ -44,7 +44,7 @@ from asyncckpt.core.storage import commit, owners
 from asyncckpt.core.storage.backend import at_once, backend_for, basename, exists, normalize
 from asyncckpt.core.storage.staging import publish_checkpoint
 from asyncckpt.core.storage.fsio import fsync_dir
-from asyncckpt.core.writer.mirror import restore, upload
+from asyncckpt.core.writer.mirror import copy, restore
 
 COPIED_FILES = ("config.json", "generation_config.json", "adapter_config.json")
 
@@ -143,7 +143,7 @@ def export_checkpoint(checkpoint: str, target: str, options: ExportOptions, *, r
             staged = os.path.join(scratch, "export", basename(target)) if destination.remote else target
             export_local(local, staged, options, read=read, token=token, progress=progress, export_of=checkpoint)
             if destination.remote:
-                upload(staged, target, token)
+                copy(staged, target, token)
     except BaseException as e:
         if not isinstance(e, Exception) or (isinstance(e, CheckpointError) and checkpoint in str(e)):
             raise

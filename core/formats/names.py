@@ -83,6 +83,17 @@ def owner_marker_name(rank: int) -> str:
     return f".asyncckpt-owner-{rank}"
 
 
+_STEP_IN_NAME = re.compile(r"step[=_-]?(\d+)")
+_TRAILING_NUMBER = re.compile(r"(\d+)$")
+
+
+def step_from_name(name: str) -> Optional[int]:
+    """The step a checkpoint's name gives, for one whose commit record has none (a native file):
+    step_000120 -> 120, checkpoint-12 -> 12, epoch=1-step=15.ckpt -> 15."""
+    match = _STEP_IN_NAME.search(name) or _TRAILING_NUMBER.search(os.path.splitext(name)[0])
+    return int(match.group(1)) if match else None
+
+
 SIDECAR_PATTERN = re.compile(r"^__(\d+)\.asyncckpt\.json$")
 DATA_FILE_PATTERN = re.compile(r"^__(\d+)_\d+\.distcp$")
 OWNER_MARKER_PATTERN = re.compile(r"^\.asyncckpt-owner-(\d+)$")

@@ -56,7 +56,7 @@ from asyncckpt.core.api import lifecycle
 from asyncckpt.core.errors import CheckpointError
 import asyncckpt.core.integration.patching as patching
 from asyncckpt.core.loading.hashed_reads import BackgroundCheck, mapped_problem
-from asyncckpt.core.storage import file_checksums
+from asyncckpt.core.storage import commit, file_checksums, tier
 from asyncckpt.core.storage.backend import basename, is_url, normalize
 from asyncckpt.core.storage.contents import local_copy
 from asyncckpt.core.storage.orphans import wait_for_orphans
@@ -84,45 +84,82 @@ def wait_for_saves(place: str, orphan_timeout: float = 600.0) -> None:
         wait_for_orphans(folder, orphan_timeout)
 
 
-def prepare(checkpointer: Any, place: Optional[str], *, newest_first: Optional[Callable[[str], list[str]]] = None,
+Key = Callable[[str], Optional[float]]  # a framework's sort key for the entries of its checkpoint directory
+
+
+def prepare(checkpointer: Any, place: Optional[str], *, key: Optional[Key] = None,
             mirrored_name: Optional[str] = None) -> None:
     """Step 1 of ``resume``: every save in flight to ``place`` (a checkpoint, or the directory a framework picks
     one from) committed, on every rank (a collective), orphaned writers there included. Then, with the
-    ``mirror_to`` option, where the framework is about to pick from ``place`` and finds nothing there (none in
-    ``newest_first(place)``, or no file ``mirrored_name``: a framework that looks for a fixed name, as
-    Lightning's ``last.ckpt``), the newest mirrored checkpoint (or the one of that name) is restored into it."""
+    ``mirror_to`` option, where the framework is about to pick from ``place`` and finds nothing there in any tier
+    (no entry ``key`` knows, or no file ``mirrored_name``: a framework that looks for a fixed name, as
+    Lightning's ``last.ckpt``), the newest mirrored checkpoint (or the one of that name) is restored into it. With
+    the memory tier on several nodes, where the framework picks from ``place`` (``key``), the nodes first agree on
+    the memory checkpoint to resume from and complete their copies of it from each other (``tiers.assemble``)."""
     checkpointer.wait(everywhere=True)
     if place is None or is_url(place):
         return
     wait_for_saves(place, checkpointer.options.timeout)
+    if checkpointer.tiers is not None and key is not None:  # on several nodes: agree, complete this node's copy
+        checkpointer.tiers.assemble(tier.durable_root_of(place) or place, checkpointer.process_group)
     mirror = checkpointer.options.mirror_to
-    if not mirror or (mirrored_name is None and newest_first is None):
+    if not mirror or (mirrored_name is None and key is None):
         return
-    if os.path.exists(os.path.join(place, mirrored_name)) if mirrored_name else newest_first(place):
+    if mirrored_name:
+        if any(os.path.exists(os.path.join(folder, mirrored_name)) for folder in places(checkpointer, place)):
+            return
+    elif copies(checkpointer, place, key):
         return
     checkpointer.restore_mirrored(mirror, place, mirrored_name)
+
+
+def places(checkpointer: Any, root: str) -> list[str]:
+    """Where the checkpoints of ``root`` (a durable root, or its memory run directory) may be on this node:
+    the durable root, and with the memory tier its memory run directory (for an adapter that lists a
+    framework's checkpoints itself)."""
+    root = tier.durable_root_of(root) or root
+    return [root] if checkpointer.tiers is None else [root, checkpointer.tiers.run_dir(root)]
+
+
+def copies(checkpointer: Any, root: str, key: Key) -> list[str]:
+    """The checkpoints of ``root`` in every tier of this node, newest first by the framework's ``key``, each copy
+    of a checkpoint its own entry, the nearer first: of a name held in memory and on storage, the memory copy
+    comes first when it is the same checkpoint (its content's checksums equal) or the newer one. On several nodes,
+    of the memory copies only the one they agreed on (``tiers.usable``): every rank tries the same checkpoints."""
+    found: dict[str, list[tuple[float, int, str]]] = {}
+    for nearness, place in enumerate(places(checkpointer, root)):
+        usable = checkpointer.tiers.usable(place) if nearness else None  # None: any
+        for path in candidates(place, key):
+            if usable is None or os.path.basename(path) in usable:
+                found.setdefault(os.path.basename(path), []).append((key(path), nearness, path))
+    for held in found.values():
+        held.sort(key=lambda entry: (entry[0], entry[1]), reverse=True)
+        if len(held) == 2 and held[0][1] == 0 and commit.same_save(held[0][2], held[1][2]):
+            held.reverse()  # the durable copy was written after the memory one: the same checkpoint, further away
+    names = sorted(found, key=lambda name: max(entry[0] for entry in found[name]), reverse=True)
+    return [path for name in names for _key, _nearness, path in found[name]]
 
 
 Reads = Literal["file", "directory", "files"]
 
 
 def resume(checkpointer: Any, load: Callable[[Optional[str]], T], *, reads: Reads, path: Optional[str] = None,
-           root: Optional[str] = None, newest_first: Optional[Callable[[str], list[str]]] = None) -> T:
+           root: Optional[str] = None, key: Optional[Key] = None) -> T:
     """The framework's ``load`` of the checkpoint to resume from, checked as it reads (the module docstring).
 
-    ``path`` alone: the checkpoint the user named. ``root`` alone: the framework picks the newest under it
-    (``newest_first(root)``, in the framework's own order). Both: the framework picked ``path`` from ``root``
-    itself, and with ``resume_from_intact`` older ones may stand in. With nothing to resume from, ``load(None)``
-    (the framework's own error, or a fresh start)."""
+    ``path`` alone: the checkpoint the user named. ``root`` alone: the framework picks the newest under it, by its
+    own sort ``key``, in any tier (``copies``: with the memory tier, a checkpoint in memory, newer than any
+    durable one, or the same one nearer). Both: the framework picked ``path`` from ``root`` itself, and with
+    ``resume_from_intact`` older ones may stand in. A damaged copy gives way to the next copy of the same
+    checkpoint (its durable one), with a warning naming it. With nothing to resume from, ``load(None)`` (the
+    framework's own error, or a fresh start)."""
     options = checkpointer.options
-    prepare(checkpointer, path if root is None else root, newest_first=newest_first if path is None else None)
-    if root is None:
-        found = [path] if path is not None else []
-    else:
-        newest = [p for p in (newest_first(root) if newest_first else []) if p != path]
-        found = [path, *newest] if path is not None else newest
-    if not options.resume_from_intact:
-        found = found[:1]
+    prepare(checkpointer, path if root is None else root, key=key if path is None else None)
+    found = [path] if path is not None else []
+    if root is not None and key is not None:
+        found += [p for p in copies(checkpointer, root, key) if p != path]
+    if not options.resume_from_intact:  # the copies of the chosen checkpoint only
+        found = [p for p in found if os.path.basename(p) == os.path.basename(found[0])] if found else []
     if not found or not options.verify:
         return load(found[0] if found else None)
     if reads == "file":
@@ -135,10 +172,11 @@ def resume(checkpointer: Any, load: Callable[[Optional[str]], T], *, reads: Read
         return load(verified.path)
 
 
-def candidates(root: str, key: Callable[[str], Optional[float]]) -> list[str]:
+def candidates(root: str, key: Key) -> list[str]:
     """The entries of ``root`` that ``key`` knows (it returns None for the others), newest (largest
-    key) first; no ``root``, none."""
-    entries = [os.path.join(root, name) for name in os.listdir(root)] if os.path.isdir(root) else []
+    key) first; no ``root``, none. Hidden entries (a save being staged, one being removed) are none."""
+    entries = [os.path.join(root, name) for name in os.listdir(root) if not name.startswith(".")] \
+        if os.path.isdir(root) else []
     keyed = [(key(path), path) for path in entries]
     return [path for value, path in sorted((kp for kp in keyed if kp[0] is not None), reverse=True)]
 

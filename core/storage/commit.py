@@ -18,7 +18,7 @@ from typing import Optional
 from asyncckpt.core.errors import IncompleteCheckpointError
 from asyncckpt.core.formats import commit_record
 from asyncckpt.core.formats import names
-from asyncckpt.core.storage import orphans
+from asyncckpt.core.storage import file_checksums, orphans
 from asyncckpt.core.storage.backend import backend_for, exists, join, read_all
 from asyncckpt.core.storage.object_store import ObjectStoreOptions
 
@@ -90,3 +90,15 @@ def job_token() -> str:
     """Something every rank of one job shares without talking: torchrun's run id, else the rendezvous."""
     token = os.environ.get("TORCHELASTIC_RUN_ID") or f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
     return hashlib.blake2b(token.encode(), digest_size=4).hexdigest() if token != ":" else "local"
+
+
+def same_save(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` are copies of one save (a memory copy and its durable one): committed directories
+    with the same save in their commit records (a copy carries its source's record), or single files with equal
+    checksum records. What lacks a record is not known to be the same."""
+    if os.path.isdir(a) and os.path.isdir(b):
+        records = [read_commit_record(path) for path in (a, b)]
+        return all(records) and records[0].get("save_id") is not None \
+            and records[0].get("save_id") == records[1].get("save_id")
+    checksums = [file_checksums.read_record(path) for path in (a, b)]
+    return all(checksums) and checksums[0] == checksums[1]

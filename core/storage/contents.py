@@ -1,6 +1,6 @@
 """What lies under a checkpoint's directory or prefix, read through any backend and written once:
-the files a commit record lists, the bytes a checkpoint (or leftover) uses, a local copy of some
-of its files.
+the files a commit record lists, the bytes a checkpoint (or leftover) uses (and how to say them to
+people), a local copy of some of its files.
 
 Kept free of torch: the background writer imports it.
 """
@@ -49,6 +49,16 @@ def used_bytes(path: str) -> int:
     if found.link:
         return 0
     return _below(backend, path) if found.is_dir else found.size
+
+
+def human_bytes(nbytes: int) -> str:
+    """Sizes for people (binary units: ``512 B``, ``10.1 KiB``, ``40.0 GiB``)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
 def _below(backend: Backend, path: str) -> int:

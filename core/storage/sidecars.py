@@ -4,9 +4,12 @@ Kept free of torch: the background writer reads the sidecars at the commit.
 """
 from __future__ import annotations
 
+import json
 import os
+from typing import Mapping, Optional, Sequence
 
-from asyncckpt.core.formats.names import sidecar_name
+from asyncckpt.core.formats.checksum import FileChecksum
+from asyncckpt.core.formats.names import files_record_name, sidecar_name
 from asyncckpt.core.formats.sidecar import ShareRecord, Sidecar, encode_sidecar, parse_sidecar
 from asyncckpt.core.storage.backend import backend_for, join, read_bytes
 from asyncckpt.core.storage.fsio import atomic_write_bytes
@@ -28,3 +31,30 @@ def write_rank_sidecar(directory: str, record: ShareRecord) -> None:
     """Durably publish one rank's sidecar in the local ``directory`` (tmp + fsync + rename): the
     rank's share is complete."""
     atomic_write_bytes(os.path.join(directory, sidecar_name(record.rank)), encode_sidecar(record))
+
+
+# ------------------------------------------------------------------------------------- files records
+def write_files_record(directory: str, rank: int, files: Mapping[str, FileChecksum],
+                       holders: Optional[Mapping[str, Sequence[str]]] = None) -> str:
+    """Leave in the staging ``directory`` the files ``rank`` wrote into a save, each with its size and xxh3 and,
+    on several nodes (the memory tier), the nodes that hold it (``writer.replicas``): the commit gathers every
+    rank's (``take_files_records``). Returns the record's name."""
+    name = files_record_name(rank)
+    with open(os.path.join(directory, name), "w") as f:  # not fsynced: it lives only until the commit gathers it
+        json.dump({file: [checksum.size, checksum.xxh3, *([list(holders[file])] if holders is not None else [])]
+                   for file, checksum in files.items()}, f)
+    return name
+
+
+def take_files_records(directory: str, world_size: int) -> dict[str, tuple[FileChecksum, tuple[str, ...]]]:
+    """Every rank's files record in the staging ``directory`` (``write_files_record``), which then go (they are
+    the coordination of the writers, not the checkpoint's): file -> (its checksum, the nodes that hold it; none
+    recorded on one node)."""
+    files: dict[str, tuple[FileChecksum, tuple[str, ...]]] = {}
+    for rank in range(world_size):
+        path = os.path.join(directory, files_record_name(rank))
+        with open(path) as f:
+            for file, (size, xxh3, *holders) in json.load(f).items():
+                files[file] = (FileChecksum(size, xxh3), tuple(holders[0]) if holders else ())
+        os.unlink(path)
+    return files

@@ -48,6 +48,13 @@ def publish_checkpoint(backend: Backend, staging_dir: str, final_path: str, reco
     return replaced
 
 
+def remove_coordination_files(directory: str) -> None:
+    """What the ranks met by (file barrier, files records, owner markers), once nobody needs it any more."""
+    for entry in os.listdir(directory):
+        if names.COORDINATION_FILE_PATTERN.match(entry):
+            os.unlink(os.path.join(directory, entry))
+
+
 @dataclass
 class Staging:
     """Where the files of one sharded save go (``directory``), and how the save becomes visible

@@ -31,15 +31,14 @@ from typing import Any, Optional
 
 from asyncckpt.core.storage import commit, leftovers
 from asyncckpt.core.formats import names
+from asyncckpt.core.formats.names import step_from_name
 from asyncckpt.core.storage.backend import Backend, backend_for, basename, exists, is_file, join
 from asyncckpt.core.storage.leftovers import Leftover
 
 NATIVE_FILE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".safetensors")
 _FRAMEWORK_FILES = re.compile(r"^(model(-\d+-of-\d+|_\d+)?\.safetensors|pytorch_model.*\.bin|optimizer(_\d+)?\.(bin|pt)|"
                               r"trainer_state\.json|random_states_\d+\.pkl|meta\.pt|scheduler(_\d+)?\.(bin|pt))$")
-_STEP_IN_NAME = re.compile(r"step[=_-]?(\d+)")
 _EPOCH_IN_NAME = re.compile(r"epoch=(\d+)")
-_TRAILING_NUMBER = re.compile(r"(\d+)$")
 
 
 @dataclass
@@ -150,12 +149,6 @@ def _directory(backend: Backend, path: str, name: str, record: Optional[dict], m
         return Entry(path, "directory", "NATIVE", step, None, "written without asyncckpt: completeness unknown",
                      modified=modified)
     return None
-
-
-def step_from_name(name: str) -> Optional[int]:
-    """step_000120 -> 120, checkpoint-12 -> 12, epoch=1-step=15.ckpt -> 15."""
-    match = _STEP_IN_NAME.search(name) or _TRAILING_NUMBER.search(os.path.splitext(name)[0])
-    return int(match.group(1)) if match else None
 
 
 def _step_and_epoch_of_file(path: str, name: str, read_content: bool) -> tuple[Optional[int], Optional[int]]:

@@ -4,22 +4,23 @@ A framework's checkpoint directory is written by one or several ranks into a hid
 directory (``file_requests``); the commit runs after this rank's files, in queue order: each rank's
 writer records its files' checksums in the staging directory and arrives at the save's barrier, and
 rank 0's writer, once every rank arrived, writes the commit record listing every rank's files and
-renames the directory into place. Kept free of torch: the writer unpickles it.
+renames the directory into place. A memory-tier save on several nodes does the same on each node, its files
+replicated between them (``replicas``). Kept free of torch: the writer unpickles it.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 from asyncckpt.core.errors import CheckpointWriteError
-from asyncckpt.core.formats import names
 from asyncckpt.core.storage import owners
 from asyncckpt.core.storage.backend import at_once, backend_for
+from asyncckpt.core.storage.sidecars import take_files_records, write_files_record
 from asyncckpt.core.storage.staging import publish_checkpoint
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.writer.protocol import RequestContext
+from asyncckpt.core.writer.replicas import Replicas, commit_entries, publish_copy, spread
 
 
 @dataclass
@@ -33,6 +34,7 @@ class CommitDirRequest:
     step: Optional[int]
     barrier: BarrierSpec
     failed: Optional[str] = None  # this rank's part failed before reaching the writer
+    replicas: Optional[Replicas] = None  # a memory-tier save on several nodes (``replicas``)
 
     def run(self, context: RequestContext) -> None:
         barrier = context.barrier(self.barrier)
@@ -45,16 +47,20 @@ class CommitDirRequest:
         try:
             owners.claim(self.staging_dir, self.rank, context.token())
             barrier.begin(self.rank)
-            with open(os.path.join(self.staging_dir, names.files_record_name(self.rank)), "w") as f:
-                json.dump({name: [c.size, c.xxh3] for name, c in context.files(self.barrier.key).items()}, f)
+            files = context.files(self.barrier.key)
+            if self.replicas is None:
+                write_files_record(self.staging_dir, self.rank, files)
+            else:
+                spread(self.replicas, self.staging_dir, self.rank, files)
             barrier.arrive(self.rank)
             if self.rank != 0:
                 barrier.wait_commit()
+                if self.replicas is not None and self.replicas.publishes:
+                    publish_copy(self.replicas, self.staging_dir, self.final_path, context.token())
                 return
             barrier.wait_all()
-            replaced = publish_checkpoint(backend_for(self.final_path), self.staging_dir, self.final_path, {
-                "save_id": self.save_id, "world_size": self.barrier.world_size, "step": self.step,
-                "checksums": self._gather_checksums()})
+            replaced = publish_checkpoint(backend_for(self.final_path), self.staging_dir, self.final_path,
+                                          self._record())
             barrier.committed()
         except BaseException as e:
             barrier.fail(self.rank, f"{type(e).__name__}: {e}")
@@ -72,12 +78,13 @@ class CommitDirRequest:
             context.after_reply(lambda: backend_for(self.staging_dir).remove_tree(self.staging_dir, context.token(),
                                                                                   later=at_once))
 
-    def _gather_checksums(self) -> dict[str, dict]:
-        """Every rank's file checksums, for the commit record (the ranks' lists of them go)."""
-        checksums = {}
-        for rank in range(self.barrier.world_size):
-            path = os.path.join(self.staging_dir, names.files_record_name(rank))
-            with open(path) as f:
-                checksums.update({name: {"size": size, "xxh3": xxh3} for name, (size, xxh3) in json.load(f).items()})
-            os.unlink(path)
-        return checksums
+    def _record(self) -> dict:
+        """The commit record: every rank's file checksums (the ranks' lists of them go), and on several nodes
+        which node holds which file (``replicas.commit_entries``)."""
+        gathered = take_files_records(self.staging_dir, self.barrier.world_size)
+        checksums = {name: {"size": c.size, "xxh3": c.xxh3} for name, (c, _holders) in gathered.items()}
+        record = {"save_id": self.save_id, "world_size": self.barrier.world_size, "step": self.step,
+                  "checksums": checksums}
+        if self.replicas is not None:
+            record.update(commit_entries(self.replicas, self.staging_dir, gathered, checksums, []))
+        return record

@@ -1,12 +1,13 @@
-"""Mirroring committed local checkpoints to an object store, and bringing one back.
+"""Copying a committed checkpoint to another place, and bringing a mirrored one back.
 
-For frameworks that write local directories (Accelerate's ``checkpoint_N``, the Trainer's
-``checkpoint-N``): ``Checkpointer.mirror(path, url, after=handle)`` queues a ``MirrorRequest``
-behind the save of ``path`` that runs only if it committed, in the background writer. It uploads
-the files the local commit record lists (memory-mapped, as multipart uploads) under ``url``/ and
-then creates the commit object there with the same record (files, sizes, checksums, step), so the
-mirror is a checkpoint of its own (``object_backend``): ``latest_checkpoint(url_root)`` finds
-it, ``asyncckpt verify`` checks it. A single file is uploaded as one object with its checksum.
+A copy reads a committed local checkpoint and commits it again at the target, any store: to an object store
+(``mirror_to``: ``Checkpointer.mirror(path, url, after=handle)``), or, from the memory tier, to its durable
+place (``persist_every``; ``api.tiers``). ``CopyRequest`` runs it in the background writer, queued behind the
+save of the source and run only if it committed. It writes the files the source's commit record lists
+(memory-mapped; to an object store as multipart uploads) into the target's staging place and then publishes
+them with the same record (files, sizes, checksums, step), so the copy is a checkpoint of its own:
+``latest_checkpoint`` finds it, ``asyncckpt verify`` checks it. A single file is written as one file (one
+object) with its checksum.
 
 ``restore(url, path)`` (training process, at resume, when the local copy is missing) downloads a
 committed mirror into a hidden staging directory beside ``path``, writes the commit record last
@@ -16,12 +17,13 @@ Kept free of torch: the background writer imports it.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
-from asyncckpt.core.storage import commit
+from asyncckpt.core.storage import commit, tier
 from asyncckpt.core.storage import file_checksums
 from asyncckpt.core.storage import owners
 from asyncckpt.core.formats import names
@@ -30,55 +32,70 @@ from asyncckpt.core.storage.backend import backend_for, basename, exists, is_fil
 from asyncckpt.core.storage.fsio import fsync_dir
 from asyncckpt.core.storage.local import attach_checksum
 from asyncckpt.core.storage.object_store import ObjectStoreOptions
-from asyncckpt.core.storage.staging import Staging
+from asyncckpt.core.storage.staging import Staging, staging_dir_for
 from asyncckpt.core.writer.protocol import RequestContext
+from asyncckpt.core.writer.replicas import NodeMap, fetch_missing
 
 
-def _mapped(path: str):
-    """``(mapping or None, size)`` of a local file (an empty file cannot be mapped)."""
+@contextlib.contextmanager
+def _mapped(path: str) -> Iterator[tuple[memoryview, int]]:
+    """The bytes of a local file, memory-mapped (an empty file cannot be mapped), and its size; the view is
+    released before the mapping is closed."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        return (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None), size
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+    try:
+        with memoryview(mapping if mapping is not None else b"") as view:
+            yield view, size
+    finally:
+        if mapping is not None:
+            with contextlib.suppress(BufferError):  # a failed write's traceback still holds a slice of it: the
+                mapping.close()                     # mapping goes with it, and the write's own error is raised
 
 
 @dataclass
-class MirrorRequest:
-    """Upload the committed local checkpoint ``source`` to ``url`` and commit it there."""
+class CopyRequest:
+    """Copy the committed local checkpoint ``source`` to ``target`` (a local path or a URL) and commit it there."""
 
     source: str
-    url: str
+    target: str
     options: Optional[ObjectStoreOptions] = None
+    nodes: Optional[NodeMap] = None  # a memory checkpoint saved on several nodes: where the files it lacks are
 
     def run(self, context: RequestContext) -> None:
-        upload(self.source, self.url, context.token(), self.options)
+        copy(self.source, self.target, context.token(), self.options, self.nodes)
 
 
-def upload(source: str, url: str, token: str, options: Optional[ObjectStoreOptions] = None) -> None:
-    """Upload the committed local checkpoint (or single file) ``source`` to ``url`` and commit it there."""
-    target = backend_for(url, options)
+def copy(source: str, target: str, token: str, options: Optional[ObjectStoreOptions] = None,
+         nodes: Optional[NodeMap] = None) -> None:
+    """Copy the committed local checkpoint (or single file) ``source`` to ``target`` and commit it there; what it
+    replaces there is deleted once the copy is committed. A memory copy saved on several nodes (``nodes``) that
+    lacks files of the checkpoint gets them from the nodes that hold them first (``replicas.fetch_missing``); the
+    copy's record is the checkpoint's, without what only the memory tier needs (``tier.TIER_ENTRY``)."""
+    backend = backend_for(target, options)
     if os.path.isfile(source):
         checksum = file_checksums.read_record(source)
-        mapping, size = _mapped(source)
-        try:
-            target.write_file(url, memoryview(mapping) if mapping is not None else memoryview(b""), size, token,
-                              checksum=lambda: checksum)
-        finally:
-            if mapping is not None:
-                mapping.close()
+        with _mapped(source) as (view, size):
+            backend.write_file(target, view, size, token, checksum=lambda: checksum, direct_io=False)
         return
     record = commit.read_commit_record(source)
     if record is None:
-        raise CheckpointWriteError(f"cannot mirror {source}: it is not a committed checkpoint")
-    place = Staging(url, url, options, coordinator=True)
+        raise CheckpointWriteError(f"cannot copy {source}: it is not a committed checkpoint")
+    if nodes is not None and tier.TIER_ENTRY in record:
+        unavailable = fetch_missing(nodes, source, record, tier.holders(record))
+        if unavailable:
+            raise CheckpointWriteError(f"cannot copy {source}: {', '.join(unavailable)} not on this node, and no node "
+                                       "that holds a copy gave an intact one")
+        record = {key: value for key, value in record.items() if key != tier.TIER_ENTRY}
+    # buffered: a mapped file's last page is not whole, as O_DIRECT would need (an object store streams it anyway)
+    place = Staging(staging_dir_for(target, token), target, options, coordinator=True, direct_io=False)
     place.claim(0, token)
     for name in sorted(record.get("files", {})):
-        mapping, size = _mapped(os.path.join(source, name))
-        try:
-            place.write_image(name, memoryview(mapping) if mapping is not None else memoryview(b""), size, None)
-        finally:
-            if mapping is not None:
-                mapping.close()
-    place.publish(record)  # the local record as it is: files, sizes, checksums, step, commit time
+        with _mapped(os.path.join(source, name)) as (view, size):
+            place.write_image(name, view, size, None)
+    replaced = place.publish(record)  # the source's record as it is: files, sizes, checksums, step, commit time
+    if replaced is not None:
+        place.delete(replaced, token)
 
 
 def restore(url: str, path: str) -> str:

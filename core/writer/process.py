@@ -3,9 +3,12 @@
 It is launched as ``python -m asyncckpt.core.writer.process`` (not multiprocessing's spawn, which would
 re-import the user's ``__main__`` and re-run an unguarded training script), talks over a Unix
 socket (``protocol``), receives staging buffers as memfd file descriptors, and runs each request
-outside the training process's GIL. It runs in a session of its own and ignores SIGINT and SIGTERM (from its first instruction on):
-a Ctrl-C or a preemption signal reaches the training process, which drains what it handed over,
-and the writer keeps writing through the grace period instead of dropping the save in flight.
+outside the training process's GIL. It runs in a session of its own and is not stopped by SIGINT or SIGTERM (from its
+first instruction on): a Ctrl-C or a preemption signal reaches the training process, which drains what it handed
+over, and the writer keeps writing through the grace period instead of dropping the save in flight. A SIGTERM that
+reaches the writer itself (a preemption signals every process of the job) means its node may go away: once the
+work at hand is done, it writes durably the newest checkpoint of the memory tier that it published and that is in
+memory only (``persist_memory``), so that the node's memory takes nothing with it that the job needs.
 
 A save handed over survives the training process. If the training process dies (kill -9, the OOM
 killer, a crash) the writer finishes every request it was given before (they are in its socket,
@@ -15,6 +18,9 @@ Orphaned, it bounds its work by the saves' timeout, meets the other ranks' write
 or objects on an object store) when the Store died with the training processes
 (``barrier.SurvivingBarrier``), and says what it
 does in a log beside the checkpoint (``storage.orphans``).
+
+With the memory tier on several nodes, the writer of each node's lowest rank also serves that node's memory to
+the others (``replication.Receiver``, on a listening socket its training process made and published: RECEIVER).
 
 It never imports torch, nor anything of asyncckpt outside ``writer``, ``storage``, ``formats``,
 ``errors`` and the torch-free half of ``export`` (tests/test_layout.py runs every kind of request
@@ -29,6 +35,7 @@ import mmap
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -37,8 +44,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any, Callable, Optional
 
-from asyncckpt.core.storage import leftovers, orphans, owners
-from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.storage import commit, leftovers, orphans, owners, tier
+from asyncckpt.core.storage.backend import backend_for, join
 from asyncckpt.core.writer import protocol
 from asyncckpt.core.writer.barrier import (
     BarrierSpec,
@@ -49,6 +56,8 @@ from asyncckpt.core.writer.barrier import (
     SurvivingBarrier,
 )
 from asyncckpt.core.writer.copy_progress import PROGRESS_BYTES
+from asyncckpt.core.writer.mirror import copy
+from asyncckpt.core.writer.replication import Receiver
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
 
 _REMEMBERED_FAILURES = 256  # saves whose failure (or files) on this rank a later request of theirs may ask about
@@ -102,12 +111,16 @@ class Channel:
 
     def _receive(self) -> tuple[tuple, Optional[int]]:
         message = self.conn.recv()
-        fd = recv_handle(self.conn) if message[0] == protocol.BUFFER else None
+        fd = recv_handle(self.conn) if message[0] in (protocol.BUFFER, protocol.RECEIVER) else None
         return message, fd
 
     def next_message(self) -> tuple[tuple, Optional[int]]:
-        """The next message (and the file descriptor a BUFFER message brings)."""
+        """The next message (and the file descriptor a BUFFER or RECEIVER message brings)."""
         return self._queued.pop(0) if self._queued else self._receive()
+
+    def ready(self, timeout: float) -> bool:
+        """Whether a message (or the end of the connection) is there, waiting up to ``timeout`` seconds."""
+        return bool(self._queued) or self.conn.poll(timeout)
 
     def send(self, *message: Any) -> None:
         try:
@@ -177,6 +190,35 @@ class Writer:
         self.tidying: set[str] = set()  # directories to tidy after the current batch's replies
         self.after_replies: list[Callable[[], None]] = []
         self.heartbeats = Heartbeats(self.token)  # liveness markers of the saves at work (``barrier``)
+        self.terminated = False  # a SIGTERM reached this writer: its node may go away
+        self.memory_saves: dict[str, str] = {}  # memory run directory -> the newest checkpoint this writer published
+
+    def _note_memory_save(self, request: Any) -> None:
+        """Remember the newest memory-tier checkpoint this writer published (a rank's directory or sharded share by
+        rank 0's writer, a single file by its own), and forget one once it was written durably."""
+        source = getattr(request, "source", None)
+        if source is not None and source in self.memory_saves.values():  # its durable copy (``CopyRequest``)
+            self.memory_saves = {run: path for run, path in self.memory_saves.items() if path != source}
+            return
+        path = getattr(request, "final_path", None) if getattr(request, "rank", None) == 0 else None
+        if path is None and getattr(request, "barrier", "absent") is None:
+            path = getattr(request, "path", None)  # a single file
+        if isinstance(path, str) and tier.durable_root_of(os.path.dirname(path)) is not None:
+            self.memory_saves[os.path.dirname(path)] = path
+
+    def persist_memory(self) -> None:
+        """Write durably, and commit there, the newest checkpoint of each memory run this writer published that is
+        in memory only (its durable copy missing, or of another save); then forget them."""
+        saves, self.memory_saves = self.memory_saves, {}
+        for run, path in saves.items():
+            durable = join(tier.durable_root_of(run), os.path.basename(path))
+            try:
+                if not commit.same_save(path, durable):
+                    copy(path, durable, self.token)
+                    orphans.note(os.path.dirname(durable), self.token, f"wrote {durable} from memory (SIGTERM)")
+            except (OSError, CheckpointWriteError) as e:
+                orphans.note(os.path.dirname(durable), self.token,
+                             f"could not write {durable} from memory (SIGTERM): {type(e).__name__}: {e}")
 
     def run_jobs(self, jobs: list[protocol.Job]) -> None:
         for job in jobs:
@@ -193,6 +235,7 @@ class Writer:
                 job.request.run(context)
                 self.channel.send(protocol.DONE, job.job_id)
                 self.log_outcome(job, None)
+                self._note_memory_save(job.request)
             except BaseException as e:  # report everything; the training process decides what to raise
                 self.failed_jobs.add(job.job_id)
                 self.channel.send(protocol.FAILED, job.job_id, *protocol.error_text(e), traceback.format_exc())
@@ -300,6 +343,8 @@ def serve(writer: "Writer") -> None:
     """Run requests until told to stop."""
     channel = writer.channel
     while True:
+        while writer.terminated and writer.memory_saves and not channel.ready(0.2):
+            writer.persist_memory()  # only between requests: nothing runs beside a request
         try:
             message, fd = channel.next_message()
         except (EOFError, OSError):  # the training process closed the socket, or died: all it sent was run
@@ -315,7 +360,11 @@ def serve(writer: "Writer") -> None:
             writer.buffers.pop(message[1], None)
         elif kind == protocol.RUN:
             writer.run_jobs(message[1])
+        elif kind == protocol.RECEIVER:  # threads of its own until the process exits: nothing to stop
+            Receiver(message[1], listener=socket.socket(fileno=fd))
         elif kind == protocol.STOP:
+            if writer.terminated:
+                writer.persist_memory()
             writer.log_exit("exiting")
             with contextlib.suppress(OSError):
                 channel.send(protocol.STOPPED)
@@ -343,12 +392,12 @@ def main() -> None:
     # No check of whether the training process still lives: the save that started this process
     # returned once its request and staging buffer were in the socket, and a training process that
     # died in the meantime (as this one started) left them there for us to finish, as an orphan.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked since the start (``client``)
     trainer = TrainingProcess(parent_pid, timeout)
     channel = Channel(Connection(fd), trainer)
     writer = Writer(channel)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(writer, "terminated", True))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked since the start (``client``)
 
     def give_up(signum: int, frame: Any) -> None:  # orphaned, and past the saves' timeout
         writer.log_exit(f"gave up after {timeout:.0f}s")

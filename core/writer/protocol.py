@@ -5,7 +5,7 @@ A *request* is plain data (a dataclass the writer unpickles without torch) with 
 writer comes through its ``RequestContext``: the staging buffer it writes from, the barrier it
 meets the other ranks at, and a place to leave work for after the reply. The request classes:
 ``shard_requests.ShareRequest``, ``file_requests.*``, ``directory_requests.CommitDirRequest``,
-``retention.RetentionRequest``, ``mirror.MirrorRequest``, ``Idle`` below, and ``export.request.ExportRequest``
+``retention.RetentionRequest``, ``mirror.CopyRequest``, ``Idle`` below, and ``export.request.ExportRequest``
 (the one request class outside this package: an export's torch-free half, see docs/DESIGN.md).
 
 Messages, each a tuple whose first element is its kind:
@@ -17,6 +17,9 @@ training → writer  fields                                            meaning
 ``DROP``           buffer id                                         forget it
 ``RUN``            [Job, ...]                                        run these, in order
 ``BARRIER_RESULT`` error or None                                     the answer to BARRIER_CALL
+``RECEIVER``       memory root  (then a listening socket, SCM_RIGHTS) serve the memory root to the
+                                                                     other nodes on it (the memory
+                                                                     tier: ``replication.Receiver``)
 ``STOP``                                                             exit after the queue
 =================  ================================================  ===========================
 
@@ -44,7 +47,7 @@ if TYPE_CHECKING:
     from asyncckpt.core.formats.checksum import FileChecksum
     from asyncckpt.core.formats.layout import RankLayout
 
-BUFFER, DROP, RUN, BARRIER_RESULT, STOP = "buffer", "drop", "run", "barrier-result", "stop"
+BUFFER, DROP, RUN, BARRIER_RESULT, RECEIVER, STOP = "buffer", "drop", "run", "barrier-result", "receiver", "stop"
 DONE, FAILED, CANCELLED, BARRIER_CALL, STOPPED = "done", "failed", "cancelled", "barrier-call", "stopped"
 
 

@@ -1,4 +1,5 @@
-"""Which step-named checkpoints to delete, and the request that deletes them in the background writer.
+"""Which checkpoints to delete, and the requests that delete them in the background writer: step-named durable
+ones (``CheckpointManager``'s ``keep_last`` / ``keep_every``), and a memory tier's beyond its newest ``keep``.
 
 Kept apart from ``manager`` (which needs the ``Checkpointer``, hence torch) because the writer
 unpickles ``RetentionRequest`` and must not import torch.
@@ -9,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from asyncckpt.core.storage import commit
+from asyncckpt.core.storage import commit, tier
 from asyncckpt.core.storage.backend import basename
 from asyncckpt.core.writer.file_requests import RemoveRequest
 from asyncckpt.core.writer.protocol import RequestContext
@@ -42,6 +43,18 @@ class RetentionRequest:
         committed = committed_steps(self.root, re.compile(self.pattern), self.object_store)
         doomed = [committed[step] for step in select_deletions(list(committed), self.keep_last, self.keep_every)]
         RemoveRequest(doomed, object_store=self.object_store).run(context)
+
+
+@dataclass
+class MemoryRetentionRequest:
+    """The memory tier's retention on this node, right after a checkpoint was published there, and only if it
+    committed: the memory checkpoints of ``run_directory`` beyond the newest ``keep`` go (``tier.stale``)."""
+
+    run_directory: str
+    keep: int
+
+    def run(self, context: RequestContext) -> None:
+        RemoveRequest(tier.stale(self.run_directory, self.keep)).run(context)
 
 
 def committed_steps(root: str, pattern: re.Pattern, options: Any = None) -> dict[int, str]:

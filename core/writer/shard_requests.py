@@ -25,10 +25,12 @@ from asyncckpt.core.formats.dcp_pickle import DcpClasses, metadata_bytes
 from asyncckpt.core.errors import CheckpointWriteError, SnapshotCopyFailed
 from asyncckpt.core.writer.file_requests import fail_save
 from asyncckpt.core.formats.layout import RankLayout
-from asyncckpt.core.storage.sidecars import read_sidecar
-from asyncckpt.core.storage.staging import Staging
+from asyncckpt.core.storage.sidecars import read_sidecar, take_files_records
+from asyncckpt.core.storage.staging import Staging, remove_coordination_files
 from asyncckpt.core.writer.protocol import RequestContext
 from asyncckpt.core.formats.sidecar import ShareItems, ShareRecord, encode_sidecar
+from asyncckpt.core.writer.replicas import Replicas, commit_entries, publish_copy, spread, to_coordinator
+from asyncckpt.core.writer.replication import file_checksum
 
 
 @dataclass
@@ -57,6 +59,7 @@ class ShareRequest:
     # Set for a DCP directory inside a directory checkpoint: the directory's barrier, which this
     # share's failure fails; the directory's own commit publishes it (no commit of its own).
     directory_barrier: Optional[BarrierSpec] = None
+    replicas: Optional[Replicas] = None  # a memory-tier save on several nodes (``replicas``)
 
     def destination(self) -> Staging:
         return Staging(self.staging_dir, self.final_path, self.object_store, self.coordinator, self.direct_io,
@@ -84,6 +87,8 @@ class ShareRequest:
             place.write_bytes(names.sidecar_name(self.rank), encode_sidecar(ShareRecord(
                 self.save_id, self.rank, self.world_size, self.structure_hash, context.layout.planner_data, items)),
                 atomic=True)
+            if self.replicas is not None:
+                self._spread(context, items)
             barrier.arrive(self.rank)
         except BaseException as e:
             reason = f"{type(e).__name__}: {e}"
@@ -95,12 +100,17 @@ class ShareRequest:
         if not self.coordinator:
             if self.directory_barrier is None:
                 barrier.wait_commit()
+                if self.replicas is not None and self.replicas.publishes:
+                    publish_copy(self.replicas, self.staging_dir, self.final_path, context.token())
             return
         try:
             barrier.wait_all()
             if self.directory_barrier is not None:
                 write_metadata(self, place)
                 remove_coordination_files(self.staging_dir)
+                if self.replicas is not None:  # the directory's commit spreads it
+                    self._record(context, {names.DCP_METADATA_FILE: file_checksum(
+                        os.path.join(self.staging_dir, names.DCP_METADATA_FILE))})
                 return
             replaced = commit_share(self, place)
             barrier.committed()
@@ -110,6 +120,25 @@ class ShareRequest:
             raise
         if replaced is not None:
             context.after_reply(lambda: place.delete(replaced, context.token()))
+
+    def _spread(self, context: RequestContext, items: ShareItems) -> None:
+        """On several nodes (``replicas``): this rank's files to its node's peers, and its sidecar to rank 0's node
+        (``.metadata`` is made from every sidecar); in a directory checkpoint the directory's commit spreads its
+        files with the others', and only the sidecar goes now."""
+        sidecar = names.sidecar_name(self.rank)
+        written = {name: file_checksum(os.path.join(self.staging_dir, name))
+                   for name in (items.layout and items.layout.file_name, items.objects_file, sidecar) if name}
+        if self.directory_barrier is None:
+            spread(self.replicas, self.staging_dir, self.rank, written, coordinator_needs=[sidecar])
+            return
+        self._record(context, written)
+        to_coordinator(self.replicas, self.staging_dir, self.rank, {sidecar: written[sidecar]})
+
+    def _record(self, context: RequestContext, files: dict) -> None:
+        """Files of this DCP part, for its directory's commit (named relative to the directory)."""
+        for name, recorded in files.items():
+            context.record_file(self.directory_barrier.key, os.path.relpath(
+                os.path.join(self.staging_dir, name), self.directory_barrier.staging_dir), recorded)
 
 
 def write_share(
@@ -151,16 +180,13 @@ def commit_share(req: ShareRequest, place: Staging) -> Optional[str]:
     """Coordinator, once every rank's share is durable: DCP's ``.metadata`` from the sidecars,
     the commit record, publish. Returns where a checkpoint it replaced now is."""
     write_metadata(req, place)
-    return place.publish({
-        "save_id": req.save_id, "world_size": req.world_size, "step": req.step, "structure_hash": req.structure_hash,
-        "checksums": {name: {"size": len(data), "xxh3": checksum(data)} for name, data in req.extra_files.items()}})
-
-
-def remove_coordination_files(directory: str) -> None:
-    """What the ranks met by (file barrier), once the coordinator no longer needs it."""
-    for entry in os.listdir(directory):
-        if names.COORDINATION_FILE_PATTERN.match(entry):
-            os.unlink(os.path.join(directory, entry))
+    record = {"save_id": req.save_id, "world_size": req.world_size, "step": req.step,
+              "structure_hash": req.structure_hash,
+              "checksums": {name: {"size": len(data), "xxh3": checksum(data)} for name, data in req.extra_files.items()}}
+    if req.replicas is not None:
+        record.update(commit_entries(req.replicas, place.directory, take_files_records(place.directory, req.world_size),
+                                     record["checksums"], [names.DCP_METADATA_FILE, *req.extra_files]))
+    return place.publish(record)
 
 
 def write_metadata(req: ShareRequest, place: Staging) -> None:

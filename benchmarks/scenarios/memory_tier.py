@@ -1,0 +1,376 @@
+"""The memory tier on two nodes: what a save costs, what a restart takes from each source, what replicating
+costs the training loop.
+
+Two ranks, each a node of its own on this machine (its own ``ASYNCCKPT_NODE`` and memory root in tmpfs, replicas
+over loopback), each with its own share of ``size_mib`` (an Adam-like mix of tensors).
+**Saves** (``async_save``): durably only (to the disk); with the memory tier (``replicas=1``: committed in its own
+node's memory and in the other's; the durable copy written from memory behind it, ``persist_every=1``) to the disk,
+and to the S3 server (moto). Per save: the stall, the time to committed (in memory with its replica, or durable),
+the time to durable; against the snapshot (a held memcpy of the share) plus a raw socket transfer of it
+(``os.sendfile`` into another process that writes it into tmpfs; both shares at once, as the job moves them).
+**Restarts** (a fresh two-rank job: ``latest_checkpoint`` + ``load``, checked bit for bit): from each node's own
+memory (a process restart), with node 1's memory gone (a replaced node: it fetches its share from node 0's
+replica), from the disk with its pages evicted, from the S3 server; against a memcpy of the share.
+**Training**: both ranks compute (one thread each: every core busy), saving every few seconds with the memory
+tier (in memory only), against the same loop saving nothing, saving durably, and with another process writing
+the same bytes to the disk at the same steps.
+From the measured costs, the work a day of failures loses against the checkpoint interval, with and without the
+tier (``asyncckpt.core.api.interval``).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+
+from harness import Option, Scenario
+from harness.floors import HeldMemcpy, RawWriter
+from harness.machine import evict
+from harness.ranks import on_ranks
+from harness.report import bars, fmt, table
+from harness.util import median, now
+from harness.workloads import MMLoop, flat_tensors, make_adam, n_tensors, same_state, state_bytes, zeros_like_state
+from scenarios.object_store import Server
+from scenarios.replication import raw_reader, started  # noqa: F401 - raw_reader runs in a child of this scenario
+
+SAVES = {"durable": "durable only (disk)", "memory": "**memory tier**, durable on disk",
+         "memory_s3": "**memory tier**, durable on S3"}
+RESTARTS = {"own": "own node's memory", "peer": "node 1 replaced: its share from node 0",
+            "disk": "disk (cold)", "s3": "S3 server"}
+TRAINING = {"none": "no checkpoints", "durable": "durable only (asyncckpt, disk)",
+            "memory": "**memory tier** (1 replica, memory only)", "raw": "floor: another process writes the same bytes (O_DIRECT)"}
+BUCKET = "memory-tier"
+
+
+# ------------------------------------------------------------------------------------------ in each rank
+def _node(rank: int, memory_root: str) -> None:
+    """This rank is node ``n{rank}``, its memory root under ``memory_root``, reached over loopback."""
+    os.environ.update({"ASYNCCKPT_NODE": f"n{rank}", "ASYNCCKPT_MEMORY_ROOT": os.path.join(memory_root, f"n{rank}"),
+                       "ASYNCCKPT_REPLICATION_ADDRESS": "127.0.0.1"})
+
+
+def _share(rank: int, size_mib: int) -> dict:
+    """Rank ``rank``'s own share (its keys its own: every rank writes its ``size_mib``)."""
+    return {f"rank{rank}": make_adam(size_mib << 20, seed=1 + rank)}
+
+
+def _drop(path: str) -> None:
+    """A measured checkpoint removed once the next one is durable (the S3 server holds what it is sent in memory)."""
+    if path.startswith("s3://"):
+        import boto3
+
+        bucket, _, prefix = path[len("s3://"):].partition("/")
+        objects = boto3.resource("s3").Bucket(bucket).objects.filter(Prefix=prefix + "/")
+        objects.delete()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _saves_rank(rank: int, world: int, arm: str, size_mib: int, reps: int, root: str, memory_root: str,
+                keep_to: str) -> dict:
+    import torch.distributed as dist
+
+    _node(rank, memory_root)
+    from asyncckpt.core import Checkpointer, MemoryTier
+
+    state = _share(rank, size_mib)
+    options = {"memory_tier": MemoryTier(replicas=1, persist_every=1, keep=1)} if arm != "durable" else {}
+    rows: dict[str, list[float]] = {"stall_s": [], "committed_s": [], "durable_s": []}
+    memcpy, sources = HeldMemcpy(), list(flat_tensors(state).values())
+    snapshot_s = []
+    with Checkpointer(**options) as checkpointer:
+        previous = f"{root}/warmup"
+        checkpointer.save(state, previous, step=0)  # plans, staging buffers, writers, receivers: warm
+        checkpointer.wait()  # and its durable copy written: not in the first measured save's way
+        for rep in range(1, reps + 1):
+            snapshot_s.append(memcpy(sources)[0])
+            dist.barrier()
+            path = f"{root}/step_{rep}"
+            t0 = now()
+            handle = checkpointer.async_save(state, path, step=rep)
+            rows["stall_s"].append(now() - t0)
+            handle.result()
+            rows["committed_s"].append(now() - t0)
+            checkpointer.wait_for(path)  # its durable copy (with the tier, written from memory behind it)
+            rows["durable_s"].append(now() - t0)
+            dist.barrier()
+            if rank == 0:
+                _drop(previous)
+            previous = path
+        if keep_to:  # this node's memory as a run killed now would leave it: the restarts' source
+            dist.barrier()
+            shutil.copytree(os.environ["ASYNCCKPT_MEMORY_ROOT"], os.path.join(keep_to, f"n{rank}"), symlinks=True)
+            dist.barrier()
+    return {"state_bytes": state_bytes(state), "tensors": n_tensors(state), "reps": rows, "snapshot_s": snapshot_s,
+            "kept": previous}
+
+
+def _restart_rank(rank: int, world: int, size_mib: int, root: str, memory_root: str) -> dict:
+    import torch.distributed as dist
+
+    _node(rank, memory_root)
+    from asyncckpt.core import Checkpointer, MemoryTier
+
+    expected = _share(rank, size_mib)
+    target = zeros_like_state(expected)
+    with Checkpointer(memory_tier=MemoryTier(replicas=1)) as checkpointer:
+        dist.barrier()
+        t0 = now()
+        path = checkpointer.latest_checkpoint(root)
+        checkpointer.load(target, path)
+        load_s = now() - t0
+    if not same_state(target, expected):
+        raise AssertionError(f"rank {rank} loaded {path}: not the state it saved")
+    return {"load_s": load_s, "path": path}
+
+
+def _train_rank(rank: int, world: int, arm: str, size_mib: int, seconds: float, saves: int, root: str,
+                memory_root: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    _node(rank, memory_root)
+    from asyncckpt.core import Checkpointer, MemoryTier
+
+    state, loop = _share(rank, size_mib), MMLoop()
+    rate = torch.tensor([loop.rate_alone(2.0)])
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)  # both ranks run the same steps (a save is collective)
+    steps = int(rate.item() * seconds)
+    every = max(1, steps // (saves + 1))
+    raw = RawWriter(state_bytes(state), root) if arm == "raw" else None
+    checkpointer = None
+    if arm in ("memory", "durable"):
+        options = {"memory_tier": MemoryTier(replicas=1, persist_every=1 << 30, keep=1)} if arm == "memory" else {}
+        checkpointer = Checkpointer(**options)
+        checkpointer.save(state, f"{root}/warmup", step=0)
+        checkpointer.wait()
+    dist.barrier()
+    stalls, t0 = [], now()
+    for step in range(1, steps + 1):
+        loop.step()
+        if step % every == 0 and step // every <= saves:
+            s0 = now()
+            if raw is not None:
+                raw.start()
+            elif checkpointer is not None:
+                checkpointer.async_save(state, f"{root}/step_{step}", step=step)
+            stalls.append(now() - s0)
+    wall_s = now() - t0
+    if raw is not None:
+        raw.wait()
+        raw.close()
+    if checkpointer is not None:
+        checkpointer.close()
+    return {"wall_s": wall_s, "steps": steps, "stalls_s": stalls}
+
+
+# ------------------------------------------------------------------------------------------ children
+def job_saves(arm: str, size_mib: int, reps: int, root: str, memory_root: str, keep_to: str) -> dict:
+    """``reps`` saves on both nodes; per rep the slower rank's seconds."""
+    r0, r1 = on_ranks(_saves_rank, 2, arm, size_mib, reps, root, memory_root, keep_to)
+    out = {key: [max(a, b) for a, b in zip(r0["reps"][key], r1["reps"][key])] for key in r0["reps"]}
+    return {"reps": out, "snapshot_s": r0["snapshot_s"] + r1["snapshot_s"], "state_bytes": r0["state_bytes"],
+            "tensors": r0["tensors"], "kept": r0["kept"]}
+
+
+def job_restart(size_mib: int, root: str, memory_root: str) -> dict:
+    ranks = on_ranks(_restart_rank, 2, size_mib, root, memory_root)
+    return {"load_s": max(r["load_s"] for r in ranks), "paths": [r["path"] for r in ranks]}
+
+
+def job_train(arm: str, size_mib: int, seconds: float, saves: int, root: str, memory_root: str) -> dict:
+    ranks = on_ranks(_train_rank, 2, arm, size_mib, seconds, saves, root, memory_root)
+    return {"wall_s": max(r["wall_s"] for r in ranks), "steps": ranks[0]["steps"],
+            "stall_s": median([s for r in ranks for s in r["stalls_s"]])}
+
+
+def raw_transfers(addresses: list, size_mib: int, scratch: str, reps: int) -> dict:
+    """Both shares at once, each a file in tmpfs sent whole with ``os.sendfile`` into a raw reader that writes it
+    into tmpfs (the floor of a replica landing in another process's memory): seconds per rep (rep 0 warms)."""
+    nbytes = size_mib << 20
+    files = []
+    for i in range(len(addresses)):
+        fd, path = tempfile.mkstemp(dir=scratch)
+        with os.fdopen(fd, "wb") as f:
+            for _ in range(size_mib):
+                f.write(os.urandom(1 << 20))
+        files.append(path)
+
+    def send(address, path) -> None:
+        with socket.create_connection(tuple(address)) as connection, open(path, "rb") as f:
+            connection.sendall(struct.pack(">QB", nbytes, 1))
+            connection.sendfile(f)
+            if connection.recv(1) != b"k":
+                raise ConnectionError("the raw reader did not take every byte")
+
+    seconds = []
+    for _ in range(reps + 1):
+        threads = [threading.Thread(target=send, args=pair) for pair in zip(addresses, files)]
+        t0 = now()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds.append(now() - t0)
+    for path in files:
+        os.unlink(path)
+    return {"s": seconds[1:]}
+
+
+# ------------------------------------------------------------------------------------------ the sitting
+def _restored(backup: str, memory_root: str, nodes: tuple[str, ...]) -> None:
+    shutil.rmtree(memory_root, ignore_errors=True)
+    os.makedirs(memory_root)
+    for node in nodes:
+        shutil.copytree(os.path.join(backup, node), os.path.join(memory_root, node), symlinks=True)
+
+
+def measure(sitting) -> dict:
+    import boto3
+
+    o = sitting.o
+    out: dict = {"saves": {}, "restart": {}, "training": {}}
+    memory_root = tempfile.mkdtemp(prefix="asyncckpt-bench-", dir="/dev/shm")
+    server = Server("moto", sitting.directory("s3"))
+    try:
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        backup, kept = sitting.directory("kept_memory"), {}
+        rounds = 2
+        for r, run in sitting.abba(sitting.runs(list(SAVES)), rounds):
+            root = f"s3://{BUCKET}/run_{run.label}" if run.arm == "memory_s3" else sitting.directory(f"run_{run.label}")
+            keep_to = backup if (run.arm == "memory" and r == rounds - 1) else ""
+            with sitting.phase(f"saves {run.label}"):
+                found = sitting.child("job_saves", arm=run.arm, size_mib=o.size_mib, reps=o.reps, root=root,
+                                      memory_root=memory_root, keep_to=keep_to)
+            entry = out["saves"].setdefault(run.arm, {"state_bytes": found["state_bytes"], "tensors": found["tensors"],
+                                                      "reps": {k: [] for k in found["reps"]}, "snapshot_s": []})
+            for key, values in found["reps"].items():
+                entry["reps"][key] += values
+            entry["snapshot_s"] += found["snapshot_s"]
+            if r == rounds - 1 and run.arm != "durable":
+                kept[run.arm] = found["kept"]  # the newest checkpoint, durable (and in memory: ``backup``)
+            elif not root.startswith("s3://"):
+                shutil.rmtree(root, ignore_errors=True)
+        readers = [started(sitting, "raw_reader", sink=tempfile.mkdtemp(dir=memory_root)) for _ in range(2)]
+        with sitting.phase("raw transfers"):
+            out["raw_transfer_s"] = sitting.child("raw_transfers", addresses=[a for _, a in readers],
+                                                  size_mib=o.size_mib, scratch=memory_root, reps=o.reps)["s"]
+        for child, _ in readers:
+            child.process.kill()
+            child.process.wait()
+        disk_root = os.path.dirname(kept["memory"])
+        sources = {"own": (disk_root, ("n0", "n1")), "peer": (disk_root, ("n0",)), "disk": (disk_root, ()),
+                   "s3": (os.path.dirname(kept["memory_s3"]), ())}
+        for _ in range(o.reps):
+            for source, (root, nodes) in sources.items():
+                _restored(backup, memory_root, nodes)
+                if source == "disk":
+                    evict([os.path.join(d, n) for d, _, names in os.walk(root) for n in names])
+                with sitting.phase(f"restart {source}"):
+                    found = sitting.child("job_restart", size_mib=o.size_mib, root=root, memory_root=memory_root)
+                out["restart"].setdefault(source, []).append(found["load_s"])
+                out.setdefault("restart_paths", {})[source] = found["paths"]
+        shutil.rmtree(disk_root, ignore_errors=True)
+        _restored(backup, memory_root, ())
+        for _, run in sitting.abba(sitting.runs(list(TRAINING)), 2):
+            root = sitting.directory(f"train_{run.label}")
+            with sitting.phase(f"training {run.label}"):
+                found = sitting.child("job_train", arm=run.arm, size_mib=o.size_mib, seconds=o.train_s,
+                                      saves=o.train_saves, root=root, memory_root=memory_root)
+            out["training"].setdefault(run.arm, []).append(found)
+            shutil.rmtree(root, ignore_errors=True)
+    finally:
+        server.stop()
+        shutil.rmtree(memory_root, ignore_errors=True)
+    out["failures_per_day"] = o.failures_per_day
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the page
+def _costs(figures: dict) -> dict:
+    """The medians the interval needs: the stall, the time to safe (memory + replica, or durable), the restart."""
+    saves = figures["saves"]
+    return {"stall": median(saves["memory"]["reps"]["stall_s"]),
+            "durable": (median(saves["durable"]["reps"]["committed_s"]), median(figures["restart"]["disk"])),
+            "memory": (median(saves["memory"]["reps"]["committed_s"]), median(figures["restart"]["own"]))}
+
+
+def render(result: dict) -> str:
+    from asyncckpt.core.api import interval
+
+    figures = result["figures"]
+    saves = figures["saves"]
+    first = saves["durable"]
+    snapshot_s = median(saves["memory"]["snapshot_s"])
+    raw_s = median(figures["raw_transfer_s"])
+    floor_s = snapshot_s + raw_s
+    lines = [f"{first['state_bytes'] / 2**30:.2f} GiB in {first['tensors']} tensors per rank, 2 ranks, each a node; "
+             f"medians in seconds over {result['options']['reps']} saves per arm and sitting half (ABBA), each the "
+             f"slower rank's.", "",
+             *table(["", "stall", "committed (memory + replica, or durable)", "durable", "committed / floor"],
+                    [[name, fmt(median(saves[arm]["reps"]["stall_s"])), fmt(median(saves[arm]["reps"]["committed_s"])),
+                      fmt(median(saves[arm]["reps"]["durable_s"])),
+                      fmt(median(saves[arm]["reps"]["committed_s"]) / floor_s, ".2f") + "x"]
+                     for arm, name in SAVES.items()]), "",
+             f"Floor of the memory commit with a replica: the snapshot (a held memcpy of the share, {fmt(snapshot_s)} s) "
+             f"+ a raw socket transfer of the share ({fmt(raw_s)} s, both shares at once) = {fmt(floor_s)} s "
+             f"(goal: committed within 1.25x). With the tier, the durable copy is written by rank 0 from its node's "
+             f"memory (its own share and its replica of node 1's).", "",
+             "A restart (a fresh two-rank job: `latest_checkpoint` + `load`, the slower rank, checked bit for bit):", "",
+             *table(["source", "load s", "x memcpy of the share", "vs disk (cold)"],
+                    [[RESTARTS[source], fmt(median(times)), fmt(median(times) / snapshot_s, ".2f") + "x",
+                      fmt(median(figures["restart"]["disk"]) / median(times), ".1f") + "x faster"]
+                     for source, times in figures["restart"].items()]), "",
+             "Goals: from memory within 1.5x of a memcpy, at least 5x faster than the disk cold.", ""]
+    training = figures["training"]
+    none_s = median([run["wall_s"] for run in training["none"]])
+    lines += ["The training loop (both ranks computing, one thread each; the same steps in every arm):", "",
+              *table(["arm", "wall s", "vs no checkpoints", "stall per save s"],
+                     [[TRAINING[arm], fmt(median([run["wall_s"] for run in runs])),
+                       f"{(median([run['wall_s'] for run in runs]) / none_s - 1) * 100:+.1f}%",
+                       fmt(median([run["stall_s"] for run in runs if run["stall_s"] is not None]))]
+                      for arm, runs in training.items()]), "",
+              "Goal: the memory tier's slowdown no worse than the floor's (the same bytes written to the disk)."]
+    costs = _costs(figures)
+    rate = figures["failures_per_day"]
+    losses = {name: interval.least_loss(costs["stall"], *costs[name], rate) for name in ("durable", "memory")}
+    lines += ["", f"At {rate:g} failure(s) a day (`api.interval`, Young/Daly; the memory tier's restart from "
+                  f"its own memory, the durable one's from the disk cold):", "",
+              *table(["", "least-loss interval", "lost per failure", "lost per day"],
+                     [[name, f"{loss.seconds:.0f} s", f"{loss.lost_per_failure_s:.1f} s", f"{loss.lost_per_day_s:.0f} s"]
+                      for name, loss in (("durable only", losses["durable"]), ("**memory tier**", losses["memory"]))])]
+    return "\n".join(lines)
+
+
+def plot(result: dict, figure) -> None:
+    from asyncckpt.core.api import interval
+
+    restart_axes, loss_axes = figure.subplots(1, 2)
+    restarts = result["figures"]["restart"]
+    bars(restart_axes, [RESTARTS[s] for s in restarts], [median(restarts[s]) for s in restarts], "restart load, s")
+    costs, rate = _costs(result["figures"]), result["figures"]["failures_per_day"]
+    intervals = [10 * 1.25 ** k for k in range(40)]
+    for name, key in (("durable only", "durable"), ("memory tier", "memory")):
+        safe, restart_s = costs[key]
+        loss = [86400 / t * costs["stall"] + rate * (max(t, safe) / 2 + restart_s) for t in intervals]
+        least = interval.least_loss(costs["stall"], safe, restart_s, rate).seconds
+        loss_axes.plot(intervals, loss, label=f"{name} (least at {least:.0f} s)")
+    loss_axes.set_xscale("log")
+    loss_axes.set_xlabel("checkpoint interval, s")
+    loss_axes.set_ylabel(f"work lost per day, s ({rate:g} failure(s)/day)")
+    loss_axes.legend()
+
+
+SCENARIO = Scenario(
+    title="The memory tier: saves, restarts and training on two nodes",
+    question=__doc__.split("\n\n", 1)[1].strip().replace("\n", " "),
+    measure=measure, render=render, plot=plot,
+    options={"size_mib": Option(1024, 32), "failures_per_day": Option(1.0, 1.0),
+             "train_s": Option(30.0, 4.0, help="seconds of computation per training run"),
+             "train_saves": Option(5, 2, help="saves per training run")},
+    reps=(3, 1),
+    limits=("memcpy", "odirect_write", "cold_read"),
+)

@@ -1,0 +1,343 @@
+"""The memory tier of one ``Checkpointer``: where each checkpoint goes, and what follows its commit.
+
+With ``memory_tier`` on, a checkpoint asked for at its durable path (``run/checkpoint-20``) is saved at its memory
+path on this node (``storage.tier.memory_path``) by the usual save machinery, so it is committed there exactly as a
+checkpoint is anywhere (staging, commit record, checksums), at the speed of a copy into shared memory. Behind its
+commit, in the writer's queue, come:
+
+* every ``persist_every``-th checkpoint of a durable root (and, at the end of a run, the last one): its copy to
+  the durable path, committed there as any checkpoint (``CopyRequest``): no second snapshot, the writer reads the
+  memory copy;
+* the memory tier's own retention: the memory checkpoints of the root beyond the newest ``keep`` are removed
+  (the durable ones are the framework's to rotate, as without the tier).
+
+A root whose checkpoints do not fit in the memory the tier may use is saved durably only, with one warning saying
+what would fit. A run that ends normally (``finish``) persists its last checkpoint and leaves nothing in memory.
+
+On several nodes (``connect``: every rank leaves its node's id in the torch.distributed Store, ``NODE_KEY``), each
+node's memory is its own: the saves' requests carry ``writer.replicas.Replicas`` (which peers hold this node's
+replicas, rank 0's node, whether this rank publishes its node's copy), and the lowest rank of each node has its
+writer serve the node's memory to the others (``writer.replication.Receiver``, on a socket made and published here:
+the address is in the Store before any peer needs it, and the same for every writer this Checkpointer starts). A
+restart agrees on the memory checkpoint to load and completes each node's copy from its peers (``assemble``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import socket
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from asyncckpt.core.api.options import MemoryTier
+from asyncckpt.core.formats import names
+from asyncckpt.core.snapshot.dist_env import any_rank, dist_ready, rank_and_world
+from asyncckpt.core.storage import commit, tier
+from asyncckpt.core.storage.backend import is_url
+from asyncckpt.core.writer.mirror import CopyRequest
+from asyncckpt.core.writer.replicas import NodeMap, Replicas, fetch_missing, missing_files
+from asyncckpt.core.writer.replication import (
+    format_address,
+    listening_socket,
+    peer_address,
+    peers_for,
+    public_host,
+    publish_address,
+)
+from asyncckpt.core.writer.retention import MemoryRetentionRequest
+
+NODE_KEY = "asyncckpt/tier/node/{rank}"  # in the Store: the node id of each (global) rank
+
+logger = logging.getLogger("asyncckpt.core")
+
+
+@dataclass
+class _Run:
+    """The checkpoints of one durable root, as this process saved them."""
+
+    directory: str  # its run directory in memory on this node
+    owner: str  # this process's owner token in it (``tier.claim_run``)
+    saves: int = 0  # checkpoints saved: distinct steps (a framework may save one step under two names)
+    last_step: Optional[int] = None
+    last_bytes: int = 0  # the size of its last checkpoint: what the next one is expected to need
+    unpersisted: Optional[str] = None  # the memory path of its newest checkpoint not written durably (yet)
+    durable_only: bool = False  # its checkpoints do not fit in memory
+
+
+@dataclass(frozen=True)
+class _Nodes:
+    """The job's nodes, as ``MemoryTiers.connect`` found them (two or more)."""
+
+    of_rank: tuple[str, ...]  # the node id of each global rank
+    map: NodeMap  # what a writer needs to reach the other nodes
+
+    @property
+    def count(self) -> int:
+        return len(set(self.of_rank))
+
+
+@dataclass
+class Placement:
+    """Where one checkpoint went: its memory path and its durable one, and whether it is also persisted."""
+
+    memory: str
+    durable: str
+    persist: bool
+    run: _Run = field(repr=False)
+
+
+class MemoryTiers:
+    """``store()``: the torch.distributed Store (None without one: the tier is then one node's); ``queue``: the
+    Checkpointer's ``WriterQueue``, whose writer serves this node's memory to the others."""
+
+    def __init__(self, options: MemoryTier, object_store: Any, *, store: Callable[[], Any], queue: Any) -> None:
+        self.options, self.object_store = options, object_store
+        self.root = tier.memory_root(options.root)
+        self._store, self._queue = store, queue
+        self._runs: dict[str, _Run] = {}
+        self._placed: dict[str, Placement] = {}  # by memory path
+        self._lock = threading.Lock()
+        self._connecting = threading.Lock()  # held for the whole of ``connect``: a second caller waits for it
+        self._connected = False
+        self._nodes: Optional[_Nodes] = None  # the job's nodes, where there are several
+        self._listener: Optional[socket.socket] = None
+        self._agreed: dict[str, Optional[str]] = {}  # run directory -> the memory checkpoint the nodes agreed on
+
+    # ------------------------------------------------------------------ nodes
+    def connect(self) -> None:
+        """Find this rank's node among the job's nodes: at ``Checkpointer.start``, the first save and a resume (not
+        a collective, but it waits in the Store until every rank has left its node there: every rank starts, or
+        saves). On several nodes, the lowest rank of each node publishes where its writer serves the node's memory
+        (``replication.publish_address``) and hands it the listening socket. Once per Checkpointer; nothing
+        without a Store or with one rank; not yet on a rank of several whose process group is not up (Lightning
+        starts its plugin before it): at the next call then."""
+        with self._connecting:
+            if not self._connected and (dist_ready() or rank_and_world()[1] < 2):
+                self._nodes = self._find_nodes()
+                self._connected = True
+
+    def _find_nodes(self) -> Optional[_Nodes]:
+        store = self._store()
+        rank, world = rank_and_world()
+        if store is None and _spans_nodes():
+            raise ValueError(f"memory_tier on several nodes ({world} ranks, {os.environ['LOCAL_WORLD_SIZE']} a node) needs "
+                             "torch.distributed's Store to tell the nodes apart and meet: use_collectives=True (the "
+                             "default), or save durably only (memory_tier=None)")
+        if store is None or world < 2:
+            return None
+        node = tier.node_id()
+        store.set(NODE_KEY.format(rank=rank), node)
+        of_rank = tuple(_text(store.get(NODE_KEY.format(rank=other))) for other in range(world))
+        if len(set(of_rank)) < 2:
+            return None
+        if of_rank.index(node) == rank and self._listener is None:
+            self._listener = listening_socket()
+            host, port = self._listener.getsockname()[:2]
+            publish_address(store, node, (public_host(host), port))
+            self._queue.serve_replicas(self._listener, self.root)
+        addresses = tuple((other, format_address(peer_address(store, other))) for other in sorted(set(of_rank))
+                          if other != node)
+        return _Nodes(of_rank, NodeMap(self.root, node, addresses, self.options.peer_timeout))
+
+    @property
+    def across_nodes(self) -> bool:
+        """The job runs on several nodes (``connect``): each node's memory holds its own copy of a checkpoint."""
+        return self._nodes is not None
+
+    def replicas(self, path: str, group: Any) -> Optional[Replicas]:
+        """What the request of this rank's part of the save at ``path`` (a memory path ``place`` gave) over
+        ``group`` needs to reach the other nodes; None where the save's ranks are all on one node (or it is not in
+        memory): the save is then one node's, as without other nodes."""
+        nodes = self._nodes
+        if nodes is None or path not in self._placed:
+            return None
+        rank, world = rank_and_world(group)
+        node_of = [nodes.of_rank[dist.get_global_rank(group, r) if group is not None else r] for r in range(world)]
+        members = tuple(sorted(set(node_of)))
+        if len(members) < 2:
+            return None
+        node = node_of[rank]
+        peers = tuple(members[i] for i in peers_for(members.index(node), len(members), self.options.replicas))
+        publishes = node_of.index(node) == rank and node != node_of[0]
+        return Replicas(nodes.map, peers, node_of[0], members, publishes)
+
+    def _received(self) -> int:
+        """Replicas of other nodes' shares this node holds, per share of its own (``peers_for``: as many as it
+        sends)."""
+        return 0 if self._nodes is None else min(self.options.replicas, self._nodes.count - 1)
+
+    def copy_request(self, memory: str, durable: str) -> CopyRequest:
+        """The request that writes the memory checkpoint ``memory`` durably at ``durable`` (on several nodes, with
+        what this node lacks of it fetched from the others first)."""
+        return CopyRequest(memory, durable, self.object_store, self._nodes.map if self._nodes is not None else None)
+
+    # ------------------------------------------------------------------ a restart on several nodes
+    def assemble(self, durable_root: str, group: Any) -> Optional[str]:
+        """Before a resume from ``durable_root`` on several nodes (a collective over ``group``: every rank calls
+        it): the ranks agree on the newest memory checkpoint whose every file some node holds, not older than the
+        newest durable one; each node's lowest rank fetches what its node lacks of it from the nodes that hold it
+        (``replicas.fetch_missing``: checked against the record, a damaged copy named and the next holder tried);
+        if a node cannot complete it, the next one is tried. Returns its path on this node, None if there is none
+        (or one node: nothing is asked): storage then. What a resume on this node may load from memory is then
+        that checkpoint only (``usable``): every rank tries the same copies in the same order."""
+        self.connect()
+        nodes = self._nodes
+        if nodes is None:
+            return None
+        run_directory = tier.open_run(durable_root, self.options.root)  # a replaced node's is made (to fetch into)
+        held = [(c.name, c.record, sorted(set(c.record.get("files", {})) - set(c.missing)))
+                for c in tier.memory_checkpoints(run_directory) if c.record is not None]
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (nodes.map.node, held), group=group)
+        node_of = [node for node, _held in gathered]
+        leads = node_of.index(nodes.map.node) == dist.get_rank(group)
+        agreed = None
+        for name, record, holders in _candidates(dict(gathered), _durable_step(durable_root)):
+            path = os.path.join(run_directory, name)
+            unavailable = fetch_missing(nodes.map, path, record, holders) \
+                if leads and missing_files(path, record) else []
+            if not any_rank(bool(unavailable), group):
+                agreed = name
+                break
+        self._agreed[run_directory] = agreed
+        return None if agreed is None else os.path.join(run_directory, agreed)
+
+    def usable(self, run_directory: str) -> Optional[set[str]]:
+        """The memory checkpoints in ``run_directory`` a resume on this node may load (names): on several nodes, the
+        one they agreed on (``assemble``; none before it, nor before the nodes are known on a job the launcher says
+        spans several, nor a single file, which is not replicated); None on one node: any (each is whole there)."""
+        if self._nodes is None:
+            return set() if not self._connected and _spans_nodes() else None
+        return {self._agreed[run_directory]} if self._agreed.get(run_directory) else set()
+
+    def close(self) -> None:
+        """The Checkpointer is closed: its listening socket goes (a writer serving on it keeps its own)."""
+        if self._listener is not None:
+            self._listener.close()
+
+    def place(self, durable: str, nbytes: int, step: Optional[int], *, durable_too: Optional[bool] = None) -> str:
+        """Where the checkpoint of ``step`` asked for at ``durable`` (of ``nbytes`` on this rank, 0 where not known
+        yet) is saved: its memory path (counted for the persist cadence, one count per step: Lightning saves a
+        step's ``last.ckpt`` beside its top-k file; ``durable_too`` overrides the cadence), or ``durable`` itself
+        where its root's checkpoints do not fit in memory (one warning saying what would)."""
+        root = posixpath.dirname(durable) if is_url(durable) else os.path.dirname(durable)
+        with self._lock:
+            run = self._runs.get(root)
+            if run is None:
+                run = self._runs[root] = self._open(root)
+            if not run.durable_only:  # this node holds its own shares and the replicas of others'
+                run.durable_only = not self._fits(run, max(nbytes, run.last_bytes) * (1 + self._received()))
+            if run.durable_only:
+                return durable
+            if step is None or step != run.last_step:
+                run.saves, run.last_step = run.saves + 1, step
+            memory = os.path.join(run.directory, os.path.basename(durable.rstrip("/")))
+            persist = run.saves % self.options.persist_every == 0 if durable_too is None else durable_too
+            self._placed[memory] = Placement(memory, durable, persist, run)
+            return memory
+
+    def placement(self, memory: str) -> Optional[Placement]:
+        """Where the checkpoint saved at ``memory`` went (None: not a memory save of this process)."""
+        return self._placed.get(memory)
+
+    def run_dir(self, durable_root: str) -> str:
+        """The memory run directory of ``durable_root`` on this node (whether or not it exists)."""
+        return tier.run_dir(durable_root, self.options.root)
+
+    def memory_path(self, durable: str) -> str:
+        """Where the memory copy of the checkpoint at ``durable`` lives on this node (whether or not it is there)."""
+        return tier.memory_path(durable, self.options.root)
+
+    def _open(self, root: str) -> _Run:
+        """A root's run directory, this process its owner (first: a restart must not take its own tier for an
+        orphan), and the orphaned runs of dead jobs on this node gone."""
+        directory = tier.open_run(root, self.options.root)
+        run = _Run(directory, tier.claim_run(directory))
+        tier.remove_orphans(self.root)
+        return run
+
+    def _fits(self, run: _Run, nbytes: int) -> bool:
+        capacity = tier.capacity(self.root, self.options.max_bytes, for_run=run.directory)
+        if tier.fits(tier.needed_bytes(nbytes, self.options.keep), capacity):
+            return True
+        logger.warning("asyncckpt: the memory tier does not fit the checkpoints of %s: %s; saving them to storage "
+                       "only", tier.durable_root_of(run.directory), tier.what_would_fit(nbytes, self.options.keep,
+                                                                                         capacity))
+        return False
+
+    def follow_ups(self, memory: str, nbytes: int, *, publishes: bool) -> list[tuple[str, str, Any]]:
+        """The writer jobs behind the commit of the checkpoint saved at ``memory`` (``nbytes`` on this rank), as
+        ``(kind, path, request)``: its persistence when due, by the rank that publishes it (``publishes``); then,
+        by one rank per node, the tier's retention on this node."""
+        placed = self._placed.get(memory)
+        if placed is None:
+            return []
+        placed.run.unpersisted = None if placed.persist else memory
+        placed.run.last_bytes = nbytes
+        jobs = []
+        if placed.persist and publishes:
+            jobs.append(("persist", placed.durable, self.copy_request(memory, placed.durable)))
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            jobs.append(("retention", placed.run.directory, MemoryRetentionRequest(placed.run.directory,
+                                                                                   self.options.keep)))
+        return jobs
+
+    def unpersisted(self) -> list[Placement]:
+        """The newest checkpoint of each root that is in memory only: what the end of a run persists."""
+        with self._lock:
+            return [self._placed[run.unpersisted] for run in self._runs.values() if run.unpersisted is not None]
+
+    def clear(self, *, remove: bool) -> None:
+        """The end of a run: this process no longer owns its run directories; with ``remove`` (one process per
+        node), this node's memory copies of every root it saved go."""
+        with self._lock:
+            runs, self._runs, self._placed = list(self._runs.values()), {}, {}
+        for run in runs:
+            tier.release_run(run.directory, run.owner)
+            if remove:
+                tier.remove_run(run.directory)
+
+
+def _spans_nodes() -> bool:
+    """The launcher says this job has ranks on several nodes (torchrun's ``LOCAL_WORLD_SIZE`` below the world)."""
+    world = rank_and_world()[1]
+    return world > int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _durable_step(durable_root: str) -> Optional[int]:
+    """The step of the newest committed checkpoint under ``durable_root`` (None: none, or none says its step)."""
+    latest = commit.latest_checkpoint(durable_root)
+    if latest is None:
+        return None
+    step = (commit.read_commit_record(latest) or {}).get("step")
+    return step if isinstance(step, int) else names.step_from_name(os.path.basename(latest))
+
+
+def _candidates(held_by_node: dict[str, list], durable_step: Optional[int]) -> list[tuple[str, dict, dict]]:
+    """From what each node holds (node -> [(name, record, files here)]), the memory checkpoints a resume may
+    assemble, newest first: ``(name, record, {file: [nodes that hold it]})`` for each whose every file some node
+    holds and that is not older than the newest durable checkpoint (``durable_step``)."""
+    found: dict[tuple[str, Any], tuple[dict, dict[str, list[str]]]] = {}
+    for node, checkpoints in sorted(held_by_node.items()):
+        for name, record, files in checkpoints:
+            _record, holders = found.setdefault((name, record.get("save_id")), (record, defaultdict(list)))
+            for file in files:
+                holders[file].append(node)
+
+    def step(name: str, record: dict) -> int:  # -1: none (older than any step)
+        number = record["step"] if isinstance(record.get("step"), int) else names.step_from_name(name)
+        return -1 if number is None else number
+
+    usable = [(name, record, dict(holders)) for (name, _save_id), (record, holders) in found.items()
+              if set(record.get("files", {})) <= set(holders)
+              and (durable_step is None or step(name, record) >= durable_step)]
+    return sorted(usable, key=lambda c: (step(c[0], c[1]), c[1].get("committed_at_ns", 0)), reverse=True)

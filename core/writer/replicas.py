@@ -1,0 +1,316 @@
+"""A memory-tier save on several nodes: how every node ends with a committed copy of the checkpoint, of the files
+written on it and the replicas it took.
+
+Each node's memory (``storage.tier``) is its own, so the ranks of a save on several nodes cannot meet in one
+staging directory, as those of one node do. Every node stages the save at the same relative path under its memory
+root (the run directory is named after the durable root, the staging directory after the save id: the same on
+every node), and the writers of the ranks, given ``Replicas`` in their requests, do the rest:
+
+1. ``spread`` (every rank, once its files are written on its node, before it arrives at the save's barrier): its
+   files go to its node's replica peers (``replication.peers_for``); each peer that took a file holds it. Its
+   files record (``storage.sidecars``: each file's size, xxh3 and holders) and what else rank 0 needs to commit
+   (a sharded save's sidecar) go to rank 0's node. A peer that does not answer within the wait allowed is left
+   out (``Peers``: one warning per peer and writer process, tried again ``RETRY_AFTER_S`` later): the save commits
+   with the replicas it has. Rank 0's node not taking what it needs fails the save: it could not commit.
+2. ``commit_entries`` (rank 0, once every rank arrived): the commit record's file list from every rank's record and
+   its ``tier.TIER_ENTRY`` (each file's holders, the whole-file checksums the record lacks); rank 0's node
+   publishes its copy as one node would.
+3. ``publish_copy`` (the lowest rank of the save on each other node, once the save is committed): the commit
+   record, and what rank 0 wrote that every node holds (DCP's ``.metadata``), are fetched from rank 0's node, and
+   this node's staging directory is published with that record. Every node then holds a committed copy, whole
+   or not; the record says which node holds which file.
+4. ``fetch_missing`` (a copy that lacks files: before it is written durably, and a restart on a replaced node):
+   each missing file from a node that holds it, checked against the record; a damaged or missing replica is
+   named in a warning and the next holder is tried.
+
+A single file (Lightning's ``.ckpt``, saved by one rank) is not replicated: a node holds the files its ranks save
+(a restart on several nodes, where ranks pick a file before their process group is up, loads them from storage).
+A DCP part of a directory checkpoint (``DirectoryTransaction.save_sharded``) is spread with the directory's files,
+its sidecars sent to rank 0's node first (``to_coordinator``), where ``.metadata`` is made.
+
+Kept free of torch: the background writer runs it (and the training process, for a restart's fetches).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from asyncckpt.core.errors import CheckpointWriteError
+from asyncckpt.core.formats import commit_record, names
+from asyncckpt.core.formats.checksum import FileChecksum
+from asyncckpt.core.storage import owners, tier
+from asyncckpt.core.storage.backend import at_once, backend_for
+from asyncckpt.core.storage.contents import published_files
+from asyncckpt.core.storage.sidecars import write_files_record
+from asyncckpt.core.storage.staging import remove_coordination_files
+from asyncckpt.core.writer.replication import (
+    Address,
+    ReplicationError,
+    Transfer,
+    fetch,
+    file_checksum,
+    parse_address,
+    send,
+)
+
+logger = logging.getLogger("asyncckpt")
+
+#: How long a peer that did not answer is left out before a save tries it again: a peer that hangs costs a save
+#: the wait for it (``NodeMap.timeout``), and saves coming faster than that would pile up behind it.
+RETRY_AFTER_S = 30.0
+
+
+@dataclass(frozen=True)
+class NodeMap:
+    """The nodes of a job, as a writer reaching other nodes needs them (plain data, in a request)."""
+
+    root: str  # this node's memory root
+    node: str  # this node's id (``tier.node_id``)
+    addresses: tuple[tuple[str, str], ...]  # (node id, "host:port") of every other node's receiver
+    timeout: float  # the longest wait for a peer, each wait (``replication``), before it is left out
+
+    def address(self, node: str) -> Address:
+        return parse_address(dict(self.addresses)[node])
+
+    def relative(self, path: str) -> str:
+        """``path`` (under this node's memory root) as every node names it: relative to its memory root."""
+        return os.path.relpath(path, self.root)
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """How one rank's part of a memory-tier save on several nodes reaches the others (plain data, in its request)."""
+
+    nodes: NodeMap
+    peers: tuple[str, ...]  # the nodes that hold this node's replicas (``replication.peers_for``)
+    coordinator: str  # rank 0's node: where the save is committed first
+    members: tuple[str, ...]  # every node a rank of the save is on
+    publishes: bool  # this rank publishes its node's copy (the save's lowest rank on a node not rank 0's)
+
+
+class Peers:
+    """Which peers did not answer lately, in this process: each is left out until ``RETRY_AFTER_S`` passed, and
+    said once (a warning per peer for the life of the process, not one per save)."""
+
+    def __init__(self) -> None:
+        self._down: dict[str, float] = {}
+        self._said: set[str] = set()
+        self._lock = threading.Lock()
+
+    def left_out(self, node: str) -> bool:
+        with self._lock:
+            return time.monotonic() < self._down.get(node, 0.0)
+
+    def failed(self, node: str, address: str, reason: str) -> None:
+        with self._lock:
+            self._down[node] = time.monotonic() + RETRY_AFTER_S
+            if node in self._said:
+                return
+            self._said.add(node)
+        logger.warning("asyncckpt: node %s (%s) does not take memory-tier replicas: %s; checkpoints are committed "
+                       "in memory with the replicas the other nodes took while it does not answer (it is tried again "
+                       "every %.0f s; said once)", node, address, reason, RETRY_AFTER_S)
+
+    def answered(self, node: str) -> None:
+        with self._lock:
+            self._down.pop(node, None)
+
+
+PEERS = Peers()
+
+
+def _send(nodes: NodeMap, node: str, paths: Mapping[str, FileChecksum]) -> list[str]:
+    """Send ``paths`` (relative to the memory root, with their checksums) to ``node``: those it now holds."""
+    address = dict(nodes.addresses)[node]
+    try:
+        outcomes = send(parse_address(address), nodes.root, list(paths), timeout=nodes.timeout, checksums=paths)
+    except ReplicationError as e:
+        PEERS.failed(node, address, e.reason)
+        return [transfer.path for transfer in e.finished if transfer.ok]
+    PEERS.answered(node)
+    refused = [transfer.error for transfer in outcomes if not transfer.ok]
+    if refused:  # it answered, but took not all: no room there, say
+        PEERS.failed(node, address, "; ".join(refused))
+    return [transfer.path for transfer in outcomes if transfer.ok]
+
+
+def _replicate(replicas: Replicas, paths: Mapping[str, FileChecksum]) -> dict[str, list[str]]:
+    """``paths`` to each peer that is not left out: relative path -> the peers that now hold it."""
+    held: dict[str, list[str]] = {path: [] for path in paths}
+    for peer in replicas.peers:
+        if PEERS.left_out(peer):
+            continue
+        for path in _send(replicas.nodes, peer, paths):
+            held[path].append(peer)
+    return held
+
+
+def spread(replicas: Replicas, staging_dir: str, rank: int, files: Mapping[str, FileChecksum], *,
+           coordinator_needs: Sequence[str] = ()) -> None:
+    """Step 1 of the module docstring, for ``rank``'s ``files`` (names in ``staging_dir``, with their checksums;
+    ``coordinator_needs``: those of them rank 0 reads to commit). Raises ``CheckpointWriteError`` if rank 0's node
+    does not take the files record and ``coordinator_needs``."""
+    nodes = replicas.nodes
+    base = nodes.relative(staging_dir)
+    held = _replicate(replicas, {os.path.join(base, name): checksum for name, checksum in files.items()})
+    holders = {name: [nodes.node, *held[os.path.join(base, name)]] for name in files}
+    record = write_files_record(staging_dir, rank, files, holders)
+    needed = {name: files[name] for name in coordinator_needs if replicas.coordinator not in holders[name]}
+    to_coordinator(replicas, staging_dir, rank, {**needed, record: file_checksum(os.path.join(staging_dir, record))})
+
+
+def to_coordinator(replicas: Replicas, staging_dir: str, rank: int, files: Mapping[str, FileChecksum]) -> None:
+    """What rank 0 needs to commit (``files``, names in ``staging_dir`` with their checksums), to rank 0's node
+    where that is another; ``CheckpointWriteError`` if it does not take them (the save cannot commit)."""
+    nodes = replicas.nodes
+    if replicas.coordinator == nodes.node:
+        return
+    paths = {os.path.join(nodes.relative(staging_dir), name): checksum for name, checksum in files.items()}
+    address = dict(nodes.addresses)[replicas.coordinator]
+    try:
+        outcomes = send(parse_address(address), nodes.root, list(paths), timeout=nodes.timeout, checksums=paths)
+        refused = "; ".join(transfer.error for transfer in outcomes if not transfer.ok)
+    except ReplicationError as e:
+        refused = str(e)
+    if refused:
+        raise CheckpointWriteError(f"rank {rank}: rank 0's node {replicas.coordinator} did not take what it needs to "
+                                   f"commit: {refused}")
+
+
+def commit_entries(replicas: Replicas, staging_dir: str, records: Mapping[str, tuple[FileChecksum, tuple[str, ...]]],
+                   recorded: Mapping[str, dict], coordinator_files: Sequence[str]) -> dict:
+    """Step 2 (rank 0, every rank arrived, every file of its own written in ``staging_dir``): the commit record's
+    ``"files"`` (every rank's ``records``, gathered by ``sidecars.take_files_records``, and what is here: rank 0's
+    ``coordinator_files``, which every node fetches) and its ``tier.TIER_ENTRY``. ``recorded``: the checksums the
+    record carries already."""
+    written_here = {name: file_checksum(os.path.join(staging_dir, name)) for name in coordinator_files}
+    files = {**published_files(backend_for(staging_dir), staging_dir)[0],
+             **{name: checksum.size for name, (checksum, _holders) in records.items()}}
+    holders = {name: list(held) for name, (_checksum, held) in records.items()}
+    holders.update({name: list(replicas.members) for name in written_here})
+    checksums = {**{name: checksum for name, (checksum, _holders) in records.items()}, **written_here}
+    return {"files": dict(sorted(files.items())), tier.TIER_ENTRY: {
+        "holders": dict(sorted(holders.items())),
+        "checksums": {name: {"size": c.size, "xxh3": c.xxh3} for name, c in sorted(checksums.items())
+                      if name not in recorded}}}
+
+
+def publish_copy(replicas: Replicas, staging_dir: str, final_path: str, token: str) -> None:
+    """Step 3, once the save is committed (on rank 0's node): this node's copy published with the commit record.
+    If rank 0's node does not answer, this node's copy is given up (warned once: ``Peers``); the checkpoint stays
+    committed on the nodes that have it."""
+    nodes = replicas.nodes
+    coordinator = replicas.coordinator
+    final, staging = nodes.relative(final_path), nodes.relative(staging_dir)
+    here = os.path.join(staging_dir, names.COMMIT_RECORD)
+    try:
+        _fetched(nodes, coordinator, [os.path.join(final, names.COMMIT_RECORD)], staging, final, {})
+        with open(here, "rb") as f:
+            body = f.read()
+        record = commit_record.parse(body)
+        if record is None:
+            raise CheckpointWriteError(f"{final_path}: rank 0's node sent no commit record")
+        wanted = [name for name, held in tier.holders(record).items()
+                  if nodes.node in held and not os.path.exists(os.path.join(staging_dir, name))]
+        _fetched(nodes, coordinator, [os.path.join(final, name) for name in wanted], staging, final,
+                 tier.record_checksums(record))
+    except (ReplicationError, CheckpointWriteError) as e:
+        PEERS.failed(coordinator, dict(nodes.addresses)[coordinator], str(e))
+        backend_for(staging_dir).remove_tree(staging_dir, token, later=at_once)
+        return
+    for directory, _subdirectories, _files in os.walk(staging_dir):  # a DCP part's barrier files too
+        remove_coordination_files(directory)
+    replaced = backend_for(final_path).publish(staging_dir, final_path, body)
+    if replaced is not None:
+        backend_for(replaced).remove_tree(replaced, token, later=at_once)
+
+
+def _fetched(nodes: NodeMap, node: str, paths: list[str], staging: str, final: str,
+             checksums: Mapping[str, FileChecksum]) -> None:
+    """Fetch ``paths`` (under the checkpoint ``final`` on ``node``) into the staging directory ``staging``
+    (both relative to the memory root); raises ``CheckpointWriteError`` for a file that did not come whole."""
+    if not paths:
+        return
+    outcomes = fetch(nodes.address(node), nodes.root, paths, timeout=nodes.timeout,
+                     checksums={path: checksums[os.path.relpath(path, final)] for path in paths
+                                if os.path.relpath(path, final) in checksums},
+                     local_paths={path: os.path.join(staging, os.path.relpath(path, final)) for path in paths})
+    failed = [transfer.error for transfer in outcomes if not transfer.ok]
+    if failed:
+        raise CheckpointWriteError("; ".join(failed))
+
+
+def missing_files(path: str, record: dict) -> list[str]:
+    """The files of the checkpoint whose commit record is ``record`` that its copy at ``path`` lacks (absent, or
+    not of the size recorded)."""
+    missing = []
+    for name, size in sorted(record.get("files", {}).items()):
+        try:
+            if os.stat(os.path.join(path, name)).st_size == size:
+                continue
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        missing.append(name)
+    return missing
+
+
+def fetch_missing(nodes: NodeMap, path: str, record: dict, holders: Mapping[str, Sequence[str]]) -> list[str]:
+    """Step 4: each file of the checkpoint ``record`` that this node's copy at ``path`` lacks, fetched from a node
+    of ``holders[file]`` (in their order; this node and nodes without a known address are skipped), each checked
+    against the record as it arrives; a copy that is damaged or gone is named in a warning and the next holder
+    tried. Where this node holds no copy, the files go to a staging directory published with ``record`` once all
+    are here. Returns the files no holder gave (the copy is then as it was; an empty list: it is whole)."""
+    committed = tier.record_checksums(record)
+    known = dict(nodes.addresses)
+    fresh = commit_record.parse(_read(os.path.join(path, names.COMMIT_RECORD))) is None
+    into = names.staging_dir_for(path, owners.owner_token()) if fresh else path
+    left = list(record.get("files", {})) if fresh else missing_files(path, record)
+    tried: dict[str, set[str]] = defaultdict(set)
+    unavailable: list[str] = []
+    while left:
+        batches: dict[str, list[str]] = defaultdict(list)
+        for name in left:
+            holder = next((node for node in holders.get(name, ()) if node != nodes.node and node in known
+                           and node not in tried[name]), None)
+            if holder is None:
+                unavailable.append(name)
+            else:
+                tried[name].add(holder)
+                batches[holder].append(name)
+        left = []
+        for holder, batch in batches.items():
+            sources = {os.path.join(nodes.relative(path), name): name for name in batch}
+            try:
+                outcomes = fetch(nodes.address(holder), nodes.root, list(sources), timeout=nodes.timeout,
+                                 checksums={source: committed[name] for source, name in sources.items()
+                                            if name in committed},
+                                 local_paths={source: os.path.join(nodes.relative(into), name)
+                                              for source, name in sources.items()})
+            except ReplicationError as e:
+                done = {transfer.path for transfer in e.finished}
+                outcomes = e.finished + [Transfer(source, e.reason) for source in sources if source not in done]
+            for transfer in outcomes:
+                if not transfer.ok:
+                    logger.warning("asyncckpt: not using the copy of %s on node %s: %s", transfer.path, holder,
+                                   transfer.error)
+                    left.append(sources[transfer.path])
+    if fresh:
+        if unavailable:
+            backend_for(into).remove_tree(into, owners.owner_token(), later=at_once)
+        else:
+            backend_for(path).publish(into, path, json.dumps(record, indent=1).encode())
+    return sorted(unavailable)
+
+
+def _read(path: str) -> Optional[bytes]:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None

@@ -1,0 +1,630 @@
+"""Moving memory-tier files between nodes: a receiver per node, and ``send`` / ``fetch`` to and from a peer's.
+
+With the memory tier (``storage.tier``), each node's shares of a checkpoint are copied into the memory of
+``replicas`` other nodes (``peers_for``), so that the loss of a node loses no checkpoint, and a node that
+replaced a lost one fetches back what it lacks. Both directions move whole files between two memory roots
+under the same relative path (``run-abc/.checkpoint-20.asyncckpt-staging-<id>/model.safetensors``): which
+files, and when, is the caller's business; this module only moves bytes and vouches for them.
+
+* ``Receiver``: serves one node's memory root on a TCP port, one thread per connection (several peers at
+  once, at most ``max_connections``). A file sent to it is written under a hidden temporary name
+  (``names`` kind ``tmp``, with an owner token, so that a receiver killed mid-file leaves a leftover that
+  ``leftovers`` judges by its owner), hashed (xxh3-64, ``formats.checksum``) as its bytes arrive, and renamed
+  to its name only if the hash matches the one the sender announced: a damaged transfer is never published
+  under its name. A path that would leave the root (absolute, ``..``, through a symlink) is refused, named.
+* ``send(address, root, paths)``: the files go out with ``os.sendfile`` from the tier's pages (tmpfs: no
+  copy through user space on this side), each announced with the xxh3 its writer recorded when given
+  (``checksums``; else hashed here first). ``fetch(address, root, paths)``: the reverse, each file verified
+  on arrival against the checksum the caller knows (the checkpoint's commit record: a replica damaged at
+  rest is then caught too), else against the one the peer computes before sending it.
+
+Bounded everywhere. Every wait on a peer (connecting, each piece sent or received, each answer) lasts at
+most ``timeout`` seconds, and ``time_limit`` bounds a whole call, so a peer that is dead (connection
+refused), stopped (SIGSTOP, a hung host) or cut off (its link down) ends ``send`` / ``fetch`` with a
+``ReplicationError`` naming the peer and the file, never a hang; the receiver likewise drops a sender that
+goes silent for ``idle_timeout``, and discards the file it was receiving. Bytes are streamed through one
+fixed buffer per connection; no queue grows with the data.
+
+The receiver's address reaches the other nodes through a key-value store with ``set`` / ``get`` (the
+torch.distributed Store): ``publish_address`` / ``peer_address``, under ``asyncckpt/tier/peer/<node>``.
+
+Nothing is fsynced: a memory root is tmpfs, which outlives processes, not the machine.
+
+Kept free of torch: the background writer runs the receiver and the sends.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import mmap
+import os
+import select
+import socket
+import stat
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping, Optional
+
+from asyncckpt.core.errors import CheckpointError
+from asyncckpt.core.formats import names
+from asyncckpt.core.formats.checksum import FileChecksum, checksum, checksum_stream
+from asyncckpt.core.storage import owners
+
+Address = tuple[str, int]
+
+ADDRESS_ENV = "ASYNCCKPT_REPLICATION_ADDRESS"  # the host name or IP other nodes reach this node's receiver at
+PEER_KEY = "asyncckpt/tier/peer/{node}"  # in the Store: a node's receiver address, "host:port"
+PIECE_BYTES = 1 << 20  # received bytes are hashed and written in pieces of this size (hashed while in cache)
+MAX_MESSAGE_BYTES = 64 << 10  # the largest header a peer may send: a path and a few numbers
+HELLO = {"protocol": "asyncckpt-replication", "version": 1}  # every connection's first message
+
+
+class ReplicationError(CheckpointError):
+    """A peer could not be reached, stopped answering, or broke off a transfer. ``peer`` is its address
+    ("host:port"), ``file`` the relative path in flight (None: before the first), ``finished`` what became
+    of the files handled before it."""
+
+    def __init__(self, peer: str, file: Optional[str], reason: str, finished: Optional[list["Transfer"]] = None) -> None:
+        super().__init__(f"replication peer {peer}: {reason}" + (f" ({file})" if file is not None else ""))
+        self.peer, self.file, self.reason = peer, file, reason
+        self.finished = list(finished or [])
+
+    def __reduce__(self):  # pickled with what it was made of (its message alone would not rebuild it)
+        return type(self), (self.peer, self.file, self.reason, self.finished)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What became of one file of a ``send`` or a ``fetch``: ``error`` is None if it arrived whole and
+    verified and is now under its name on the other side, else why not (naming the file)."""
+
+    path: str
+    error: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+# ------------------------------------------------------------------------------------- which nodes
+def peers_for(node_index: int, nodes: int, replicas: int) -> list[int]:
+    """The nodes that hold node ``node_index``'s replicas, of ``nodes`` numbered 0..nodes-1: the next
+    ``replicas`` after it, ``i+1, ..., i+replicas`` (mod ``nodes``), never itself (all the others when
+    ``replicas >= nodes - 1``). Each replica of a share is on a different node, and none on the share's
+    own: losing any one node takes at most one copy of each share, so with ``replicas >= 1`` every
+    share survives the loss of a node."""
+    if nodes < 1 or not 0 <= node_index < nodes or replicas < 0:
+        raise ValueError(f"no peers for node {node_index} of {nodes} with {replicas} replicas")
+    return [(node_index + step) % nodes for step in range(1, min(replicas, nodes - 1) + 1)]
+
+
+# ------------------------------------------------------------------------------------- addresses
+def format_address(address: Address) -> str:
+    return f"{address[0]}:{address[1]}"
+
+
+def parse_address(text: str) -> Address:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"not a replication address (host:port): {text!r}")
+    return host, int(port)
+
+
+def publish_address(store: Any, node: str, address: Address) -> None:
+    """Make ``node``'s receiver address known to the others: ``store`` is anything with ``set(key, value)``
+    (the torch.distributed Store)."""
+    store.set(PEER_KEY.format(node=node), format_address(address))
+
+
+def peer_address(store: Any, node: str) -> Address:
+    """``node``'s receiver address from ``store`` (``get(key)``, returning bytes or str). The Store's ``get``
+    waits until the key is set, up to the Store's own timeout."""
+    value = store.get(PEER_KEY.format(node=node))
+    return parse_address(value.decode() if isinstance(value, bytes) else value)
+
+
+def public_host(bound: str) -> str:
+    """The host other nodes reach a receiver bound to ``bound`` at: ``ASYNCCKPT_REPLICATION_ADDRESS``; else
+    ``bound`` if it is one address; else this host's address on the route to the job's rendezvous host
+    (``MASTER_ADDR``, which every node reaches); else the address of the host's name."""
+    if os.environ.get(ADDRESS_ENV):
+        return os.environ[ADDRESS_ENV]
+    if bound not in ("", "0.0.0.0", "::"):
+        return bound
+    rendezvous = os.environ.get("MASTER_ADDR")
+    if rendezvous:
+        with contextlib.suppress(OSError):
+            family, kind, _, _, destination = socket.getaddrinfo(rendezvous, 1, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, kind) as probe:
+                probe.connect(destination)  # a datagram socket's connect sends nothing: it only picks the route
+                return probe.getsockname()[0]
+    return socket.gethostbyname(socket.gethostname())
+
+
+# ------------------------------------------------------------------------------------- paths
+def checked_path(relative_path: str) -> str:
+    """``relative_path`` if it names a place inside a memory root, else ValueError naming it: not empty,
+    not absolute, no ``..``, ``.`` or empty component (the form a caller builds; nothing to normalise)."""
+    if (not isinstance(relative_path, str) or not relative_path or "\0" in relative_path
+            or os.path.isabs(relative_path) or os.path.normpath(relative_path) != relative_path
+            or relative_path.split("/")[0] in (".", "..")):
+        raise ValueError(f"refused {relative_path!r}: not a relative path inside the memory root")
+    return relative_path
+
+
+def _target(root: str, relative_path: str) -> str:
+    """Where ``relative_path`` lives under ``root``; ValueError naming it if it is not a path inside the root,
+    or if a directory on its way is a symlink that leads out of it."""
+    target = os.path.join(root, checked_path(relative_path))
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real_root, os.path.realpath(os.path.dirname(target))]) != real_root:
+        raise ValueError(f"refused {relative_path!r}: it leads out of the memory root")
+    return target
+
+
+def file_checksum(path: str) -> FileChecksum:
+    """The checksum of the file at ``path``, hashed from its pages (a memory root's file: no read through user
+    space)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return _file_checksum(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def _file_checksum(fd: int, size: int) -> FileChecksum:
+    """The checksum of the first ``size`` bytes of ``fd``, hashed from its pages (no copy)."""
+    if size == 0:
+        return FileChecksum(0, checksum(b""))
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as pages:
+        return FileChecksum(size, checksum(pages))
+
+
+# ------------------------------------------------------------------------------------- the wire
+class _Stalled(Exception):
+    """The peer made no progress within the wait allowed."""
+
+
+class _Broken(Exception):
+    """The peer closed the connection, or sent something that is not the protocol."""
+
+
+class _Stream:
+    """One connection, every wait bounded: each wait for the peer lasts at most ``timeout`` s, and none
+    ends after ``deadline`` (``time.monotonic``). A message is a 4-byte length and a JSON object; a file's
+    bytes follow its message raw. Its one buffer (``PIECE_BYTES``) carries every file it receives."""
+
+    def __init__(self, sock: socket.socket, timeout: float, deadline: Optional[float] = None) -> None:
+        sock.setblocking(False)
+        self.sock, self.timeout, self.deadline = sock, timeout, deadline
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+        self.buffer = memoryview(bytearray(PIECE_BYTES))
+
+    def _wait(self, event: int) -> None:
+        wait, what = self.timeout, f"no answer for {self.timeout:g} s"
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left < wait:
+                wait, what = max(left, 0.0), "not done within its time limit"
+        self._poll.modify(self.sock, event)
+        if not self._poll.poll(math.ceil(wait * 1000)):
+            raise _Stalled(what)
+
+    def send_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[self.sock.send(view):]
+            except BlockingIOError:
+                self._wait(select.POLLOUT)
+
+    def send_message(self, message: dict) -> None:
+        body = json.dumps(message).encode()
+        self.send_all(struct.pack(">I", len(body)) + body)
+
+    def send_file(self, fd: int, size: int) -> None:
+        """``size`` bytes of ``fd`` from its start, kernel to kernel (``os.sendfile``)."""
+        offset = 0
+        while offset < size:
+            try:
+                sent = os.sendfile(self.sock.fileno(), fd, offset, size - offset)
+            except BlockingIOError:
+                self._wait(select.POLLOUT)
+                continue
+            if sent == 0:
+                raise _Broken(f"the file ended after {offset} of its {size} B while it was sent")
+            offset += sent
+
+    def recv_into(self, view: memoryview) -> int:
+        while True:
+            try:
+                received = self.sock.recv_into(view)
+            except BlockingIOError:
+                self._wait(select.POLLIN)
+                continue
+            if received == 0:
+                raise _Broken("it closed the connection")
+            return received
+
+    def _recv_exact(self, size: int) -> bytes:
+        data = bytearray(size)
+        view, filled = memoryview(data), 0
+        while filled < size:
+            filled += self.recv_into(view[filled:])
+        return bytes(data)
+
+    def read_message(self, end_allowed: bool = False) -> Optional[dict]:
+        """The next message; None if the peer closed the connection before it (only where ``end_allowed``)."""
+        try:
+            length = struct.unpack(">I", self._recv_exact(4))[0]
+        except _Broken:
+            if end_allowed:
+                return None
+            raise
+        if length > MAX_MESSAGE_BYTES:
+            raise _Broken(f"it sent a message of {length} B (at most {MAX_MESSAGE_BYTES} B)")
+        try:
+            message = json.loads(self._recv_exact(length))
+        except ValueError:
+            message = None
+        if not isinstance(message, dict):
+            raise _Broken("it sent something other than the replication protocol")
+        return message
+
+    def receive_file(self, root: str, relative_path: str, expected: FileChecksum) -> Optional[str]:
+        """Receive ``expected.size`` bytes into ``relative_path`` under ``root``: written to a hidden temporary
+        name, hashed as they arrive, renamed to their name only if whole and matching ``expected``. Returns
+        None, or why the file was not kept (the bytes are read to their end either way, so that the
+        connection goes on with the next file). A connection that fails meanwhile raises, and leaves nothing."""
+        target = _target(root, relative_path)
+        temporary, fd, problem = None, None, None
+        try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            temporary = names.hidden_path(target, "tmp", owners.owner_token())
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            problem = f"{relative_path}: cannot be written here ({e.strerror})"
+        try:
+            digest, left = checksum_stream(), expected.size
+            while left:
+                piece = self.buffer[:self.recv_into(self.buffer[:min(left, PIECE_BYTES)])]
+                left -= len(piece)
+                if problem is None:
+                    digest.update(piece)
+                    try:
+                        _write_all(fd, piece)
+                    except OSError as e:
+                        problem = f"{relative_path}: cannot be written here ({e.strerror})"
+            if problem is not None:
+                return problem
+            if digest.hexdigest() != expected.xxh3:
+                return (f"{relative_path}: damaged in transfer (xxh3 {digest.hexdigest()} arrived, {expected.xxh3} "
+                        "expected); not kept")
+            os.close(fd)
+            fd = None
+            try:
+                os.replace(temporary, target)
+            except OSError as e:
+                return f"{relative_path}: cannot be written here ({e.strerror})"
+            temporary = None
+            return None
+        finally:
+            if fd is not None:
+                os.close(fd)
+            if temporary is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temporary)
+
+    def discard(self, size: int) -> None:
+        while size:
+            size -= self.recv_into(self.buffer[:min(size, PIECE_BYTES)])
+
+
+def _announced(message: dict, path_key: str) -> tuple[str, int, Optional[str]]:
+    """The path, size and xxh3 (None where absent) a message announces a file with; ``_Broken`` if they are
+    not a path, a size and a hex digest."""
+    path, size, xxh3 = message.get(path_key), message.get("size"), message.get("xxh3")
+    if (not isinstance(path, str) or not isinstance(size, int) or isinstance(size, bool) or size < 0
+            or not (xxh3 is None or isinstance(xxh3, str))):
+        raise _Broken("it announced a file without a path, a size or a checksum")
+    return path, size, xxh3
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _reason(error: BaseException) -> str:
+    """What a failed connection to a peer tells the person reading the log."""
+    if isinstance(error, (_Stalled, _Broken)):
+        return str(error)
+    if isinstance(error, ConnectionRefusedError):
+        return "connection refused (no receiver listening there)"
+    if isinstance(error, (ConnectionResetError, BrokenPipeError)):
+        return "it closed the connection"
+    if isinstance(error, TimeoutError):
+        return "no answer"
+    return f"{type(error).__name__}: {error}"
+
+
+# ------------------------------------------------------------------------------------- sending side
+class PeerConnection:
+    """One connection to a peer's ``Receiver``, for a sequence of ``put`` and ``get`` (``send`` and ``fetch``
+    are these, over a list of files). A file the peer refuses or that fails its check is an answer (the
+    reason, naming it); a connection that fails raises ``ReplicationError``, and is then closed."""
+
+    def __init__(self, address: Address, *, timeout: float, time_limit: Optional[float] = None) -> None:
+        self.peer = format_address(address)
+        deadline = None if time_limit is None else time.monotonic() + time_limit
+        try:
+            sock = socket.create_connection(address, timeout=timeout if time_limit is None else min(timeout, time_limit))
+        except OSError as e:
+            raise ReplicationError(self.peer, None, _reason(e)) from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._stream: Optional[_Stream] = _Stream(sock, timeout, deadline)
+        with self._failing(None):
+            self._stream.send_message(HELLO)  # not answered: the first reply says if the peer refused
+
+    @contextlib.contextmanager
+    def _failing(self, file: Optional[str]) -> Iterator[_Stream]:
+        if self._stream is None:
+            raise ReplicationError(self.peer, file, "the connection failed before")
+        try:
+            yield self._stream
+        except (OSError, _Stalled, _Broken) as e:
+            self.close()
+            raise ReplicationError(self.peer, file, _reason(e)) from None
+
+    def _reply(self, stream: _Stream, relative_path: str) -> dict:
+        reply = stream.read_message()
+        if "refused" in reply:
+            raise _Broken(f"it refused the connection: {reply['refused']}")
+        if reply.get("path") != relative_path:
+            raise _Broken(f"it answered for {reply.get('path')!r}")
+        return reply
+
+    def put(self, relative_path: str, fd: int, expected: FileChecksum) -> Optional[str]:
+        """Send the first ``expected.size`` bytes of ``fd`` to ``relative_path`` under the peer's root, announced
+        with ``expected.xxh3``: None once the peer has it under its name, else why not."""
+        with self._failing(relative_path) as stream:
+            stream.send_message({"put": relative_path, "size": expected.size, "xxh3": expected.xxh3})
+            stream.send_file(fd, expected.size)
+            return self._reply(stream, relative_path).get("error")
+
+    def get(self, relative_path: str, root: str, expected: Optional[FileChecksum] = None,
+            local_path: Optional[str] = None) -> Optional[str]:
+        """Fetch the peer's ``relative_path`` into the same path under ``root`` (or ``local_path`` there),
+        checked against ``expected`` (else against the checksum the peer computes before sending it): None
+        once it is here under its name, else why not (missing there, damaged: never kept under its name)."""
+        local_path = relative_path if local_path is None else checked_path(local_path)
+        with self._failing(relative_path) as stream:
+            stream.send_message({"get": relative_path, "hash": expected is None})
+            reply = self._reply(stream, relative_path)
+            if reply.get("error") is not None:
+                return reply["error"]
+            _, size, xxh3 = _announced(reply, "path")
+            if expected is None:
+                if xxh3 is None:
+                    raise _Broken(f"it sent {relative_path} without its checksum")
+                expected = FileChecksum(size, xxh3)
+            if size != expected.size:
+                stream.discard(size)
+                return f"{relative_path}: {size} B at {self.peer}, {expected.size} B recorded; not kept"
+            problem = stream.receive_file(root, local_path, expected)
+            return None if problem is None else problem.replace(local_path, relative_path)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.sock.close()
+            self._stream = None
+
+    def __enter__(self) -> "PeerConnection":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def send(address: Address, root: str, relative_paths: Iterable[str], *, timeout: float,
+         time_limit: Optional[float] = None, checksums: Optional[Mapping[str, FileChecksum]] = None) -> list[Transfer]:
+    """Copy the files ``relative_paths`` under ``root`` into the same paths under the memory root of the
+    receiver at ``address``; what became of each, in order. A file's checksum is the one in ``checksums``
+    (recorded when it was written: the peer then also refuses a file damaged since), else it is hashed here
+    first. Raises ValueError for a path outside the root (before anything is sent), and
+    ``ReplicationError`` when the peer cannot be reached or fails (``timeout``: the longest wait for it;
+    ``time_limit``: for the whole call)."""
+    paths, checksums = [checked_path(path) for path in relative_paths], checksums or {}
+    outcomes: list[Transfer] = []
+    try:
+        with PeerConnection(address, timeout=timeout, time_limit=time_limit) as peer:
+            for path in paths:
+                try:
+                    fd = os.open(os.path.join(root, path), os.O_RDONLY | os.O_CLOEXEC)
+                except OSError as e:
+                    outcomes.append(Transfer(path, f"{path}: cannot be read here ({e.strerror})"))
+                    continue
+                try:
+                    size = os.fstat(fd).st_size
+                    expected = checksums.get(path) or _file_checksum(fd, size)
+                    if expected.size != size:
+                        outcomes.append(Transfer(path, f"{path}: {size} B here, {expected.size} B recorded; not sent"))
+                        continue
+                    outcomes.append(Transfer(path, peer.put(path, fd, expected)))
+                finally:
+                    os.close(fd)
+    except ReplicationError as e:
+        raise ReplicationError(e.peer, e.file, e.reason, outcomes) from None
+    return outcomes
+
+
+def fetch(address: Address, root: str, relative_paths: Iterable[str], *, timeout: float,
+          time_limit: Optional[float] = None, checksums: Optional[Mapping[str, FileChecksum]] = None,
+          local_paths: Optional[Mapping[str, str]] = None) -> list[Transfer]:
+    """Copy the files ``relative_paths`` from the memory root of the receiver at ``address`` into the same
+    paths under ``root`` (replacing what is there), or where ``local_paths`` puts one (a relative path under
+    ``root`` too: a hidden staging directory, say); what became of each, in order. Each is checked as it
+    arrives against ``checksums`` (the checkpoint's record: a replica damaged at rest is refused too), else
+    against the checksum the peer computes before sending it; one that fails is never kept under its name.
+    Raises as ``send`` does."""
+    paths, checksums, local_paths = [checked_path(path) for path in relative_paths], checksums or {}, local_paths or {}
+    outcomes: list[Transfer] = []
+    try:
+        with PeerConnection(address, timeout=timeout, time_limit=time_limit) as peer:
+            for path in paths:
+                outcomes.append(Transfer(path, peer.get(path, root, checksums.get(path), local_paths.get(path))))
+    except ReplicationError as e:
+        raise ReplicationError(e.peer, e.file, e.reason, outcomes) from None
+    return outcomes
+
+
+# ------------------------------------------------------------------------------------- receiving side
+def listening_socket(bind: str = "", port: int = 0) -> socket.socket:
+    """A TCP socket listening on ``bind`` (every interface when empty) and ``port`` (0: any free one), as a
+    ``Receiver`` serves: made by whoever publishes its address (a training process, which hands it to its
+    writer: ``client.writer_queue``), so that the address is known before the receiver runs."""
+    return socket.create_server((bind, port), family=socket.AF_INET6 if ":" in bind else socket.AF_INET, backlog=128)
+
+
+class Receiver:
+    """Serves one node's memory root ``root`` to its peers on TCP (``bind``, ``port``; 0: any free port; or the
+    ``listener`` given, from ``listening_socket``), from construction until ``close``. ``address`` is where the
+    other nodes reach it (``public_host``).
+
+    Each connection gets a thread, up to ``max_connections`` at once; one more waits in the listening
+    socket's backlog until one ends (its sender's ``timeout`` bounds that wait). A connection whose peer
+    sends nothing for ``idle_timeout`` seconds is dropped, with the file it was receiving. Every failure is reported to the peer that caused it, which reports it; the receiver
+    itself has nothing to log."""
+
+    def __init__(self, root: str, *, bind: str = "", port: int = 0, idle_timeout: float = 60.0,
+                 max_connections: int = 64, listener: Optional[socket.socket] = None) -> None:
+        self.root, self.idle_timeout, self.max_connections = os.path.abspath(root), idle_timeout, max_connections
+        os.makedirs(self.root, exist_ok=True)
+        if listener is None:
+            listener = listening_socket(bind, port)
+        self._listener = listener
+        self.address: Address = (public_host(listener.getsockname()[0]), listener.getsockname()[1])
+        self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)  # a connection ended, or the receiver is closing
+        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._closing = False
+        self._acceptor = threading.Thread(target=self._accept, name="asyncckpt-replication-accept", daemon=True)
+        self._acceptor.start()
+
+    def _accept(self) -> None:
+        while True:
+            with self._lock:
+                while len(self._connections) >= self.max_connections and not self._closing:
+                    self._ended.wait()
+                if self._closing:
+                    return
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                if self._closing:
+                    return
+                time.sleep(0.1)  # out of file descriptors, say: try again once some are free
+                continue
+            with self._lock:
+                if self._closing:
+                    sock.close()
+                    return
+                thread = threading.Thread(target=self._serve, args=(sock,), name="asyncckpt-replication-serve", daemon=True)
+                self._connections[sock] = thread
+            thread.start()
+
+    @staticmethod
+    def _refuse(sock: socket.socket, reason: str) -> None:
+        body = json.dumps({"refused": reason}).encode()
+        sock.setblocking(False)
+        with contextlib.suppress(OSError):
+            sock.send(struct.pack(">I", len(body)) + body)
+        sock.close()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            stream = _Stream(sock, self.idle_timeout)
+            if stream.read_message() != HELLO:
+                self._refuse(sock, f"not a {HELLO['protocol']} version {HELLO['version']} peer")
+                return
+            while True:
+                request = stream.read_message(end_allowed=True)
+                if request is None:
+                    return
+                if "put" in request:
+                    self._receive(stream, request)
+                elif "get" in request:
+                    self._send(stream, request)
+                else:
+                    raise _Broken("an unknown request")
+        except (OSError, _Stalled, _Broken):
+            pass  # the peer went silent, left or broke the protocol: it reports that; nothing was published
+        finally:
+            sock.close()
+            with self._lock:
+                self._connections.pop(sock, None)
+                self._ended.notify()
+
+    def _receive(self, stream: _Stream, request: dict) -> None:
+        path, size, xxh3 = _announced(request, "put")
+        if xxh3 is None:
+            raise _Broken(f"it sent {path} without its checksum")
+        try:
+            _target(self.root, path)
+        except ValueError as e:
+            stream.discard(size)
+            problem: Optional[str] = str(e)
+        else:
+            problem = stream.receive_file(self.root, path, FileChecksum(size, xxh3))
+        stream.send_message({"path": path, "error": problem})
+
+    def _send(self, stream: _Stream, request: dict) -> None:
+        path = request["get"]
+        if not isinstance(path, str):
+            raise _Broken("it asked for a file without a path")
+        try:
+            fd = os.open(_target(self.root, path), os.O_RDONLY | os.O_CLOEXEC)
+        except ValueError as e:
+            stream.send_message({"path": path, "error": str(e)})
+            return
+        except OSError as e:
+            stream.send_message({"path": path, "error": f"{path}: not here ({e.strerror})"})
+            return
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                stream.send_message({"path": path, "error": f"{path}: not a file here"})
+                return
+            xxh3 = _file_checksum(fd, info.st_size).xxh3 if request.get("hash") else None
+            stream.send_message({"path": path, "size": info.st_size, "xxh3": xxh3})
+            stream.send_file(fd, info.st_size)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Stop accepting, end every connection (a file being received is discarded), and return once
+        every thread has ended."""
+        with self._lock:
+            self._closing = True
+            self._ended.notify()
+            connections = dict(self._connections)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        self._listener.close()
+        self._acceptor.join()
+        for sock in connections:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes its thread's wait
+        for thread in connections.values():
+            thread.join()
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

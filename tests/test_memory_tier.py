@@ -1,0 +1,203 @@
+"""The memory tier on one node, through the core: checkpoints committed in node memory, every persist_every-th
+also durable, a restart after kill -9 loads the newest from memory, a damaged memory copy gives way to its
+durable one, a tier that does not fit saves durably only, and a run that ends leaves nothing in memory."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from asyncckpt import core
+from asyncckpt.core.storage import tier
+from programs import Program
+from writers import writers_of
+
+TIER = core.MemoryTier(persist_every=3, keep=2, replicas=0)
+
+
+@pytest.fixture
+def memory_root(tmp_path, monkeypatch):
+    """This test's node memory: a directory of its own (``ASYNCCKPT_MEMORY_ROOT``), on tmpfs where there is one."""
+    root = tmp_path / "memory"
+    monkeypatch.setenv("ASYNCCKPT_MEMORY_ROOT", str(root))
+    return root
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((1 << 16,), float(step)), "b": torch.arange(10) * step, "step": step}
+
+
+def _load(path: str) -> dict:
+    state = {"w": torch.zeros(1 << 16), "b": torch.zeros(10, dtype=torch.int64), "step": None}
+    core.load(state, path)
+    return state
+
+
+def _names(folder) -> list[str]:
+    return sorted(name for name in os.listdir(folder) if not name.startswith(".")) if os.path.isdir(folder) else []
+
+
+def test_checkpoints_live_in_memory_and_every_third_is_durable(tmp_path, memory_root):
+    durable = tmp_path / "run"
+    with core.Checkpointer(memory_tier=TIER) as checkpointer:
+        for step in range(1, 8):
+            checkpointer.async_save(_state(step), str(durable / f"step_{step:03d}"), step=step)
+        checkpointer.wait()
+        memory = tier.run_dir(str(durable))
+        assert _names(durable) == ["step_003", "step_006"]  # persist_every=3
+        assert _names(memory) == ["step_006", "step_007"]  # keep=2
+        assert core.latest_checkpoint(str(durable)) == os.path.join(memory, "step_007")  # in memory only, newest
+        assert torch.equal(_load(core.latest_checkpoint(str(durable)))["w"], _state(7)["w"])
+        assert core.is_complete(str(durable / "step_006")) and torch.equal(_load(str(durable / "step_006"))["b"],
+                                                                        _state(6)["b"])
+    # the end of the run: its last checkpoint durable too, nothing left in memory
+    assert _names(durable) == ["step_003", "step_006", "step_007"]
+    assert not os.listdir(memory_root)
+
+
+def test_the_framework_rotation_removes_both_copies(tmp_path, memory_root):
+    durable = tmp_path / "run"
+    with core.Checkpointer(memory_tier=core.MemoryTier(persist_every=1, keep=3, replicas=0)) as checkpointer:
+        for step in (1, 2):
+            checkpointer.async_save(_state(step), str(durable / f"step_{step}"), step=step)
+        checkpointer.remove([str(durable / "step_1")], after=checkpointer.pending()[-1]).result()
+        assert _names(durable) == ["step_2"] and _names(tier.run_dir(str(durable))) == ["step_2"]
+        assert checkpointer.will_exist(str(durable / "step_2")) and not checkpointer.will_exist(str(durable / "step_1"))
+
+
+KILLED = textwrap.dedent('''
+    import sys, time, torch
+    from asyncckpt import core
+    root = sys.argv[1]
+    checkpointer = core.Checkpointer(memory_tier=core.MemoryTier(persist_every=3, keep=2, replicas=0))
+    for step in range(1, 6):
+        state = {"w": torch.full((1 << 20,), float(step)), "b": torch.arange(10) * step, "step": step}
+        checkpointer.async_save(state, f"{root}/step_{step:03d}", step=step)
+        print(f"saved {step}", flush=True)
+    time.sleep(3600)  # killed here, its last save handed over
+''')
+
+
+def test_a_restart_after_kill_9_resumes_from_memory(tmp_path, memory_root):
+    """kill -9 the training process right after a memory-only save returned: its writer finishes that save in
+    memory, and a new process resumes from it (newer than the last durable one), bit for bit."""
+    durable = str(tmp_path / "run")
+    program = tmp_path / "killed.py"
+    program.write_text(KILLED)
+    process = Program([sys.executable, str(program), durable], tmp_path / "logs")
+    try:
+        process.wait_for_line("saved 5", timeout=180)
+        process.send_signal(signal.SIGKILL)
+        process.wait(30)
+    finally:
+        process.kill()
+    deadline = time.monotonic() + 60
+    while writers_of(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert writers_of(process.pid) == []
+    latest = core.latest_checkpoint(durable)
+    assert latest == tier.memory_path(f"{durable}/step_005")  # memory only: the durable one is step 3
+    assert _names(durable) == ["step_003"]
+    state = {"w": torch.zeros(1 << 20), "b": torch.zeros(10, dtype=torch.int64), "step": None}
+    core.load(state, latest)
+    assert state["step"] == 5 and torch.equal(state["w"], torch.full((1 << 20,), 5.0))
+
+
+def test_a_damaged_memory_copy_gives_way_to_its_durable_copy(tmp_path, memory_root, caplog):
+    """The kit's resume tries the nearest copy first; a flipped byte in it is found by checksum, named in a
+    warning, and the durable copy of the same checkpoint is loaded instead."""
+    from asyncckpt.core.integration import resume
+
+    durable = tmp_path / "run"
+    checkpointer = core.Checkpointer(memory_tier=core.MemoryTier(persist_every=1, keep=2, replicas=0))
+    checkpointer.save(_state(4), str(durable / "step_004"), step=4)
+    checkpointer.wait()
+    memory = tier.memory_path(str(durable / "step_004"))
+    data = next(os.path.join(memory, name) for name in os.listdir(memory) if name.endswith(".distcp"))
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    loaded = {}
+
+    def load(path):
+        loaded["path"] = path
+        return _load(path)
+
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        state = resume.resume(checkpointer, load, reads="directory", root=str(durable),
+                              key=resume.numbered(__import__("re").compile(r"^step_(\d+)$")))
+    assert loaded["path"] == str(durable / "step_004") and state["step"] == 4
+    assert any(memory in record.getMessage() and "not resuming from" in record.getMessage() for record in caplog.records)
+    checkpointer.close()
+
+
+def test_a_tier_that_does_not_fit_saves_durably_with_one_warning(tmp_path, memory_root, caplog):
+    durable = tmp_path / "run"
+    small = core.MemoryTier(persist_every=5, keep=2, replicas=0, max_bytes=1 << 16)  # less than one checkpoint
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"), core.Checkpointer(memory_tier=small) as checkpointer:
+        for step in (1, 2, 3):
+            checkpointer.async_save(_state(step), str(durable / f"step_{step}"), step=step)
+    warnings = [record.getMessage() for record in caplog.records if "memory tier does not fit" in record.getMessage()]
+    assert len(warnings) == 1 and "would fit" in warnings[0], warnings
+    assert _names(durable) == ["step_1", "step_2", "step_3"]
+    assert _names(tier.run_dir(str(durable))) == []
+
+
+TERMINATED = textwrap.dedent('''
+    import sys, time, torch
+    from asyncckpt import core
+    root = sys.argv[1]
+    checkpointer = core.Checkpointer(memory_tier=core.MemoryTier(persist_every=10, keep=2, replicas=0))
+    for step in range(1, 4):
+        checkpointer.save({"w": torch.full((1 << 16,), float(step)), "step": step}, f"{root}/step_{step:03d}", step=step)
+    print("saved 3", flush=True)
+    time.sleep(3600)  # a preemption's SIGTERM comes here
+''')
+
+
+def test_a_preemption_sigterm_writes_the_newest_memory_checkpoint_durably(tmp_path, memory_root):
+    """A preemption signals every process of the job: the writer then writes the newest checkpoint it published
+    that is in memory only to the durable place before it exits (the node and its memory may go next)."""
+    durable = str(tmp_path / "run")
+    program = tmp_path / "terminated.py"
+    program.write_text(TERMINATED)
+    process = Program([sys.executable, str(program), durable], tmp_path / "logs")
+    try:
+        process.wait_for_line("saved 3", timeout=180)
+        writers = writers_of(process.pid)
+        assert len(writers) == 1 and _names(durable) == []  # all three in memory only
+        os.kill(writers[0], signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+    finally:
+        process.kill()
+    deadline = time.monotonic() + 60
+    while writers_of(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert writers_of(process.pid) == []
+    assert _names(durable) == ["step_003"] and core.is_complete(f"{durable}/step_003")
+    state = {"w": torch.zeros(1 << 16), "step": None}
+    core.load(state, f"{durable}/step_003")
+    assert state["step"] == 3 and torch.equal(state["w"], torch.full((1 << 16,), 3.0))
+
+
+def test_the_first_durable_save_logs_the_least_loss_interval(tmp_path, memory_root, caplog):
+    from asyncckpt.core.api import interval
+
+    with caplog.at_level(logging.INFO, logger="asyncckpt"):
+        with core.Checkpointer(memory_tier=core.MemoryTier(persist_every=2, replicas=0), failures_per_day=24) as ck:
+            for step in (1, 2, 3, 4):
+                ck.save(_state(step), str(tmp_path / "run" / f"step_{step}"), step=step)
+    lines = [record.getMessage() for record in caplog.records if "loses the least work" in record.getMessage()]
+    assert len(lines) == 1 and "at 24 failure(s) a day" in lines[0] and "with the memory tier" in lines[0], lines
+    # Young: sqrt(2 C M); never shorter than the time a checkpoint takes to be safe
+    assert interval.least_loss(0.5, 1.0, 0.0, 24).seconds == pytest.approx((2 * 0.5 * 3600) ** 0.5)
+    assert interval.least_loss(0.5, 600.0, 0.0, 24).seconds == 600.0

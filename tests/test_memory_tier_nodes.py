@@ -1,0 +1,432 @@
+"""The memory tier across nodes: several "nodes" on this machine, each a ``torchrun --nnodes N --node-rank i`` of its
+own (static rendezvous on 127.0.0.1) with its own ``ASYNCCKPT_NODE`` and ``ASYNCCKPT_MEMORY_ROOT``, replicas
+between them over loopback, real kills (kill -9 of every process of a node, trainers and writers), a node's
+memory deleted as when a node is replaced, a byte flipped in a replica, a peer's writer stopped (SIGSTOP) while the
+others replicate to it.
+
+Each program prints to files (``programs.Program``), never to pipes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+from dist_helper import free_port
+from programs import Program
+from writers import writers_of
+
+PEER_WARNING = "does not take memory-tier replicas"
+
+
+class Job:
+    """``nodes`` torchrun agents, one per node, node ``i`` with ``ASYNCCKPT_NODE=n{i}`` and its memory root
+    ``memory/n{i}``: a multi-node job as a launcher starts it, every node's output in files."""
+
+    def __init__(self, program: Path, args: list[str], *, nodes: int, memory: Path, logs: Path) -> None:
+        port = free_port()
+        self.nodes = []
+        for node in range(nodes):
+            env = {**os.environ, "ASYNCCKPT_NODE": f"n{node}", "ASYNCCKPT_MEMORY_ROOT": str(memory / f"n{node}"),
+                   "ASYNCCKPT_REPLICATION_ADDRESS": "127.0.0.1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+            self.nodes.append(Program([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+                                       "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                                       "--master-port", str(port), str(program), *args], logs, env=env,
+                                      cwd=program.parent))
+
+    def wait_for_line(self, wanted: str, timeout: float = 240) -> None:
+        for node in self.nodes:
+            node.wait_for_line(wanted, timeout)
+
+    def trainer(self, node: int) -> Optional[int]:
+        """The pid of ``node``'s training process (None before it printed it)."""
+        return next((int(line.split()[1]) for line in self.nodes[node].lines() if line.startswith("PID ")), None)
+
+    def kill_node(self, node: int) -> None:
+        """kill -9 every process of ``node``: its launcher, its training process and that one's writer."""
+        trainer = self.trainer(node)
+        for pid in [self.nodes[node].pid, *([trainer, *writers_of(trainer)] if trainer is not None else [])]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.nodes[node].wait(30)
+
+    def kill(self) -> None:
+        """kill -9 every node's processes (a job whose node died, restarted by its launcher)."""
+        trainers = [pid for pid in map(self.trainer, range(len(self.nodes))) if pid is not None]
+        for node in range(len(self.nodes)):
+            self.kill_node(node)
+        deadline = time.monotonic() + 60
+        while writers_of(*trainers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert writers_of(*trainers) == []
+
+    def finish(self, timeout: float = 300) -> list[str]:
+        """Wait for every node to exit 0; the lines they printed."""
+        lines = []
+        for node in self.nodes:
+            assert node.wait(timeout) == 0, f"{node.lines()[-20:]}\n{node.error_output()[-5000:]}"
+            lines += node.lines()
+        return lines
+
+    def stop(self) -> None:
+        """Every process still running killed (a failed test's: a launcher killed alone leaves its workers)."""
+        for node in range(len(self.nodes)):
+            self.kill_node(node)
+
+
+@pytest.fixture
+def jobs():
+    """``jobs(program, args, nodes=..., memory=..., logs=...)``: a ``Job``; every one still running is killed at
+    the end of the test."""
+    started: list[Job] = []
+
+    def start(*args, **kwargs) -> Job:
+        job = Job(*args, **kwargs)
+        started.append(job)
+        return job
+    yield start
+    for job in started:
+        job.stop()
+
+
+def _held(memory: Path) -> list[str]:
+    """What the nodes' memory roots under ``memory`` hold (hidden entries aside)."""
+    return sorted(str(entry) for entry in memory.glob("*/*") if not entry.name.startswith("."))
+
+
+# ------------------------------------------------------------------------------------------ the core
+CORE = textwrap.dedent('''
+    import json, os, sys, time, torch, torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from asyncckpt import core
+    from asyncckpt.core.storage import commit, tier
+
+    mode, root, replicas = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    print(f"PID {os.getpid()}", flush=True)
+
+    def state(step):  # a DTensor sharded over the ranks (each rank writes its shard), a replicated tensor, a value
+        g = torch.Generator().manual_seed(step)
+        return {"w": distribute_tensor(torch.randn(3 * 4096, 64, generator=g), mesh, [Shard(0)]),
+                "b": torch.arange(1000) * step, "step": step}
+
+    def wait_for(path):  # the test's signal; a test that failed before giving it leaves nothing waiting for ever
+        deadline = time.monotonic() + 300
+        while not os.path.exists(path):
+            assert time.monotonic() < deadline, f"no {path}"
+            time.sleep(0.05)
+
+    checkpointer = core.Checkpointer(memory_tier=core.MemoryTier(persist_every=2, keep=2, replicas=replicas,
+                                                                 peer_timeout=2))
+    if mode == "save":  # steps 1-3: 2 is durable too, 3 in memory only; a directory with a DCP part, in memory only
+        for step in (1, 2, 3):
+            checkpointer.async_save(state(step), f"{root}/step_{step:03d}", step=step)
+        directory = checkpointer.begin_directory(f"{root}-directories/checkpoint_3", step=3)
+        directory.save_sharded(state(3), "model")
+        directory.write_bytes(f"rank_{dist.get_rank()}.json", json.dumps({"step": 3}).encode())
+        directory.commit()
+        checkpointer.wait()
+        dist.barrier()
+        print("SAVED", flush=True)
+        time.sleep(600)  # killed here
+    elif mode == "load":
+        path = checkpointer.latest_checkpoint(root)
+        loaded = {"w": distribute_tensor(torch.zeros(3 * 4096, 64), mesh, [Shard(0)]), "b": torch.zeros(1000, dtype=torch.int64),
+                  "step": None}
+        checkpointer.load(loaded, path)
+        expected = state(loaded["step"])
+        same = torch.equal(loaded["w"].to_local(), expected["w"].to_local()) and torch.equal(loaded["b"], expected["b"])
+        print(f"RESUMED {path} {loaded['step']} {same}", flush=True)
+        directory = checkpointer.latest_checkpoint(f"{root}-directories")
+        if directory is not None:
+            part = {"w": distribute_tensor(torch.zeros(3 * 4096, 64), mesh, [Shard(0)]), "b": torch.zeros(1000, dtype=torch.int64)}
+            dcp.load(part, checkpoint_id=os.path.join(directory, "model"))
+            expected = state(3)
+            same = torch.equal(part["w"].to_local(), expected["w"].to_local()) and torch.equal(part["b"], expected["b"])
+            with open(os.path.join(directory, f"rank_{dist.get_rank()}.json")) as f:
+                same = same and json.load(f) == {"step": 3}
+        print(f"DIRECTORY {directory} {directory is not None and same}", flush=True)
+        checkpointer.close()
+    else:  # "stall": step 1 everywhere, then steps 2 and 3 while the test holds node 1's writer stopped
+        go = sys.argv[4]
+        checkpointer.async_save(state(1), f"{root}/step_001", step=1)
+        checkpointer.wait()
+        dist.barrier()
+        print("READY", flush=True)
+        wait_for(go + ".stopped")
+        calls, steps = [], 0
+        for step in (2, 3):
+            started = time.perf_counter()
+            checkpointer.async_save(state(step), f"{root}/step_{step:03d}", step=step)
+            calls.append(time.perf_counter() - started)
+            for _ in range(5):  # training goes on: a collective per step
+                dist.all_reduce(torch.ones(16))
+                steps += 1
+                time.sleep(0.1)
+        print("CALLS", steps, *(f"{call:.3f}" for call in calls), flush=True)
+        print("TRAINED", flush=True)
+        wait_for(go + ".continued")
+        checkpointer.wait()
+        dist.barrier()
+        for step in (2, 3):
+            record = commit.read_commit_record(tier.memory_path(f"{root}/step_{step:03d}"))
+            print(f"HOLDERS {step} {json.dumps(tier.holders(record), sort_keys=True)}", flush=True)
+        checkpointer.close()
+        print("DONE", flush=True)
+''')
+
+
+@pytest.fixture(scope="module")
+def three_nodes(tmp_path_factory):
+    """A job of three nodes (one rank each, replicas=2: every node's shares on both others) that saved steps 1-3
+    (2 durable too, 3 in memory only) and a directory checkpoint with a DCP part (memory only), and was then killed
+    whole (kill -9): its memory roots and durable root, and a copy of them as the kill left them, for each test to
+    start from."""
+    base = tmp_path_factory.mktemp("three_nodes")
+    program = base / "core_nodes.py"
+    program.write_text(CORE)
+    memory, durable = base / "memory", base / "run"
+    job = Job(program, ["save", str(durable), "2"], nodes=3, memory=memory, logs=base / "logs")
+    try:
+        job.wait_for_line("SAVED")
+        job.kill()
+    finally:
+        job.stop()
+    assert sorted(os.listdir(durable)) == ["step_002"]  # step 3: in memory only
+    assert not os.path.exists(f"{durable}-directories/checkpoint_3")
+    shutil.copytree(memory, base / "pristine-memory", symlinks=True)
+    return base, program, memory, durable
+
+
+def _restored(three_nodes) -> tuple[Path, Path, Path, Path]:
+    base, program, memory, durable = three_nodes
+    shutil.rmtree(memory)
+    shutil.copytree(base / "pristine-memory", memory, symlinks=True)
+    return base, program, memory, durable
+
+
+def _resumed(lines: list[str]) -> list[tuple[str, int, bool]]:
+    return [(path, int(step), same == "True") for _, path, step, same in
+            (line.split() for line in lines if line.startswith("RESUMED "))]
+
+
+def test_a_replaced_node_fetches_its_shares_from_its_peers_and_a_damaged_replica_gives_way(three_nodes, jobs):
+    """Node 2 replaced (its memory gone) and a byte flipped in node 0's replica of its share: the relaunched job
+    resumes from step 3, in memory only, on every node; node 2 fetches its share from node 1 after refusing node
+    0's damaged copy, which one warning names; each rank's state is bit for bit that of step 3."""
+    base, program, memory, durable = _restored(three_nodes)
+    shutil.rmtree(memory / "n2")
+    (replica,) = memory.glob("n0/*/step_003/__2_0.distcp")
+    with open(replica, "r+b") as f:
+        f.seek(replica.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    job = jobs(program, ["load", str(durable), "2"], nodes=3, memory=memory, logs=base / "logs-replaced")
+    lines = job.finish()
+    resumed = _resumed(lines)
+    assert sorted(resumed) == sorted((str(path), 3, True) for path in memory.glob("n*/*/step_003")), resumed
+    directories = sorted(line.split()[1:] for line in lines if line.startswith("DIRECTORY "))
+    assert directories == sorted([str(path), "True"] for path in memory.glob("n*/*/checkpoint_3")), directories
+    warnings = [line for line in job.nodes[2].error_output().splitlines() if "not using the copy" in line]
+    assert len(warnings) == 1 and "__2_0.distcp" in warnings[0] and "node n0" in warnings[0], warnings
+
+
+def test_with_every_node_memory_lost_the_job_resumes_from_storage(three_nodes, jobs):
+    base, program, memory, durable = _restored(three_nodes)
+    shutil.rmtree(memory)
+    job = jobs(program, ["load", str(durable), "2"], nodes=3, memory=memory, logs=base / "logs-lost")
+    lines = job.finish()
+    assert _resumed(lines) == [(str(durable / "step_002"), 2, True)] * 3
+    assert [line for line in lines if line.startswith("DIRECTORY ")] == ["DIRECTORY None False"] * 3  # memory only
+
+
+def test_a_peer_that_stops_answering_leaves_training_and_saves_going(tmp_path, jobs):
+    """Node 1's writer stopped (SIGSTOP) between two saves: the save calls still return at once and training goes
+    on; node 0's writer gives up on node 1 after ``peer_timeout``, says so once, and leaves it out of the next save
+    too; once node 1 answers again the saves commit, node 0's shares held by node 0 alone, node 1's by both; the
+    run's end persists the last and leaves nothing in memory, nor any process."""
+    program = tmp_path / "core_nodes.py"
+    program.write_text(CORE)
+    memory, durable, go = tmp_path / "memory", tmp_path / "run", tmp_path / "go"
+    job = jobs(program, ["stall", str(durable), "1", str(go)], nodes=2, memory=memory, logs=tmp_path / "logs")
+    job.wait_for_line("READY")
+    trainers = [job.trainer(0), job.trainer(1)]
+    (writer,) = writers_of(trainers[1])
+    os.kill(writer, signal.SIGSTOP)
+    try:
+        Path(f"{go}.stopped").touch()
+        job.wait_for_line("TRAINED")
+        deadline = time.monotonic() + 60
+        while PEER_WARNING not in job.nodes[0].error_output():
+            assert time.monotonic() < deadline, job.nodes[0].error_output()[-3000:]
+            time.sleep(0.1)
+    finally:
+        os.kill(writer, signal.SIGCONT)
+    Path(f"{go}.continued").touch()
+    lines = job.finish()
+    trained = [line.split() for line in lines if line.startswith("CALLS")]
+    assert all(int(words[1]) == 10 and all(float(call) < 5.0 for call in words[2:]) for words in trained), trained
+    said = [line for line in job.nodes[0].error_output().splitlines() if PEER_WARNING in line]
+    assert len(said) == 1 and "n1" in said[0], said
+    holders = {(line.split()[1], line.split(maxsplit=2)[2]) for line in lines if line.startswith("HOLDERS")}
+    assert len(holders) == 2, holders  # each node's copy of a step has the same record
+    for _step, text in holders:
+        held = json.loads(text)
+        assert held["__0_0.distcp"] == ["n0"] and held["__1_0.distcp"] == ["n1", "n0"], held
+    assert sorted(os.listdir(durable)) == ["step_002", "step_003"]  # every second, and the last of the run
+    assert _held(memory) == []
+    assert writers_of(*trainers) == []
+
+
+# ------------------------------------------------------------------------------------------ an adapter
+ACCELERATE = textwrap.dedent("""
+    import os, sys, time, torch
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration, set_seed
+    from torch.utils.data import DataLoader, TensorDataset
+    from asyncckpt.adapters.accelerate import enable_async_checkpointing
+    from asyncckpt.core import MemoryTier
+
+    mode, project, stop_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    print(f"PID {os.getpid()}", flush=True)
+    set_seed(0)
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True,
+                                                                    total_limit=2))
+    if mode == "async":
+        handle = enable_async_checkpointing(acc, memory_tier=MemoryTier(persist_every=2, replicas=1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    dl = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    model, opt, dl = acc.prepare(model, opt, dl)
+    start = 0
+    if mode == "async" and stop_after < 0:
+        acc.load_state()
+        start = acc.project_configuration.iteration
+    print(f"RANK {acc.process_index} BEGINS AT {start}", flush=True)
+    for epoch in range(start, 5):
+        for xb, yb in dl:
+            loss = torch.nn.functional.mse_loss(model(xb), yb); acc.backward(loss); opt.step(); opt.zero_grad()
+        acc.save_state()
+        if epoch == stop_after:  # committed on both nodes, then killed
+            handle.wait()
+            acc.wait_for_everyone()
+            print("SAVED", flush=True)
+            time.sleep(600)
+    acc.end_training()
+    if acc.is_main_process:
+        torch.save(acc.unwrap_model(model).state_dict(), os.path.join(project, "final.pt"))
+""")
+
+
+def test_accelerate_resumes_on_a_replaced_node_from_its_peers_memory(tmp_path, jobs):
+    """Accelerate on two nodes (DDP, one rank each): every process of node 1 killed (kill -9) and its memory deleted
+    right after a memory-only checkpoint committed; the relaunched job (a new node 1) resumes from that checkpoint,
+    node 1 fetching it from node 0, and ends bit for bit as an uninterrupted run without asyncckpt."""
+    program = tmp_path / "accelerate_nodes.py"
+    program.write_text(ACCELERATE)
+    memory = tmp_path / "memory"
+    jobs(program, ["native", str(tmp_path / "native"), "99"], nodes=2, memory=memory, logs=tmp_path / "logs").finish()
+    first = jobs(program, ["async", str(tmp_path / "async"), "2"], nodes=2, memory=memory, logs=tmp_path / "logs")
+    first.wait_for_line("SAVED")
+    first.kill()
+    assert sorted(os.listdir(tmp_path / "async" / "checkpoints")) == ["checkpoint_1"]  # 0 and 2: in memory only
+    shutil.rmtree(memory / "n1")
+    second = jobs(program, ["async", str(tmp_path / "async"), "-1"], nodes=2, memory=memory, logs=tmp_path / "logs")
+    lines = second.finish()
+    assert "RANK 0 BEGINS AT 3" in lines and "RANK 1 BEGINS AT 3" in lines, lines  # from checkpoint_2, in memory
+    a, b = (torch.load(tmp_path / name / "final.pt", weights_only=True) for name in ("async", "native"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _held(memory) == []
+    assert writers_of(*(second.trainer(node) for node in (0, 1))) == []
+
+
+
+LIGHTNING = textwrap.dedent("""
+    import os, sys, time, torch
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+    from asyncckpt.adapters.lightning import AsyncCkptIO
+    from asyncckpt.core import MemoryTier
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__(); self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        def training_step(self, batch, batch_idx):
+            x, y = batch; return torch.nn.functional.mse_loss(self.body(x), y)
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    class StopAt(Callback):  # the checkpoint of step STOP - 1 committed, then the test kills the job
+        def on_train_start(self, trainer, module):
+            print(f"RANK {trainer.global_rank} BEGINS AT {trainer.global_step}", flush=True)
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if sys.argv[2] != "second" and trainer.global_step == int(sys.argv[2]):
+                if isinstance(trainer.strategy.checkpoint_io, AsyncCkptIO):
+                    trainer.strategy.checkpoint_io.wait()
+                trainer.strategy.barrier()
+                print("SAVED", flush=True)
+                time.sleep(600)
+
+    root = sys.argv[1]
+    print(f"PID {os.getpid()}", flush=True)
+    torch.manual_seed(0)
+    x = torch.randn(128, 8, generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+    memory_tier = MemoryTier(persist_every=2, replicas=1)
+    plugins = [AsyncCkptIO(memory_tier=memory_tier)] if os.path.basename(root) == "async" else []
+    trainer = L.Trainer(max_steps=24, accelerator="cpu", num_nodes=2, devices=1, strategy="ddp", plugins=plugins,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                        callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=5,
+                                                   save_top_k=-1, save_last=True), StopAt()])
+    model = Net()
+    trainer.fit(model, data, ckpt_path="last" if sys.argv[2] == "second" else None)
+    if trainer.global_rank == 0:
+        torch.save(model.state_dict(), os.path.join(root, "final.pt"))
+""")
+
+
+def test_lightning_on_two_nodes_saves_in_memory_and_resumes_from_storage(tmp_path, jobs):
+    """Lightning with ``Trainer(num_nodes=2, devices=1, strategy="ddp")``, a node per torchrun, the memory tier on:
+    steps 5 and 15 in memory only, 10 durable too. Every process of both nodes killed after step 15's checkpoint
+    and node 0's memory deleted: ``ckpt_path="last"`` resumes both ranks from step 10 on storage (Lightning picks
+    its file on each rank before the nodes can agree on a memory copy: docs/memory_tier.md, Limits), and ends bit
+    for bit as Lightning's own kill and resume from step 10; nothing left in memory, no process."""
+    program = tmp_path / "lightning_nodes.py"
+    program.write_text(LIGHTNING)
+    memory = tmp_path / "memory"
+    for arm, stop in (("native", "11"), ("async", "16")):
+        job = jobs(program, [str(tmp_path / arm), stop], nodes=2, memory=memory, logs=tmp_path / "logs")
+        job.wait_for_line("SAVED")
+        job.kill()
+    assert sorted(os.listdir(tmp_path / "async" / "ckpts")) == ["epoch=0-step=10.ckpt", "last.ckpt"]
+    assert _held(memory) == [str(memory / "n0" / run.name) for run in (memory / "n0").iterdir()]  # none on n1
+    assert sorted(entry.name for entry in (memory / "n0").glob("*/*") if not entry.name.startswith(".")) == [
+        "epoch=0-step=15.ckpt", "last.ckpt"]  # rank 0 saves them; the newest two kept
+    shutil.rmtree(memory / "n0")
+    lines = []
+    for arm in ("native", "async"):
+        job = jobs(program, [str(tmp_path / arm), "second"], nodes=2, memory=memory, logs=tmp_path / "logs")
+        lines += job.finish()
+    assert lines.count("RANK 0 BEGINS AT 10") == 2 and lines.count("RANK 1 BEGINS AT 10") == 2, lines
+    a, b = (torch.load(tmp_path / name / "final.pt", weights_only=True) for name in ("async", "native"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _held(memory) == []
+    assert writers_of(*(job.trainer(node) for node in (0, 1))) == []

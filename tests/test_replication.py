@@ -1,0 +1,449 @@
+"""Replicating memory-tier files between nodes (``writer.replication``): real receiver processes, real sockets.
+
+Each simulated node is a receiver process of its own (``replication_node.py``) serving its own memory root
+(``ASYNCCKPT_MEMORY_ROOT`` under ``tmp_path``) on a loopback address, or in a network namespace of its own
+reached over a veth pair where this machine lets the test make one. The test process sends and fetches as
+another node's writer would. Peers that fail are made to fail for real: SIGSTOP (a hung host), SIGKILL (a
+dead one), a link taken down.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from asyncckpt.core.formats.checksum import FileChecksum, checksum
+from asyncckpt.core.writer.replication import (
+    PeerConnection,
+    Receiver,
+    ReplicationError,
+    fetch,
+    parse_address,
+    peer_address,
+    peers_for,
+    publish_address,
+    send,
+)
+from programs import Program
+
+NODE_PROGRAM = os.path.join(os.path.dirname(__file__), "replication_node.py")
+CHECKPOINT = "run-abc/.checkpoint-20.asyncckpt-staging-s1"  # where a save's files lie in a memory root
+MARGIN_S = 10.0  # beyond a peer's timeout, what a failing call may take on a loaded machine: bounded, not exact
+
+
+class Node:
+    """A receiver process serving ``root``; ``address`` is where it listens."""
+
+    def __init__(self, root: Path, logs: Path, argv_prefix: tuple[str, ...] = (), bind: str = "",
+                 public: Optional[str] = "127.0.0.1") -> None:
+        self.root = root
+        env = {**os.environ, "ASYNCCKPT_MEMORY_ROOT": str(root)}
+        env.pop("ASYNCCKPT_REPLICATION_ADDRESS", None)
+        if public is not None:
+            env["ASYNCCKPT_REPLICATION_ADDRESS"] = public
+        self.program = Program([*argv_prefix, sys.executable, NODE_PROGRAM, *([bind] if bind else [])], logs, env=env)
+        host, port = self.program.next_line(60).split()
+        self.address = (host, int(port))
+
+    def signal(self, number: int) -> None:
+        self.program.send_signal(number)
+
+    def stop(self) -> None:
+        if self.program.poll() is None:
+            self.program.send_signal(signal.SIGKILL)
+        self.program.wait(30)
+
+
+@pytest.fixture
+def start_node(tmp_path):
+    """``start_node(name, **Node options)``: a node with its memory root ``tmp_path/name``; every one is killed
+    at the end of the test."""
+    started: list[Node] = []
+
+    def start(name: str, **options) -> Node:
+        node = Node(tmp_path / name, tmp_path / "logs", **options)
+        started.append(node)
+        return node
+    yield start
+    for node in started:
+        node.stop()
+
+
+def files_under(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` (hidden ones too), by relative path, with its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()} if root.exists() else {}
+
+
+def hidden_leftovers(root: Path) -> list[str]:
+    return [str(p.relative_to(root)) for p in root.rglob("*") if ".asyncckpt-tmp-" in p.name] if root.exists() else []
+
+
+def a_checkpoint(root: Path) -> dict[str, bytes]:
+    """A rank's share as a save leaves it in memory: a large file, small ones, an empty one, a nested one."""
+    files = {f"{CHECKPOINT}/model.safetensors": os.urandom(64 << 20), f"{CHECKPOINT}/optimizer.bin": os.urandom(1 << 20),
+             f"{CHECKPOINT}/config.json": b'{"step": 20}', f"{CHECKPOINT}/empty.txt": b"",
+             f"{CHECKPOINT}/scheduler/state.json": os.urandom(3000)}
+    for path, data in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(data)
+    return files
+
+
+def many_large_files(root: Path, count: int) -> list[str]:
+    """``count`` names of one 64 MiB file (hard links: no more disk): a send of all of them outlasts any
+    scheduling gap between the moment its first file lands and a signal to the receiver."""
+    first = root / CHECKPOINT / "big-0.bin"
+    first.parent.mkdir(parents=True, exist_ok=True)
+    first.write_bytes(os.urandom(64 << 20))
+    for n in range(1, count):
+        os.link(first, first.with_name(f"big-{n}.bin"))
+    return [f"{CHECKPOINT}/big-{n}.bin" for n in range(count)]
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+
+
+class Background:
+    """A call on a thread: ``result()`` its value, or the exception it raised, and when it ended."""
+
+    def __init__(self, call) -> None:
+        self.value, self.error, self.ended = None, None, None
+        self.thread = threading.Thread(target=self._run, args=(call,), daemon=True)
+        self.thread.start()
+
+    def _run(self, call) -> None:
+        try:
+            self.value = call()
+        except BaseException as e:
+            self.error = e
+        self.ended = time.monotonic()
+
+    def result(self, timeout: float):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the call did not end within {timeout} s"
+        return self.error if self.error is not None else self.value
+
+
+# --------------------------------------------------------------------------------------- what arrives
+def test_files_arrive_whole_under_their_names_on_several_peers_and_come_back(tmp_path, start_node):
+    source = tmp_path / "source"
+    files = a_checkpoint(source)
+    small = [path for path, data in files.items() if len(data) < (1 << 20)]
+    a, b = start_node("node-a"), start_node("node-b")
+    with ThreadPoolExecutor(3) as pool:  # two peers at once, and one of them from two senders at once
+        sends = [pool.submit(send, a.address, str(source), list(files), timeout=30),
+                 pool.submit(send, b.address, str(source), list(files), timeout=30),
+                 pool.submit(send, a.address, str(source), small, timeout=30)]
+        outcomes = [s.result() for s in sends]
+    assert [[(t.path, t.error) for t in o] for o in outcomes] == [[(p, None) for p in files]] * 2 + [[(p, None) for p in small]]
+    assert files_under(a.root) == files and files_under(b.root) == files  # byte for byte, and nothing else
+
+    restored = tmp_path / "replaced-node"  # a node that replaced a lost one fetches what it lacks
+    record = {path: FileChecksum(len(data), checksum(data)) for path, data in files.items()}
+    assert all(t.ok for t in fetch(a.address, str(restored), list(files)[:2], timeout=30))
+    assert all(t.ok for t in fetch(b.address, str(restored), list(files)[2:], timeout=30, checksums=record))
+    assert files_under(restored) == files
+
+    missing = f"{CHECKPOINT}/not-there.bin"
+    [outcome] = fetch(a.address, str(restored), [missing], timeout=30)
+    assert not outcome.ok and missing in outcome.error and not (restored / missing).exists()
+
+
+def test_a_file_damaged_since_its_checksum_was_recorded_is_refused_by_the_peer(tmp_path, start_node):
+    source = tmp_path / "source"
+    files = a_checkpoint(source)
+    record = {path: FileChecksum(len(data), checksum(data)) for path, data in files.items()}
+    damaged = f"{CHECKPOINT}/model.safetensors"
+    with open(source / damaged, "r+b") as f:  # one bit flipped in memory after the writer recorded the checksum
+        f.seek(12345)
+        byte = f.read(1)[0]
+        f.seek(12345)
+        f.write(bytes([byte ^ 1]))
+    a = start_node("node-a")
+    outcomes = send(a.address, str(source), list(files), timeout=30, checksums=record)
+    assert {t.path: t.ok for t in outcomes} == {path: path != damaged for path in files}  # the others still went
+    [refused] = [t for t in outcomes if not t.ok]
+    assert damaged in refused.error and "damaged" in refused.error
+    assert not (a.root / damaged).exists() and hidden_leftovers(a.root) == []
+
+    grown = f"{CHECKPOINT}/config.json"  # a file whose size no longer matches its record is not even sent
+    [outcome] = send(a.address, str(source), [grown], timeout=30,
+                     checksums={grown: FileChecksum(record[grown].size + 1, record[grown].xxh3)})
+    assert not outcome.ok and grown in outcome.error
+
+
+def test_a_replica_damaged_at_rest_is_never_kept_by_the_node_that_fetches_it(tmp_path, start_node):
+    source = tmp_path / "source"
+    files = a_checkpoint(source)
+    record = {path: FileChecksum(len(data), checksum(data)) for path, data in files.items()}
+    a = start_node("node-a")
+    assert all(t.ok for t in send(a.address, str(source), list(files), timeout=30))
+    replica = a.root / f"{CHECKPOINT}/optimizer.bin"
+    replica.write_bytes(b"\0" + replica.read_bytes()[1:])
+
+    restored = tmp_path / "replaced-node"
+    outcomes = fetch(a.address, str(restored), list(files), timeout=30, checksums=record)
+    assert {t.path: t.ok for t in outcomes} == {path: not path.endswith("optimizer.bin") for path in files}
+    [refused] = [t for t in outcomes if not t.ok]
+    assert "optimizer.bin" in refused.error and "damaged" in refused.error
+    assert not (restored / f"{CHECKPOINT}/optimizer.bin").exists() and hidden_leftovers(restored) == []
+
+
+def test_a_path_leaving_the_memory_root_is_refused_on_both_sides(tmp_path, start_node):
+    source = tmp_path / "source"
+    files = a_checkpoint(source)
+    a = start_node("node-a")
+    for escaping in ("../outside.bin", "/etc/passwd", f"{CHECKPOINT}/../../../outside.bin"):
+        with pytest.raises(ValueError, match="refused"):
+            send(a.address, str(source), [escaping], timeout=30)
+        with pytest.raises(ValueError, match="refused"):
+            fetch(a.address, str(tmp_path / "fetched"), [escaping], timeout=30)
+
+    (tmp_path / "elsewhere").mkdir()
+    (a.root / "run-abc").mkdir(parents=True)
+    os.symlink(tmp_path / "elsewhere", a.root / "run-abc" / "link")  # a directory in the root that leads out of it
+    path = f"{CHECKPOINT}/config.json"
+    data = files[path]
+    fd = os.open(source / path, os.O_RDONLY)
+    try:  # a peer that does not check its paths, as the receiver sees it: the lower-level connection
+        with PeerConnection(a.address, timeout=30) as peer:
+            for escaping in ("../outside.bin", "/tmp/outside.bin", "run-abc/link/inside.bin"):
+                error = peer.put(escaping, fd, FileChecksum(len(data), checksum(data)))
+                assert error is not None and repr(escaping) in error
+            error = peer.get("../node-a/../source/" + path, str(tmp_path / "fetched"))
+            assert error is not None and "refused" in error
+            assert peer.put(path, fd, FileChecksum(len(data), checksum(data))) is None  # the connection goes on
+    finally:
+        os.close(fd)
+    assert os.listdir(tmp_path / "elsewhere") == [] and not (tmp_path / "outside.bin").exists()
+    assert files_under(a.root) == {path: data}
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 4 MiB tmpfs (a node whose memory is nearly full), unmounted at the end; skipped where mounting is refused."""
+    directory = tmp_path / "small-node"
+    directory.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(directory)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"this machine refuses to mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
+def test_a_file_the_peer_has_no_room_for_is_refused_named_and_leaves_nothing(tmp_path, small_tmpfs, start_node):
+    source = tmp_path / "source"
+    files = a_checkpoint(source)
+    a = start_node("small-node/root")
+    outcomes = send(a.address, str(source), list(files), timeout=30)
+    too_large = {path for path, data in files.items() if len(data) > (4 << 20)}
+    assert {t.path for t in outcomes if not t.ok} == too_large
+    assert all("No space left" in t.error and t.path in t.error for t in outcomes if not t.ok)
+    assert files_under(a.root) == {path: data for path, data in files.items() if path not in too_large}
+
+
+# --------------------------------------------------------------------------------------- failing peers
+def test_a_stopped_peer_fails_the_send_within_its_timeout(tmp_path, start_node):
+    source = tmp_path / "source"
+    a_checkpoint(source)
+    large = many_large_files(source, 16)
+    a = start_node("node-a")
+
+    a.signal(signal.SIGSTOP)  # hung before the send: it never answers
+    started = time.monotonic()
+    with pytest.raises(ReplicationError) as stopped:
+        send(a.address, str(source), [f"{CHECKPOINT}/config.json"], timeout=2)
+    assert time.monotonic() - started < 2 + MARGIN_S
+    assert f"{a.address[0]}:{a.address[1]}" in str(stopped.value) and stopped.value.file == f"{CHECKPOINT}/config.json"
+    a.signal(signal.SIGCONT)
+
+    sending = Background(lambda: send(a.address, str(source), large, timeout=2))
+    wait_until(lambda: (a.root / large[0]).exists(), 60, "the first file never arrived")
+    a.signal(signal.SIGSTOP)  # hung in the middle of the send
+    stopped_at = time.monotonic()
+    error = sending.result(2 + MARGIN_S + 5)
+    assert isinstance(error, ReplicationError), error
+    assert sending.ended - stopped_at < 2 + MARGIN_S
+    assert error.file in large and f"{a.address[0]}:{a.address[1]}" in str(error) and error.file in str(error)
+    assert all(t.ok for t in error.finished)
+
+    a.signal(signal.SIGCONT)  # it wakes, finds the sender gone, and drops what it was receiving
+    wait_until(lambda: hidden_leftovers(a.root) == [], 30, f"left {hidden_leftovers(a.root)}")
+    for path, data in files_under(a.root).items():
+        assert data == (source / path).read_bytes(), f"{path} is under its name but not whole"
+    assert all(t.ok for t in send(a.address, str(source), [f"{CHECKPOINT}/config.json"], timeout=30))  # still serving
+
+
+def test_a_dead_peer_fails_the_send_at_once(tmp_path, start_node):
+    source = tmp_path / "source"
+    large = many_large_files(source, 16)
+    a = start_node("node-a")
+    sending = Background(lambda: send(a.address, str(source), large, timeout=60))
+    wait_until(lambda: (a.root / large[0]).exists(), 60, "the first file never arrived")
+    a.signal(signal.SIGKILL)  # killed in the middle of the send: far sooner than the timeout
+    error = sending.result(MARGIN_S)
+    assert isinstance(error, ReplicationError) and error.file in large, error
+    for path, data in files_under(a.root).items():  # nothing under its name is partial (a hidden leftover may be)
+        assert ".asyncckpt-tmp-" in path or data == (source / path).read_bytes(), f"{path} is under its name but not whole"
+
+    a.stop()
+    started = time.monotonic()
+    with pytest.raises(ReplicationError, match="refused") as refused:  # nobody listening any more
+        send(a.address, str(source), large[:1], timeout=60)
+    assert time.monotonic() - started < MARGIN_S and refused.value.file is None
+
+
+def test_a_sender_that_stops_is_dropped_by_the_receiver_with_what_it_was_sending(tmp_path, start_node):
+    source = tmp_path / "source"
+    large = many_large_files(source, 16)
+    a = start_node("node-a")
+    sender = Program([sys.executable, "-c", "import sys; from asyncckpt.core.writer.replication import send; "
+                      "send((sys.argv[1], int(sys.argv[2])), sys.argv[3], sys.argv[4:], timeout=600)",
+                      a.address[0], str(a.address[1]), str(source), *large], tmp_path / "logs")
+    try:
+        wait_until(lambda: (a.root / large[0]).exists(), 60, "the first file never arrived")
+        sender.send_signal(signal.SIGSTOP)
+        wait_until(lambda: hidden_leftovers(a.root) == [], 30, "the receiver kept what a silent sender was sending")
+        assert all(t.ok for t in send(a.address, str(source), large[:1], timeout=30))  # still serving
+    finally:
+        sender.kill()
+        sender.wait(30)
+    for path, data in files_under(a.root).items():
+        assert data == (source / path).read_bytes(), f"{path} is under its name but not whole"
+
+
+def test_closing_a_receiver_ends_its_connections(tmp_path):
+    source = tmp_path / "source"
+    files = a_checkpoint(source)
+    receiver = Receiver(str(tmp_path / "node-a"), bind="127.0.0.1", idle_timeout=600)
+    path = f"{CHECKPOINT}/config.json"
+    with PeerConnection(receiver.address, timeout=30) as peer:
+        fd = os.open(source / path, os.O_RDONLY)
+        try:
+            assert peer.put(path, fd, FileChecksum(len(files[path]), checksum(files[path]))) is None
+            closing = Background(receiver.close)
+            assert closing.result(MARGIN_S) is None  # it did not wait for the idle connection's 600 s
+            with pytest.raises(ReplicationError):
+                peer.put(path, fd, FileChecksum(len(files[path]), checksum(files[path])))
+        finally:
+            os.close(fd)
+    with pytest.raises(ReplicationError, match="refused"):
+        send(receiver.address, str(source), [path], timeout=30)
+
+
+def test_a_receiver_at_its_connection_limit_holds_the_next_sender_until_one_ends(tmp_path):
+    source = tmp_path / "source"
+    files = a_checkpoint(source)
+    path = f"{CHECKPOINT}/config.json"
+    with Receiver(str(tmp_path / "node-a"), bind="127.0.0.1", max_connections=1) as receiver:
+        first = PeerConnection(receiver.address, timeout=30)
+        fd = os.open(source / path, os.O_RDONLY)
+        try:
+            assert first.put(path, fd, FileChecksum(len(files[path]), checksum(files[path]))) is None
+        finally:
+            os.close(fd)
+        with pytest.raises(ReplicationError, match="no answer"):  # held, and its wait bounded by its timeout
+            send(receiver.address, str(source), [path], timeout=1)
+        waiting = Background(lambda: send(receiver.address, str(source), list(files), timeout=60))
+        first.close()  # a connection ends: the one waiting is served
+        assert [t.error for t in waiting.result(60)] == [None] * len(files)
+    assert files_under(tmp_path / "node-a") == files
+
+
+# --------------------------------------------------------------------------------------- a node's network gone
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True)
+
+
+@pytest.fixture
+def namespace():
+    """A network namespace with a veth pair to this one: (its name, its end's interface, its address, ours).
+    Skipped where the kernel or permissions refuse one; removed with its veth pair, whatever the test did."""
+    if shutil.which("ip") is None:
+        pytest.skip("no `ip` command here: network namespaces cannot be made")
+    name, subnet = f"acr{os.getpid()}", f"10.231.{os.getpid() % 250}"
+    ours, theirs = f"acr{os.getpid()}h", f"acr{os.getpid()}n"
+    made = _ip("netns", "add", name)
+    if made.returncode != 0:
+        pytest.skip(f"this machine refuses a network namespace (`ip netns add`): {made.stderr.strip()}")
+    try:
+        for args in (("link", "add", ours, "type", "veth", "peer", "name", theirs), ("link", "set", theirs, "netns", name),
+                     ("addr", "add", f"{subnet}.1/30", "dev", ours), ("link", "set", ours, "up"),
+                     ("-n", name, "addr", "add", f"{subnet}.2/30", "dev", theirs), ("-n", name, "link", "set", theirs, "up"),
+                     ("-n", name, "link", "set", "lo", "up")):
+            done = _ip(*args)
+            assert done.returncode == 0, f"ip {' '.join(args)}: {done.stderr}"
+        yield name, theirs, f"{subnet}.2"
+    finally:
+        _ip("netns", "del", name)  # takes its end of the pair, and with it ours
+        _ip("link", "del", ours)
+        assert name not in _ip("netns", "list").stdout and ours not in _ip("link", "show").stdout
+
+
+def test_a_node_whose_link_goes_down_fails_the_send_within_its_timeout(tmp_path, namespace, start_node):
+    name, interface, address = namespace
+    source = tmp_path / "source"
+    files = a_checkpoint(source)
+    large = many_large_files(source, 16)
+    a = start_node("node-a", argv_prefix=("ip", "netns", "exec", name), bind=address, public=None)
+    assert a.address[0] == address  # its public address is the one it is bound to: reached over the veth pair
+    assert all(t.ok for t in send(a.address, str(source), list(files), timeout=30))
+    assert {p: files_under(a.root)[p] for p in files} == files
+
+    sending = Background(lambda: send(a.address, str(source), large, timeout=2))
+    wait_until(lambda: (a.root / large[0]).exists(), 60, "the first file never arrived")
+    assert _ip("-n", name, "link", "set", interface, "down").returncode == 0
+    down_at = time.monotonic()
+    error = sending.result(2 + MARGIN_S + 5)
+    assert isinstance(error, ReplicationError) and error.file in large, error
+    assert sending.ended - down_at < 2 + MARGIN_S and address in str(error)
+
+    started = time.monotonic()  # and a new send to it fails as soon, the connection never made
+    with pytest.raises(ReplicationError) as unreachable:
+        send(a.address, str(source), large[:1], timeout=2)
+    assert time.monotonic() - started < 2 + MARGIN_S and unreachable.value.file is None
+
+
+# --------------------------------------------------------------------------------------- which peers, where
+@pytest.mark.parametrize("nodes", range(1, 8))
+def test_every_share_survives_the_loss_of_any_one_node(nodes):
+    for replicas in range(0, nodes + 2):
+        holders = {i: peers_for(i, nodes, replicas) for i in range(nodes)}
+        for i, peers in holders.items():
+            assert i not in peers and len(set(peers)) == len(peers) == min(replicas, nodes - 1)
+            assert peers == [(i + k) % nodes for k in range(1, len(peers) + 1)]
+        if replicas >= 1 and nodes >= 2:
+            for lost in range(nodes):
+                assert all({i, *peers} - {lost} for i, peers in holders.items())
+    with pytest.raises(ValueError):
+        peers_for(nodes, nodes, 1)
+
+
+def test_a_receiver_is_found_through_the_store(tmp_path, start_node):
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+    source = tmp_path / "source"
+    files = a_checkpoint(source)
+    a = start_node("node-a")
+    publish_address(store, "node-a", a.address)  # as node-a's training process will, for its writer
+    found = peer_address(TCPStore("127.0.0.1", store.port, is_master=False), "node-a")  # another node's client
+    assert found == a.address
+    assert all(t.ok for t in send(found, str(source), list(files), timeout=30))
+    with pytest.raises(ValueError):
+        parse_address("no-port")
