@@ -430,3 +430,38 @@ def test_lightning_on_two_nodes_saves_in_memory_and_resumes_from_storage(tmp_pat
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _held(memory) == []
     assert writers_of(*(job.trainer(node) for node in (0, 1))) == []
+
+
+UNEVEN = textwrap.dedent('''
+    import os, sys, torch, torch.distributed as dist
+    from asyncckpt import core
+
+    root = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    print(f"PID {os.getpid()}", flush=True)
+    state = {f"rank{rank}": torch.arange(64 * 1024, dtype=torch.float32) * (rank + 1)}  # 256 KiB, each its own
+    with core.Checkpointer(memory_tier=core.MemoryTier(replicas=1, keep=1, max_bytes=2 << 20)) as checkpointer:
+        for step in (1, 2):
+            checkpointer.save(state, f"{root}/step_{step}", step=step)
+        loaded = {f"rank{rank}": torch.zeros(64 * 1024)}
+        checkpointer.load(loaded, f"{root}/step_2")
+        print("LOADED", torch.equal(loaded[f"rank{rank}"], state[f"rank{rank}"]), flush=True)
+''')
+
+
+def test_nodes_that_differ_in_free_memory_place_each_save_alike(tmp_path, jobs):
+    """Node 1's memory root holds another job's 1.5 MiB, so that its tier (2 MiB: a checkpoint of 512 KiB there,
+    its share and node 0's replica, twice) does not fit while node 0's does: every rank saves to storage, node 1
+    says so once, and the saves load (a save whose ranks split between memory and storage would fail)."""
+    program = tmp_path / "uneven.py"
+    program.write_text(UNEVEN)
+    memory, durable = tmp_path / "memory", tmp_path / "run"
+    (memory / "n1" / "another-job").mkdir(parents=True)
+    (memory / "n1" / "another-job" / "blob").write_bytes(bytes(3 << 19))
+    job = jobs(program, [str(durable)], nodes=2, memory=memory, logs=tmp_path / "logs")
+    lines = job.finish()
+    assert lines.count("LOADED True") == 2, lines
+    assert sorted(os.listdir(durable)) == ["step_1", "step_2"]
+    assert "does not fit" not in job.nodes[0].error_output()
+    assert job.nodes[1].error_output().count("does not fit") == 1, job.nodes[1].error_output()[-3000:]

@@ -47,9 +47,11 @@ BUCKET = "memory-tier"
 
 # ------------------------------------------------------------------------------------------ in each rank
 def _node(rank: int, memory_root: str) -> None:
-    """This rank is node ``n{rank}``, its memory root under ``memory_root``, reached over loopback."""
+    """This rank is node ``n{rank}`` (as torchrun starts one rank per node), its memory root under ``memory_root``,
+    reached over loopback."""
     os.environ.update({"ASYNCCKPT_NODE": f"n{rank}", "ASYNCCKPT_MEMORY_ROOT": os.path.join(memory_root, f"n{rank}"),
-                       "ASYNCCKPT_REPLICATION_ADDRESS": "127.0.0.1"})
+                       "ASYNCCKPT_REPLICATION_ADDRESS": "127.0.0.1", "GROUP_RANK": str(rank), "LOCAL_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "1"})
 
 
 def _share(rank: int, size_mib: int) -> dict:

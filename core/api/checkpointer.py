@@ -144,9 +144,10 @@ class Checkpointer:
         anyway, streams by default (figures in docs/DESIGN.md).
         """
         self._check_open()
-        path = self._placed(_normalize(path), durable, lambda: tensor_bytes(state_dict), step)
         group = process_group if process_group is not None else self.process_group
         collectives = (self.use_collectives if use_collectives is None else use_collectives) and dist_ready()
+        path = self._placed(_normalize(path), durable, lambda: tensor_bytes(state_dict), step,
+                            agree_over=group if collectives else None)
         overlap = self.overlap_staging if overlap_staging is None else overlap_staging
         self.stager.wait()  # one snapshot at a time: saves agree on their structures in call order
         target = self.sharded.target(path, group, collectives, self._store, step=step, extra_files=extra_files,
@@ -240,7 +241,8 @@ class Checkpointer:
         self.stager.wait()  # the previous directory may still be committed from the staging thread
         self.ledger.raise_unobserved()
         final_dir = asked = os.path.abspath(os.fspath(final_dir))
-        placed = self._placed(final_dir, durable, lambda: 0, step)
+        placed = self._placed(final_dir, durable, lambda: 0, step,
+                              agree_over=self.process_group if self.use_collectives and dist_ready() else None)
         if placed != final_dir:  # in memory, where nothing counts the entries beside it
             final_dir, staging_parent = placed, None
         rank, world = rank_and_world(self.process_group)
@@ -635,13 +637,16 @@ class Checkpointer:
             self.sharded.close()
 
     # ------------------------------------------------------------------ internals
-    def _placed(self, path: str, durable: Optional[bool], nbytes: Callable[[], int], step: Optional[int]) -> str:
+    def _placed(self, path: str, durable: Optional[bool], nbytes: Callable[[], int], step: Optional[int],
+                agree_over: Any = False) -> str:
         """Where a checkpoint asked for at ``path`` (of ``nbytes()`` on this rank) is saved: with the memory tier,
-        in memory (``tiers.place``; ``durable``: also written durably now, whatever the cadence), else at ``path``."""
+        in memory (``tiers.place``; ``durable``: also written durably now, whatever the cadence), else at ``path``.
+        ``agree_over``: the process group of a save every rank of it makes (None: the default group), whose ranks
+        must all place it alike; False: a save of this rank alone."""
         if self.tiers is None:
             return path
         self.tiers.connect()
-        return self.tiers.place(path, nbytes(), step, durable_too=durable)
+        return self.tiers.place(path, nbytes(), step, durable_too=durable, agree_over=agree_over)
 
     def _replicas(self, path: str, group: Optional[dist.ProcessGroup]) -> Any:
         """What this rank's request of the save at ``path`` needs to reach the other nodes (``tiers.replicas``)."""

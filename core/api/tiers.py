@@ -220,11 +220,14 @@ class MemoryTiers:
         if self._listener is not None:
             self._listener.close()
 
-    def place(self, durable: str, nbytes: int, step: Optional[int], *, durable_too: Optional[bool] = None) -> str:
+    def place(self, durable: str, nbytes: int, step: Optional[int], *, durable_too: Optional[bool] = None,
+              agree_over: Any = False) -> str:
         """Where the checkpoint of ``step`` asked for at ``durable`` (of ``nbytes`` on this rank, 0 where not known
         yet) is saved: its memory path (counted for the persist cadence, one count per step: Lightning saves a
         step's ``last.ckpt`` beside its top-k file; ``durable_too`` overrides the cadence), or ``durable`` itself
-        where its root's checkpoints do not fit in memory (one warning saying what would)."""
+        where its root's checkpoints do not fit in memory (one warning saying what would). A save that every rank
+        of ``agree_over`` makes (a group; None: the default one) is placed alike on all of them: a collective,
+        where one node's memory would not fit, every rank saves to storage."""
         root = posixpath.dirname(durable) if is_url(durable) else os.path.dirname(durable)
         with self._lock:
             run = self._runs.get(root)
@@ -232,6 +235,8 @@ class MemoryTiers:
                 run = self._runs[root] = self._open(root)
             if not run.durable_only:  # this node holds its own shares and the replicas of others'
                 run.durable_only = not self._fits(run, max(nbytes, run.last_bytes) * (1 + self._received()))
+                if agree_over is not False:  # (any_rank is False without torch.distributed: this rank's answer)
+                    run.durable_only = any_rank(run.durable_only, agree_over) or run.durable_only
             if run.durable_only:
                 return durable
             if step is None or step != run.last_step:
