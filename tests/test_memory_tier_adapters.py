@@ -6,6 +6,7 @@ process."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -26,13 +27,20 @@ def _torchrun(program: Path, cwd: Path, *args: str, memory_root: Path, expect_ki
     env = {**os.environ, "ASYNCCKPT_MEMORY_ROOT": str(memory_root), "PYTHONWARNINGS": "ignore",
            "OMP_NUM_THREADS": "1"}
     with open(out, "a") as stdout, open(err, "a") as stderr:
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               str(program), *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr, timeout=600)
+        launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                     "2", str(program), *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr,
+                                    start_new_session=True)
+        try:
+            returncode = launcher.wait(600)
+        except subprocess.TimeoutExpired:  # a hung job: every process of it goes (its workers outlive torchrun's kill)
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+            raise
     text = out.read_text()
     if expect_killed:
-        assert done.returncode != 0, text
+        assert returncode != 0, text
     else:
-        assert done.returncode == 0, f"{text}\n{err.read_text()[-5000:]}"
+        assert returncode == 0, f"{text}\n{err.read_text()[-5000:]}"
     return text
 
 
