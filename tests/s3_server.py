@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 
 import pytest
 
@@ -28,6 +29,18 @@ class S3Server:
         host, port = self.server.get_host_and_port()
         self.endpoint = f"http://{host}:{port}"
         self.port = port
+        self._lock = threading.Lock()
+        self.get_bytes = 0  # the bytes of every GET's response body so far (what readers downloaded)
+        served = self.server._server.app  # moto keeps its werkzeug server private; the WSGI app on it is public
+        self.server._server.app = lambda environ, start_response: self._counted(
+            served(environ, start_response), environ["REQUEST_METHOD"] == "GET")
+
+    def _counted(self, body, counting: bool):
+        for chunk in body:
+            if counting:
+                with self._lock:
+                    self.get_bytes += len(chunk)
+            yield chunk
 
     @classmethod
     def on_port(cls, port: int) -> "S3Server":

@@ -17,7 +17,7 @@ import inspect
 import typing
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Literal, Optional, TypeVar
 
 from asyncckpt.core.api.commit_hooks import OnCommit
 from asyncckpt.core.export.options import ExportOptions, as_options
@@ -99,6 +99,11 @@ class CheckpointOptions:
         memory_tier: ``True`` (the defaults) or a ``MemoryTier``: checkpoints first committed to node-local memory
             and replicated to other nodes, every ``persist_every``-th also written durably; a restart loads from the
             nearest intact copy (docs/memory_tier.md). Off by default.
+        cooperative_load: who reads from storage the files every rank of a job loads at a resume (Lightning's
+            ``.ckpt`` under DDP, Accelerate's and the Trainer's model and optimizer files): ``"job"``, each byte once
+            per job, split across the ranks, then shared over the process group; ``"node"``, split across one rank
+            per node (where the network between nodes is slower than the storage); ``"off"``, every rank reads
+            everything (``loading.cooperative``; docs/benchmarks_resume.md).
         failures_per_day: how often the job fails (any cause), for the one log line at the first durable save
             that gives the checkpoint interval losing the least work at this run's measured costs (Young/Daly,
             ``api.interval``; docs/memory_tier.md). One a day by default.
@@ -118,6 +123,7 @@ class CheckpointOptions:
     writer_idle_timeout: Optional[float] = 30.0
     object_store: Optional[ObjectStoreOptions] = None
     memory_tier: Optional[MemoryTier | bool] = None
+    cooperative_load: Literal["job", "node", "off"] = "job"
     failures_per_day: float = 1.0
 
     def __post_init__(self) -> None:
@@ -125,6 +131,8 @@ class CheckpointOptions:
             raise ValueError(f"max_in_flight={self.max_in_flight}: must be >= 1")
         if self.io_threads < 1:
             raise ValueError(f"io_threads={self.io_threads}: must be >= 1")
+        if self.cooperative_load not in ("job", "node", "off"):
+            raise ValueError(f"cooperative_load={self.cooperative_load!r}: one of 'job', 'node', 'off'")
         if self.timeout <= 0:
             raise ValueError(f"timeout={self.timeout}: must be > 0")
         object.__setattr__(self, "export", as_options(self.export))

@@ -55,6 +55,7 @@ import torch
 from asyncckpt.core.api import lifecycle
 from asyncckpt.core.errors import CheckpointError
 import asyncckpt.core.integration.patching as patching
+from asyncckpt.core.loading import cooperative
 from asyncckpt.core.loading.hashed_reads import BackgroundCheck, mapped_problem
 from asyncckpt.core.storage import commit, file_checksums, tier
 from asyncckpt.core.storage.backend import basename, is_url, normalize
@@ -160,10 +161,10 @@ def resume(checkpointer: Any, load: Callable[[Optional[str]], T], *, reads: Read
         found += [p for p in copies(checkpointer, root, key) if p != path]
     if not options.resume_from_intact:  # the copies of the chosen checkpoint only
         found = [p for p in found if os.path.basename(p) == os.path.basename(found[0])] if found else []
+    if reads == "file" and found:
+        return first_intact(found, lambda candidate: load_file(checkpointer, candidate, load))
     if not found or not options.verify:
         return load(found[0] if found else None)
-    if reads == "file":
-        return first_intact(found, lambda candidate: load_file(candidate, load))
     if reads == "directory":
         return first_intact(found, lambda candidate: checkpointer.load_while_checking(
             candidate, lambda: load(candidate), everywhere=True))
@@ -209,20 +210,42 @@ def first_intact(paths: list[str], attempt: Callable[[str], T]) -> T:
     raise first_error
 
 
-def load_file(path: str, load: Callable[[str], T]) -> T:
-    """``load(path)``, the framework's own load of the single file ``path``, while its checksum is computed
-    beside it; the result only if the bytes are those written, else ``CorruptCheckpointError`` naming the
-    file. A file without a checksum: ``load(path)`` alone. A file in an object store is fetched once into a
-    temporary file (``contents.local_copy``), which is loaded and hashed: its bytes cross the network once."""
-    expected = file_checksums.read_record(path)
-    if expected is None:
-        return load(path)
-    name = basename(path)
-    with local_copy(os.path.dirname(path), [name]) as folder:
-        result, found = _load_while_checking(os.path.join(folder, name), expected, load)
+def load_file(checkpointer: Any, path: str, load: Callable[[str], T]) -> T:
+    """``load(path)``, the framework's own load of the single file ``path``, on bytes read once per job
+    (``readable``), while its checksum is computed beside it; the result only if the bytes are those written,
+    else ``CorruptCheckpointError`` naming the file. A file without a checksum (or with ``verify`` off): the
+    load alone."""
+    expected = file_checksums.read_record(path) if checkpointer.options.verify else None
+    with readable(checkpointer, [path]) as local:
+        if expected is None:
+            return load(local[path])
+        result, found = _load_while_checking(local[path], expected, load)
     if found:
-        raise integrity.damaged(path, [f"{name}: {found}"])
+        raise integrity.damaged(path, [f"{basename(path)}: {found}"])
     return result
+
+
+@contextlib.contextmanager
+def readable(checkpointer: Any, paths: list[str]) -> Iterator[dict[str, str]]:
+    """``{path: a local file holding its bytes}`` for the files every rank of the job loads now (a collective):
+    a copy in node memory, each byte read from storage once per job (``cooperative.shared_copy``, with the
+    ``cooperative_load`` option); else each rank's own: the file itself, or a temporary download of an object
+    (``contents.local_copy``: its bytes cross the network once per rank). Files in the memory tier are read
+    where they are: they are in this node's memory already."""
+    options = checkpointer.options
+    in_memory = all(tier.durable_root_of(os.path.dirname(path)) is not None for path in paths)
+    with cooperative.shared_copy(paths, checkpointer.process_group, timeout=options.timeout,
+                                 readers="off" if in_memory else options.cooperative_load,
+                                 memory_root=options.memory_tier.root if options.memory_tier else None) as copies:
+        if copies is not None:
+            yield copies
+            return
+    with contextlib.ExitStack() as stack:
+        local = {}
+        for path in paths:
+            folder = stack.enter_context(local_copy(os.path.dirname(path), [basename(path)]))
+            local[path] = os.path.join(folder, basename(path))
+        yield local
 
 
 @dataclass
@@ -237,8 +260,9 @@ class Verified:
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:
         """While the framework loads: its ``torch.load`` of a kept file, onto the CPU, gets the kept object
-        (once; any other call reads as usual). What it did not ask for is dropped on the way out. With
-        nothing kept (no checksums: written without asyncckpt), ``torch.load`` is left alone."""
+        (once; any other call reads as usual), and so does its ``safetensors.torch.load_file`` of a kept
+        safetensors file (kept where the load read a node-memory copy). What it did not ask for is dropped on
+        the way out. With nothing kept (no checksums: written without asyncckpt), both are left alone."""
         if not self.kept:
             yield
             return
@@ -253,38 +277,86 @@ class Verified:
             return original(f, map_location, *args, **kwargs)
 
         try:
-            with patching.patched(torch, "load", load):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(patching.patched(torch, "load", load))
+                if any(name.endswith(_SAFETENSORS) for name in self.kept):
+                    stack.enter_context(self._serving_safetensors())
                 yield
         finally:
             self.kept.clear()
 
+    @contextlib.contextmanager
+    def _serving_safetensors(self) -> Iterator[None]:
+        import safetensors.torch
+
+        original = safetensors.torch.load_file
+
+        def load_file(filename: Any, device: Any = "cpu") -> dict:
+            if device in _CPU:
+                kept = self.kept.pop(os.path.abspath(os.fspath(filename)), None)
+                if kept is not None:
+                    return kept
+            return original(filename, device=device)
+
+        with patching.patched(safetensors.torch, "load_file", load_file):
+            yield
+
 
 def verify(checkpointer: Any, path: str, *, everywhere: bool = False) -> Verified:
     """``checkpointer.require_intact(path)``, unpickling each ``torch.save`` file of it as it is hashed
-    and keeping what it holds for the framework's load (``Verified.serving``)."""
+    and keeping what it holds for the framework's load (``Verified.serving``). A collective: the files every
+    rank loads are read once per job (``readable``); then their kept objects map the node's copy (tensors
+    backed by its pages, not copied), safetensors files included."""
     kept: dict[str, Any] = {}
+    with readable(checkpointer, _checksummed_files(path)) as local:
+        def check_and_keep(file: str, expected: FileChecksum, progress: Optional[Callable[[int], None]]
+                           ) -> Optional[str]:
+            copy = local.get(os.path.abspath(file), file)
+            mapped = copy != file  # a node-memory copy: keep what loads from it by mapping it
+            with open(copy, "rb", buffering=0) as f:
+                torch_file = f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
+            if not torch_file:  # safetensors (mapped by its loader), JSON
+                if not (mapped and file.endswith(_SAFETENSORS)):
+                    return mapped_problem(copy, expected)
+                return _keep(kept, file, *_load_while_checking(copy, expected, _safetensors_load))
+            saved_on: set[str] = set()
 
-    def check_and_keep(file: str, expected: FileChecksum, progress: Optional[Callable[[int], None]]) -> Optional[str]:
-        with open(file, "rb", buffering=0) as f:
-            if f.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:  # not torch.save's: safetensors (mapped by its loader), JSON
-                return mapped_problem(file, expected)
-        saved_on: set[str] = set()
+            def onto_cpu(storage: Any, location: str) -> Any:
+                saved_on.add(location)
+                return storage
 
-        def onto_cpu(storage: Any, location: str) -> Any:
-            saved_on.add(location)
-            return storage
+            try:
+                loaded, found = _load_while_checking(copy, expected, lambda f: torch.load(
+                    f, map_location=onto_cpu, weights_only=True, mmap=mapped))
+            except Exception:  # noqa: BLE001 - intact, but not for weights_only (an RNG state's numpy arrays, a
+                return None    # pickled class): the framework loads it itself, with the globals it allows
+            return _keep(kept, file, loaded if saved_on <= {"cpu"} else None, found)  # then map_location=None: same
 
-        try:
-            loaded, found = _load_while_checking(file, expected,
-                                                 lambda f: torch.load(f, map_location=onto_cpu, weights_only=True))
-        except Exception:  # noqa: BLE001 - intact, but not for weights_only (an RNG state's numpy arrays, a
-            return None    # pickled class): the framework loads it itself, with the globals it allows
-        if found is None and saved_on <= {"cpu"}:  # then map_location=None gives the same
-            kept[os.path.abspath(file)] = loaded
-        return found
-
-    report = checkpointer.require_intact(path, everywhere=everywhere, check_file=check_and_keep)
+        report = checkpointer.require_intact(path, everywhere=everywhere, check_file=check_and_keep)
     return Verified(normalize(path), report, kept)
+
+
+_SAFETENSORS = ".safetensors"
+
+
+def _safetensors_load(path: str) -> dict:
+    import safetensors.torch
+
+    return safetensors.torch.load_file(path, device="cpu")
+
+
+def _keep(kept: dict[str, Any], file: str, loaded: Any, found: Optional[str]) -> Optional[str]:
+    """Keep ``loaded`` for the framework's load of ``file`` if its bytes are intact; returns the damage found."""
+    if found is None and loaded is not None:
+        kept[os.path.abspath(file)] = loaded
+    return found
+
+
+def _checksummed_files(path: str) -> list[str]:
+    """The files of the directory checkpoint ``path`` that a check hashes one by one (those its commit record has
+    a checksum of), as absolute paths: what every rank of a job loads from it, or reads to check it."""
+    record = commit.read_commit_record(path) if not is_url(path) else None
+    return [os.path.abspath(os.path.join(path, name)) for name in sorted((record or {}).get("checksums", {}))]
 
 
 def _load_while_checking(path: str, expected: FileChecksum, load: Callable[[str], T]) -> tuple[Optional[T], Optional[str]]:

@@ -1,0 +1,311 @@
+"""Reading the bytes every rank of a job loads once per job, not once per rank (a cooperative load).
+
+Under DDP every rank resumes from the same files: Lightning's ``.ckpt``, Accelerate's and the Trainer's model,
+optimizer and scheduler files. Read by each rank, a checkpoint in a bucket is downloaded once per rank, and on
+a shared filesystem read once per node; the restart waits for the slowest of those reads. ``shared_copy`` reads
+each byte from storage once per job instead and hands every rank a copy in its node's memory, which the
+framework's own deserialisation then reads (``integration.resume``), so every rank ends with exactly what its
+own load would have produced:
+
+1. The ranks agree (one ``all_gather_object``): the same files, of the same sizes, room for them in every node's
+   memory (a tmpfs, the memory tier's root). Otherwise each rank reads by itself, as without asyncckpt, and one
+   log line says why.
+2. The files, as one run of bytes, are cut into one byte-balanced part per reader: every rank of the job (the
+   default, ``"job"``), or one rank per node (``"node"``, for clusters whose network is slower than their
+   storage). Each reader reads its part from storage (ranged GETs from a bucket, ``preadv`` from a file) straight
+   into its node's copy, which the ranks of a node share (one file per checkpoint file under
+   ``<memory root>-loads/``, mapped by each): ranks of one node exchange nothing.
+3. A part another node read arrives over the process group the framework set up (a broadcast from its reader,
+   in pieces of ``PIECE_BYTES``; each node's lowest rank writes it into the node's copy, the node's other ranks
+   take it into a buffer of that size they drop). On one node there is nothing to exchange.
+4. Each rank checks the whole copy against the file's checksum as the framework loads it (the copy is in memory:
+   the check reads no storage), so a damaged byte read by any rank fails every rank's load, naming the file.
+
+Failures never hang: a rank that cannot read its part fails every rank's load naming the rank and the file;
+every collective waits at most the ``timeout`` given (a rank killed mid-load, a stopped one). The node's copy
+is removed when the load is over (the tensors a framework mapped from it keep their pages until they are freed);
+one left by a killed job is removed by the next load on that node.
+
+Memory: one copy of the files per node (a tmpfs file where the page cache held one before), mapped, not copied,
+by the ranks' loads where the loader maps (``torch.load(mmap=True)``, safetensors); plus ``PIECE_BYTES`` per rank
+on several nodes.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator, Literal, Optional
+
+import torch
+import torch.distributed as dist
+
+from asyncckpt.core.errors import CheckpointError, CheckpointTimeoutError
+from asyncckpt.core.snapshot.dist_env import dist_ready, rank_and_world
+from asyncckpt.core.storage import tier
+from asyncckpt.core.storage.backend import backend_for, basename, is_url
+
+logger = logging.getLogger("asyncckpt")
+
+PIECE_BYTES = 64 << 20  # one broadcast; the buffer each rank that only relays a piece takes it into
+READ_BYTES = 32 << 20  # one read (a ranged GET) of a reader's part
+Readers = Literal["job", "node", "off"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes ``start`` to ``start + length`` of file ``file`` (an index), read from storage by ``reader``."""
+
+    file: int
+    start: int
+    length: int
+    reader: int  # rank in the group
+
+
+def split(sizes: list[int], readers: list[int]) -> list[Piece]:
+    """The files of ``sizes``, one run of bytes, cut into one contiguous, byte-balanced part per reader (in the
+    order of ``readers``), each part as the pieces of the files it covers."""
+    total = sum(sizes)
+    share = -(-total // len(readers)) if total else 0
+    pieces: list[Piece] = []
+    offset = 0  # in the run of bytes
+    for index, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            reader = min(offset // share, len(readers) - 1)
+            length = min(size - start, (reader + 1) * share - offset)
+            pieces.append(Piece(index, start, length, readers[reader]))
+            start, offset = start + length, offset + length
+    return pieces
+
+
+@dataclass
+class _Node:
+    """This rank's view of the job's nodes."""
+
+    of_rank: list[str]  # node of each rank in the group
+
+    def leader(self, rank: int) -> int:
+        """The lowest rank of ``rank``'s node (it writes what other nodes send into the node's copy)."""
+        return self.of_rank.index(self.of_rank[rank])
+
+    @property
+    def count(self) -> int:
+        return len(set(self.of_rank))
+
+
+@contextlib.contextmanager
+def shared_copy(paths: list[str], group: Optional[dist.ProcessGroup], *, timeout: float,
+                readers: Readers = "job", memory_root: Optional[str] = None) -> Iterator[Optional[dict[str, str]]]:
+    """A collective of every rank of ``group`` loading ``paths`` (files or objects): ``{path: its copy in this
+    node's memory}``, each byte read from storage once per job (see the module docstring), for the duration of
+    the block; or None where each rank reads by itself (no process group, one rank, ``readers="off"``, ranks
+    that load different files or sizes, a node without room; logged once, with the reason)."""
+    rank, world = rank_and_world(group)
+    if readers == "off" or not dist_ready() or world < 2:
+        yield None
+        return
+    root = tier.memory_root(memory_root) + "-loads"
+    sizes = _sizes(paths)
+    free = _free_bytes(root)
+    gathered: list = [None] * world
+    _within(timeout, "meet", lambda: _barrier(group, timeout))  # then the gather below finds every rank there
+    dist.all_gather_object(gathered, (tier.node_id(), paths, sizes, free, uuid.uuid4().hex[:12], os.getpid()),
+                           group=group)
+    nodes = _Node([entry[0] for entry in gathered])
+    reason = _cannot_share(gathered, group, nodes)
+    if reason:
+        logger.warning("asyncckpt: each rank loads %s by itself: %s", _named(paths), reason)
+        yield None
+        return
+    leader = nodes.leader(rank)
+    folder = os.path.join(root, f"{gathered[0][4]}-{gathered[leader][5]}")  # the load's token, the node leader's pid
+    leader = leader == rank
+    if leader:
+        _remove_dead_loads(root)
+    os.makedirs(folder, exist_ok=True)
+    copies = {path: os.path.join(folder, f"{index}-{basename(path)}") for index, path in enumerate(paths)}
+    try:
+        with _Mapped([copies[path] for path in paths], sizes) as views:
+            reading = [rank for rank in range(world) if readers == "job" or nodes.leader(rank) == rank]
+            pieces = split(sizes, reading)
+            _read_parts(paths, pieces, views, group, rank, timeout)
+            if nodes.count > 1:
+                _exchange(paths, pieces, views, group, rank, nodes, timeout)
+            _within(timeout, "finish the copies", lambda: _barrier(group, timeout))
+        yield copies
+    finally:
+        with contextlib.suppress(Exception):  # every rank is done with the files (a rank that failed: the timeout)
+            _barrier(group, timeout)
+        if leader:
+            shutil.rmtree(folder, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rmdir(root)  # the last load of the node: nothing left of ours
+
+
+def _sizes(paths: list[str]) -> Optional[list[int]]:
+    """Each file's size, as this rank sees it (None: one is missing or unreadable: the rank's own load says so)."""
+    try:
+        return [backend_for(path).stat(path).size for path in paths]
+    except (OSError, CheckpointError):
+        return None
+
+
+def _free_bytes(root: str) -> int:
+    try:
+        os.makedirs(root, exist_ok=True)
+        found = os.statvfs(root)
+    except OSError:
+        return 0
+    return found.f_bavail * found.f_frsize
+
+
+def _cannot_share(gathered: list, group: Optional[dist.ProcessGroup], nodes: _Node) -> Optional[str]:
+    """Why the ranks cannot load these files together (None: they can)."""
+    first = gathered[0]
+    for rank, (_node, paths, sizes, _free, _token, _pid) in enumerate(gathered):
+        if paths != first[1]:
+            return f"the ranks load different files (rank 0: {_named(first[1])}, rank {rank}: {_named(paths)})"
+        if sizes is None or sizes != first[2]:
+            return f"rank {rank} cannot read them all, or sees other sizes ({sizes} where rank 0 sees {first[2]})"
+    total = sum(first[2])
+    short = sorted({entry[0] for entry in gathered if entry[3] < total})
+    if short:
+        return f"node {', '.join(short)} lacks the memory for a copy ({total} B)"
+    backend = str(dist.get_backend(group))
+    if nodes.count > 1 and "gloo" not in backend:
+        return f"the process group ({backend}) carries no CPU tensors between nodes"
+    return None
+
+
+def _named(paths: list[str]) -> str:
+    return paths[0] if len(paths) == 1 else f"{len(paths)} files of {os.path.dirname(paths[0])}"
+
+
+class _Mapped:
+    """The node's copies, each created at its size (by whichever rank of the node comes first: each sets the
+    same size) and mapped read-write; ``__enter__`` gives a writable view of each (None for an empty file)."""
+
+    def __init__(self, files: list[str], sizes: list[int]) -> None:
+        self.files, self.sizes = files, sizes
+        self.maps: list[Optional[mmap.mmap]] = []
+        self.views: list[Optional[memoryview]] = []
+
+    def __enter__(self) -> list[Optional[memoryview]]:
+        for file, size in zip(self.files, self.sizes):
+            fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size != size:
+                    os.ftruncate(fd, size)
+                self.maps.append(mmap.mmap(fd, size) if size else None)
+            finally:
+                os.close(fd)
+        self.views = [memoryview(m) if m is not None else None for m in self.maps]
+        return self.views
+
+    def __exit__(self, *exc: object) -> None:
+        for view, mapping in zip(self.views, self.maps):
+            if mapping is not None:
+                with contextlib.suppress(BufferError):  # a view still exported: unmapped when collected
+                    view.release()
+                    mapping.close()
+
+
+def _read_parts(paths: list[str], pieces: list[Piece], views: list, group: Optional[dist.ProcessGroup], rank: int,
+                timeout: float) -> None:
+    """This rank's part from storage into the node's copy; then every rank learns whether every part was read:
+    one that was not fails the load on every rank, naming the rank and the file."""
+    error: Optional[str] = None
+    for piece in (p for p in pieces if p.reader == rank):
+        try:
+            _read(paths[piece.file], piece.start, views[piece.file][piece.start:piece.start + piece.length])
+        except Exception as e:  # noqa: BLE001 - named to every rank below
+            error = f"rank {rank} could not read bytes {piece.start}..{piece.start + piece.length} of " \
+                    f"{paths[piece.file]}: {type(e).__name__}: {e}"
+            break
+    failed = torch.tensor([1 if error else 0], dtype=torch.int32)
+    everyone = [torch.zeros(1, dtype=torch.int32) for _ in range(dist.get_world_size(group))]
+    _within(timeout, "read every rank's part", lambda: dist.all_gather(everyone, failed, group=group,
+                                                                       async_op=True).wait(timedelta(seconds=timeout)))
+    if any(int(flag) for flag in everyone):
+        errors: list = [None] * len(everyone)
+        dist.all_gather_object(errors, error, group=group)
+        raise CheckpointError("; ".join(e for e in errors if e), path=paths[0])
+
+
+def _read(path: str, start: int, into: memoryview) -> None:
+    """Bytes ``start..start + len(into)`` of ``path`` into ``into``: ranged GETs of ``READ_BYTES`` from an object
+    store (several in flight), ``preadv`` from a file."""
+    if is_url(path):
+        ranges = [(path, start + offset, start + min(offset + READ_BYTES, len(into)))
+                  for offset in range(0, len(into), READ_BYTES)]
+
+        def land(index: int, body: Optional[bytes]) -> None:
+            if body is None:
+                raise FileNotFoundError(path)
+            offset = ranges[index][1] - start
+            into[offset:offset + len(body)] = body
+
+        backend_for(path).read_ranges(ranges, land)
+        return
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < len(into):
+            read = os.preadv(f.fileno(), [into[done:]], start + done)
+            if read == 0:
+                raise EOFError(f"the file ends at byte {start + done}")
+            done += read
+
+
+def _exchange(paths: list[str], pieces: list[Piece], views: list, group: Optional[dist.ProcessGroup], rank: int,
+              nodes: _Node, timeout: float) -> None:
+    """Every part to every other node: a broadcast from its reader per ``PIECE_BYTES``, received into the node's
+    copy by the node's lowest rank where the node lacks it, into a dropped buffer by the node's other ranks."""
+    relay = torch.empty(min(PIECE_BYTES, max((p.length for p in pieces), default=0)), dtype=torch.uint8)
+    mine = nodes.of_rank[rank]
+    sent: list[tuple[Piece, int, dist.Work]] = []
+    for piece in pieces:
+        for offset in range(0, piece.length, PIECE_BYTES):
+            length = min(PIECE_BYTES, piece.length - offset)
+            start = piece.start + offset
+            if rank == piece.reader or (nodes.leader(rank) == rank and nodes.of_rank[piece.reader] != mine):
+                tensor = torch.frombuffer(views[piece.file][start:start + length], dtype=torch.uint8)
+            else:
+                tensor = relay[:length]
+            source = dist.get_global_rank(group, piece.reader) if group is not None else piece.reader
+            sent.append((piece, start, dist.broadcast(tensor, src=source, group=group, async_op=True)))
+    for piece, start, work in sent:
+        try:
+            work.wait(timedelta(seconds=timeout))
+        except Exception as e:  # noqa: BLE001 - which part, from which rank
+            raise CheckpointError(f"bytes {start}.. of {paths[piece.file]}, read by rank {piece.reader}, did not "
+                                  f"arrive: {e}", path=paths[piece.file], rank=piece.reader) from e
+
+
+def _barrier(group: Optional[dist.ProcessGroup], timeout: float) -> None:
+    dist.barrier(group=group, async_op=True).wait(timedelta(seconds=timeout))
+
+
+def _within(timeout: float, what: str, collective) -> None:
+    """``collective()``, its failure (a rank gone, or not there within ``timeout``) said as what the load waited for."""
+    try:
+        collective()
+    except CheckpointError:
+        raise
+    except (RuntimeError, ValueError) as e:
+        raise CheckpointTimeoutError(f"the ranks' cooperative load failed to {what} within {timeout:.0f} s: {e}") from e
+
+
+def _remove_dead_loads(root: str) -> None:
+    """The node copies of loads whose node leader is gone (a killed job's): ``<token>-<pid>`` folders whose
+    process no longer runs on this machine."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            pid = name.rpartition("-")[2]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)

@@ -1,0 +1,176 @@
+"""Restarts at scale: the bytes every rank of a job loads are read from storage once per job, split across the
+ranks and shared over the process group (``loading.cooperative``), on one node and across simulated nodes
+(each with its own ``ASYNCCKPT_NODE`` and memory root), from local files and from a real S3 server whose GET
+bytes are counted; with the framework's own load through each adapter in test_cooperative_resume.py."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+import pytest
+
+from asyncckpt.core.loading.cooperative import Piece, split
+from dist_helper import run_on_ranks
+
+SIZES = [40 << 20, 3 << 20 | 17, 0, 9 << 20]  # a large file, odd sizes, an empty one
+
+
+def test_the_files_are_split_into_one_byte_balanced_contiguous_part_per_reader():
+    pieces = split(SIZES, [0, 1, 2])
+    per_reader = {reader: sum(p.length for p in pieces if p.reader == reader) for reader in (0, 1, 2)}
+    assert max(per_reader.values()) - min(per_reader.values()) <= 2, per_reader
+    covered = {index: [] for index in range(len(SIZES))}
+    for piece in pieces:
+        covered[piece.file].append((piece.start, piece.start + piece.length))
+    for index, size in enumerate(SIZES):  # every byte once, in order
+        assert [end for _start, end in covered[index]][-1:] == ([size] if size else []), covered[index]
+        assert all(a[1] == b[0] for a, b in zip(covered[index], covered[index][1:]))
+    assert [p.reader for p in pieces] == sorted(p.reader for p in pieces)  # contiguous parts
+    assert split([5], [3, 7]) == [Piece(0, 0, 3, 3), Piece(0, 3, 2, 7)]
+
+
+def _files(folder) -> list[str]:
+    paths = []
+    for index, size in enumerate(SIZES):
+        path = folder / f"file{index}.bin"
+        path.write_bytes(os.urandom(size))
+        paths.append(str(path))
+    return paths
+
+
+def _digests(paths) -> list[str]:
+    return [hashlib.sha256(open(path, "rb").read()).hexdigest() for path in paths]
+
+
+def _evict(paths) -> None:
+    os.sync()  # dirty pages are not dropped
+    for path in paths:
+        with open(path, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _readahead() -> int:
+    """The most the kernel reads ahead of a read here (bytes)."""
+    found = [int(open(f"/sys/block/{device}/queue/read_ahead_kb").read()) for device in os.listdir("/sys/block")
+             if os.path.exists(f"/sys/block/{device}/queue/read_ahead_kb")]
+    return max(found, default=8192) << 10
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+
+
+def _load_together(rank, world, paths, nodes, memory, readers="job"):
+    """This rank's view of a cooperative load of ``paths``: its copies' digests, where they were, the bytes it
+    read from storage."""
+    node = rank * nodes // world
+    os.environ.update(ASYNCCKPT_NODE=f"n{node}", ASYNCCKPT_MEMORY_ROOT=f"{memory}/node{node}")
+    from asyncckpt.core.loading import cooperative
+
+    before = _read_bytes()
+    with cooperative.shared_copy(paths, None, timeout=60, readers=readers) as copies:
+        assert copies is not None
+        return _digests([copies[path] for path in paths]), sorted({os.path.dirname(c) for c in copies.values()}), \
+            _read_bytes() - before
+
+
+@pytest.mark.parametrize("world,nodes", [(2, 1), (4, 2)])
+def test_local_files_are_read_once_per_job_and_every_rank_gets_them_whole(tmp_path, world, nodes):
+    paths = _files(tmp_path)
+    want = _digests(paths)
+    _evict(paths)
+    results = run_on_ranks(_load_together, world, paths, nodes, str(tmp_path / "memory"))
+    assert all(digests == want for digests, _where, _read in results)
+    assert len({tuple(where) for _d, where, _r in results}) == nodes  # one copy per node, shared by its ranks
+    read = [read for _d, _w, read in results]
+    total = sum(SIZES)
+    assert sum(read) <= 1.05 * total, (read, total)  # once per job (the pages were evicted first)
+    share, spill = total / world, _readahead()  # a rank's readahead may bring in the start of the next part
+    assert all(share - spill <= r <= share + spill for r in read), (read, share, spill)  # each rank its share
+    assert not os.listdir(tmp_path / "memory")  # nothing left in the nodes' memory
+
+
+def test_objects_are_downloaded_once_per_job_across_nodes_and_one_reader_per_node_on_request(tmp_path, s3_server,
+                                                                                          s3_root):
+    from asyncckpt.core.storage.object_store import store_for
+
+    local = _files(tmp_path)
+    urls = [f"{s3_root}/ckpt/{os.path.basename(path)}" for path in local]
+    for path, url in zip(local, urls):
+        store_for(url).put(url, open(path, "rb").read())
+    want, total = _digests(local), sum(SIZES)
+    for readers in ("job", "node"):
+        before = s3_server.get_bytes
+        results = run_on_ranks(_load_together, 4, urls, 2, str(tmp_path / "memory"), readers)
+        assert all(digests == want for digests, _where, _read in results)
+        downloaded = s3_server.get_bytes - before
+        assert total <= downloaded <= 1.05 * total, (readers, downloaded, total)
+
+
+def _different_files(rank, world, folder):
+    """Each rank loads a file of its own: no sharing, each reads by itself, one line says why."""
+    import logging
+
+    from asyncckpt.core.loading import cooperative
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("asyncckpt").addHandler(handler)
+    with cooperative.shared_copy([f"{folder}/file{rank}.bin"], None, timeout=60) as copies:
+        return copies, said
+
+
+def test_ranks_that_load_different_files_each_read_their_own_and_say_why(tmp_path):
+    _files(tmp_path)
+    results = run_on_ranks(_different_files, 2, str(tmp_path))
+    for copies, said in results:
+        assert copies is None
+        assert len(said) == 1 and "the ranks load different files" in said[0] and "file1.bin" in said[0], said
+
+
+def _failing_rank(rank, world, paths, failing, how, report):
+    """``failing`` cannot read its part (``how``: "error") or dies reading it ("killed"); what every other rank
+    saw, and how long it took, goes to ``report``."""
+    from asyncckpt.core.errors import CheckpointError
+    from asyncckpt.core.loading import cooperative
+
+    if rank == failing:
+        def read(path, start, into):
+            if how == "killed":
+                os._exit(9)
+            raise OSError(5, "Input/output error")
+
+        cooperative._read = read  # this rank's storage fails (its own process only)
+    started = time.monotonic()
+    try:
+        with cooperative.shared_copy(paths, None, timeout=20):
+            outcome = "loaded"
+    except CheckpointError as error:
+        outcome = f"{type(error).__name__}: {error}"
+    with open(f"{report}.{rank}", "w") as f:
+        json.dump([outcome, time.monotonic() - started], f)
+
+
+def test_a_rank_that_cannot_read_its_part_fails_every_rank_naming_the_rank_and_the_file(tmp_path):
+    paths = _files(tmp_path)
+    report = str(tmp_path / "report")
+    run_on_ranks(_failing_rank, 3, paths, 1, "error", report)
+    for rank in range(3):
+        outcome, _seconds = json.load(open(f"{report}.{rank}"))
+        assert outcome.startswith("CheckpointError: rank 1 could not read bytes"), outcome
+        assert "file0.bin" in outcome and "Input/output error" in outcome, outcome
+
+
+def test_a_rank_killed_during_the_load_fails_the_others_within_the_timeout(tmp_path):
+    paths = _files(tmp_path)
+    report = str(tmp_path / "report")
+    with pytest.raises(AssertionError, match=r"rank 1: no result .* exit code 9"):
+        run_on_ranks(_failing_rank, 3, paths, 1, "killed", report)
+    for rank in (0, 2):
+        outcome, seconds = json.load(open(f"{report}.{rank}"))
+        assert outcome.startswith("CheckpointTimeoutError: the ranks' cooperative load failed"), outcome
+        assert seconds < 20 + 10, seconds
