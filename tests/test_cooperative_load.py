@@ -174,3 +174,98 @@ def test_a_rank_killed_during_the_load_fails_the_others_within_the_timeout(tmp_p
         outcome, seconds = json.load(open(f"{report}.{rank}"))
         assert outcome.startswith("CheckpointTimeoutError: the ranks' cooperative load failed"), outcome
         assert seconds < 20 + 10, seconds
+
+
+def _restore_together(rank, world, url_root, local_roots, memory):
+    """Each rank the first process of a node of its own, without a shared filesystem: the mirrored checkpoint restored
+    into its node's directory; the digests of what it restored."""
+    os.environ.update(ASYNCCKPT_NODE=f"n{rank}", ASYNCCKPT_MEMORY_ROOT=f"{memory}/node{rank}", LOCAL_RANK="0")
+    from asyncckpt.core import Checkpointer
+
+    checkpointer = Checkpointer()
+    restored = checkpointer.restore_mirrored(url_root, local_roots[rank])
+    checkpointer.close()
+    return {name: hashlib.sha256(open(os.path.join(restored, name), "rb").read()).hexdigest()
+            for name in sorted(os.listdir(restored))}
+
+
+def test_a_mirrored_checkpoint_is_downloaded_once_per_job_onto_every_node(tmp_path, s3_server, s3_root):
+    import torch
+
+    from asyncckpt.core import Checkpointer
+
+    checkpointer = Checkpointer()
+    state = {f"w{i}": torch.randn(1 << 20) for i in range(8)}  # 32 MiB
+    local = tmp_path / "run" / "step-1"
+    checkpointer.async_save(state, local).result()
+    checkpointer.mirror(local, f"{s3_root}/run/step-1").result()
+    checkpointer.close()
+    want = {name: hashlib.sha256((local / name).read_bytes()).hexdigest() for name in sorted(os.listdir(local))}
+    before = s3_server.get_bytes
+    roots = [str(tmp_path / f"node{rank}" / "run") for rank in range(2)]
+    results = run_on_ranks(_restore_together, 2, f"{s3_root}/run", roots, str(tmp_path / "memory"))
+    downloaded = s3_server.get_bytes - before
+    assert all(restored == want for restored in results)  # every node its own copy, whole, its record included
+    size = sum(f.stat().st_size for f in local.iterdir())
+    assert size <= downloaded <= 1.05 * size, (downloaded, size)  # once per job, not once per node
+
+
+def _io(counter: str) -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith(f"{counter}:")).split()[1])
+
+
+def _load_replicated(rank, world, path, damaged):
+    """Every rank loads the same (replicated) state, as DDP ranks do: what it loaded, what its own read calls
+    returned, and what loading the damaged copy raised."""
+    import torch
+
+    from asyncckpt.core import Checkpointer
+    from asyncckpt.core.errors import CheckpointError
+
+    checkpointer = Checkpointer()
+    state = {"big": {f"w{i}": torch.zeros(1 << 20) for i in range(12)}, "small": torch.zeros(7, dtype=torch.int16),
+             "step": 0}
+    before = _io("rchar")
+    checkpointer.load(state, path)
+    read = _io("rchar") - before
+    digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in [*state["big"].values(), state["small"]])).hexdigest()
+    try:
+        checkpointer.load(state, damaged)
+        outcome = "loaded"
+    except CheckpointError as error:
+        outcome = f"{type(error).__name__}: {error}"
+    checkpointer.close()
+    return digest, state["step"], read, outcome
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicated_tensors_of_a_sharded_checkpoint_are_read_once_per_job(tmp_path, world):
+    import shutil
+
+    import torch
+
+    from asyncckpt.core import Checkpointer
+
+    generator = torch.Generator().manual_seed(0)
+    state = {"big": {f"w{i}": torch.randn(1 << 20, generator=generator) for i in range(12)},
+             "small": torch.arange(7, dtype=torch.int16), "step": 41}
+    path, damaged = tmp_path / "step-41", tmp_path / "damaged"
+    checkpointer = Checkpointer()
+    checkpointer.async_save(state, path).result()
+    checkpointer.close()
+    data = [f for f in path.iterdir() if f.suffix == ".distcp"]
+    shutil.copytree(path, damaged)
+    target = damaged / data[0].name
+    flipped = bytearray(target.read_bytes())
+    flipped[len(flipped) // 2] ^= 1
+    target.write_bytes(bytes(flipped))
+    want = hashlib.sha256(b"".join(t.numpy().tobytes() for t in [*state["big"].values(), state["small"]])).hexdigest()
+
+    results = run_on_ranks(_load_replicated, world, str(path), str(damaged))
+    size = sum(f.stat().st_size for f in data)
+    assert all(digest == want and step == 41 for digest, step, _read, _outcome in results)
+    read = [r for _d, _s, r, _o in results]
+    assert sum(read) <= 1.05 * size, (read, size)  # every rank's own read calls: its share only
+    for _d, _s, _r, outcome in results:  # found by the rank that read it, raised on every rank, naming file and key
+        assert outcome.startswith("CorruptCheckpointError") and data[0].name in outcome and "big.w" in outcome, outcome

@@ -1,8 +1,9 @@
 """A resume under DDP reads the checkpoint from storage once per job, through each framework's own resume path:
 Lightning's ``fit(ckpt_path=...)`` from a local file and from a real S3 server (its GET bytes counted),
 Accelerate's ``load_state()`` and the Trainer's ``resume_from_checkpoint``; on 2 and 4 ranks (processes with
-the environment torchrun gives them), each equal bit for bit to the framework's own resume without asyncckpt. A
-damaged byte fails every rank naming the file; ranks that load different files each read their own."""
+the environment torchrun gives them, one launch running the three frameworks in turn), each equal bit for bit
+to the framework's own resume without asyncckpt. A damaged byte fails every rank naming the file; ranks that
+load different files each read their own, saying so once."""
 from __future__ import annotations
 
 import json
@@ -19,32 +20,55 @@ import torch
 from dist_helper import free_port
 
 pytest.importorskip("lightning")
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
 
-EVICT = textwrap.dedent("""
+PROGRAM = textwrap.dedent('''
+    import json, os, shutil, sys
+    import torch, torch.distributed as dist
+    from torch.utils.data import DataLoader, Dataset, TensorDataset
+    import lightning as L
+    from accelerate import Accelerator
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from asyncckpt.adapters.accelerate import enable_async_checkpointing
+    from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
+    from asyncckpt.adapters.lightning import AsyncCkptIO
+    from asyncckpt.core import CorruptCheckpointError
+
     def evict(path):
-        for parent, _dirs, names in os.walk(path) if os.path.isdir(path) else [(os.path.dirname(path), [], [os.path.basename(path)])]:
+        """Drop ``path``'s pages (a file, or the files under a directory) from the page cache."""
+        os.sync()  # dirty pages stay
+        found = [(path, [], [])] if os.path.isdir(path) else [(os.path.dirname(path), [], [os.path.basename(path)])]
+        for parent, _dirs, names in (os.walk(path) if os.path.isdir(path) else found):
             for name in names:
                 with open(os.path.join(parent, name), "rb") as f:
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
     def read_bytes():
+        """What this process brought in from storage so far, and what its read calls returned (from the page cache
+        or not: its own reads of the checkpoint's files, which a rank that loads by itself makes whole)."""
         with open("/proc/self/io") as f:
-            return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
-""")
+            counters = dict(line.split(": ") for line in f.read().splitlines())
+        return int(counters["read_bytes"]), int(counters["rchar"])
 
-LIGHTNING = textwrap.dedent("""
-    import json, os, sys
-    import torch, torch.distributed as dist
-    import lightning as L
-    from torch.utils.data import DataLoader, TensorDataset
-    from asyncckpt.adapters.lightning import AsyncCkptIO
-    from asyncckpt.core import CorruptCheckpointError
-    """) + EVICT + textwrap.dedent("""
-    class Net(L.LightningModule):
+    def report(framework, label, rank, before, outcome, now=None):
+        (storage, calls), (storage_before, calls_before) = now or read_bytes(), before
+        print("RESULT", json.dumps({"label": f"{framework} {label}", "rank": rank, "read": storage - storage_before,
+                                    "read_calls": calls - calls_before, "outcome": outcome}), flush=True)
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(256, 16384), torch.nn.Linear(16384, 256))  # 96 MiB with Adam
+
+    def pairs():
+        generator = torch.Generator().manual_seed(1)
+        return TensorDataset(torch.randn(64, 256, generator=generator), torch.randn(64, 256, generator=generator))
+
+    # ------------------------------------------------------------------ Lightning
+    class Module(L.LightningModule):
         def __init__(self):
             super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.Linear(2048, 256))  # 12 MiB with Adam
+            self.net = net()
 
         def training_step(self, batch, _index):
             x, y = batch
@@ -53,47 +77,145 @@ LIGHTNING = textwrap.dedent("""
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
-    def loader():
-        generator = torch.Generator().manual_seed(1)
-        return DataLoader(TensorDataset(torch.randn(64, 256, generator=generator),
-                                        torch.randn(64, 256, generator=generator)), batch_size=4)
-
-    def trainer(steps, plugins, devices):
+    def lightning(steps, plugins, devices):
         return L.Trainer(max_steps=steps, accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
                          plugins=plugins, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
 
-    mode, folder = sys.argv[1], sys.argv[2]
-    if mode == "save":
+    def lightning_save(targets):
         io = AsyncCkptIO()
-        run = trainer(2, [io], 1)
-        run.fit(Net(), loader())
-        for target in sys.argv[3:]:
+        run = lightning(2, [io], 1)
+        run.fit(Module(), DataLoader(pairs(), batch_size=4))
+        for target in targets:
             run.save_checkpoint(target)
         io.teardown()
-        sys.exit()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo")
-    for label, path in json.loads(sys.argv[3]):
-        path = path.format(rank=rank)
-        if "://" not in path:
-            evict(path)
-        dist.barrier()
-        before, model = read_bytes(), Net()
-        try:
-            trainer(4, [] if label == "native" else [AsyncCkptIO(timeout=60)], world).fit(model, loader(), ckpt_path=path)
-            outcome = "resumed"
-        except CorruptCheckpointError as error:
-            outcome = f"refused: {error}"
-        print(json.dumps({"label": label, "rank": rank, "read": read_bytes() - before, "outcome": outcome}), flush=True)
-        if rank == 0 and outcome == "resumed":
-            torch.save(model.state_dict(), f"{folder}/{label}.pt")
-""")
+
+    def lightning_resumes(folder, phases, rank, world):
+        AsyncCkptIO().load_checkpoint(phases[0][1])  # the code of a cooperative load paged in: not counted below
+        for label, path in phases:
+            path = path.format(rank=rank)
+            if "://" not in path:
+                evict(path)
+            dist.barrier()
+            before, module = read_bytes(), Module()
+            try:
+                lightning(4, [] if label == "native" else [AsyncCkptIO(timeout=60)], world).fit(
+                    module, DataLoader(pairs(), batch_size=4), ckpt_path=path)
+                outcome = "resumed"
+            except CorruptCheckpointError as error:
+                outcome = f"refused: {error}"
+            report("lightning", label, rank, before, outcome)
+            if rank == 0 and outcome == "resumed":
+                torch.save(module.state_dict(), f"{folder}/lightning {label}.pt")
+
+    # ------------------------------------------------------------------ Accelerate
+    def accelerate_run(adapter):
+        model = net()
+        accelerator = Accelerator(cpu=True)
+        model, optimizer, data = accelerator.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3),
+                                                     DataLoader(pairs(), batch_size=4))
+        handle = enable_async_checkpointing(accelerator, timeout=60) if adapter else None
+        return accelerator, model, optimizer, data, handle
+
+    def accelerate_train(accelerator, model, optimizer, data, steps=2):
+        for _step, (x, y) in zip(range(steps), data):
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def accelerate_resumes(folder, rank):
+        checkpoint, damaged = f"{folder}/accelerate/checkpoint", f"{folder}/accelerate/damaged"
+        accelerator, model, optimizer, data, handle = accelerate_run(adapter=True)
+        accelerate_train(accelerator, model, optimizer, data)
+        accelerator.save_state(checkpoint)
+        handle.remove()
+        if rank == 0:  # a copy with a flipped byte near the end of the model file
+            shutil.copytree(checkpoint, damaged)
+            with open(f"{damaged}/model.safetensors", "r+b") as f:
+                f.seek(int(os.path.getsize(f.name) * 0.9))
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 1]))
+        for label in ("native", "ours", "damaged"):
+            accelerator, model, optimizer, data, handle = accelerate_run(adapter=label != "native")
+            evict(checkpoint)
+            accelerator.wait_for_everyone()
+            before = read_bytes()
+            try:
+                accelerator.load_state(damaged if label == "damaged" else checkpoint)
+                outcome = "resumed"
+            except CorruptCheckpointError as error:
+                outcome = f"refused: {error}"
+            report("accelerate", label, rank, before, outcome)
+            if outcome == "resumed":
+                accelerate_train(accelerator, model, optimizer, data)
+                if rank == 0:
+                    torch.save(accelerator.unwrap_model(model).state_dict(), f"{folder}/accelerate {label}.pt")
+            if handle is not None:
+                handle.remove()
+
+    # ------------------------------------------------------------------ the Transformers Trainer
+    class Pairs(Dataset):
+        def __init__(self):
+            self.pairs = pairs()
+        def __len__(self): return len(self.pairs)
+        def __getitem__(self, i): return {"x": self.pairs[i][0], "labels": self.pairs[i][1]}
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = net()
+        def forward(self, x, labels=None):
+            out = self.body(x)
+            return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+    class Measure(TrainerCallback):
+        """The bytes this process read from storage between the start of train() and its first step (the resume)."""
+        def __init__(self):
+            self.started, self.read = read_bytes(), None
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.read is None:
+                self.read = read_bytes()
+
+    def trainer_run(out, adapter, max_steps, resume):
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=max_steps, learning_rate=1e-3,
+                                 save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, disable_tqdm=True,
+                                 ddp_find_unused_parameters=False)
+        trainer = Trainer(model=Model(), args=args, train_dataset=Pairs(),
+                          callbacks=[AsyncCheckpointCallback(timeout=60)] if adapter else [])
+        if resume:
+            evict(os.path.join(out, "checkpoint-2"))
+            dist.barrier()
+        measure = Measure()
+        trainer.add_callback(measure)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, measure.started, measure.read
+
+    def trainer_resumes(folder, rank):
+        for label in ("native", "ours"):
+            out = os.path.join(folder, "trainer", label)
+            trainer_run(out, label == "ours", 2, False)
+            trainer, started, resumed = trainer_run(out, label == "ours", 4, True)
+            report("trainer", label, rank, started, "resumed", now=resumed)
+            if rank == 0:
+                torch.save(trainer.model.state_dict(), f"{folder}/trainer {label}.pt")
+
+    if __name__ == "__main__":
+        if sys.argv[1] == "save":
+            lightning_save(sys.argv[2:])
+            sys.exit()
+        folder, phases = sys.argv[2], json.loads(sys.argv[3])
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group("gloo")
+        lightning_resumes(folder, phases, rank, world)
+        accelerate_resumes(folder, rank)
+        trainer_resumes(folder, rank)
+''')
 
 
 def launch(script: Path, world: int, cwd: Path, *args: str, timeout: float = 300) -> list[dict]:
-    """``world`` processes of ``script`` with the environment torchrun gives its workers on one node; each one's
-    JSON lines (it must exit 0), its stderr under ``cwd``."""
+    """``world`` processes of ``script`` with the environment torchrun gives its workers on one node; what each
+    printed as ``RESULT {json}`` lines (it must exit 0), its stderr under ``cwd``."""
     port, procs = str(free_port()), []
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     for rank in range(world):
@@ -112,8 +234,8 @@ def launch(script: Path, world: int, cwd: Path, *args: str, timeout: float = 300
                 proc.kill()
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, f"rank {rank}: exit {proc.returncode}\n{(cwd / f'rank{rank}.err').read_text()[-4000:]}"
-    return [json.loads(line) for rank in range(world) for line in (cwd / f"rank{rank}.out").read_text().splitlines()
-            if line.startswith("{")]
+    return [json.loads(line.removeprefix("RESULT ")) for rank in range(world)
+            for line in (cwd / f"rank{rank}.out").read_text().splitlines() if line.startswith("RESULT ")]
 
 
 def by_label(records: list[dict]) -> dict[str, list[dict]]:
@@ -138,33 +260,56 @@ def flip_a_byte(source: Path, target: Path, at: float) -> None:
         f.write(data)
 
 
+def files_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_lightning_ddp_resume_reads_the_checkpoint_once_from_disk_and_from_s3(tmp_path, s3_server, s3_root, world):
+def test_each_frameworks_ddp_resume_reads_the_checkpoint_once_per_job(tmp_path, s3_server, s3_root, world):
     script = tmp_path / "program.py"
-    script.write_text(LIGHTNING)
+    script.write_text(PROGRAM)
     local, url = tmp_path / "ckpt" / "last.ckpt", f"{s3_root}/run/last.ckpt"
     local.parent.mkdir()
-    subprocess.run([sys.executable, str(script), "save", str(tmp_path), str(local), url], cwd=tmp_path, check=True,
-                   capture_output=True, timeout=300)
+    saved = subprocess.run([sys.executable, str(script), "save", str(local), url], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert saved.returncode == 0, saved.stderr[-4000:]
     for rank in range(world):
         shutil.copy2(local, local.parent / f"own-{rank}.ckpt")
     flip_a_byte(local, local.parent / "damaged.ckpt", 0.9)  # in the last rank's part
-    phases = [["native", str(local)], ["local", str(local)], ["s3", url], ["different", str(local.parent / "own-{rank}.ckpt")],
-              ["damaged", str(local.parent / "damaged.ckpt")]]
+    phases = [["native", str(local)], ["local", str(local)], ["s3", url],
+              ["different", str(local.parent / "own-{rank}.ckpt")], ["damaged", str(local.parent / "damaged.ckpt")]]
     downloaded = s3_server.get_bytes
     results = by_label(launch(script, world, tmp_path, "resume", str(tmp_path), json.dumps(phases)))
     downloaded = s3_server.get_bytes - downloaded
-    size = local.stat().st_size
 
-    assert size <= downloaded <= 1.05 * size, (downloaded, size)  # once per job, not once per rank
-    read = [record["read"] for record in results["local"]]
-    assert sum(read) <= 1.05 * size, (read, size)  # the pages were evicted first: once per job (each rank's part:
-    #                                               test_cooperative_load.py)
+    # Lightning: once per job from disk (the pages evicted first) and from the bucket, not once per rank
+    size = local.stat().st_size
+    assert size <= downloaded <= 1.05 * size, (downloaded, size)
+    read = [record["read"] for record in results["lightning local"]]
+    assert sum(read) <= 1.05 * size, (read, size)  # each rank's part: test_cooperative_load.py
     for label in ("local", "s3", "different"):
-        assert [record["outcome"] for record in results[label]] == ["resumed"] * world
-        same_tensors(tmp_path / f"{label}.pt", tmp_path / "native.pt")  # as Lightning's own resume, bit for bit
-    for record in results["damaged"]:  # found by the rank that read it, and by every other: the file named
+        assert [record["outcome"] for record in results[f"lightning {label}"]] == ["resumed"] * world
+        same_tensors(tmp_path / f"lightning {label}.pt", tmp_path / "lightning native.pt")  # bit for bit
+    for record in results["lightning damaged"]:  # found by every rank, whichever read the byte: the file named
         assert record["outcome"].startswith("refused:") and "damaged.ckpt: checksum mismatch" in record["outcome"]
     for rank in range(world):
         said = [line for line in (tmp_path / f"rank{rank}.err").read_text().splitlines() if "each rank loads" in line]
         assert len(said) == 1 and "the ranks load different files" in said[0], said
+
+    # Accelerate's load_state: from disk once per job, and each rank's own reads (page cache or not) its part only
+    # (a rank loading by itself reads the optimizer file whole: together they would read it once per rank)
+    size = files_bytes(tmp_path / "accelerate" / "checkpoint")
+    read = [record["read"] for record in results["accelerate ours"]]
+    calls = [record["read_calls"] for record in results["accelerate ours"]]
+    assert sum(read) <= 1.05 * size and sum(calls) <= 1.05 * size, (read, calls, size)
+    assert [record["outcome"] for record in results["accelerate ours"]] == ["resumed"] * world
+    same_tensors(tmp_path / "accelerate ours.pt", tmp_path / "accelerate native.pt")
+    for record in results["accelerate damaged"]:
+        assert record["outcome"].startswith("refused:") and "model.safetensors: checksum mismatch" in record["outcome"]
+
+    # the Trainer's resume_from_checkpoint
+    size = files_bytes(tmp_path / "trainer" / "ours" / "checkpoint-2")
+    read = [record["read"] for record in results["trainer ours"]]
+    calls = [record["read_calls"] for record in results["trainer ours"]]
+    assert sum(read) <= 1.05 * size and sum(calls) <= 1.05 * size, (read, calls, size)
+    same_tensors(tmp_path / "trainer ours.pt", tmp_path / "trainer native.pt")

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import posixpath
+import shutil
 import threading
 import time
 from collections import Counter
@@ -58,8 +59,10 @@ from asyncckpt.core.writer.file_requests import FileRequest, LinkRequest, Remove
 from asyncckpt.core.storage.backend import backend_for, exists, normalize
 from asyncckpt.core.snapshot.file_snapshots import FileSnapshots, tensor_bytes
 from asyncckpt.core.client.handles import SaveHandle
+from asyncckpt.core.loading import cooperative
 from asyncckpt.core.loading.state_dict import load_checkpoint
-from asyncckpt.core.writer.mirror import CopyRequest, restore_latest
+from asyncckpt.core.writer import mirror
+from asyncckpt.core.writer.mirror import CopyRequest
 from asyncckpt.core.writer.retention import RetentionRequest
 from asyncckpt.core.export.options import ExportOptions, as_options
 from asyncckpt.core.export.request import ExportRequest
@@ -193,7 +196,8 @@ class Checkpointer:
             load_checkpoint(state_dict, path, group=process_group if process_group is not None else self.process_group,
                             collectives=self.use_collectives if use_collectives is None else use_collectives,
                             strict=strict, verify=self.options.verify if verify is None else verify,
-                            io_threads=self.options.io_threads)
+                            io_threads=self.options.io_threads, timeout=self.options.timeout,
+                            readers=self.options.cooperative_load)
 
     # ------------------------------------------------------------------ native files and directories
     def async_save_file(self, obj: Any, path: str | os.PathLike, *, format: str = "torch",
@@ -343,13 +347,31 @@ class Checkpointer:
     def restore_mirrored(self, url_root: str, local_root: str, name: Optional[str] = None) -> Optional[str]:
         """Before a resume: the newest committed checkpoint under ``url_root`` (``mirror``; with ``name``, the
         one of that name) restored under ``local_root`` unless a copy is there. A collective when
-        torch.distributed runs: no shared filesystem is assumed, so one process per node (``LOCAL_RANK`` 0)
-        downloads while the others wait for it. Returns the local path, or None if the mirror holds none."""
+        torch.distributed runs: rank 0 picks the checkpoint; its bytes are downloaded once per job (the ranks'
+        ``cooperative_load``: each its part, shared over the process group), and since no shared filesystem is
+        assumed, one process per node (``LOCAL_RANK`` 0) writes the node's copy while the others wait for it.
+        Returns the local path, or None if the mirror holds none."""
+        collective = dist_ready() and rank_and_world(self.process_group)[1] > 1
         with object_store_module.using(self.object_store):
-            restored = restore_latest(url_root, local_root, name) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
-        if dist_ready() and rank_and_world(self.process_group)[1] > 1:
+            picked = [mirror.mirrored(url_root, name) if rank_and_world(self.process_group)[0] == 0 else None]
+            if collective:
+                dist.broadcast_object_list(picked, src=dist.get_global_rank(self.process_group, 0)
+                                           if self.process_group is not None else 0, group=self.process_group)
+            latest = picked[0]
+            if latest is None:
+                return None
+            local = os.path.join(local_root, posixpath.basename(latest))
+            writes = int(os.environ.get("LOCAL_RANK", "0")) == 0 and not os.path.exists(local)
+            if collective and not any_rank(writes, self.process_group):
+                return local
+            with cooperative.shared_copy(mirror.files_of(latest), self.process_group, timeout=self.options.timeout,
+                                         readers=self.options.cooperative_load) as copies:
+                if writes:
+                    mirror.restore(latest, local, (lambda url, file: shutil.copyfile(copies[url], file))
+                                   if copies is not None else None)
+        if collective:
             dist.barrier(group=self.process_group)
-        return restored
+        return local
 
     def export(self, path: str | os.PathLike, options: Optional[ExportOptions | str] = None, *,
                after: Optional[SaveHandle] = None) -> SaveHandle:

@@ -16,7 +16,9 @@ framework (Lightning's ``load_checkpoint``, Accelerate's ``load_state``, the Tra
    with ``resume_from_intact``, older ones (``candidates``: the framework's own naming and sort key).
 3. ``first_intact``: the first candidate that checks out; one warning for each one skipped (and its error),
    one naming the one used.
-4. The check itself, which is also the read (``reads``):
+4. The check itself, which is also the read (``reads``). Where every rank of a job loads the same files (DDP), they
+   are first read from storage once per job into one copy per node in memory (``readable``:
+   ``loading.cooperative``), and what follows reads that copy:
 
    * ``"file"``, a single file the adapter loads itself (Lightning's ``.ckpt``): ``load_file`` runs the
      framework's own load of the path, unchanged, while a thread of its own hashes the file
@@ -31,7 +33,9 @@ framework (Lightning's ``load_checkpoint``, Accelerate's ``load_state``, the Tra
      hashes a ``torch.save`` file it unpickles it too (``weights_only``, onto the CPU): the framework's own
      ``torch.load`` of that file inside ``Verified.serving()`` receives that object instead of reading the file
      again. Other files (safetensors, JSON) are hashed through a mapping (``hashed_reads.mapped_problem``), so
-     the framework's load, which maps them too, finds their pages in the cache without a copy having been made.
+     the framework's load, which maps them too, finds their pages in the cache without a copy having been made;
+     from a node-memory copy, the safetensors files are kept too (mapped, as ``torch.save`` files are then), and
+     served to the framework's ``safetensors.torch.load_file``.
 
 Why not check first and then let the framework read: the two passes cannot overlap. The framework's
 ``torch.load`` of a cold file overlaps the disk with its own work (the kernel reads ahead while it
@@ -291,12 +295,12 @@ class Verified:
 
         original = safetensors.torch.load_file
 
-        def load_file(filename: Any, device: Any = "cpu") -> dict:
-            if device in _CPU:
+        def load_file(filename: Any, device: Any = "cpu", **kwargs: Any) -> dict:
+            if device in _CPU:  # how its bytes are read (``backend``) changes nothing in what it holds
                 kept = self.kept.pop(os.path.abspath(os.fspath(filename)), None)
                 if kept is not None:
                     return kept
-            return original(filename, device=device)
+            return original(filename, device=device, **kwargs)
 
         with patching.patched(safetensors.torch, "load_file", load_file):
             yield

@@ -33,6 +33,7 @@ on several nodes.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import mmap
 import os
@@ -46,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from asyncckpt.core.errors import CheckpointError, CheckpointTimeoutError
+from asyncckpt.core.loading.reader import FileSpans
 from asyncckpt.core.snapshot.dist_env import dist_ready, rank_and_world
 from asyncckpt.core.storage import tier
 from asyncckpt.core.storage.backend import backend_for, basename, is_url
@@ -309,3 +311,105 @@ def _remove_dead_loads(root: str) -> None:
             pid = name.rpartition("-")[2]
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+# ------------------------------------------------------------------ replicated tensors of a sharded checkpoint
+SMALL_BYTES = 1 << 20  # spans below this travel packed together (one broadcast per ``PIECE_BYTES``)
+
+
+@dataclass
+class SharedSpans:
+    """A load whose ranks all read the same spans (replicated tensors: DDP's state, saved by every rank or once):
+    ``mine`` is this rank's byte-balanced share of the reads, ``exchange`` then broadcasts every span from the rank
+    that read it straight into the other ranks' targets (small ones packed)."""
+
+    mine: list
+    spans: list  # (span, reader) in the order every rank lists them
+    group: Optional[dist.ProcessGroup]
+    rank: int
+    timeout: float
+
+    def exchange(self) -> None:
+        pack: list = []
+        for span, reader in self.spans:
+            if span.nbytes < SMALL_BYTES:
+                if pack and (pack[0][1] != reader or sum(s.nbytes for s, _ in pack) + span.nbytes > PIECE_BYTES):
+                    self._send_pack(pack)
+                    pack = []
+                pack.append((span, reader))
+                continue
+            if pack:
+                self._send_pack(pack)
+                pack = []
+            self._broadcast(_as_bytes(span.target), reader, span)
+        if pack:
+            self._send_pack(pack)
+
+    def _send_pack(self, pack: list) -> None:
+        reader = pack[0][1]
+        buffer = torch.empty(sum(span.nbytes for span, _ in pack), dtype=torch.uint8)
+        offsets = []
+        offset = 0
+        for span, _ in pack:
+            offsets.append(offset)
+            offset += span.nbytes
+        if self.rank == reader:
+            for (span, _), start in zip(pack, offsets):
+                buffer[start:start + span.nbytes] = _as_bytes(span.target)
+        self._broadcast(buffer, reader, pack[0][0])
+        if self.rank != reader:
+            for (span, _), start in zip(pack, offsets):
+                _as_bytes(span.target).copy_(buffer[start:start + span.nbytes])
+
+    def _broadcast(self, tensor: torch.Tensor, reader: int, span) -> None:
+        if not tensor.numel():
+            return
+        source = dist.get_global_rank(self.group, reader) if self.group is not None else reader
+        try:
+            dist.broadcast(tensor, src=source, group=self.group, async_op=True).wait(timedelta(seconds=self.timeout))
+        except Exception as e:  # noqa: BLE001 - which key, from which rank
+            raise CheckpointTimeoutError(f"key '{span.key}', read by rank {reader}, did not arrive within "
+                                         f"{self.timeout:.0f} s: {e}", rank=reader) from e
+
+
+def share_spans(files: list[FileSpans], group: Optional[dist.ProcessGroup], *, timeout: float,
+                readers: Readers = "job") -> Optional[SharedSpans]:
+    """A collective of the ranks of a direct load (``loading.direct_load``): where every rank reads exactly the same
+    spans of the same files (``FileSpans``), each reads a byte-balanced share of them (whole spans, in file order)
+    and ``SharedSpans.exchange`` shares the rest; None where the ranks read different things (each reads its own)."""
+    rank, world = rank_and_world(group)
+    if readers == "off" or not dist_ready() or world < 2:
+        return None
+    listed = [(entry.relative_path, span.offset, span.nbytes, span.key) for entry in files for span in entry.spans]
+    gathered: list = [None] * world
+    digest = hashlib.blake2b(repr(listed).encode(), digest_size=16).hexdigest()
+    dist.all_gather_object(gathered, (tier.node_id(), digest), group=group)
+    if any(entry[1] != gathered[0][1] for entry in gathered):
+        return None  # sharded state: each rank its own reads
+    nodes = _Node([entry[0] for entry in gathered])
+    reading = [r for r in range(world) if readers == "job" or nodes.leader(r) == r]
+    flat = [(entry, span) for entry in files for span in entry.spans]
+    owner = _owners([span.nbytes for _entry, span in flat], reading)
+    mine: dict = {}
+    for (entry, span), reader in zip(flat, owner):
+        if reader == rank:
+            mine.setdefault(entry.relative_path, (entry, []))[1].append(span)
+    own = [FileSpans(entry.relative_path, spans, entry.needed_size, entry.needed_by) for entry, spans in mine.values()]
+    return SharedSpans(own, [(span, reader) for (_entry, span), reader in zip(flat, owner)], group, rank, timeout)
+
+
+def _owners(sizes: list[int], readers: list[int]) -> list[int]:
+    """The reader of each of ``sizes`` (whole items, in order): contiguous runs of about equal bytes."""
+    total = sum(sizes) or 1
+    owners, done = [], 0
+    for size in sizes:
+        owners.append(readers[min(len(readers) - 1, (done + size // 2) * len(readers) // total)])
+        done += size
+    return owners
+
+
+def _as_bytes(target) -> torch.Tensor:
+    """A span's target (a contiguous CPU tensor, or a bytearray) as a flat uint8 tensor over the same memory."""
+    if isinstance(target, bytearray):
+        return torch.frombuffer(target, dtype=torch.uint8) if len(target) else torch.empty(0, dtype=torch.uint8)
+    return target.detach().reshape(-1).view(torch.uint8)

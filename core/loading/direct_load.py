@@ -66,7 +66,15 @@ class DirectLoad:
 
     def run(self, threads: int) -> None:
         """Read and verify everything, then put the non-tensor values in place (as dcp.load does)."""
-        read_spans(self.root, self.files, threads=threads)
+        self.read(threads)
+        self.place()
+
+    def read(self, threads: int, files: Optional[list[FileSpans]] = None) -> None:
+        """Read and verify ``files`` (default: all of the load's; a cooperative load's share, ``cooperative``)."""
+        read_spans(self.root, self.files if files is None else files, threads=threads)
+
+    def place(self) -> None:
+        """Put the non-tensor values in place and hand ``Stateful`` values their state (as dcp.load does)."""
         for fqn, blob in self.objects:
             set_at(self.resolved, self.paths[fqn], torch.load(io.BytesIO(blob), weights_only=False))
         for key in sorted(self.state_dict):

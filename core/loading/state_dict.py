@@ -1,7 +1,9 @@
 """Loading a committed checkpoint into a state dict in place, resharding as needed.
 
 Checkpoints written by asyncckpt whose tensors need no resharding (plain CPU tensors, each saved
-whole) are read straight from the sidecars (``direct_load``); anything else goes through
+whole) are read straight from the sidecars (``direct_load``); where every rank loads the same tensors
+(replicated state), each reads its share and the ranks broadcast the rest (``cooperative.share_spans``);
+anything else goes through
 ``dcp.load`` with torch's resharding and our verified reader. With collectives, every rank takes
 the same path, and a failure on any rank is raised on every rank (as ``dcp.load`` does).
 """
@@ -15,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.utils import _DistWrapper
 
+from asyncckpt.core.loading import cooperative
 from asyncckpt.core.storage import commit
 from asyncckpt.core.loading.dcp_reader import AsyncCkptStorageReader
 from asyncckpt.core.loading.direct_load import paused_gc, plan_direct_load
@@ -25,7 +28,7 @@ from asyncckpt.core.snapshot.planner import AsyncCkptLoadPlanner
 
 
 def load_checkpoint(state_dict: dict, path: str, *, group: Optional[dist.ProcessGroup], collectives: bool,
-                    strict: bool, verify: bool, io_threads: int) -> None:
+                    strict: bool, verify: bool, io_threads: int, timeout: float, readers: cooperative.Readers) -> None:
     record = commit.require_complete(path)  # DCP would hide these errors behind a generic one: check first
     use_dist = collectives and dist_ready()
     ranks = _DistWrapper(group, use_dist, 0)
@@ -38,7 +41,13 @@ def load_checkpoint(state_dict: dict, path: str, *, group: Optional[dist.Process
     try:
         with paused_gc():
             if all(ranks.all_gather("plan", plan)):
-                ranks.all_gather("read", lambda: planned[0].run(io_threads))
+                load = planned[0]
+                shared = cooperative.share_spans(load.files, group, timeout=timeout, readers=readers) \
+                    if use_dist else None  # replicated state (every rank reads the same): each byte read once
+                ranks.all_gather("read", lambda: load.read(io_threads, shared.mine if shared else None))
+                if shared is not None:
+                    shared.exchange()
+                ranks.all_gather("place", load.place)
                 planned.clear()  # its ~10 objects per key go before the GC is back on
                 return
             reader = AsyncCkptStorageReader(path, verify=verify, io_threads=io_threads, metadata=load_dcp_metadata(path))

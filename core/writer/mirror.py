@@ -21,7 +21,7 @@ import contextlib
 import mmap
 import os
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from asyncckpt.core.storage import commit, tier
 from asyncckpt.core.storage import file_checksums
@@ -98,17 +98,19 @@ def copy(source: str, target: str, token: str, options: Optional[ObjectStoreOpti
         place.delete(replaced, token)
 
 
-def restore(url: str, path: str) -> str:
+def restore(url: str, path: str, download: Optional[Callable[[str, str], None]] = None) -> str:
     """Download the committed checkpoint at ``url`` to the local ``path`` (which must not exist),
     published there atomically; returns ``path``. ``IncompleteCheckpointError`` if ``url`` holds no
-    committed checkpoint."""
+    committed checkpoint. ``download(url, local_file)`` fetches each file (default: from the store; a resume
+    under DDP hands over the copies its ranks read together, ``Checkpointer.restore_mirrored``)."""
     path = os.path.abspath(path)
     source = backend_for(url)
+    download = download or source.download
     if is_file(source, url):
         checksum = source.read_checksum_record(url)
         temporary = names.hidden_path(path, "tmp", owners.owner_token())
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        source.download(url, temporary)
+        download(url, temporary)
         if checksum is not None:
             attach_checksum(temporary, checksum)
         os.replace(temporary, path)
@@ -120,21 +122,22 @@ def restore(url: str, path: str) -> str:
     staging = names.staging_dir_for(path, owners.owner_token())
     os.makedirs(staging)
     for name in sorted(record.get("files", {})):
-        source.download(join(url, name), os.path.join(staging, name))
+        os.makedirs(os.path.dirname(os.path.join(staging, name)), exist_ok=True)
+        download(join(url, name), os.path.join(staging, name))
     backend_for(path).publish(staging, path, read_bytes(source, join(url, names.COMMIT_RECORD)))
     return path
 
 
-def restore_latest(url_root: str, local_root: str, name: Optional[str] = None) -> Optional[str]:
-    """The newest committed checkpoint under ``url_root`` (with ``name``: the checkpoint or single file of
-    that name, if the mirror has it), restored under ``local_root`` with its name (unless a copy is there
-    already); None if the mirror holds none."""
+def files_of(url: str) -> list[str]:
+    """What ``restore`` downloads of the committed checkpoint (or single file) ``url``: its files' URLs."""
+    record = None if is_file(backend_for(url), url) else commit.read_commit_record(url)
+    return [url] if record is None else [join(url, name) for name in sorted(record.get("files", {}))]
+
+
+def mirrored(url_root: str, name: Optional[str] = None) -> Optional[str]:
+    """The newest committed checkpoint under ``url_root`` (with ``name``: the checkpoint or single file of that
+    name, if the mirror has it); None if the mirror holds none."""
     if name is None:
-        latest = commit.latest_checkpoint(url_root)
-    else:
-        latest = join(url_root, name)
-        latest = latest if exists(backend_for(latest), latest) else None
-    if latest is None:
-        return None
-    local = os.path.join(local_root, basename(latest))
-    return local if os.path.exists(local) else restore(latest, local)
+        return commit.latest_checkpoint(url_root)
+    latest = join(url_root, name)
+    return latest if exists(backend_for(latest), latest) else None

@@ -1,0 +1,208 @@
+"""A DDP resume on 1, 2 and 4 ranks: the bytes read from storage and the load time, from a cold disk and from S3.
+
+Under DDP every rank loads the whole checkpoint (Lightning's ``load_checkpoint`` of the ``.ckpt`` on every rank).
+A ~1 GiB ``.ckpt`` written by ``AsyncCkptIO``, on the local disk and in a bucket of moto's S3 server (started
+here, every GET's bytes counted); on each rank count, the ranks (spawned processes in a gloo group) load it the
+way Lightning's DDP strategy does, one rep of each arm in rotation, the file's pages evicted before each:
+
+  native     Lightning's own ``TorchCheckpointIO.load_checkpoint`` on every rank (a URL through fsspec)
+  per_rank   ``AsyncCkptIO(cooperative_load="off")``: each rank fetches and checks the file by itself (before
+             issue 36)
+  asyncckpt  ``AsyncCkptIO()``: each byte read once per job, split across the ranks, into the node's memory,
+             shared (``loading.cooperative``)
+
+Timed: from a barrier to the last rank's loaded checkpoint. Bytes: the processes' ``read_bytes`` (disk), the S3
+server's GET bytes (S3).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from harness import Option, Scenario
+from harness.machine import evict
+from harness.ranks import on_ranks
+from harness.report import fmt, table
+from harness.util import spread
+
+ARMS = ("native", "per_rank", "asyncckpt")
+NAMES = {"native": "Lightning's own load", "per_rank": "asyncckpt, each rank by itself",
+         "asyncckpt": "**asyncckpt, once per job**"}
+SOURCES = ("disk", "s3")
+BUCKET = "resume-ranks"
+
+
+def checkpoint(mib: int) -> dict:
+    """What Lightning's ``.ckpt`` holds, at ``mib`` MiB of tensors (in 64 MiB pieces)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    pieces = max(1, mib // 64)
+    return {"state_dict": {f"layer{i}.weight": torch.randn(mib * 2**20 // 4 // pieces, generator=generator)
+                           for i in range(pieces)}, "global_step": 1, "epoch": 0}
+
+
+def loads(rank: int, world: int, paths: dict, reps: int, served) -> list[dict]:
+    """On each rank: every arm loads every source ``reps`` times (arms in rotation), after a warm-up load of each."""
+    import torch.distributed as dist
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    from asyncckpt.adapters.lightning import AsyncCkptIO
+
+    ios = {"native": TorchCheckpointIO(), "per_rank": AsyncCkptIO(cooperative_load="off"), "asyncckpt": AsyncCkptIO()}
+    for arm in ARMS:
+        for source in SOURCES:
+            ios[arm].load_checkpoint(paths[f"{source}_small"])  # first-use work (imports, clients) out of the way
+    rows = []
+    for rep in range(reps):
+        for source in SOURCES:
+            for arm in ARMS[rep % len(ARMS):] + ARMS[:rep % len(ARMS)]:
+                if rank == 0 and source == "disk":
+                    evict([paths["disk"]])
+                dist.barrier()
+                read, downloaded, started = _read_bytes(), served.value, time.perf_counter()
+                loaded = ios[arm].load_checkpoint(paths[source])
+                own = time.perf_counter() - started
+                dist.barrier()
+                rows.append({"rep": rep, "source": source, "arm": arm, "s": time.perf_counter() - started, "own_s": own,
+                             "read": _read_bytes() - read, "downloaded": served.value - downloaded,
+                             "step": loaded["global_step"]})
+                del loaded
+    for io in ios.values():
+        if isinstance(io, AsyncCkptIO):
+            io.teardown()
+    return rows
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+
+
+def measure(sitting) -> dict:
+    import multiprocessing
+
+    import boto3
+    import torch
+
+    from asyncckpt.adapters.lightning import AsyncCkptIO
+    from scenarios.object_store import Server
+
+    o = sitting.o
+    server = Server("moto", sitting.directory("s3"))
+    served = multiprocessing.get_context("spawn").Value("q", 0, lock=False)  # every GET's bytes, read by the ranks
+    app = server.moto._server.app  # moto keeps its werkzeug server private; the WSGI app on it is public
+
+    def counted(environ, start_response):
+        for chunk in app(environ, start_response):
+            if environ["REQUEST_METHOD"] == "GET":
+                served.value += len(chunk)
+            yield chunk
+
+    server.moto._server.app = counted
+    try:
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        folder = sitting.directory("checkpoints")
+        paths = {"disk": os.path.join(folder, "last.ckpt"), "s3": f"s3://{BUCKET}/run/last.ckpt",
+                 "disk_small": os.path.join(folder, "small.ckpt"), "s3_small": f"s3://{BUCKET}/run/small.ckpt"}
+        io = AsyncCkptIO()
+        for source in SOURCES:
+            io.save_checkpoint(checkpoint(o.size_mib), paths[source])
+            io.save_checkpoint(checkpoint(1), paths[f"{source}_small"])
+        io.teardown()
+        size = os.path.getsize(paths["disk"])
+        out = {"bytes": size, "ranks": {}}
+        for world in o.ranks:
+            with sitting.phase(f"{world} ranks"):
+                rows = on_ranks(loads, world, paths, o.reps, served, timeout=3600)
+            out["ranks"][str(world)] = {
+                f"{source} {arm}": {
+                    "s": spread(r["s"] for r in rows[0] if (r["source"], r["arm"]) == (source, arm)),
+                    "read": max(sum(rank_rows[i]["read"] for rank_rows in rows)
+                                for i, r in enumerate(rows[0]) if (r["source"], r["arm"]) == (source, arm)),
+                    "downloaded": max(r["downloaded"] for r in rows[0] if (r["source"], r["arm"]) == (source, arm))}
+                for source in SOURCES for arm in ARMS}
+            sitting.log(f"{world} ranks: " + ", ".join(f"{k} {v['s']['median']:.2f} s" for k, v in
+                                                        out["ranks"][str(world)].items()))
+        del torch
+        return out
+    finally:
+        server.stop()
+
+
+def render(result: dict) -> str:
+    o, figures = result["options"], result["figures"]
+    size = figures["bytes"]
+    lines = [f"A {size / 2**30:.2f} GiB `.ckpt`; {o['reps']} reps per arm in rotation, medians (min-max), each the "
+             "job's time (from a barrier to the last rank's loaded checkpoint). Bytes read from storage: the ranks' "
+             "`read_bytes` (disk; the file's pages evicted before each rep), the S3 server's GET bytes (S3), as a "
+             "multiple of the checkpoint's size. All ranks are on this one machine (one node): the page cache here "
+             "serves the disk's bytes to every rank that reads them after the first, which hides the per-rank reads "
+             "on disk that separate nodes would each make; the S3 column shows them.", ""]
+    for source in SOURCES:
+        rows = []
+        for world, arms in figures["ranks"].items():
+            for arm in ARMS:
+                entry = arms[f"{source} {arm}"]
+                moved = entry["read"] if source == "disk" else entry["downloaded"]
+                s = entry["s"]
+                rows.append([world, NAMES[arm], f"{fmt(s['median'], '.2f')} ({fmt(s['min'], '.2f')}-{fmt(s['max'], '.2f')})",
+                             f"{moved / 2**20:.0f} MiB", f"{moved / size:.2f}x"])
+        lines += [f"## From {'the local disk, cold' if source == 'disk' else 'the S3 server (moto)'}", "",
+                  *table(["ranks", "load", "s", "read from storage", "/ checkpoint"], rows)]
+    lines += _goals(figures)
+    return "\n".join(lines)
+
+
+def _goals(figures: dict) -> list[str]:
+    size, ranks = figures["bytes"], figures["ranks"]
+    most = max(ranks, key=int)
+    at = ranks[most]
+    ours_s3, before_s3, native_s3 = (at[f"s3 {arm}"]["s"]["median"] for arm in ("asyncckpt", "per_rank", "native"))
+    one = ranks.get("1", at)
+    goals = [
+        ("bytes read 1x at any rank count (disk and S3, asyncckpt)",
+         max(max(arms[f"{source} asyncckpt"]["read" if source == "disk" else "downloaded"] for source in SOURCES)
+             for arms in ranks.values()) / size, 1.05, "<="),
+        (f"from S3 at {most} ranks, at most half of each rank by itself", ours_s3 / before_s3, 0.5, "<="),
+        (f"from S3 at {most} ranks, at most half of Lightning's own", ours_s3 / native_s3, 0.5, "<="),
+        (f"from disk at {most} ranks, no slower than one rank's cold load (one node: nothing to broadcast)",
+         at["disk asyncckpt"]["s"]["median"] / one["disk asyncckpt"]["s"]["median"], 1.0, "<="),
+    ]
+    rows = [[name, f"{value:.2f}", f"{op} {bound}", "yes" if (value <= bound if op == "<=" else value >= bound) else "**no**"]
+            for name, value, bound, op in goals]
+    return ["## Goals", "", *table(["goal", "measured", "target", "met"], rows)]
+
+
+def plot(result: dict, figure) -> None:
+    figures = result["figures"]
+    size, ranks = figures["bytes"], figures["ranks"]
+    worlds = sorted(ranks, key=int)
+    axes = figure.subplots(2, 2, squeeze=False)
+    for column, source in enumerate(SOURCES):
+        for arm in ARMS:
+            entries = [ranks[w][f"{source} {arm}"] for w in worlds]
+            label = NAMES[arm].strip("*")
+            axes[0][column].plot([int(w) for w in worlds], [e["s"]["median"] for e in entries], marker="o", label=label)
+            axes[1][column].plot([int(w) for w in worlds],
+                                 [(e["read"] if source == "disk" else e["downloaded"]) / size for e in entries],
+                                 marker="o", label=label)
+        axes[0][column].set_title(f"{'local disk, cold' if source == 'disk' else 'S3 (moto)'}: load time")
+        axes[0][column].set_ylabel("seconds")
+        axes[1][column].set_title("bytes read from storage")
+        axes[1][column].set_ylabel("x the checkpoint")
+        for row in axes:
+            row[column].set_xlabel("ranks")
+            row[column].set_xticks([int(w) for w in worlds])
+    axes[0][0].legend(fontsize="small")
+
+
+SCENARIO = Scenario(
+    title="A DDP resume on several ranks",
+    question="What a resume under DDP reads from storage, and how long it takes, on 1, 2 and 4 ranks, from a cold "
+             "local disk and from S3: each byte once per job (asyncckpt), each rank by itself (asyncckpt before issue "
+             "36), and Lightning's own load on every rank.",
+    measure=measure, render=render, plot=plot,
+    options={"size_mib": Option(1024, 64), "ranks": Option((1, 2, 4), (1, 2)), "reps": Option(2, 1)},
+    reps=(2, 1),
+)
