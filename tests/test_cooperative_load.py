@@ -51,16 +51,10 @@ def _evict(paths) -> None:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _readahead() -> int:
-    """The most the kernel reads ahead of a read here (bytes)."""
-    found = [int(open(f"/sys/block/{device}/queue/read_ahead_kb").read()) for device in os.listdir("/sys/block")
-             if os.path.exists(f"/sys/block/{device}/queue/read_ahead_kb")]
-    return max(found, default=8192) << 10
-
-
-def _read_bytes() -> int:
+def _io(counter: str) -> int:
+    """One of this process's I/O counters (``/proc/self/io``)."""
     with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+        return int(next(line for line in f if line.startswith(f"{counter}:")).split()[1])
 
 
 def _load_together(rank, world, paths, nodes, memory, readers="job"):
@@ -70,11 +64,11 @@ def _load_together(rank, world, paths, nodes, memory, readers="job"):
     os.environ.update(ASYNCCKPT_NODE=f"n{node}", ASYNCCKPT_MEMORY_ROOT=f"{memory}/node{node}")
     from asyncckpt.core.loading import cooperative
 
-    before = _read_bytes()
+    before = _io("rchar")
     with cooperative.shared_copy(paths, None, timeout=60, readers=readers) as copies:
+        read = _io("rchar") - before
         assert copies is not None
-        return _digests([copies[path] for path in paths]), sorted({os.path.dirname(c) for c in copies.values()}), \
-            _read_bytes() - before
+        return _digests([copies[path] for path in paths]), sorted({os.path.dirname(c) for c in copies.values()}), read
 
 
 @pytest.mark.parametrize("world,nodes", [(2, 1), (4, 2)])
@@ -85,11 +79,12 @@ def test_local_files_are_read_once_per_job_and_every_rank_gets_them_whole(tmp_pa
     results = run_on_ranks(_load_together, world, paths, nodes, str(tmp_path / "memory"))
     assert all(digests == want for digests, _where, _read in results)
     assert len({tuple(where) for _d, where, _r in results}) == nodes  # one copy per node, shared by its ranks
+    # What each process's read calls returned (page cache or disk alike; the bytes the disk served to this machine
+    # are the benchmark's, on a quiet machine: here other jobs' memory pressure adds page faults of their own)
     read = [read for _d, _w, read in results]
     total = sum(SIZES)
-    assert sum(read) <= 1.05 * total, (read, total)  # once per job (the pages were evicted first)
-    share, spill = total / world, _readahead()  # a rank's readahead may bring in the start of the next part
-    assert all(share - spill <= r <= share + spill for r in read), (read, share, spill)  # each rank its share
+    assert sum(read) <= 1.05 * total, (read, total)  # once per job
+    assert all(0.95 * total / world <= r <= 1.05 * total / world for r in read), read  # each rank its share
     assert not os.listdir(tmp_path / "memory")  # nothing left in the nodes' memory
 
 
@@ -208,11 +203,6 @@ def test_a_mirrored_checkpoint_is_downloaded_once_per_job_onto_every_node(tmp_pa
     assert all(restored == want for restored in results)  # every node its own copy, whole, its record included
     size = sum(f.stat().st_size for f in local.iterdir())
     assert size <= downloaded <= 1.05 * size, (downloaded, size)  # once per job, not once per node
-
-
-def _io(counter: str) -> int:
-    with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith(f"{counter}:")).split()[1])
 
 
 def _load_replicated(rank, world, path, damaged):

@@ -27,6 +27,7 @@ report_to integrations show them as ``train/checkpoint_stall_s``), at the next s
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -247,19 +248,19 @@ class AsyncCheckpointSaver:
         return train
 
     def _finalize(self, original: Callable) -> Callable:
-        """Every save committed (and its metrics logged) before the best model is loaded back (and checked,
-        with ``verify``); the Trainer's own deletions of checkpoint folders there (``save_total_limit=1``)
+        """Every save committed (and its metrics logged) before the best model is loaded back (checked, with
+        ``verify``, and read as a resume reads: once per job, ``resume.verify``); the Trainer's own deletions of checkpoint folders there (``save_total_limit=1``)
         are atomic."""
         def finalize_training(*args: Any, **kwargs: Any) -> Any:
             self.checkpointer.wait()
             self._log_metrics(final=True)
             best = self.trainer.state.best_model_checkpoint
-            if self.checkpointer.options.verify and self.trainer.args.load_best_model_at_end and best:
-                self.checkpointer.require_intact(best)
+            checked = resume.verify(self.checkpointer, best) if self.checkpointer.options.verify and \
+                self.trainer.args.load_best_model_at_end and best else None  # its files read once per job
             run_dir = os.path.abspath(self.trainer.args.output_dir)
             rmtree = saving.atomic_rmtree(self.checkpointer, shutil.rmtree, lambda path: os.path.dirname(path) == run_dir
                                           and _CHECKPOINT_STEP(path) is not None)
-            with patching.patched(shutil, "rmtree", rmtree):
+            with patching.patched(shutil, "rmtree", rmtree), checked.serving() if checked else contextlib.nullcontext():
                 return original(*args, **kwargs)
 
         return finalize_training

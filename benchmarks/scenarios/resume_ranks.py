@@ -61,17 +61,51 @@ def loads(rank: int, world: int, paths: dict, reps: int, served) -> list[dict]:
                     evict([paths["disk"]])
                 dist.barrier()
                 read, downloaded, started = _read_bytes(), served.value, time.perf_counter()
-                loaded = ios[arm].load_checkpoint(paths[source])
+                with _Peak() as peak:
+                    loaded = ios[arm].load_checkpoint(paths[source])
                 own = time.perf_counter() - started
                 dist.barrier()
                 rows.append({"rep": rep, "source": source, "arm": arm, "s": time.perf_counter() - started, "own_s": own,
                              "read": _read_bytes() - read, "downloaded": served.value - downloaded,
-                             "step": loaded["global_step"]})
+                             "step": loaded["global_step"], "rss": peak.rss, "shmem": peak.shmem})
                 del loaded
     for io in ios.values():
         if isinstance(io, AsyncCkptIO):
             io.teardown()
     return rows
+
+
+class _Peak:
+    """The most this process held resident (``rss``) and the most the machine held in shared memory above where it
+    started (``shmem``: tmpfs, the node's copy), sampled every 5 ms while the block runs."""
+
+    def __enter__(self) -> "_Peak":
+        import threading
+
+        self.rss, self.shmem, self._base = 0, 0, _meminfo("Shmem")
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.005):
+            self.rss = max(self.rss, _status("VmRSS"))
+            self.shmem = max(self.shmem, _meminfo("Shmem") - self._base)
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) << 10
+
+
+def _meminfo(field: str) -> int:
+    with open("/proc/meminfo") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) << 10
 
 
 def _read_bytes() -> int:
@@ -120,7 +154,9 @@ def measure(sitting) -> dict:
                     "s": spread(r["s"] for r in rows[0] if (r["source"], r["arm"]) == (source, arm)),
                     "read": max(sum(rank_rows[i]["read"] for rank_rows in rows)
                                 for i, r in enumerate(rows[0]) if (r["source"], r["arm"]) == (source, arm)),
-                    "downloaded": max(r["downloaded"] for r in rows[0] if (r["source"], r["arm"]) == (source, arm))}
+                    "downloaded": max(r["downloaded"] for r in rows[0] if (r["source"], r["arm"]) == (source, arm)),
+                    "rss": max(r["rss"] for rank_rows in rows for r in rank_rows if (r["source"], r["arm"]) == (source, arm)),
+                    "shmem": max(r["shmem"] for r in rows[0] if (r["source"], r["arm"]) == (source, arm))}
                 for source in SOURCES for arm in ARMS}
             sitting.log(f"{world} ranks: " + ", ".join(f"{k} {v['s']['median']:.2f} s" for k, v in
                                                         out["ranks"][str(world)].items()))
@@ -136,7 +172,10 @@ def render(result: dict) -> str:
     lines = [f"A {size / 2**30:.2f} GiB `.ckpt`; {o['reps']} reps per arm in rotation, medians (min-max), each the "
              "job's time (from a barrier to the last rank's loaded checkpoint). Bytes read from storage: the ranks' "
              "`read_bytes` (disk; the file's pages evicted before each rep), the S3 server's GET bytes (S3), as a "
-             "multiple of the checkpoint's size. All ranks are on this one machine (one node): the page cache here "
+             "multiple of the checkpoint's size. Memory: the largest resident set of any rank during its load (sampled every
+5 ms; the loaded checkpoint itself is 1x), and the machine's shared memory above its level before the load (the
+node's copy in tmpfs, mapped by its ranks: counted once here, and in the RSS of each rank that touched its pages).
+All ranks are on this one machine (one node): the page cache here "
              "serves the disk's bytes to every rank that reads them after the first, which hides the per-rank reads "
              "on disk that separate nodes would each make; the S3 column shows them.", ""]
     for source in SOURCES:
@@ -147,9 +186,11 @@ def render(result: dict) -> str:
                 moved = entry["read"] if source == "disk" else entry["downloaded"]
                 s = entry["s"]
                 rows.append([world, NAMES[arm], f"{fmt(s['median'], '.2f')} ({fmt(s['min'], '.2f')}-{fmt(s['max'], '.2f')})",
-                             f"{moved / 2**20:.0f} MiB", f"{moved / size:.2f}x"])
+                             f"{moved / 2**20:.0f} MiB", f"{moved / size:.2f}x", f"{entry['rss'] / 2**20:.0f} MiB",
+                             f"{entry['shmem'] / 2**20:.0f} MiB"])
         lines += [f"## From {'the local disk, cold' if source == 'disk' else 'the S3 server (moto)'}", "",
-                  *table(["ranks", "load", "s", "read from storage", "/ checkpoint"], rows)]
+                  *table(["ranks", "load", "s", "read from storage", "/ checkpoint", "peak RSS of a rank",
+                          "peak tmpfs of the node"], rows)]
     lines += _goals(figures)
     return "\n".join(lines)
 
@@ -184,6 +225,7 @@ def plot(result: dict, figure) -> None:
             entries = [ranks[w][f"{source} {arm}"] for w in worlds]
             label = NAMES[arm].strip("*")
             axes[0][column].plot([int(w) for w in worlds], [e["s"]["median"] for e in entries], marker="o", label=label)
+            axes[1][column].set_ylim(bottom=0)
             axes[1][column].plot([int(w) for w in worlds],
                                  [(e["read"] if source == "disk" else e["downloaded"]) / size for e in entries],
                                  marker="o", label=label)

@@ -256,9 +256,16 @@ def _read(path: str, start: int, into: memoryview) -> None:
         backend_for(path).read_ranges(ranges, land)
         return
     with open(path, "rb", buffering=0) as f:
+        # Exactly this part: the kernel's own read-ahead would run on into the next rank's part (its bytes read
+        # twice where that rank is on another node), so it is off, and the part is prefetched ahead of the reads.
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        ahead = 0
         done = 0
         while done < len(into):
-            read = os.preadv(f.fileno(), [into[done:]], start + done)
+            while ahead < min(len(into), done + 2 * READ_BYTES):
+                os.posix_fadvise(f.fileno(), start + ahead, min(READ_BYTES, len(into) - ahead), os.POSIX_FADV_WILLNEED)
+                ahead += READ_BYTES
+            read = os.preadv(f.fileno(), [into[done:done + READ_BYTES]], start + done)
             if read == 0:
                 raise EOFError(f"the file ends at byte {start + done}")
             done += read
