@@ -76,13 +76,16 @@ def loads(rank: int, world: int, paths: dict, reps: int, served) -> list[dict]:
 
 
 class _Peak:
-    """The most this process held resident (``rss``) and the most the machine held in shared memory above where it
-    started (``shmem``: tmpfs, the node's copy), sampled every 5 ms while the block runs."""
+    """While the block runs (sampled every 5 ms): the most this process held resident above what it held before
+    (``rss``), and the most the node's copies of a cooperative load held in tmpfs (``shmem``)."""
 
     def __enter__(self) -> "_Peak":
         import threading
 
-        self.rss, self.shmem, self._base = 0, 0, _meminfo("Shmem")
+        from asyncckpt.core.storage import tier
+
+        self.loads = tier.memory_root() + "-loads"  # where ``loading.cooperative`` keeps a node's copy
+        self.rss, self.shmem, self._base = 0, 0, _status("VmRSS")
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -90,8 +93,8 @@ class _Peak:
 
     def _sample(self) -> None:
         while not self._done.wait(0.005):
-            self.rss = max(self.rss, _status("VmRSS"))
-            self.shmem = max(self.shmem, _meminfo("Shmem") - self._base)
+            self.rss = max(self.rss, _status("VmRSS") - self._base)
+            self.shmem = max(self.shmem, _stored(self.loads))
 
     def __exit__(self, *exc) -> None:
         self._done.set()
@@ -103,9 +106,16 @@ def _status(field: str) -> int:
         return int(next(line for line in f if line.startswith(field + ":")).split()[1]) << 10
 
 
-def _meminfo(field: str) -> int:
-    with open("/proc/meminfo") as f:
-        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) << 10
+def _stored(root: str) -> int:
+    """The bytes the files under ``root`` take (their pages, not their sizes)."""
+    total = 0
+    for parent, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(parent, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
 
 
 def _read_bytes() -> int:
@@ -172,10 +182,10 @@ def render(result: dict) -> str:
     lines = [f"A {size / 2**30:.2f} GiB `.ckpt`; {o['reps']} reps per arm in rotation, medians (min-max), each the "
              "job's time (from a barrier to the last rank's loaded checkpoint). Bytes read from storage: the ranks' "
              "`read_bytes` (disk; the file's pages evicted before each rep), the S3 server's GET bytes (S3), as a "
-             "multiple of the checkpoint's size. Memory: the largest resident set of any rank during its load (sampled every
-5 ms; the loaded checkpoint itself is 1x), and the machine's shared memory above its level before the load (the
-node's copy in tmpfs, mapped by its ranks: counted once here, and in the RSS of each rank that touched its pages).
-All ranks are on this one machine (one node): the page cache here "
+             "multiple of the checkpoint's size. Memory: the largest resident set of any rank during its load "
+             "above its resident set before the load (sampled every 5 ms; the loaded checkpoint itself is 1x; pages of the "
+             "node's copy a rank touched count in its RSS too), and the most the node's copy held in tmpfs (one per "
+             "node, shared by its ranks, where the page cache held the file before). All ranks are on this one machine (one node): the page cache here "
              "serves the disk's bytes to every rank that reads them after the first, which hides the per-rank reads "
              "on disk that separate nodes would each make; the S3 column shows them.", ""]
     for source in SOURCES:
@@ -189,8 +199,8 @@ All ranks are on this one machine (one node): the page cache here "
                              f"{moved / 2**20:.0f} MiB", f"{moved / size:.2f}x", f"{entry['rss'] / 2**20:.0f} MiB",
                              f"{entry['shmem'] / 2**20:.0f} MiB"])
         lines += [f"## From {'the local disk, cold' if source == 'disk' else 'the S3 server (moto)'}", "",
-                  *table(["ranks", "load", "s", "read from storage", "/ checkpoint", "peak RSS of a rank",
-                          "peak tmpfs of the node"], rows)]
+                  *table(["ranks", "load", "s", "read from storage", "/ checkpoint", "a rank's peak RSS, added",
+                          "the node's copy, peak"], rows)]
     lines += _goals(figures)
     return "\n".join(lines)
 
@@ -207,8 +217,8 @@ def _goals(figures: dict) -> list[str]:
              for arms in ranks.values()) / size, 1.05, "<="),
         (f"from S3 at {most} ranks, at most half of each rank by itself", ours_s3 / before_s3, 0.5, "<="),
         (f"from S3 at {most} ranks, at most half of Lightning's own", ours_s3 / native_s3, 0.5, "<="),
-        (f"from disk at {most} ranks, no slower than one rank's cold load (one node: nothing to broadcast)",
-         at["disk asyncckpt"]["s"]["median"] / one["disk asyncckpt"]["s"]["median"], 1.0, "<="),
+        (f"from disk at {most} ranks, no slower than one rank's cold load (Lightning's own; one node: nothing to "
+         "broadcast)", at["disk asyncckpt"]["s"]["median"] / one["disk native"]["s"]["median"], 1.0, "<="),
     ]
     rows = [[name, f"{value:.2f}", f"{op} {bound}", "yes" if (value <= bound if op == "<=" else value >= bound) else "**no**"]
             for name, value, bound, op in goals]
