@@ -12,8 +12,10 @@ the time to durable; against the snapshot (a held memcpy of the share) plus a ra
 memory (a process restart), with node 1's memory gone (a replaced node: it fetches its share from node 0's
 replica), from the disk with its pages evicted, from the S3 server; against a memcpy of the share.
 **Training**: both ranks compute (one thread each: every core busy), saving every few seconds with the memory
-tier (in memory only), against the same loop saving nothing, saving durably, and with another process writing
-the same bytes to the disk at the same steps.
+tier (in memory only), against the same loop saving nothing, saving durably, with another process writing the
+same bytes to the disk at the same steps, and with another process sending the same bytes over loopback into the
+other node's tmpfs at the same steps (the floor of a replica); then the same arms with a core left free, as a GPU
+trainer leaves its CPU: rank 0 computes on one thread, rank 1 keeps step with it without computing.
 From the measured costs, the work a day of failures loses against the checkpoint interval, with and without the
 tier (``asyncckpt.core.api.interval``).
 """
@@ -41,7 +43,10 @@ SAVES = {"durable": "durable only (disk)", "memory": "**memory tier**, durable o
 RESTARTS = {"own": "own node's memory", "peer": "node 1 replaced: its share from node 0",
             "disk": "disk (cold)", "s3": "S3 server"}
 TRAINING = {"none": "no checkpoints", "durable": "durable only (asyncckpt, disk)",
-            "memory": "**memory tier** (1 replica, memory only)", "raw": "floor: another process writes the same bytes (O_DIRECT)"}
+            "memory": "**memory tier** (1 replica, memory only)",
+            "raw": "floor: another process writes the same bytes to the disk (O_DIRECT)",
+            "socket": "floor: another process sends the same bytes to the other node's tmpfs (loopback)"}
+FREE = "free_"  # a training arm's prefix where the training leaves a core free (rank 0 alone computes)
 BUCKET = "memory-tier"
 
 
@@ -110,7 +115,7 @@ def _saves_rank(rank: int, world: int, arm: str, size_mib: int, reps: int, root:
             "kept": previous}
 
 
-def _restart_rank(rank: int, world: int, size_mib: int, root: str, memory_root: str) -> dict:
+def _restart_rank(rank: int, world: int, size_mib: int, root: str, memory_root: str, breakdown: bool) -> dict:
     import torch.distributed as dist
 
     _node(rank, memory_root)
@@ -118,31 +123,84 @@ def _restart_rank(rank: int, world: int, size_mib: int, root: str, memory_root: 
 
     expected = _share(rank, size_mib)
     target = zeros_like_state(expected)
+    parts = {}
     with Checkpointer(memory_tier=MemoryTier(replicas=1)) as checkpointer:
         dist.barrier()
         t0 = now()
         path = checkpointer.latest_checkpoint(root)
+        parts["agree_s"] = now() - t0
         checkpointer.load(target, path)
         load_s = now() - t0
-    if not same_state(target, expected):
-        raise AssertionError(f"rank {rank} loaded {path}: not the state it saved")
-    return {"load_s": load_s, "path": path}
+        parts["load_s"] = load_s - parts["agree_s"]
+        if not same_state(target, expected):
+            raise AssertionError(f"rank {rank} loaded {path}: not the state it saved")
+        if breakdown:  # the same load again unverified, a bare read of this rank's files, a memcpy: both ranks at once
+            parts.update(_load_parts(checkpointer, target, path, rank))
+    return {"load_s": load_s, "path": path, "parts": parts}
+
+
+def _load_parts(checkpointer, target: dict, path: str, rank: int) -> dict:
+    """What a load from memory is made of, each timed on both ranks at once (a barrier before each): the load
+    without checksums, a read of this rank's data files into a held buffer (large ``preadv``s, no hash), an xxh3 of
+    them (through a mapping), a held memcpy of the share."""
+    import mmap
+
+    import torch.distributed as dist
+
+    from asyncckpt.core.formats.checksum import checksum_stream
+
+    parts = {}
+    dist.barrier()
+    t0 = now()
+    checkpointer.load(target, path, verify=False)
+    parts["load_unverified_s"] = now() - t0
+    files = [os.path.join(path, name) for name in os.listdir(path) if name.startswith(f"__{rank}_")]
+    nbytes = sum(os.path.getsize(f) for f in files)
+    import torch
+
+    held = torch.empty(nbytes, dtype=torch.uint8)
+    held.zero_()
+    view = memoryview(held.numpy())
+    dist.barrier()
+    t0, offset = now(), 0
+    for name in files:
+        with open(name, "rb", buffering=0) as f:
+            while (got := f.readinto(view[offset:offset + (16 << 20)])):
+                offset += got
+    parts["read_s"] = now() - t0
+    dist.barrier()
+    t0 = now()
+    for name in files:
+        with open(name, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as pages:
+            digest = checksum_stream()
+            with memoryview(pages) as data:
+                for start in range(0, len(data), 16 << 20):
+                    digest.update(data[start:start + (16 << 20)])
+    parts["hash_s"] = now() - t0
+    dist.barrier()
+    parts["memcpy_s"] = HeldMemcpy()(list(flat_tensors(target).values()))[0]
+    parts["files_bytes"] = nbytes
+    return parts
 
 
 def _train_rank(rank: int, world: int, arm: str, size_mib: int, seconds: float, saves: int, root: str,
-                memory_root: str) -> dict:
+                memory_root: str, readers: list) -> dict:
     import torch
     import torch.distributed as dist
 
     _node(rank, memory_root)
     from asyncckpt.core import Checkpointer, MemoryTier
 
+    free, arm = arm.startswith(FREE), arm.removeprefix(FREE)
+    computes = not free or rank == 0  # with a core left free, rank 1 keeps step without computing
     state, loop = _share(rank, size_mib), MMLoop()
-    rate = torch.tensor([loop.rate_alone(2.0)])
+    rate = torch.tensor([loop.rate_alone(2.0) if computes else float("inf")])
     dist.all_reduce(rate, op=dist.ReduceOp.MIN)  # both ranks run the same steps (a save is collective)
     steps = int(rate.item() * seconds)
     every = max(1, steps // (saves + 1))
     raw = RawWriter(state_bytes(state), root) if arm == "raw" else None
+    if arm == "socket":  # to the other node's reader, as its replica goes
+        raw = RawSender(state_bytes(state), memory_root, readers[(rank + 1) % len(readers)])
     checkpointer = None
     if arm in ("memory", "durable"):
         options = {"memory_tier": MemoryTier(replicas=1, persist_every=1 << 30, keep=1)} if arm == "memory" else {}
@@ -152,8 +210,11 @@ def _train_rank(rank: int, world: int, arm: str, size_mib: int, seconds: float, 
     dist.barrier()
     stalls, t0 = [], now()
     for step in range(1, steps + 1):
-        loop.step()
+        if computes:
+            loop.step()
         if step % every == 0 and step // every <= saves:
+            if free:
+                dist.barrier()  # the idle rank waits for the computing one here, in every arm alike
             s0 = now()
             if raw is not None:
                 raw.start()
@@ -169,6 +230,47 @@ def _train_rank(rank: int, world: int, arm: str, size_mib: int, seconds: float, 
     return {"wall_s": wall_s, "steps": steps, "stalls_s": stalls}
 
 
+def _serve_sends(conn, nbytes: int, scratch: str, address: tuple) -> None:
+    """``RawSender``'s process: ``nbytes`` in a tmpfs file of its own; per message, the file whole with
+    ``os.sendfile`` to the raw reader at ``address`` (into its tmpfs, two files in turn), the seconds back."""
+    fd, path = tempfile.mkstemp(dir=scratch)
+    pattern = os.urandom(1 << 20)  # incompressible, like tensor data
+    with os.fdopen(fd, "wb") as f:
+        for offset in range(0, nbytes, len(pattern)):
+            f.write(pattern[:nbytes - offset])
+    conn.send("ready")
+    try:
+        with open(path, "rb") as f:
+            while conn.recv() is not None:
+                t0 = now()
+                with socket.create_connection(tuple(address)) as connection:
+                    connection.sendall(struct.pack(">QB", nbytes, 2))
+                    connection.sendfile(f, 0)
+                    if connection.recv(1) != b"k":
+                        raise ConnectionError("the raw reader did not take every byte")
+                conn.send(now() - t0)
+    finally:
+        os.unlink(path)
+    conn.send("stopped")
+
+
+class RawSender(RawWriter):
+    """The floor of a replica during training: another process sends the share's bytes over loopback into the
+    other node's tmpfs at each save (``RawWriter``'s protocol: ``start``, ``wait``, ``close``): no snapshot, no
+    checksum, no commit, the kernel's copies on both sides and the receiver's write into tmpfs."""
+
+    def __init__(self, nbytes: int, scratch: str, address: tuple) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_end = context.Pipe()
+        self._process = context.Process(target=_serve_sends, args=(child_end, nbytes, scratch, address), daemon=True)
+        self._process.start()
+        child_end.close()
+        assert self._conn.recv() == "ready"
+        self._count, self._pending, self.seconds = 0, False, []
+
+
 # ------------------------------------------------------------------------------------------ children
 def job_saves(arm: str, size_mib: int, reps: int, root: str, memory_root: str, keep_to: str) -> dict:
     """``reps`` saves on both nodes; per rep the slower rank's seconds."""
@@ -178,13 +280,15 @@ def job_saves(arm: str, size_mib: int, reps: int, root: str, memory_root: str, k
             "tensors": r0["tensors"], "kept": r0["kept"]}
 
 
-def job_restart(size_mib: int, root: str, memory_root: str) -> dict:
-    ranks = on_ranks(_restart_rank, 2, size_mib, root, memory_root)
-    return {"load_s": max(r["load_s"] for r in ranks), "paths": [r["path"] for r in ranks]}
+def job_restart(size_mib: int, root: str, memory_root: str, breakdown: bool) -> dict:
+    ranks = on_ranks(_restart_rank, 2, size_mib, root, memory_root, breakdown)
+    return {"load_s": max(r["load_s"] for r in ranks), "paths": [r["path"] for r in ranks],
+            "parts": {key: max(r["parts"][key] for r in ranks) for key in ranks[0]["parts"]}}
 
 
-def job_train(arm: str, size_mib: int, seconds: float, saves: int, root: str, memory_root: str) -> dict:
-    ranks = on_ranks(_train_rank, 2, arm, size_mib, seconds, saves, root, memory_root)
+def job_train(arm: str, size_mib: int, seconds: float, saves: int, root: str, memory_root: str,
+              readers: list) -> dict:
+    ranks = on_ranks(_train_rank, 2, arm, size_mib, seconds, saves, root, memory_root, readers)
     return {"wall_s": max(r["wall_s"] for r in ranks), "steps": ranks[0]["steps"],
             "stall_s": median([s for r in ranks for s in r["stalls_s"]])}
 
@@ -272,18 +376,27 @@ def measure(sitting) -> dict:
                 if source == "disk":
                     evict([os.path.join(d, n) for d, _, names in os.walk(root) for n in names])
                 with sitting.phase(f"restart {source}"):
-                    found = sitting.child("job_restart", size_mib=o.size_mib, root=root, memory_root=memory_root)
+                    found = sitting.child("job_restart", size_mib=o.size_mib, root=root, memory_root=memory_root,
+                                          breakdown=source == "own")
                 out["restart"].setdefault(source, []).append(found["load_s"])
+                out.setdefault("restart_parts", {}).setdefault(source, []).append(found["parts"])
                 out.setdefault("restart_paths", {})[source] = found["paths"]
         shutil.rmtree(disk_root, ignore_errors=True)
         _restored(backup, memory_root, ())
-        for _, run in sitting.abba(sitting.runs(list(TRAINING)), 2):
-            root = sitting.directory(f"train_{run.label}")
-            with sitting.phase(f"training {run.label}"):
-                found = sitting.child("job_train", arm=run.arm, size_mib=o.size_mib, seconds=o.train_s,
-                                      saves=o.train_saves, root=root, memory_root=memory_root)
-            out["training"].setdefault(run.arm, []).append(found)
-            shutil.rmtree(root, ignore_errors=True)
+        readers = [started(sitting, "raw_reader", sink=tempfile.mkdtemp(dir=memory_root)) for _ in range(2)]
+        try:
+            for _, run in sitting.abba(sitting.runs(list(TRAINING) + [FREE + arm for arm in TRAINING]), 2):
+                root = sitting.directory(f"train_{run.label}")
+                with sitting.phase(f"training {run.label}"):
+                    found = sitting.child("job_train", arm=run.arm, size_mib=o.size_mib, seconds=o.train_s,
+                                          saves=o.train_saves, root=root, memory_root=memory_root,
+                                          readers=[a for _, a in readers])
+                out["training"].setdefault(run.arm, []).append(found)
+                shutil.rmtree(root, ignore_errors=True)
+        finally:
+            for child, _ in readers:
+                child.process.kill()
+                child.process.wait()
     finally:
         server.stop()
         shutil.rmtree(memory_root, ignore_errors=True)
@@ -327,15 +440,36 @@ def render(result: dict) -> str:
                       fmt(median(figures["restart"]["disk"]) / median(times), ".1f") + "x faster"]
                      for source, times in figures["restart"].items()]), "",
              "Goals: from memory within 1.5x of a memcpy, at least 5x faster than the disk cold.", ""]
+    parts = figures.get("restart_parts", {}).get("own")
+    if parts and "read_s" in parts[0]:
+        part = {key: median([p[key] for p in parts]) for key in parts[0]}
+        lines += ["What a restart from its own memory is made of (the same process right after it, both ranks at once, "
+                  "each the slower rank's median):", "",
+                  *table(["part", "s", "x memcpy"],
+                         [[name, fmt(part[key]), fmt(part[key] / part["memcpy_s"], ".2f") + "x"] for key, name in (
+                             ("agree_s", "`latest_checkpoint` (the nodes agree on the checkpoint)"),
+                             ("load_s", "`load` (plan, read, verify by checksum)"),
+                             ("load_unverified_s", "`load` again, `verify=False`"),
+                             ("read_s", "bare read of the rank's data files into a held buffer (16 MiB reads)"),
+                             ("hash_s", "bare xxh3 of the rank's data files (through a mapping)"),
+                             ("memcpy_s", "held memcpy of the share (the same process, then)"))]), ""]
     training = figures["training"]
-    none_s = median([run["wall_s"] for run in training["none"]])
-    lines += ["The training loop (both ranks computing, one thread each; the same steps in every arm):", "",
-              *table(["arm", "wall s", "vs no checkpoints", "stall per save s"],
-                     [[TRAINING[arm], fmt(median([run["wall_s"] for run in runs])),
-                       f"{(median([run['wall_s'] for run in runs]) / none_s - 1) * 100:+.1f}%",
-                       fmt(median([run["stall_s"] for run in runs if run["stall_s"] is not None]))]
-                      for arm, runs in training.items()]), "",
-              "Goal: the memory tier's slowdown no worse than the floor's (the same bytes written to the disk)."]
+    for title, prefix, goal in (
+            ("both ranks computing, one thread each: every core busy", "",
+             "Goal (every core busy): the memory tier's slowdown no worse than its floor's: the same bytes sent by "
+             "another process over loopback into the other node's tmpfs."),
+            ("a core left free: rank 0 computes on one thread, rank 1 keeps step without computing, as a GPU "
+             "trainer leaves its CPU", FREE, "Goal (a core free): at most 5% slower than no checkpoints.")):
+        runs_of = {arm: training[prefix + arm] for arm in TRAINING if prefix + arm in training}
+        if not runs_of:
+            continue
+        none_s = median([run["wall_s"] for run in runs_of["none"]])
+        lines += [f"The training loop ({title}; the same steps in every arm):", "",
+                  *table(["arm", "wall s", "vs no checkpoints", "stall per save s"],
+                         [[TRAINING[arm], fmt(median([run["wall_s"] for run in runs])),
+                           f"{(median([run['wall_s'] for run in runs]) / none_s - 1) * 100:+.1f}%",
+                           fmt(median([run["stall_s"] for run in runs if run["stall_s"] is not None]))]
+                          for arm, runs in runs_of.items()]), "", goal, ""]
     costs = _costs(figures)
     rate = figures["failures_per_day"]
     losses = {name: interval.least_loss(costs["stall"], *costs[name], rate) for name in ("durable", "memory")}

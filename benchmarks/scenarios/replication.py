@@ -50,7 +50,9 @@ def receiver(root: str) -> None:
 
 def raw_reader(sink: str) -> None:
     """The raw floor's other process: per connection, an 8-byte length and a mode byte (0: discard, 1: into a
-    fresh file under ``sink``), then that many bytes, read through one buffer; one byte back once all arrived."""
+    fresh file under ``sink``, 2: into one of two files under ``sink`` in turn, the older replaced, as a tier's
+    retention keeps memory bounded over many saves), then that many bytes, read through one buffer; one byte back
+    once all arrived."""
     buffer = memoryview(bytearray(PIECE))
     with socket.create_server(("127.0.0.1", 0)) as listener:
         report_now({"address": list(listener.getsockname()[:2])})
@@ -60,8 +62,9 @@ def raw_reader(sink: str) -> None:
                 head = b""
                 while len(head) < 9:
                     head += connection.recv(9 - len(head))
-                left, into_tmpfs = struct.unpack(">QB", head)
-                fd = os.open(os.path.join(sink, f"raw-{n}"), os.O_WRONLY | os.O_CREAT, 0o644) if into_tmpfs else None
+                left, mode = struct.unpack(">QB", head)
+                name = f"raw-{n}" if mode == 1 else f"raw-{n % 2}"
+                fd = os.open(os.path.join(sink, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if mode else None
                 while left:
                     received = connection.recv_into(buffer[:min(left, PIECE)])
                     if not received:

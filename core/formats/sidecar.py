@@ -24,6 +24,7 @@ from typing import Any, Optional
 import numpy as np
 
 from asyncckpt.core.errors import CorruptCheckpointError
+from asyncckpt.core.formats.checksum import FileChecksum
 from asyncckpt.core.formats.layout import RankLayout
 
 SIDECAR_FORMAT = "asyncckpt-rank"
@@ -44,6 +45,7 @@ class ShareItems:
     tensor_digests: list[str]  # xxh3 of each layout slot's bytes, in layout order
     objects_file: Optional[str]
     objects: list[tuple[str, int, int, str]]  # (fqn, start, length, xxh3) in file order
+    tensor_file: Optional[FileChecksum] = None  # the tensor file's size and xxh3, where asked for (``write_share``)
 
     def locations(self) -> list[tuple[str, int, int]]:
         """``(file, start, length)`` of every item: tensors in layout order, then objects."""
