@@ -11,7 +11,7 @@ import torch
 
 from asyncckpt import core
 from programs import Program
-from writers import writers_of
+from writers import wait_until_gone
 
 HERE = os.path.dirname(__file__)
 
@@ -40,10 +40,7 @@ def _assert_consistent(path: str) -> int:
 
 
 def _assert_no_orphan(pid: int) -> None:
-    deadline = time.monotonic() + 10
-    while writers_of(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert writers_of(pid) == [], "background writer survived its killed parent"
+    wait_until_gone(pid, timeout=10, what="background writer survived its killed parent")
 
 
 def test_kill_mid_save_keeps_last_complete_checkpoint(tmp_path):
