@@ -164,7 +164,6 @@ def outcomes(tmp_path_factory) -> dict:
     return json.loads(results.read_text())
 
 
-@pytest.mark.xdist_group("test_docs")  # on one worker: the module-scoped ``outcomes`` runs every block once
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.where for block in BLOCKS])
 def test_block(block: Block, request):
     if block.skip:
