@@ -19,7 +19,7 @@ HERE = os.path.dirname(__file__)
 def _run_and_kill(root: str, mode: str, kill_after_submitted: int) -> int:
     proc = Program([sys.executable, os.path.join(HERE, "crash_writer.py"), root, mode], f"{root}.logs")
     try:
-        proc.wait_for_line(f"submitted {kill_after_submitted}", timeout=120)
+        proc.wait_for_line(f"submitted {kill_after_submitted}", timeout=300)  # 3 x 192 MiB: minutes on a loaded disk
         time.sleep(0.15)  # inside the next save: snapshot taken, writer busy
         proc.send_signal(signal.SIGKILL)
     finally:
