@@ -203,10 +203,9 @@ def test_the_first_fabric_save_survives_a_kill_9_at_once(tmp_path):
     exits; it loads with ``torch.load`` holding what was saved."""
     import signal
     import sys
-    import time
 
     from programs import Program
-    from writers import writers_of
+    from writers import wait_until_gone
 
     script, path = tmp_path / "fabric_save.py", tmp_path / "ckpts" / "step7.ckpt"
     script.write_text(FABRIC_FIRST_SAVE)
@@ -216,10 +215,7 @@ def test_the_first_fabric_save_survives_a_kill_9_at_once(tmp_path):
     assert saver.returncode == -signal.SIGKILL, saver.error_output()[-3000:]
     printed = dict(line.split(" ", 1) for line in saver.lines())
     assert printed["VISIBLE"] == "False", "the file was committed before the kill: the trial proves nothing"
-    deadline = time.monotonic() + 60
-    while writers_of(saver.pid):
-        assert time.monotonic() < deadline, "the orphaned writer still runs"
-        time.sleep(0.1)
+    wait_until_gone(saver.pid, timeout=60, what="the orphaned writer still runs")
     assert path.is_file(), "the save that returned before the kill is not committed"
     assert [p.name for p in path.parent.iterdir() if p.name != ".asyncckpt-writer.log"] == ["step7.ckpt"]
     reader = Program([sys.executable, str(script), "digest", str(path)], tmp_path / "logs", env=env)

@@ -26,7 +26,7 @@ from asyncckpt.core import is_complete
 from asyncckpt.core.formats import names
 from test_kill_rotation import IMPORTS  # what each adapter's program imports
 from programs import Program
-from writers import writers_of
+from writers import wait_until_gone
 from zygote import Zygote
 
 COMMON = """
@@ -195,10 +195,7 @@ def test_kill_9_after_a_save_returned_keeps_it_and_resume_continues_from_it(tmp_
     print(f"{adapter}: {kept.name} visible when the trainer died: {_complete(adapter, kept)}")
     saved = [line.split()[1] for line in proc.lines() if line.startswith("SAVED ")]
     assert kept.name in saved, (saved, proc.error_output()[-3000:])
-    deadline = time.monotonic() + 120
-    while writers_of(proc.pid):
-        assert time.monotonic() < deadline, "the orphaned writer still runs"
-        time.sleep(0.1)
+    wait_until_gone(proc.pid, timeout=120, what="the orphaned writer still runs")
     assert _complete(adapter, kept), f"{kept.name} was handed over before the kill and is not committed"
 
     env.pop("KILL_AT")

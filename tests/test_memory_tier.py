@@ -8,7 +8,6 @@ import os
 import signal
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch
 from asyncckpt import core
 from asyncckpt.core.storage import tier
 from programs import Program
-from writers import writers_of
+from writers import wait_until_gone, writers_of
 
 TIER = core.MemoryTier(persist_every=3, keep=2, replicas=0)
 
@@ -97,10 +96,7 @@ def test_a_restart_after_kill_9_resumes_from_memory(tmp_path, memory_root):
         process.wait(30)
     finally:
         process.kill()
-    deadline = time.monotonic() + 60
-    while writers_of(process.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert writers_of(process.pid) == []
+    wait_until_gone(process.pid)
     latest = core.latest_checkpoint(durable)
     assert latest == tier.memory_path(f"{durable}/step_005")  # memory only: the durable one is step 3
     assert _names(durable) == ["step_003"]
@@ -179,10 +175,7 @@ def test_a_preemption_sigterm_writes_the_newest_memory_checkpoint_durably(tmp_pa
         process.wait(30)
     finally:
         process.kill()
-    deadline = time.monotonic() + 60
-    while writers_of(process.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert writers_of(process.pid) == []
+    wait_until_gone(process.pid)
     assert _names(durable) == ["step_003"] and core.is_complete(f"{durable}/step_003")
     state = {"w": torch.zeros(1 << 16), "step": None}
     core.load(state, f"{durable}/step_003")

@@ -12,9 +12,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 import torch
 
+import tier_programs
 from writers import writers_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,65 +111,19 @@ def test_trainer_resumes_from_memory_after_every_process_was_killed(tmp_path):
     _no_process_left(first + second)
 
 
-ACCELERATE = textwrap.dedent("""
-    import os, signal, sys, torch
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration, set_seed
-    from torch.utils.data import DataLoader, TensorDataset
-    from asyncckpt.adapters.accelerate import enable_async_checkpointing
-    from asyncckpt.core import MemoryTier
-
-    def train(project, use_asyncckpt, kill_after, resume):
-        set_seed(0)
-        acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=project, total_limit=2,
-                                                                        automatic_checkpoint_naming=True))
-        handle = enable_async_checkpointing(acc, memory_tier=MemoryTier(persist_every=2, replicas=0)) \
-            if use_asyncckpt else None
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(64, 8, generator=g)
-        dl = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
-        model, opt, dl = acc.prepare(model, opt, dl)
-        start = 0
-        if resume:
-            acc.load_state()
-            start = acc.project_configuration.iteration
-        print(f"RANK {acc.process_index} BEGINS AT {start}", flush=True)
-        for epoch in range(start, 5):
-            for i, (xb, yb) in enumerate(dl):
-                loss = torch.nn.functional.mse_loss(model(xb), yb); acc.backward(loss); opt.step(); opt.zero_grad()
-                if epoch == kill_after + 1 and i == 0:  # the optimizer step after the save: its snapshot handed over
-                    os.kill(os.getpid(), signal.SIGKILL)
-            acc.save_state()
-        acc.end_training()
-        if acc.is_main_process:
-            torch.save(acc.unwrap_model(model).state_dict(), os.path.join(project, "final.pt"))
-        if handle is not None:
-            handle.remove()
-
-    root, phase, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    print(f"PID {os.getpid()}", flush=True)
-    # one training per process: a second one in the same process meets a torch deadlock now and then (the first
-    # run's DDP model, freed after end_training destroyed its process group, joins the group's gloo threads holding
-    # the GIL, which one of them may be waiting for: pytorch#56297)
-    if phase == "first":
-        train(os.path.join(root, "async"), True, kill_after, False)
-    elif phase == "native":  # uninterrupted, without asyncckpt
-        train(os.path.join(root, "native"), False, -99, False)
-    else:  # the relaunch of the killed run
-        train(os.path.join(root, "async"), True, -99, True)
-""")
-
-
 def test_accelerate_resumes_from_memory_after_every_process_was_killed(tmp_path):
     program = tmp_path / "accelerate_run.py"
-    program.write_text(ACCELERATE)
+    program.write_text(tier_programs.ACCELERATE)
     memory = tmp_path / "memory"
-    first = _torchrun(program, tmp_path, str(tmp_path), "first", "2", memory_root=memory, expect_killed=True)
+
+    def run(**run):  # one training per process (tier_programs.py)
+        return tier_programs.config([run], replicas=0)
+
+    first = _torchrun(program, tmp_path, run(root=str(tmp_path / "async"), kill_at=2), memory_root=memory,
+                      expect_killed=True)
     assert sorted(os.listdir(tmp_path / "async" / "checkpoints")) == ["checkpoint_1"]  # 0 and 2: in memory only
-    _torchrun(program, tmp_path, str(tmp_path), "native", "2", memory_root=memory)
-    second = _torchrun(program, tmp_path, str(tmp_path), "second", "2", memory_root=memory)
+    _torchrun(program, tmp_path, run(root=str(tmp_path / "native"), asyncckpt=False), memory_root=memory)
+    second = _torchrun(program, tmp_path, run(root=str(tmp_path / "async"), resume=True), memory_root=memory)
     assert "RANK 0 BEGINS AT 3" in second and "RANK 1 BEGINS AT 3" in second, second  # from checkpoint_2, in memory
     a, b = (torch.load(tmp_path / name / "final.pt", weights_only=True) for name in ("async", "native"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -177,64 +131,25 @@ def test_accelerate_resumes_from_memory_after_every_process_was_killed(tmp_path)
     _no_process_left(first + second)
 
 
-LIGHTNING = textwrap.dedent("""
-    import os, signal, sys, torch
-    import lightning as L
-    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-    from torch.utils.data import DataLoader, TensorDataset
-    from asyncckpt.adapters.lightning import AsyncCkptIO
-    from asyncckpt.core import MemoryTier
-
-    class Net(L.LightningModule):
-        def __init__(self):
-            super().__init__(); self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-        def training_step(self, batch, batch_idx):
-            x, y = batch; return torch.nn.functional.mse_loss(self.body(x), y)
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-    class KillAt(Callback):  # after the next optimizer step (the save is handed over when its call returns)
-        def on_train_start(self, trainer, module):
-            print(f"RANK {trainer.global_rank} BEGINS AT {trainer.global_step}", flush=True)
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if sys.argv[2] != "second" and trainer.global_step == int(sys.argv[3]) + 1: os.kill(os.getpid(), signal.SIGKILL)
-
-    def fit(root, use_asyncckpt, resume):
-        torch.manual_seed(0)
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(128, 8, generator=g)
-        data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
-        plugins = [AsyncCkptIO(memory_tier=MemoryTier(persist_every=2, replicas=0))] if use_asyncckpt else []
-        trainer = L.Trainer(max_steps=32, accelerator="cpu", devices=2, strategy="ddp", plugins=plugins, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                            callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=5,
-                                                       save_top_k=-1, save_last=True), KillAt()])
-        model = Net()
-        trainer.fit(model, data, ckpt_path="last" if resume else None)
-        if trainer.global_rank == 0:
-            torch.save(model.state_dict(), os.path.join(root, "final.pt"))
-
-    root, phase = sys.argv[1], sys.argv[2]
-    print(f"PID {os.getpid()}", flush=True)
-    if phase == "second":  # each killed run relaunched: without asyncckpt (Lightning's own resume), and with it
-        fit(os.path.join(root, "native"), False, True)
-        fit(os.path.join(root, "async"), True, True)
-    else:  # killed in step KILL_AT + 1
-        fit(os.path.join(root, phase), phase == "async", False)
-""")
-
-
 def test_lightning_resumes_from_memory_after_every_process_was_killed(tmp_path):
     """Against the same kill and resume without asyncckpt (Lightning's own resume from a mid-epoch last.ckpt is
     what an uninterrupted run is not, with a dataloader that is not resumable)."""
     program = tmp_path / "lightning_run.py"
-    program.write_text(LIGHTNING)
+    program.write_text(tier_programs.LIGHTNING)
     memory = tmp_path / "memory"
-    _torchrun(program, tmp_path, str(tmp_path), "native", str(KILL_AT), memory_root=memory, expect_killed=True)
-    first = _torchrun(program, tmp_path, str(tmp_path), "async", str(KILL_AT), memory_root=memory, expect_killed=True)
+
+    def runs(*runs):
+        return tier_programs.config(list(runs), replicas=0, num_nodes=1, devices=2, max_steps=32)
+
+    native, asynchronous = {"root": str(tmp_path / "native"), "asyncckpt": False}, {"root": str(tmp_path / "async")}
+    _torchrun(program, tmp_path, runs({**native, "kill_at": KILL_AT}), memory_root=memory, expect_killed=True)
+    first = _torchrun(program, tmp_path, runs({**asynchronous, "kill_at": KILL_AT}), memory_root=memory,
+                      expect_killed=True)
     durable = sorted(os.listdir(tmp_path / "async" / "ckpts"))
     assert durable == ["epoch=0-step=10.ckpt", "last.ckpt"], durable  # step 10's: the 2nd checkpoint; 5 and 15: memory
-    second = _torchrun(program, tmp_path, str(tmp_path), "second", str(KILL_AT), memory_root=memory)
+    # each killed run relaunched: without asyncckpt (Lightning's own resume), and with it
+    second = _torchrun(program, tmp_path, runs({**native, "resume": True}, {**asynchronous, "resume": True}),
+                       memory_root=memory)
     assert second.count("RANK 0 BEGINS AT 15") == 2 and second.count("RANK 1 BEGINS AT 15") == 2, second  # async: memory
     a, b = (torch.load(tmp_path / name / "final.pt", weights_only=True) for name in ("async", "native"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from dist_helper import free_port
+import tier_programs
 from programs import Program
-from writers import writers_of
+from writers import wait_until_gone, writers_of
 
 PEER_WARNING = "does not take memory-tier replicas"
 
@@ -66,10 +67,7 @@ class Job:
         trainers = [pid for pid in map(self.trainer, range(len(self.nodes))) if pid is not None]
         for node in range(len(self.nodes)):
             self.kill_node(node)
-        deadline = time.monotonic() + 60
-        while writers_of(*trainers) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert writers_of(*trainers) == []
+        wait_until_gone(*trainers)
 
     def finish(self, timeout: float = 300) -> list[str]:
         """Wait for every node to exit 0; the lines they printed."""
@@ -294,61 +292,26 @@ def test_a_peer_that_stops_answering_leaves_training_and_saves_going(tmp_path, j
 
 
 # ------------------------------------------------------------------------------------------ an adapter
-ACCELERATE = textwrap.dedent("""
-    import os, sys, time, torch
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration, set_seed
-    from torch.utils.data import DataLoader, TensorDataset
-    from asyncckpt.adapters.accelerate import enable_async_checkpointing
-    from asyncckpt.core import MemoryTier
-
-    mode, project, stop_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    print(f"PID {os.getpid()}", flush=True)
-    set_seed(0)
-    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True,
-                                                                    total_limit=2))
-    if mode == "async":
-        handle = enable_async_checkpointing(acc, memory_tier=MemoryTier(persist_every=2, replicas=1))
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 8, generator=g)
-    dl = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
-    model, opt, dl = acc.prepare(model, opt, dl)
-    start = 0
-    if mode == "async" and stop_after < 0:
-        acc.load_state()
-        start = acc.project_configuration.iteration
-    print(f"RANK {acc.process_index} BEGINS AT {start}", flush=True)
-    for epoch in range(start, 5):
-        for xb, yb in dl:
-            loss = torch.nn.functional.mse_loss(model(xb), yb); acc.backward(loss); opt.step(); opt.zero_grad()
-        acc.save_state()
-        if epoch == stop_after:  # committed on both nodes, then killed
-            handle.wait()
-            acc.wait_for_everyone()
-            print("SAVED", flush=True)
-            time.sleep(600)
-    acc.end_training()
-    if acc.is_main_process:
-        torch.save(acc.unwrap_model(model).state_dict(), os.path.join(project, "final.pt"))
-""")
-
-
 def test_accelerate_resumes_on_a_replaced_node_from_its_peers_memory(tmp_path, jobs):
     """Accelerate on two nodes (DDP, one rank each): every process of node 1 killed (kill -9) and its memory deleted
     right after a memory-only checkpoint committed; the relaunched job (a new node 1) resumes from that checkpoint,
     node 1 fetching it from node 0, and ends bit for bit as an uninterrupted run without asyncckpt."""
     program = tmp_path / "accelerate_nodes.py"
-    program.write_text(ACCELERATE)
+    program.write_text(tier_programs.ACCELERATE)
     memory = tmp_path / "memory"
-    jobs(program, ["native", str(tmp_path / "native"), "99"], nodes=2, memory=memory, logs=tmp_path / "logs").finish()
-    first = jobs(program, ["async", str(tmp_path / "async"), "2"], nodes=2, memory=memory, logs=tmp_path / "logs")
+
+    def run(**run):  # one training per process (tier_programs.py)
+        return [tier_programs.config([run], replicas=1)]
+
+    jobs(program, run(root=str(tmp_path / "native"), asyncckpt=False), nodes=2, memory=memory,
+         logs=tmp_path / "logs").finish()
+    first = jobs(program, run(root=str(tmp_path / "async"), stop_at=2), nodes=2, memory=memory, logs=tmp_path / "logs")
     first.wait_for_line("SAVED")
     first.kill()
     assert sorted(os.listdir(tmp_path / "async" / "checkpoints")) == ["checkpoint_1"]  # 0 and 2: in memory only
     shutil.rmtree(memory / "n1")
-    second = jobs(program, ["async", str(tmp_path / "async"), "-1"], nodes=2, memory=memory, logs=tmp_path / "logs")
+    second = jobs(program, run(root=str(tmp_path / "async"), resume=True), nodes=2, memory=memory,
+                  logs=tmp_path / "logs")
     lines = second.finish()
     assert "RANK 0 BEGINS AT 3" in lines and "RANK 1 BEGINS AT 3" in lines, lines  # from checkpoint_2, in memory
     a, b = (torch.load(tmp_path / name / "final.pt", weights_only=True) for name in ("async", "native"))
@@ -358,51 +321,6 @@ def test_accelerate_resumes_on_a_replaced_node_from_its_peers_memory(tmp_path, j
 
 
 
-LIGHTNING = textwrap.dedent("""
-    import os, sys, time, torch
-    import lightning as L
-    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-    from torch.utils.data import DataLoader, TensorDataset
-    from asyncckpt.adapters.lightning import AsyncCkptIO
-    from asyncckpt.core import MemoryTier
-
-    class Net(L.LightningModule):
-        def __init__(self):
-            super().__init__(); self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-        def training_step(self, batch, batch_idx):
-            x, y = batch; return torch.nn.functional.mse_loss(self.body(x), y)
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-    class StopAt(Callback):  # the checkpoint of step STOP - 1 committed, then the test kills the job
-        def on_train_start(self, trainer, module):
-            print(f"RANK {trainer.global_rank} BEGINS AT {trainer.global_step}", flush=True)
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if sys.argv[2] != "second" and trainer.global_step == int(sys.argv[2]):
-                if isinstance(trainer.strategy.checkpoint_io, AsyncCkptIO):
-                    trainer.strategy.checkpoint_io.wait()
-                trainer.strategy.barrier()
-                print("SAVED", flush=True)
-                time.sleep(600)
-
-    root = sys.argv[1]
-    print(f"PID {os.getpid()}", flush=True)
-    torch.manual_seed(0)
-    x = torch.randn(128, 8, generator=torch.Generator().manual_seed(0))
-    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
-    memory_tier = MemoryTier(persist_every=2, replicas=1)
-    plugins = [AsyncCkptIO(memory_tier=memory_tier)] if os.path.basename(root) == "async" else []
-    trainer = L.Trainer(max_steps=24, accelerator="cpu", num_nodes=2, devices=1, strategy="ddp", plugins=plugins,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                        callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=5,
-                                                   save_top_k=-1, save_last=True), StopAt()])
-    model = Net()
-    trainer.fit(model, data, ckpt_path="last" if sys.argv[2] == "second" else None)
-    if trainer.global_rank == 0:
-        torch.save(model.state_dict(), os.path.join(root, "final.pt"))
-""")
-
-
 def test_lightning_on_two_nodes_saves_in_memory_and_resumes_from_storage(tmp_path, jobs):
     """Lightning with ``Trainer(num_nodes=2, devices=1, strategy="ddp")``, a node per torchrun, the memory tier on:
     steps 5 and 15 in memory only, 10 durable too. Every process of both nodes killed after step 15's checkpoint
@@ -410,10 +328,16 @@ def test_lightning_on_two_nodes_saves_in_memory_and_resumes_from_storage(tmp_pat
     its file on each rank before the nodes can agree on a memory copy: docs/memory_tier.md, Limits), and ends bit
     for bit as Lightning's own kill and resume from step 10; nothing left in memory, no process."""
     program = tmp_path / "lightning_nodes.py"
-    program.write_text(LIGHTNING)
+    program.write_text(tier_programs.LIGHTNING)
     memory = tmp_path / "memory"
-    for arm, stop in (("native", "11"), ("async", "16")):
-        job = jobs(program, [str(tmp_path / arm), stop], nodes=2, memory=memory, logs=tmp_path / "logs")
+
+    def run(**run):  # a node per torchrun, one rank each
+        return [tier_programs.config([{"asyncckpt": run["root"].endswith("async"), **run}], replicas=1, num_nodes=2,
+                                     devices=1, max_steps=24)]
+
+    for arm, stop in (("native", 10), ("async", 15)):  # stopped once the checkpoint of that step is committed
+        job = jobs(program, run(root=str(tmp_path / arm), stop_at=stop), nodes=2, memory=memory,
+                   logs=tmp_path / "logs")
         job.wait_for_line("SAVED")
         job.kill()
     assert sorted(os.listdir(tmp_path / "async" / "ckpts")) == ["epoch=0-step=10.ckpt", "last.ckpt"]
@@ -423,7 +347,7 @@ def test_lightning_on_two_nodes_saves_in_memory_and_resumes_from_storage(tmp_pat
     shutil.rmtree(memory / "n0")
     lines = []
     for arm in ("native", "async"):
-        job = jobs(program, [str(tmp_path / arm), "second"], nodes=2, memory=memory, logs=tmp_path / "logs")
+        job = jobs(program, run(root=str(tmp_path / arm), resume=True), nodes=2, memory=memory, logs=tmp_path / "logs")
         lines += job.finish()
     assert lines.count("RANK 0 BEGINS AT 10") == 2 and lines.count("RANK 1 BEGINS AT 10") == 2, lines
     a, b = (torch.load(tmp_path / name / "final.pt", weights_only=True) for name in ("async", "native"))

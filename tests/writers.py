@@ -4,6 +4,7 @@ writers left behind, or kill a writer too."""
 from __future__ import annotations
 
 import os
+import time
 
 
 def writers_of(*pids: int) -> list[int]:
@@ -18,6 +19,15 @@ def writers_of(*pids: int) -> list[int]:
         if b"asyncckpt.core.writer.process" in argv and wanted & set(argv):
             found.append(int(entry))
     return found
+
+
+def wait_until_gone(*pids: int, timeout: float = 60, what: str = "a writer outlived its training process") -> None:
+    """Wait until no writer of ``pids`` runs (a killed training process's writer finishes or gives up its last
+    work first); fail with ``what`` if one still runs after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while writers_of(*pids):
+        assert time.monotonic() < deadline, f"{what}: {writers_of(*pids)}"
+        time.sleep(0.1)
 
 
 def limit_file_size(checkpointer, limit: int) -> None:
