@@ -71,7 +71,19 @@ def _load_together(rank, world, paths, nodes, memory, readers="job"):
         return _digests([copies[path] for path in paths]), sorted({os.path.dirname(c) for c in copies.values()}), read
 
 
-@pytest.mark.parametrize("world,nodes", [(2, 1), (4, 2)])
+def _each_by_itself(rank, world, paths):
+    from asyncckpt.core.loading import cooperative
+
+    with cooperative.shared_copy(paths, None, timeout=60) as copies:
+        return copies
+
+
+def test_files_of_one_node_are_left_to_its_page_cache(tmp_path):
+    """Ranks of one node loading local files: the page cache reads each byte once for all of them, so no copy."""
+    assert run_on_ranks(_each_by_itself, 2, _files(tmp_path)) == [None, None]
+
+
+@pytest.mark.parametrize("world,nodes", [(2, 2), (4, 2)])
 def test_local_files_are_read_once_per_job_and_every_rank_gets_them_whole(tmp_path, world, nodes):
     paths = _files(tmp_path)
     want = _digests(paths)
@@ -106,8 +118,10 @@ def test_objects_are_downloaded_once_per_job_across_nodes_and_one_reader_per_nod
 
 
 def _different_files(rank, world, folder):
-    """Each rank loads a file of its own: no sharing, each reads by itself, one line says why."""
+    """Each rank (a node of its own) loads a file of its own: no sharing, each reads by itself, one line says why."""
     import logging
+
+    os.environ["ASYNCCKPT_NODE"] = f"n{rank}"
 
     from asyncckpt.core.loading import cooperative
 
@@ -129,7 +143,8 @@ def test_ranks_that_load_different_files_each_read_their_own_and_say_why(tmp_pat
 
 def _failing_rank(rank, world, paths, failing, how, report):
     """``failing`` cannot read its part (``how``: "error") or dies reading it ("killed"); what every other rank
-    saw, and how long it took, goes to ``report``."""
+    saw, and how long it took, goes to ``report``. Each rank a node of its own."""
+    os.environ["ASYNCCKPT_NODE"] = f"n{rank}"
     from asyncckpt.core.errors import CheckpointError
     from asyncckpt.core.loading import cooperative
 
@@ -206,8 +221,9 @@ def test_a_mirrored_checkpoint_is_downloaded_once_per_job_onto_every_node(tmp_pa
 
 
 def _load_replicated(rank, world, path, damaged):
-    """Every rank loads the same (replicated) state, as DDP ranks do: what it loaded, what its own read calls
-    returned, and what loading the damaged copy raised."""
+    """Every rank loads the same (replicated) state, as DDP ranks do, each rank a node of its own: what it loaded,
+    what its own read calls returned, and what loading the damaged copy raised."""
+    os.environ["ASYNCCKPT_NODE"] = f"n{rank}"
     import torch
 
     from asyncckpt.core import Checkpointer

@@ -1,8 +1,8 @@
 """A resume under DDP reads the checkpoint from storage once per job, through each framework's own resume path:
 Lightning's ``fit(ckpt_path=...)`` from a local file and from a real S3 server (its GET bytes counted),
-Accelerate's ``load_state()`` and the Trainer's ``resume_from_checkpoint``; on 2 and 4 ranks (processes with
-the environment torchrun gives them, one launch running the three frameworks in turn), each equal bit for bit
-to the framework's own resume without asyncckpt. A damaged byte fails every rank naming the file; ranks that
+Accelerate's ``load_state()`` and the Trainer's ``resume_from_checkpoint``; on 2 and 4 ranks (processes with the
+environment torchrun gives them, on two simulated nodes, one launch running the three frameworks in turn), each
+equal bit for bit to the framework's own resume without asyncckpt. A damaged byte fails every rank naming the file; ranks that
 load different files each read their own, saying so once."""
 from __future__ import annotations
 
@@ -195,7 +195,8 @@ PROGRAM = textwrap.dedent('''
 
 
 def launch(script: Path, world: int, cwd: Path, *args: str, timeout: float = 300) -> list[dict]:
-    """``world`` processes of ``script`` with the environment torchrun gives its workers on one node; what each
+    """``world`` processes of ``script`` with the environment torchrun gives its workers, on two simulated nodes
+    (``ASYNCCKPT_NODE``, a memory root each: on one node, local files are left to the page cache); what each
     printed as ``RESULT {json}`` lines (it must exit 0), its stderr under ``cwd``."""
     port, procs = str(free_port()), []
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -204,6 +205,7 @@ def launch(script: Path, world: int, cwd: Path, *args: str, timeout: float = 300
             procs.append(subprocess.Popen(
                 [sys.executable, str(script), *args], cwd=cwd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                     "ASYNCCKPT_NODE": f"n{rank * 2 // world}", "ASYNCCKPT_MEMORY_ROOT": str(cwd / f"node{rank * 2 // world}"),
                      "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                      "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "ACCELERATE_USE_CPU": "true"}))
     try:

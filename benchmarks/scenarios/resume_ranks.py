@@ -8,8 +8,9 @@ way Lightning's DDP strategy does, one rep of each arm in rotation, the file's p
   native     Lightning's own ``TorchCheckpointIO.load_checkpoint`` on every rank (a URL through fsspec)
   per_rank   ``AsyncCkptIO(cooperative_load="off")``: each rank fetches and checks the file by itself (before
              issue 36)
-  asyncckpt  ``AsyncCkptIO()``: each byte read once per job, split across the ranks, into the node's memory,
-             shared (``loading.cooperative``)
+  asyncckpt  ``AsyncCkptIO()``: each byte read once per job (``loading.cooperative``): from the bucket, split
+             across the ranks into the node's memory, shared; a local file on this one node is left to the page
+             cache, which already reads it once for every rank
 
 Timed: from a barrier to the last rank's loaded checkpoint. Bytes: the processes' ``read_bytes`` (disk), the S3
 server's GET bytes (S3).
@@ -182,7 +183,9 @@ def render(result: dict) -> str:
     lines = [f"A {size / 2**30:.2f} GiB `.ckpt`; {o['reps']} reps per arm in rotation, medians (min-max), each the "
              "job's time (from a barrier to the last rank's loaded checkpoint). Bytes read from storage: the ranks' "
              "`read_bytes` (disk; the file's pages evicted before each rep), the S3 server's GET bytes (S3), as a "
-             "multiple of the checkpoint's size. Memory: the largest resident set of any rank during its load "
+             "multiple of the checkpoint's size (on this one node, a local file is left to the page cache by asyncckpt too: "
+             "it already reads each byte once for every rank; the split and the node copy apply from a bucket and across "
+             "nodes). Memory: the largest resident set of any rank during its load "
              "above its resident set before the load (sampled every 5 ms; the loaded checkpoint itself is 1x; pages of the "
              "node's copy a rank touched count in its RSS too), and the most the node's copy held in tmpfs (one per "
              "node, shared by its ranks, where the page cache held the file before). All ranks are on this one machine (one node): the page cache here "

@@ -3,7 +3,8 @@
 Under DDP every rank resumes from the same files: Lightning's ``.ckpt``, Accelerate's and the Trainer's model,
 optimizer and scheduler files. Read by each rank, a checkpoint in a bucket is downloaded once per rank, and on
 a shared filesystem read once per node; the restart waits for the slowest of those reads. ``shared_copy`` reads
-each byte from storage once per job instead and hands every rank a copy in its node's memory, which the
+each byte from storage once per job instead (for files of a single node there is nothing to gain: its page cache
+already has every rank read them once, and a copy would cost a pass over memory; those are left to each rank) and hands every rank a copy in its node's memory, which the
 framework's own deserialisation then reads (``integration.resume``), so every rank ends with exactly what its
 own load would have produced:
 
@@ -120,6 +121,9 @@ def shared_copy(paths: list[str], group: Optional[dist.ProcessGroup], *, timeout
     dist.all_gather_object(gathered, (tier.node_id(), paths, sizes, free, uuid.uuid4().hex[:12], os.getpid()),
                            group=group)
     nodes = _Node([entry[0] for entry in gathered])
+    if nodes.count == 1 and not any(is_url(path) for path in paths):
+        yield None  # files of one node: its page cache already reads each byte from storage once for all its ranks
+        return
     reason = _cannot_share(gathered, group, nodes)
     if reason:
         logger.warning("asyncckpt: each rank loads %s by itself: %s", _named(paths), reason)
@@ -379,11 +383,12 @@ class SharedSpans:
                                          f"{self.timeout:.0f} s: {e}", rank=reader) from e
 
 
-def share_spans(files: list[FileSpans], group: Optional[dist.ProcessGroup], *, timeout: float,
+def share_spans(files: list[FileSpans], group: Optional[dist.ProcessGroup], *, timeout: float, remote: bool,
                 readers: Readers = "job") -> Optional[SharedSpans]:
     """A collective of the ranks of a direct load (``loading.direct_load``): where every rank reads exactly the same
-    spans of the same files (``FileSpans``), each reads a byte-balanced share of them (whole spans, in file order)
-    and ``SharedSpans.exchange`` shares the rest; None where the ranks read different things (each reads its own)."""
+    spans of the same files (``FileSpans``) from an object store (``remote``) or on several nodes, each reads a
+    byte-balanced share of them (whole spans, in file order) and ``SharedSpans.exchange`` shares the rest; None
+    where the ranks read different things, or local files on one node (each reads its own)."""
     rank, world = rank_and_world(group)
     if readers == "off" or not dist_ready() or world < 2:
         return None
@@ -391,9 +396,9 @@ def share_spans(files: list[FileSpans], group: Optional[dist.ProcessGroup], *, t
     gathered: list = [None] * world
     digest = hashlib.blake2b(repr(listed).encode(), digest_size=16).hexdigest()
     dist.all_gather_object(gathered, (tier.node_id(), digest), group=group)
-    if any(entry[1] != gathered[0][1] for entry in gathered):
-        return None  # sharded state: each rank its own reads
     nodes = _Node([entry[0] for entry in gathered])
+    if any(entry[1] != gathered[0][1] for entry in gathered) or (nodes.count == 1 and not remote):
+        return None  # sharded state: each rank its own reads; files of one node: its page cache reads them once
     reading = [r for r in range(world) if readers == "job" or nodes.leader(r) == r]
     flat = [(entry, span) for entry in files for span in entry.spans]
     owner = _owners([span.nbytes for _entry, span in flat], reading)

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from asyncckpt.core.loading import cooperative
 from asyncckpt.core.storage import commit
+from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.loading.dcp_reader import AsyncCkptStorageReader
 from asyncckpt.core.loading.direct_load import paused_gc, plan_direct_load
 from asyncckpt.core.snapshot.dist_env import dist_ready
@@ -42,7 +43,8 @@ def load_checkpoint(state_dict: dict, path: str, *, group: Optional[dist.Process
         with paused_gc():
             if all(ranks.all_gather("plan", plan)):
                 load = planned[0]
-                shared = cooperative.share_spans(load.files, group, timeout=timeout, readers=readers) \
+                shared = cooperative.share_spans(load.files, group, timeout=timeout, readers=readers,
+                                                 remote=backend_for(path).remote) \
                     if use_dist else None  # replicated state (every rank reads the same): each byte read once
                 ranks.all_gather("read", lambda: load.read(io_threads, shared.mine if shared else None))
                 if shared is not None:
