@@ -325,8 +325,6 @@ def test_kill_9_mid_upload_is_invisible_and_clean_removes_it(s3_root, capsys, tm
 
 # ------------------------------------------------------------------------------ mirrors of local checkpoints
 def test_mirror_of_committed_directory_and_restore(s3_root, tmp_path):
-    from asyncckpt.core.writer import mirror
-
     local_root, url_root = tmp_path / "checkpoints", f"{s3_root}/mirror"
     with core.Checkpointer() as checkpointer:
         for step in (1, 2):
@@ -346,7 +344,8 @@ def test_mirror_of_committed_directory_and_restore(s3_root, tmp_path):
     assert json.loads(store_for(url_root).get(f"{url_root}/checkpoint_2/.asyncckpt-commit.json")) == local_record
 
     restored_root = tmp_path / "elsewhere"  # a new machine: no local copy
-    restored = mirror.restore_latest(url_root, str(restored_root))
+    with core.Checkpointer() as restorer:
+        restored = restorer.restore_mirrored(url_root, str(restored_root))
     assert restored == str(restored_root / "checkpoint_2") and core.is_complete(restored)
     assert core.Checkpointer().require_intact(restored).checked_files == 2
     assert torch.load(os.path.join(restored, "model.bin"))["w"][0] == 2.0
