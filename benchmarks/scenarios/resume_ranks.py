@@ -131,7 +131,6 @@ def measure(sitting) -> dict:
     import multiprocessing
 
     import boto3
-    import torch
 
     from asyncckpt.adapters.lightning import AsyncCkptIO
     from scenarios.object_store import Server
@@ -178,7 +177,6 @@ def measure(sitting) -> dict:
                 for source in SOURCES for arm in ARMS}
             sitting.log(f"{world} ranks: " + ", ".join(f"{k} {v['s']['median']:.2f} s" for k, v in
                                                         out["ranks"][str(world)].items()))
-        del torch
         return out
     finally:
         server.stop()

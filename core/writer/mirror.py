@@ -28,7 +28,7 @@ from asyncckpt.core.storage import file_checksums
 from asyncckpt.core.storage import owners
 from asyncckpt.core.formats import names
 from asyncckpt.core.errors import CheckpointWriteError, IncompleteCheckpointError
-from asyncckpt.core.storage.backend import backend_for, basename, exists, is_file, join, read_bytes
+from asyncckpt.core.storage.backend import backend_for, exists, is_file, join, read_bytes
 from asyncckpt.core.storage.fsio import fsync_dir
 from asyncckpt.core.storage.local import attach_checksum
 from asyncckpt.core.storage.object_store import ObjectStoreOptions
