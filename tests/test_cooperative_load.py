@@ -275,3 +275,66 @@ def test_replicated_tensors_of_a_sharded_checkpoint_are_read_once_per_job(tmp_pa
     assert sum(read) <= 1.05 * size, (read, size)  # every rank's own read calls: its share only
     for _d, _s, _r, outcome in results:  # found by the rank that read it, raised on every rank, naming file and key
         assert outcome.startswith("CorruptCheckpointError") and data[0].name in outcome and "big.w" in outcome, outcome
+
+
+def _load_replica_groups(rank, world, path):
+    """HSDP on 4 ranks, each a node of its own: ``w`` sharded within the replica groups {0, 1} and {2, 3} (each
+    shard read by two ranks), ``b`` replicated on all four; saved, then loaded through DCP's resharding path with
+    our reader: what the load gave, what this rank's read calls returned, and what loading a damaged copy raised."""
+    os.environ["ASYNCCKPT_NODE"] = f"n{rank}"
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from asyncckpt.core import Checkpointer
+    from asyncckpt.core.errors import CheckpointError
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    generator = torch.Generator().manual_seed(0)
+    full = {"w": torch.randn(4096, 1024, generator=generator), "b": torch.randn(1 << 18, generator=generator)}
+
+    def state(fill):
+        return {"model": {"w": distribute_tensor(fill(full["w"]), mesh, [Replicate(), Shard(0)]),
+                          "b": distribute_tensor(fill(full["b"]), mesh, [Replicate(), Replicate()])}, "step": 0}
+
+    checkpointer = Checkpointer()
+    saved = state(lambda t: t)
+    saved["step"] = 12
+    checkpointer.save(saved, path)
+    damaged = path + "-damaged"
+    if rank == 0:
+        shutil.copytree(path, damaged)
+        largest = max((f for f in os.listdir(damaged) if f.endswith(".distcp")),
+                      key=lambda f: os.path.getsize(os.path.join(damaged, f)))
+        flipped = bytearray(open(os.path.join(damaged, largest), "rb").read())
+        flipped[len(flipped) // 2] ^= 1
+        open(os.path.join(damaged, largest), "wb").write(bytes(flipped))
+    dist.barrier()
+    loaded = state(torch.zeros_like)
+    before = _io("rchar")
+    checkpointer.load(loaded, path)
+    read = _io("rchar") - before
+    equal = all(torch.equal(loaded["model"][k].full_tensor(), full[k]) for k in full) and loaded["step"] == 12
+    try:
+        checkpointer.load(state(torch.zeros_like), damaged)
+        outcome = "loaded"
+    except CheckpointError as error:
+        outcome = f"{type(error).__name__}: {error}"
+    checkpointer.close()
+    return equal, read, outcome
+
+
+def test_chunks_that_replica_groups_share_are_read_once_per_job(tmp_path):
+    """DCP's path (DTensors): each whole chunk that several ranks load (a shard of an HSDP replica group, a
+    tensor replicated everywhere, the saved objects) is read by one of them and sent to the others."""
+    path = tmp_path / "step-12"
+    results = run_on_ranks(_load_replica_groups, 4, str(path))
+    data = sum(f.stat().st_size for f in path.iterdir() if f.suffix == ".distcp")
+    assert all(equal for equal, _read, _outcome in results)
+    read = [r for _e, r, _o in results]
+    assert sum(read) <= 1.05 * data, (read, data)  # without sharing: twice the shards and four times ``b``
+    for _e, _r, outcome in results:  # found by the rank that read it, raised on every rank, naming file and key
+        assert outcome.startswith("CorruptCheckpointError") and ".distcp" in outcome and "model.w" in outcome, outcome

@@ -11,6 +11,8 @@ way Lightning's DDP strategy does, one rep of each arm in rotation, the file's p
   asyncckpt  ``AsyncCkptIO()``: each byte read once per job (``loading.cooperative``): from the bucket, split
              across the ranks into the node's memory, shared; a local file on this one node is left to the page
              cache, which already reads it once for every rank
+  broadcast  (a floor, not a load) a gloo broadcast of the checkpoint's bytes from one rank to the others: what
+             the disk goal adds to one rank's cold read
 
 Timed: from a barrier to the last rank's loaded checkpoint. Bytes: the processes' ``read_bytes`` (disk), the S3
 server's GET bytes (S3).
@@ -76,6 +78,18 @@ def loads(rank: int, world: int, paths: dict, reps: int, served) -> list[dict]:
     for io in ios.values():
         if isinstance(io, AsyncCkptIO):
             io.teardown()
+    if world > 1:  # the floor the disk goal adds to one rank's cold read: the checkpoint's bytes from one rank to all
+        import torch
+
+        bytes_ = torch.empty(os.path.getsize(paths["disk"]), dtype=torch.uint8)
+        for rep in range(reps):
+            dist.barrier()
+            started = time.perf_counter()
+            dist.broadcast(bytes_, src=0)
+            dist.barrier()
+            rows.append({"rep": rep, "source": "disk", "arm": "broadcast", "s": time.perf_counter() - started,
+                         "own_s": 0.0, "read": 0, "downloaded": 0, "rss": 0, "shmem": 0, "error": None})
+        del bytes_
     return rows
 
 
@@ -175,7 +189,9 @@ def measure(sitting) -> dict:
                     "rss": max(r["rss"] for rank_rows in rows for r in rank_rows if (r["source"], r["arm"]) == (source, arm)),
                     "shmem": max(r["shmem"] for r in rows[0] if (r["source"], r["arm"]) == (source, arm))}
                 for source in SOURCES for arm in ARMS}
-            sitting.log(f"{world} ranks: " + ", ".join(f"{k} {v['s']['median']:.2f} s" for k, v in
+            broadcasts = [r["s"] for r in rows[0] if r["arm"] == "broadcast"]
+            out["ranks"][str(world)]["broadcast"] = {"s": spread(broadcasts) if broadcasts else {"median": 0.0, "n": 0}}
+            sitting.log(f"{world} ranks: " + ", ".join(f"{k} {fmt(v['s']['median'], '.2f')} s" for k, v in
                                                         out["ranks"][str(world)].items()))
         return out
     finally:
@@ -212,6 +228,11 @@ def render(result: dict) -> str:
         lines += [f"## From {'the local disk, cold' if source == 'disk' else 'the S3 server (moto)'}", "",
                   *table(["ranks", "load", "s", "read from storage", "/ checkpoint", "a rank's peak RSS, added",
                           "the node's copy, peak"], rows)]
+        if source == "disk":
+            lines += ["", "The broadcast the disk goal allows for (a gloo broadcast of the checkpoint's bytes from one rank "
+                      "to the others, barrier to barrier): " + ", ".join(
+                          f"{world} ranks {fmt(arms['broadcast']['s']['median'], '.2f')} s"
+                          for world, arms in figures["ranks"].items() if arms.get("broadcast", {}).get("s", {}).get("n")), ""]
     lines += _goals(figures)
     return "\n".join(lines)
 
@@ -229,8 +250,9 @@ def _goals(figures: dict) -> list[str]:
              for arms in ranks.values()) / size, 1.05, "<="),
         (f"from S3 at {most} ranks, at most half of each rank by itself", ours_s3 / before_s3, 0.5, "<="),
         (f"from S3 at {most} ranks, at most half of Lightning's own", ours_s3 / native_s3, 0.5, "<="),
-        (f"from disk at {most} ranks, no slower than one rank's cold load (Lightning's own; one node: nothing to "
-         "broadcast)", at["disk asyncckpt"]["s"]["median"] / one["disk native"]["s"]["median"], 1.0, "<="),
+        (f"from disk at {most} ranks, no slower than one rank's cold load (Lightning's own) plus a broadcast of the "
+         f"checkpoint to {most} ranks", at["disk asyncckpt"]["s"]["median"]
+         / (one["disk native"]["s"]["median"] + at.get("broadcast", {"s": {"median": 0.0}})["s"]["median"]), 1.0, "<="),
     ]
     rows = [[name, f"{value:.2f}", f"{op} {bound}", "yes" if (value <= bound if op == "<=" else value >= bound) else "**no**"]
             for name, value, bound, op in goals]

@@ -42,12 +42,12 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, Literal, Optional
+from typing import Callable, Iterator, Literal, Optional
 
 import torch
 import torch.distributed as dist
 
-from asyncckpt.core.errors import CheckpointError, CheckpointTimeoutError
+from asyncckpt.core.errors import CheckpointError, CheckpointTimeoutError, CorruptCheckpointError
 from asyncckpt.core.loading.reader import FileSpans
 from asyncckpt.core.snapshot.dist_env import dist_ready, rank_and_world
 from asyncckpt.core.storage import tier
@@ -234,14 +234,23 @@ def _read_parts(paths: list[str], pieces: list[Piece], views: list, group: Optio
             error = f"rank {rank} could not read bytes {piece.start}..{piece.start + piece.length} of " \
                     f"{paths[piece.file]}: {type(e).__name__}: {e}"
             break
-    failed = torch.tensor([1 if error else 0], dtype=torch.int32)
+    failures = _failures(error, group, timeout)
+    if failures:
+        raise CheckpointError("; ".join(failures), path=paths[0])
+
+
+def _failures(failure: Optional[object], group: Optional[dist.ProcessGroup], timeout: float) -> list:
+    """Every rank's ``failure`` (None: it succeeded) that is not None, in rank order: each rank learns whether
+    every rank succeeded (one small all_gather, waited on with ``timeout``), and only then what failed."""
+    failed = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
     everyone = [torch.zeros(1, dtype=torch.int32) for _ in range(dist.get_world_size(group))]
     _within(timeout, "read every rank's part", lambda: dist.all_gather(everyone, failed, group=group,
                                                                        async_op=True).wait(timedelta(seconds=timeout)))
-    if any(int(flag) for flag in everyone):
-        errors: list = [None] * len(everyone)
-        dist.all_gather_object(errors, error, group=group)
-        raise CheckpointError("; ".join(e for e in errors if e), path=paths[0])
+    if not any(int(flag) for flag in everyone):
+        return []
+    gathered: list = [None] * len(everyone)
+    dist.all_gather_object(gathered, failure, group=group)
+    return [entry for entry in gathered if entry is not None]
 
 
 def _read(path: str, start: int, into: memoryview) -> None:
@@ -325,89 +334,169 @@ def _remove_dead_loads(root: str) -> None:
 
 
 # ------------------------------------------------------------------ replicated tensors of a sharded checkpoint
-SMALL_BYTES = 1 << 20  # spans below this travel packed together (one broadcast per ``PIECE_BYTES``)
+SMALL_BYTES = 1 << 20  # spans below this travel packed together (one transfer per ``PIECE_BYTES`` at most)
+
+
+@dataclass
+class _Transfer:
+    """Spans (this rank's, of the same keys on every rank involved) read by ``reader`` and sent to ``receivers``
+    (None: every other rank, by broadcast); one span, or small ones packed into one buffer."""
+
+    reader: int
+    receivers: Optional[tuple[int, ...]]
+    spans: list
 
 
 @dataclass
 class SharedSpans:
-    """A load whose ranks all read the same spans (replicated tensors: DDP's state, saved by every rank or once):
-    ``mine`` is this rank's byte-balanced share of the reads, ``exchange`` then broadcasts every span from the rank
-    that read it straight into the other ranks' targets (small ones packed)."""
+    """A load whose ranks read some of the same spans (replicated tensors): ``mine`` is what this rank reads from
+    storage (its byte-balanced share of the shared spans, and every span no other rank reads); ``load`` reads it
+    and then hands every shared span from the rank that read it straight into the other ranks' targets."""
 
     mine: list
-    spans: list  # (span, reader) in the order every rank lists them
+    transfers: list[_Transfer]  # this rank's, in the job's order
     group: Optional[dist.ProcessGroup]
     rank: int
     timeout: float
 
-    def exchange(self) -> None:
-        pack: list = []
-        for span, reader in self.spans:
-            if span.nbytes < SMALL_BYTES:
-                if pack and (pack[0][1] != reader or sum(s.nbytes for s, _ in pack) + span.nbytes > PIECE_BYTES):
-                    self._send_pack(pack)
-                    pack = []
-                pack.append((span, reader))
-                continue
-            if pack:
-                self._send_pack(pack)
-                pack = []
-            self._broadcast(_as_bytes(span.target), reader, span)
-        if pack:
-            self._send_pack(pack)
+    def load(self, read: Callable[[list[FileSpans]], None]) -> None:
+        """``read(self.mine)``, then, once every rank has read its share, the exchange. A rank that failed
+        (damage it found, a file it could not read) fails every rank's load with its error, naming the file
+        and key: the ranks waiting for its spans would otherwise wait for the timeout."""
+        failure: Optional[BaseException] = None
+        try:
+            read(self.mine)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            failure = e
+        failures = _failures(None if failure is None else (type(failure).__name__, f"rank {self.rank}: {failure}"),
+                             self.group, self.timeout)
+        if failure is not None:
+            raise failure
+        if failures:
+            kind = CorruptCheckpointError if failures[0][0] == CorruptCheckpointError.__name__ else CheckpointError
+            raise kind("; ".join(message for _kind, message in failures))
+        for transfer in self.transfers:
+            if len(transfer.spans) == 1 and transfer.spans[0].nbytes >= SMALL_BYTES:
+                self._transfer(_as_bytes(transfer.spans[0].target), transfer)
+            else:
+                self._transfer_packed(transfer)
 
-    def _send_pack(self, pack: list) -> None:
-        reader = pack[0][1]
-        buffer = torch.empty(sum(span.nbytes for span, _ in pack), dtype=torch.uint8)
-        offsets = []
-        offset = 0
-        for span, _ in pack:
-            offsets.append(offset)
-            offset += span.nbytes
-        if self.rank == reader:
-            for (span, _), start in zip(pack, offsets):
+    def _transfer_packed(self, transfer: _Transfer) -> None:
+        buffer = torch.empty(sum(span.nbytes for span in transfer.spans), dtype=torch.uint8)
+        offsets = [0]
+        for span in transfer.spans:
+            offsets.append(offsets[-1] + span.nbytes)
+        if self.rank == transfer.reader:
+            for span, start in zip(transfer.spans, offsets):
                 buffer[start:start + span.nbytes] = _as_bytes(span.target)
-        self._broadcast(buffer, reader, pack[0][0])
-        if self.rank != reader:
-            for (span, _), start in zip(pack, offsets):
+        self._transfer(buffer, transfer)
+        if self.rank != transfer.reader:
+            for span, start in zip(transfer.spans, offsets):
                 _as_bytes(span.target).copy_(buffer[start:start + span.nbytes])
 
-    def _broadcast(self, tensor: torch.Tensor, reader: int, span) -> None:
+    def _transfer(self, tensor: torch.Tensor, transfer: _Transfer) -> None:
         if not tensor.numel():
             return
-        source = dist.get_global_rank(self.group, reader) if self.group is not None else reader
+        ranked = (lambda r: dist.get_global_rank(self.group, r)) if self.group is not None else (lambda r: r)
         try:
-            dist.broadcast(tensor, src=source, group=self.group, async_op=True).wait(timedelta(seconds=self.timeout))
+            if transfer.receivers is None:
+                works = [dist.broadcast(tensor, src=ranked(transfer.reader), group=self.group, async_op=True)]
+            elif self.rank == transfer.reader:
+                works = [dist.isend(tensor, dst=ranked(r), group=self.group) for r in transfer.receivers]
+            else:
+                works = [dist.irecv(tensor, src=ranked(transfer.reader), group=self.group)]
+            for work in works:
+                work.wait(timedelta(seconds=self.timeout))
         except Exception as e:  # noqa: BLE001 - which key, from which rank
-            raise CheckpointTimeoutError(f"key '{span.key}', read by rank {reader}, did not arrive within "
-                                         f"{self.timeout:.0f} s: {e}", rank=reader) from e
+            raise CheckpointTimeoutError(f"key '{transfer.spans[0].key}', read by rank {transfer.reader}, did not "
+                                         f"arrive within {self.timeout:.0f} s: {e}", rank=transfer.reader) from e
 
 
 def share_spans(files: list[FileSpans], group: Optional[dist.ProcessGroup], *, timeout: float, remote: bool,
                 readers: Readers = "job") -> Optional[SharedSpans]:
-    """A collective of the ranks of a direct load (``loading.direct_load``): where every rank reads exactly the same
-    spans of the same files (``FileSpans``) from an object store (``remote``) or on several nodes, each reads a
-    byte-balanced share of them (whole spans, in file order) and ``SharedSpans.exchange`` shares the rest; None
-    where the ranks read different things, or local files on one node (each reads its own)."""
+    """A collective of the ranks of a load through our reader (the direct load, ``loading.direct_load``, and DCP's,
+    ``loading.dcp_reader``): where ranks read the same spans of the same files (``FileSpans``) from an object
+    store (``remote``) or on several nodes, each such span is read from storage by one of the ranks that need it
+    (byte-balanced; with ``readers="node"``, one per node) and ``SharedSpans.load`` hands it to the others. Every
+    rank reading the same (DDP's replicated state) is shared by broadcast; some ranks reading the same (HSDP's
+    replica groups; a tensor kept whole by every rank of a sharded checkpoint) by sends to those ranks alone.
+    None where no two ranks read the same span, or for local files on one node (its page cache reads them once)."""
     rank, world = rank_and_world(group)
     if readers == "off" or not dist_ready() or world < 2:
         return None
-    listed = [(entry.relative_path, span.offset, span.nbytes, span.key) for entry in files for span in entry.spans]
+    flat = [(entry, span) for entry in files for span in entry.spans]
+    listed = [(entry.relative_path, span.offset, span.nbytes) for entry, span in flat]
     gathered: list = [None] * world
     digest = hashlib.blake2b(repr(listed).encode(), digest_size=16).hexdigest()
+    _within(timeout, "meet", lambda: _barrier(group, timeout))  # then the gathers below find every rank there
     dist.all_gather_object(gathered, (tier.node_id(), digest), group=group)
     nodes = _Node([entry[0] for entry in gathered])
-    if any(entry[1] != gathered[0][1] for entry in gathered) or (nodes.count == 1 and not remote):
-        return None  # sharded state: each rank its own reads; files of one node: its page cache reads them once
-    reading = [r for r in range(world) if readers == "job" or nodes.leader(r) == r]
-    flat = [(entry, span) for entry in files for span in entry.spans]
-    owner = _owners([span.nbytes for _entry, span in flat], reading)
+    if nodes.count == 1 and not remote:
+        return None  # files of one node: its page cache already reads each byte once for all its ranks
+    if all(entry[1] == digest for entry in gathered):  # every rank reads the same spans: broadcasts
+        reading = [r for r in range(world) if readers == "job" or nodes.leader(r) == r]
+        owner = _owners([span.nbytes for _entry, span in flat], reading)
+        shared = [(span.nbytes, reader, None, index) for index, ((_entry, span), reader) in enumerate(zip(flat, owner))]
+        of = dict(enumerate(flat))
+    else:
+        every: list = [None] * world
+        dist.all_gather_object(every, listed, group=group)
+        shared = _shared_spans(every, nodes, readers)
+        if not shared:
+            return None
+        of = dict(zip(listed, flat))
+    transfers = [_Transfer(reader, receivers, [of[ref][1] for ref in refs]) for reader, receivers, refs in _packed(shared)
+                 if receivers is None or rank == reader or rank in receivers]
+    received = {id(span) for transfer in transfers if transfer.reader != rank for span in transfer.spans}
     mine: dict = {}
-    for (entry, span), reader in zip(flat, owner):
-        if reader == rank:
+    for entry, span in flat:
+        if id(span) not in received:
             mine.setdefault(entry.relative_path, (entry, []))[1].append(span)
     own = [FileSpans(entry.relative_path, spans, entry.needed_size, entry.needed_by) for entry, spans in mine.values()]
-    return SharedSpans(own, [(span, reader) for (_entry, span), reader in zip(flat, owner)], group, rank, timeout)
+    return SharedSpans(own, transfers, group, rank, timeout)
+
+
+def _shared_spans(every: list[list[tuple]], nodes: _Node, readers: Readers) -> list[tuple]:
+    """``(nbytes, reader, receivers, key)`` of each span that several ranks read (``every``: each rank's keys), in one order
+    every rank computes alike: the reader is the rank among them with the fewest bytes to read so far (per node
+    with ``readers="node"``); a key some rank reads twice is left to each rank."""
+    needers: dict[tuple, list[int]] = {}
+    twice: set = set()
+    for rank, keys in enumerate(every):
+        seen: set = set()
+        for key in keys:
+            if key in seen:
+                twice.add(key)
+            seen.add(key)
+            needers.setdefault(key, []).append(rank)
+    load = [0] * len(every)
+    shared = []
+    for key in sorted(needers.keys() - twice):
+        ranks = needers[key]
+        cliques = [ranks] if readers == "job" else [[r for r in ranks if nodes.of_rank[r] == node]
+                                                    for node in sorted({nodes.of_rank[r] for r in ranks})]
+        for clique in (c for c in cliques if len(c) > 1):
+            reader = min(clique, key=lambda r: (load[r], r))
+            load[reader] += key[2]
+            shared.append((key[2], reader, tuple(r for r in clique if r != reader), key))
+    return shared
+
+
+def _packed(shared: list[tuple]) -> list[tuple]:
+    """``shared`` spans ``(nbytes, reader, receivers, ref)``, the job's list, as transfers ``(reader, receivers,
+    refs)``: consecutive small spans of the same reader and receivers packed together up to ``PIECE_BYTES``.
+    Packed from the job's list, not a rank's own, so that every rank involved cuts the same packs."""
+    packs: list[tuple] = []
+    size = 0
+    for nbytes, reader, receivers, ref in shared:
+        if (nbytes < SMALL_BYTES and packs and packs[-1][3] and (packs[-1][0], packs[-1][1]) == (reader, receivers)
+                and size + nbytes <= PIECE_BYTES):
+            packs[-1][2].append(ref)
+            size += nbytes
+            continue
+        packs.append((reader, receivers, [ref], nbytes < SMALL_BYTES))
+        size = nbytes
+    return [(reader, receivers, refs) for reader, receivers, refs, _small in packs]
 
 
 def _owners(sizes: list[int], readers: list[int]) -> list[int]:

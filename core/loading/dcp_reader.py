@@ -12,6 +12,7 @@ from itertools import repeat
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
@@ -22,6 +23,7 @@ from asyncckpt.core.storage import commit
 from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.formats import names
 from asyncckpt.core.errors import CorruptCheckpointError
+from asyncckpt.core.loading import cooperative
 from asyncckpt.core.loading.metadata_io import load_dcp_metadata
 from asyncckpt.core.loading.reader import RAW_DTYPES, Span, can_read_into, group_by_file, overlapping, read_spans
 from asyncckpt.core.storage.sidecars import read_sidecar
@@ -33,18 +35,24 @@ class AsyncCkptStorageReader(StorageReader):
     """DCP StorageReader: restricted metadata unpickling, checksum verification, direct reads.
 
     A request for a whole saved chunk of ours, into a plain CPU tensor, is read straight into it
-    (``reader.read_spans``); narrowed requests (resharding) and the containers of plain DCP
+    (``reader.read_spans``), and where several ranks of a cooperative load ask for the same chunk, by one of them,
+    which sends it to the others (``cooperative.share_spans``); narrowed requests (resharding) and the containers of plain DCP
     checkpoints are read into a temporary first, at most ``STAGED_BYTES`` at a time.
     """
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = True, io_threads: int = 2,
-                 require_commit: bool = True, metadata: Optional[Metadata] = None) -> None:
+                 require_commit: bool = True, metadata: Optional[Metadata] = None,
+                 group: Optional[dist.ProcessGroup] = None, timeout: float = 600.0,
+                 readers: cooperative.Readers = "off") -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.verify = verify
         self.io_threads = io_threads
         self.require_commit = require_commit
         self._metadata = metadata  # already read (and checked) by the caller
+        # A cooperative load (``readers`` "job" or "node", with ``dcp.load``'s process group: ``group``, None for the
+        # default one): whole chunks several ranks read are read once and sent to the others (``cooperative``).
+        self.group, self.timeout, self.readers = group, timeout, readers
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -86,8 +94,14 @@ class AsyncCkptStorageReader(StorageReader):
         # Narrowed reads, plain DCP containers, and targets sharing memory with different sources
         # (which must be copied one by one, in plan order, so that the last key wins as in DCP).
         staged = [job for job in jobs if job.span is None or id(job.span) in clashes]
-        read_spans(self.path, group_by_file([(job.info.relative_path, job.span, job.info.offset + job.info.length)
-                                             for job in direct]), threads=self.io_threads)
+        files = group_by_file([(job.info.relative_path, job.span, job.info.offset + job.info.length) for job in direct])
+        read = functools.partial(read_spans, self.path, threads=self.io_threads)
+        shared = cooperative.share_spans(files, self.group, timeout=self.timeout, readers=self.readers,
+                                         remote=backend_for(self.path).remote)
+        if shared is not None:
+            shared.load(read)
+        else:
+            read(files)
         for job in direct:
             job.hand_over()
         for batch in _batches(staged):

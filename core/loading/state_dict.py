@@ -3,12 +3,13 @@
 Checkpoints written by asyncckpt whose tensors need no resharding (plain CPU tensors, each saved
 whole) are read straight from the sidecars (``direct_load``); where every rank loads the same tensors
 (replicated state), each reads its share and the ranks broadcast the rest (``cooperative.share_spans``);
-anything else goes through
-``dcp.load`` with torch's resharding and our verified reader. With collectives, every rank takes
+anything else goes through ``dcp.load`` with torch's resharding and our verified reader, which shares the
+whole chunks several ranks read (HSDP's replica groups, tensors kept whole). With collectives, every rank takes
 the same path, and a failure on any rank is raised on every rank (as ``dcp.load`` does).
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Optional
 
@@ -23,7 +24,7 @@ from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.loading.dcp_reader import AsyncCkptStorageReader
 from asyncckpt.core.loading.direct_load import paused_gc, plan_direct_load
 from asyncckpt.core.snapshot.dist_env import dist_ready
-from asyncckpt.core.errors import CheckpointError
+from asyncckpt.core.errors import CheckpointError, CheckpointTimeoutError
 from asyncckpt.core.loading.metadata_io import load_dcp_metadata
 from asyncckpt.core.snapshot.planner import AsyncCkptLoadPlanner
 
@@ -46,13 +47,13 @@ def load_checkpoint(state_dict: dict, path: str, *, group: Optional[dist.Process
                 shared = cooperative.share_spans(load.files, group, timeout=timeout, readers=readers,
                                                  remote=backend_for(path).remote) \
                     if use_dist else None  # replicated state (every rank reads the same): each byte read once
-                ranks.all_gather("read", lambda: load.read(io_threads, shared.mine if shared else None))
-                if shared is not None:
-                    shared.exchange()
+                read = functools.partial(load.read, io_threads)
+                ranks.all_gather("read", lambda: shared.load(read) if shared is not None else read())
                 ranks.all_gather("place", load.place)
                 planned.clear()  # its ~10 objects per key go before the GC is back on
                 return
-            reader = AsyncCkptStorageReader(path, verify=verify, io_threads=io_threads, metadata=load_dcp_metadata(path))
+            reader = AsyncCkptStorageReader(path, verify=verify, io_threads=io_threads, metadata=load_dcp_metadata(path),
+                                            group=group, timeout=timeout, readers=readers if use_dist else "off")
             with warnings.catch_warnings():  # DCP warns that a no-collectives load is "single process"
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(state_dict, storage_reader=reader, planner=AsyncCkptLoadPlanner(strict=strict),
@@ -63,7 +64,7 @@ def load_checkpoint(state_dict: dict, path: str, *, group: Optional[dist.Process
 
 def _unwrap(error: CheckpointException) -> BaseException:
     """DCP wraps per-rank failures; surface ours (they already name path, key and rank)."""
-    for _rank, (exception, _traceback) in sorted(error.failures.items()):
-        if isinstance(exception, CheckpointError):
-            return exception
-    return error
+    ours = [exception for _rank, (exception, _traceback) in sorted(error.failures.items())
+            if isinstance(exception, CheckpointError)]
+    ours.sort(key=lambda e: isinstance(e, CheckpointTimeoutError))  # a rank's own failure before others' waits for it
+    return ours[0] if ours else error
