@@ -2,7 +2,8 @@
 
 Under DDP every rank loads the whole checkpoint (Lightning's ``load_checkpoint`` of the ``.ckpt`` on every rank).
 A ~1 GiB ``.ckpt`` written by ``AsyncCkptIO``, on the local disk and in a bucket of moto's S3 server (started
-here, every GET's bytes counted); on each rank count, the ranks (spawned processes in a gloo group) load it the
+here, every GET's bytes counted; or SeaweedFS's, ``--set server=weed``, which serves 1 GiB to four ranks at once
+where moto's one Python process cannot, its bytes not counted); on each rank count, the ranks (spawned processes in a gloo group) load it the
 way Lightning's DDP strategy does, one rep of each arm in rotation, the file's pages evicted before each:
 
   native     Lightning's own ``TorchCheckpointIO.load_checkpoint`` on every rank (a URL through fsspec)
@@ -63,7 +64,7 @@ def loads(rank: int, world: int, paths: dict, reps: int, served) -> list[dict]:
                 if rank == 0 and source == "disk":
                     evict([paths["disk"]])
                 dist.barrier()
-                read, downloaded, started = _read_bytes(), served.value, time.perf_counter()
+                read, downloaded, started = _read_bytes(), served.value if served else 0, time.perf_counter()
                 error = None
                 with _Peak() as peak:
                     try:
@@ -73,7 +74,8 @@ def loads(rank: int, world: int, paths: dict, reps: int, served) -> list[dict]:
                 own = time.perf_counter() - started
                 dist.barrier()
                 rows.append({"rep": rep, "source": source, "arm": arm, "s": time.perf_counter() - started, "own_s": own,
-                             "read": _read_bytes() - read, "downloaded": served.value - downloaded,
+                             "read": _read_bytes() - read,
+                             "downloaded": served.value - downloaded if served else None,
                              "rss": peak.rss, "shmem": peak.shmem, "error": error})
     for io in ios.values():
         if isinstance(io, AsyncCkptIO):
@@ -150,17 +152,19 @@ def measure(sitting) -> dict:
     from scenarios.object_store import Server
 
     o = sitting.o
-    server = Server("moto", sitting.directory("s3"))
-    served = multiprocessing.get_context("spawn").Value("q", 0, lock=False)  # every GET's bytes, read by the ranks
-    app = server.moto._server.app  # moto keeps its werkzeug server private; the WSGI app on it is public
+    server = Server(o.server, sitting.directory("s3"))
+    served = None  # SeaweedFS's bytes served are not counted (its own components talk over sockets too)
+    if o.server == "moto":
+        served = multiprocessing.get_context("spawn").Value("q", 0, lock=False)  # every GET's bytes, read by the ranks
+        app = server.moto._server.app  # moto keeps its werkzeug server private; the WSGI app on it is public
 
-    def counted(environ, start_response):
-        for chunk in app(environ, start_response):
-            if environ["REQUEST_METHOD"] == "GET":
-                served.value += len(chunk)
-            yield chunk
+        def counted(environ, start_response):
+            for chunk in app(environ, start_response):
+                if environ["REQUEST_METHOD"] == "GET":
+                    served.value += len(chunk)
+                yield chunk
 
-    server.moto._server.app = counted
+        server.moto._server.app = counted
     try:
         boto3.client("s3").create_bucket(Bucket=BUCKET)
         folder = sitting.directory("checkpoints")
@@ -185,7 +189,8 @@ def measure(sitting) -> dict:
                                       if (r["source"], r["arm"]) == (source, arm) and rank_rows[i]["error"]}),
                     "read": max(sum(rank_rows[i]["read"] for rank_rows in rows)
                                 for i, r in enumerate(rows[0]) if (r["source"], r["arm"]) == (source, arm)),
-                    "downloaded": max(r["downloaded"] for r in rows[0] if (r["source"], r["arm"]) == (source, arm)),
+                    "downloaded": max((r["downloaded"] for r in rows[0] if (r["source"], r["arm"]) == (source, arm)
+                                       and r["downloaded"] is not None), default=None),
                     "rss": max(r["rss"] for rank_rows in rows for r in rank_rows if (r["source"], r["arm"]) == (source, arm)),
                     "shmem": max(r["shmem"] for r in rows[0] if (r["source"], r["arm"]) == (source, arm))}
                 for source in SOURCES for arm in ARMS}
@@ -200,10 +205,12 @@ def measure(sitting) -> dict:
 
 def render(result: dict) -> str:
     o, figures = result["options"], result["figures"]
+    server = o.get("server", "moto")
     size = figures["bytes"]
     lines = [f"A {size / 2**30:.2f} GiB `.ckpt`; {o['reps']} reps per arm in rotation, medians (min-max), each the "
              "job's time (from a barrier to the last rank's loaded checkpoint). Bytes read from storage: the ranks' "
-             "`read_bytes` (disk; the file's pages evicted before each rep), the S3 server's GET bytes (S3), as a "
+             "`read_bytes` (disk; the file's pages evicted before each rep), the S3 server's GET bytes (S3; moto's, not counted "
+             "with SeaweedFS), as a "
              "multiple of the checkpoint's size (on this one node, a local file is left to the page cache by asyncckpt too: "
              "it already reads each byte once for every rank; the split and the node copy apply from a bucket and across "
              "nodes). Memory: the largest resident set of any rank during its load "
@@ -218,14 +225,15 @@ def render(result: dict) -> str:
             for arm in ARMS:
                 entry = arms[f"{source} {arm}"]
                 moved = entry["read"] if source == "disk" else entry["downloaded"]
+                counted = moved is not None
                 s = entry["s"]
                 timing = f"{fmt(s['median'], '.2f')} ({fmt(s['min'], '.2f')}-{fmt(s['max'], '.2f')})" if s.get("n") else ""
                 if entry["errors"]:
                     timing += f" failed: {'; '.join(entry['errors'])[:160]}"
-                rows.append([world, NAMES[arm], timing,
-                             f"{moved / 2**20:.0f} MiB", f"{moved / size:.2f}x", f"{entry['rss'] / 2**20:.0f} MiB",
+                rows.append([world, NAMES[arm], timing, f"{moved / 2**20:.0f} MiB" if counted else "not counted",
+                             f"{moved / size:.2f}x" if counted else "–", f"{entry['rss'] / 2**20:.0f} MiB",
                              f"{entry['shmem'] / 2**20:.0f} MiB"])
-        lines += [f"## From {'the local disk, cold' if source == 'disk' else 'the S3 server (moto)'}", "",
+        lines += [f"## From {'the local disk, cold' if source == 'disk' else f'the S3 server ({server})'}", "",
                   *table(["ranks", "load", "s", "read from storage", "/ checkpoint", "a rank's peak RSS, added",
                           "the node's copy, peak"], rows)]
         if source == "disk":
@@ -246,7 +254,7 @@ def _goals(figures: dict) -> list[str]:
     one = ranks.get("1", at)
     goals = [
         ("bytes read 1x at any rank count (disk and S3, asyncckpt)",
-         max(max(arms[f"{source} asyncckpt"]["read" if source == "disk" else "downloaded"] for source in SOURCES)
+         max(max(arms[f"{source} asyncckpt"]["read" if source == "disk" else "downloaded"] or 0 for source in SOURCES)
              for arms in ranks.values()) / size, 1.05, "<="),
         (f"from S3 at {most} ranks, at most half of each rank by itself", ours_s3 / before_s3, 0.5, "<="),
         (f"from S3 at {most} ranks, at most half of Lightning's own", ours_s3 / native_s3, 0.5, "<="),
@@ -276,9 +284,10 @@ def plot(result: dict, figure) -> None:
                                                             for e in entries], marker="o", label=label)
             axes[1][column].set_ylim(bottom=0)
             axes[1][column].plot([int(w) for w in worlds],
-                                 [(e["read"] if source == "disk" else e["downloaded"]) / size for e in entries],
+                                 [((e["read"] if source == "disk" else e["downloaded"]) or float("nan")) / size
+                                  for e in entries],
                                  marker="o", label=label)
-        axes[0][column].set_title(f"{'local disk, cold' if source == 'disk' else 'S3 (moto)'}: load time")
+        axes[0][column].set_title(f"{'local disk, cold' if source == 'disk' else 'S3'}: load time")
         axes[0][column].set_ylabel("seconds")
         axes[1][column].set_title("bytes read from storage")
         axes[1][column].set_ylabel("x the checkpoint")
@@ -294,6 +303,8 @@ SCENARIO = Scenario(
              "local disk and from S3: each byte once per job (asyncckpt), each rank by itself (asyncckpt before issue "
              "36), and Lightning's own load on every rank.",
     measure=measure, render=render, plot=plot,
-    options={"size_mib": Option(1024, 64), "ranks": Option((1, 2, 4), (1, 2)), "reps": Option(2, 1)},
+    options={"size_mib": Option(1024, 64), "ranks": Option((1, 2, 4), (1, 2)), "reps": Option(2, 1),
+             "server": Option("moto", "moto", "moto (threaded, in this process: GET bytes counted; it cannot serve 1 GiB "
+                                              "to 4 ranks at once) or weed (SeaweedFS, if installed: bytes not counted)")},
     reps=(2, 1),
 )
