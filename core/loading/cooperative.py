@@ -445,8 +445,8 @@ def share_spans(files: list[FileSpans], group: Optional[dist.ProcessGroup], *, t
         if not shared:
             return None
         of = dict(zip(listed, flat))
-    transfers = [_Transfer(reader, receivers, [of[ref][1] for ref in refs]) for reader, receivers, refs in _packed(shared)
-                 if receivers is None or rank == reader or rank in receivers]
+    transfers = [_Transfer(reader, receivers, [of[ref][1] for ref in refs])
+                 for reader, receivers, refs in _packed(shared) if receivers is None or rank == reader or rank in receivers]
     received = {id(span) for transfer in transfers if transfer.reader != rank for span in transfer.spans}
     mine: dict = {}
     for entry, span in flat:
@@ -457,9 +457,9 @@ def share_spans(files: list[FileSpans], group: Optional[dist.ProcessGroup], *, t
 
 
 def _shared_spans(every: list[list[tuple]], nodes: _Node, readers: Readers) -> list[tuple]:
-    """``(nbytes, reader, receivers, key)`` of each span that several ranks read (``every``: each rank's keys), in one order
-    every rank computes alike: the reader is the rank among them with the fewest bytes to read so far (per node
-    with ``readers="node"``); a key some rank reads twice is left to each rank."""
+    """``(nbytes, reader, receivers, key)`` of each span that several ranks read (``every``: each rank's keys), in
+    one order every rank computes alike: the reader is the rank among them with the fewest bytes to read so far
+    (per node with ``readers="node"``); a key some rank reads twice is left to each rank."""
     needers: dict[tuple, list[int]] = {}
     twice: set = set()
     for rank, keys in enumerate(every):

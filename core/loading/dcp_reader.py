@@ -35,9 +35,9 @@ class AsyncCkptStorageReader(StorageReader):
     """DCP StorageReader: restricted metadata unpickling, checksum verification, direct reads.
 
     A request for a whole saved chunk of ours, into a plain CPU tensor, is read straight into it
-    (``reader.read_spans``), and where several ranks of a cooperative load ask for the same chunk, by one of them,
-    which sends it to the others (``cooperative.share_spans``); narrowed requests (resharding) and the containers of plain DCP
-    checkpoints are read into a temporary first, at most ``STAGED_BYTES`` at a time.
+    (``reader.read_spans``), and where several ranks of a cooperative load ask for the same chunk, by one of
+    them, which sends it to the others (``cooperative.share_spans``); narrowed requests (resharding) and the
+    containers of plain DCP checkpoints are read into a temporary first, at most ``STAGED_BYTES`` at a time.
     """
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = True, io_threads: int = 2,
