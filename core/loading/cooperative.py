@@ -437,7 +437,7 @@ def share_spans(files: list[FileSpans], group: Optional[dist.ProcessGroup], *, t
         reading = [r for r in range(world) if readers == "job" or nodes.leader(r) == r]
         owner = _owners([span.nbytes for _entry, span in flat], reading)
         shared = [(span.nbytes, reader, None, index) for index, ((_entry, span), reader) in enumerate(zip(flat, owner))]
-        of = dict(enumerate(flat))
+        of = flat  # refs: indices into it
     else:
         every: list = [None] * world
         dist.all_gather_object(every, listed, group=group)
