@@ -74,16 +74,22 @@ def dcp_async_save_process(sd: dict, path: str):
     return dcp.async_save(sd, checkpoint_id=path, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
 
 
-def shm_async_stager():
-    """A DCP ``DefaultStager`` staging into shared memory, asynchronously; reused across saves, then closed."""
+def shm_async_stager(pinned: bool = False):
+    """A DCP ``DefaultStager`` staging into shared memory, asynchronously; reused across saves, then closed.
+    ``pinned``: also pinned host memory and non-blocking copies (its configuration for GPU state)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    return DefaultStager(StagingOptions(False, True, True, False))
+    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=True, use_async_staging=True,
+                                        use_non_blocking_copy=pinned))
 
 
-def dcp_async_save_staged(sd: dict, path: str, stager):
-    """``dcp.async_save`` THREAD mode through ``stager``, no_dist: a response whose ``staging_completion``
-    resolves when the snapshot is taken and ``upload_completion`` when the write is done."""
+def dcp_async_save_staged(sd: dict, path: str, stager, process: bool = False):
+    """``dcp.async_save`` through ``stager``: a response whose ``staging_completion`` resolves when the snapshot
+    is taken and ``upload_completion`` when the write is done. THREAD mode with no_dist; ``process``: PROCESS
+    mode (the write in DCP's own background process; needs a process group)."""
+    if process:
+        return dcp.async_save(sd, checkpoint_id=path, async_stager=stager,
+                              async_checkpointer_type=AsyncCheckpointerType.PROCESS)
     return dcp.async_save(sd, checkpoint_id=path, async_stager=stager, no_dist=True)
 
 

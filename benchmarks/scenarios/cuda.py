@@ -6,29 +6,33 @@ the checkpoint on the machine's local disk. Two workloads on the GPU: ``large``,
 mid-sized model's weights), and ``adam``, 2,000 small parameters with Adam's two moments and a 0-dim step each
 (6,000 tensors, ~24 MiB: the per-tensor cost). Back to back, each method's first rep reported apart: ``d2h``
 (every tensor into held pinned host memory, synchronized: the stall's floor), ``torch`` (``torch.save`` +
-fsync), ``dcp`` (``dcp.async_save``, a thread), ``ours`` (``Checkpointer.async_save``); then, for ``large``,
-a GPU matmul loop's steps/s alone, while the writer writes a save, and while it exports the checkpoint as
-Hugging Face safetensors.
+fsync), ``dcp`` (``dcp.async_save`` as it comes: a thread, a blocking copy), ``dcp_best`` (DCP's strongest
+configuration for GPU state: the PROCESS executor and a ``DefaultStager`` with pinned, shared memory, non-blocking
+copies and asynchronous staging; its stall is until its staging completes, when training may change the state),
+``ours`` (``Checkpointer.async_save``); then, for ``large``, a GPU matmul loop's steps/s alone, while our writer
+writes a save, while it exports the checkpoint as Hugging Face safetensors, and while ``dcp_best`` writes one.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from harness import Option, Scenario
 from harness.report import bars, fmt, side, table
-from harness.util import MiB, median, now, remove
+from harness.util import MiB, free_port, median, now, remove
 
-METHODS = ("d2h", "torch", "dcp", "ours")
+METHODS = ("d2h", "torch", "dcp", "dcp_best", "ours")
 
 
 def gpu(large_mib: int, adam_params: int, reps: int, alone_s: float, methods: list[str]) -> dict:
     import torch
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from asyncckpt.core import Checkpointer, ExportOptions
+    from harness import peers as P
 
     def make_large() -> dict:
         per = large_mib * MiB // 8 // 4
@@ -50,13 +54,19 @@ def gpu(large_mib: int, adam_params: int, reps: int, alone_s: float, methods: li
             return [state]
         return [t for value in state.values() for t in tensors(value)] if isinstance(state, dict) else []
 
-    def timed_save(start: Callable[[str], Any], finish: Callable[[Any], None], path: str) -> dict:
+    def timed_save(start: Callable[[str], Any], finish: Callable[[Any], None], path: str,
+                   staged: Optional[Callable[[Any], None]] = None) -> dict:
+        """``staged(token)``, where a save returns before its snapshot is taken, waits for the snapshot: the
+        stall ends there."""
         torch.cuda.synchronize()
         t0 = now()
         token = start(path)
+        returned = now() - t0
+        if staged is not None:
+            staged(token)
         stall = now() - t0
         finish(token)
-        return {"stall_s": stall, "durable_s": now() - t0}
+        return {"stall_s": stall, "returned_s": returned, "durable_s": now() - t0}
 
     def fsync_tree(path: str) -> None:
         for directory, _, files in os.walk(path):
@@ -66,8 +76,12 @@ def gpu(large_mib: int, adam_params: int, reps: int, alone_s: float, methods: li
                 os.close(fd)
 
     root = tempfile.mkdtemp(prefix="cuda_bench_")
-    out: dict = {"device": torch.cuda.get_device_name(), "workloads": {}}
+    out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "workloads": {}}
     checkpointer = Checkpointer()
+    if "dcp_best" in methods:  # DCP's PROCESS executor needs a process group
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    stager = P.shm_async_stager(pinned=True) if "dcp_best" in methods else None
     try:
         for name, build in (("large", make_large), ("adam", make_adam)):
             state = build()
@@ -85,9 +99,14 @@ def gpu(large_mib: int, adam_params: int, reps: int, alone_s: float, methods: li
                     f.flush()
                     os.fsync(f.fileno())
 
+            def dcp_best(path: str) -> tuple:
+                return path, P.dcp_async_save_staged(state, path, stager, process=True)
+
             calls = {"d2h": (d2h, lambda _: None), "torch": (torch_save, lambda _: None),
                      "dcp": (lambda p: (p, dcp.async_save(state, checkpoint_id=p, no_dist=True)),
                              lambda t: (t[1].result(), fsync_tree(t[0]))),
+                     "dcp_best": (dcp_best, lambda t: (t[1].upload_completion.result(), fsync_tree(t[0])),
+                                  lambda t: t[1].staging_completion.result()),
                      "ours": (lambda p: checkpointer.async_save(state, p), lambda h: h.result())}
             entry: dict[str, Any] = {"bytes": sum(t.numel() * t.element_size() for t in tensors(state)),
                                      "tensors": len(tensors(state))}
@@ -102,18 +121,25 @@ def gpu(large_mib: int, adam_params: int, reps: int, alone_s: float, methods: li
                 except Exception as error:  # noqa: BLE001 - a failing peer is a result
                     entry[method] = {"error": f"{type(error).__name__}: {error}"[:600]}
             if name == "large":
-                entry["training"] = training_loop(checkpointer, state, root, alone_s, ExportOptions)
+                dcp_write = (lambda p: dcp_best(p)[1]) if stager is not None else None
+                entry["training"] = training_loop(checkpointer, state, root, alone_s, ExportOptions, dcp_write)
             out["workloads"][name] = entry
             state = held = None  # freed before the next workload (the calls above read the names)
             torch.cuda.empty_cache()
     finally:
         checkpointer.close()
+        if stager is not None:
+            stager.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         shutil.rmtree(root, ignore_errors=True)
     return out
 
 
-def training_loop(checkpointer, state: dict, root: str, alone_s: float, export_options) -> dict:
-    """Steps/s of a 4096x4096 bf16 matmul loop alone, while the writer writes a save, and while it exports it."""
+def training_loop(checkpointer, state: dict, root: str, alone_s: float, export_options,
+                  dcp_write: Optional[Callable[[str], Any]]) -> dict:
+    """Steps/s of a 4096x4096 bf16 matmul loop alone, while the writer writes a save, while it exports it, and
+    while ``dcp_write`` (DCP's strongest configuration) writes one after its staging."""
     import torch
 
     def rate(until: Callable[[float], bool]) -> float:
@@ -135,7 +161,13 @@ def training_loop(checkpointer, state: dict, root: str, alone_s: float, export_o
     export = checkpointer.export(os.path.join(root, "during"), export_options(directory=os.path.join(root, "exports")))
     during_export = rate(lambda _: not export.done())
     export.result()
-    return {"alone": alone, "during_write": during, "during_export": during_export, "export_s": now() - t0}
+    out = {"alone": alone, "during_write": during, "during_export": during_export, "export_s": now() - t0}
+    if dcp_write is not None:
+        response = dcp_write(os.path.join(root, "during_dcp"))
+        response.staging_completion.result()
+        out["during_dcp_write"] = rate(lambda _: not response.upload_completion.done())
+        response.upload_completion.result()
+    return out
 
 
 def measure(sitting) -> dict:
@@ -147,7 +179,8 @@ def measure(sitting) -> dict:
 
 
 def render(result: dict) -> str:
-    lines = []
+    lines = ["Stall: until the save returned, or, for `dcp_best`, until its staging completed (the state may change "
+             "from then on; `call returned` is when its call returned). Medians of the reps after the first.", ""]
     for label, found in result["figures"].items():
         for name, entry in found["workloads"].items():
             floor = median(r["stall_s"] for r in entry["d2h"].get("reps", []))
@@ -157,19 +190,25 @@ def render(result: dict) -> str:
                 if row is None:
                     continue
                 if "error" in row:
-                    rows.append([method, f"error: {row['error'][:120]}", "", "", ""])
+                    rows.append([method, f"error: {row['error'][:120]}", "", "", "", ""])
                     continue
                 stall = median(r["stall_s"] for r in row["reps"])
-                rows.append([method, fmt(stall), fmt(median(r["durable_s"] for r in row["reps"])) if method != "d2h" else "",
+                returned = median(r.get("returned_s", r["stall_s"]) for r in row["reps"])
+                rows.append([method, fmt(stall), fmt(returned) if method == "dcp_best" else "",
+                             fmt(median(r["durable_s"] for r in row["reps"])) if method != "d2h" else "",
                              f"{fmt(stall / floor if floor else None, '.2f')}x", fmt(row["first"]["stall_s"])])
             lines += [f"## {name}: {entry['bytes'] / MiB:.0f} MiB in {entry['tensors']} tensors ({found['device']}"
-                      f"{side(label, result)})", "",
-                      *table(["method", "stall s", "durable s", "stall / d2h copy", "first rep stall s"], rows)]
+                      f"{', torch ' + found['torch'] if 'torch' in found else ''}{side(label, result)})", "",
+                      *table(["method", "stall s", "call returned s", "durable s", "stall / d2h copy",
+                              "first rep stall s"], rows)]
             t = entry.get("training")
             if t:
-                lines += [f"GPU matmul loop: {t['alone']:.1f} steps/s alone, {t['during_write']:.1f} while the writer writes "
+                lines += [f"GPU matmul loop: {t['alone']:.1f} steps/s alone, {t['during_write']:.1f} while our writer writes "
                           f"({1 - t['during_write'] / t['alone']:+.1%} slowdown), {t['during_export']:.1f} while it exports the "
-                          f"checkpoint as safetensors ({t['export_s']:.2f} s; {1 - t['during_export'] / t['alone']:+.1%}).", ""]
+                          f"checkpoint as safetensors ({t['export_s']:.2f} s; {1 - t['during_export'] / t['alone']:+.1%})"
+                          + (f", {t['during_dcp_write']:.1f} while `dcp_best` writes "
+                             f"({1 - t['during_dcp_write'] / t['alone']:+.1%})" if "during_dcp_write" in t else "")
+                          + ".", ""]
     return "\n".join(lines)
 
 
