@@ -163,10 +163,13 @@ def training_loop(checkpointer, state: dict, root: str, alone_s: float, export_o
     export.result()
     out = {"alone": alone, "during_write": during, "during_export": during_export, "export_s": now() - t0}
     if dcp_write is not None:
-        response = dcp_write(os.path.join(root, "during_dcp"))
-        response.staging_completion.result()
-        out["during_dcp_write"] = rate(lambda _: not response.upload_completion.done())
-        response.upload_completion.result()
+        try:
+            response = dcp_write(os.path.join(root, "during_dcp"))
+            response.staging_completion.result()
+            out["during_dcp_write"] = rate(lambda _: not response.upload_completion.done())
+            response.upload_completion.result()
+        except Exception as error:  # noqa: BLE001 - a failing peer is a result
+            out["dcp_write_error"] = f"{type(error).__name__}: {error}"[:600]
     return out
 
 
@@ -208,6 +211,7 @@ def render(result: dict) -> str:
                           f"checkpoint as safetensors ({t['export_s']:.2f} s; {1 - t['during_export'] / t['alone']:+.1%})"
                           + (f", {t['during_dcp_write']:.1f} while `dcp_best` writes "
                              f"({1 - t['during_dcp_write'] / t['alone']:+.1%})" if "during_dcp_write" in t else "")
+                          + (f"; `dcp_best` failed: {t['dcp_write_error'][:160]}" if "dcp_write_error" in t else "")
                           + ".", ""]
     return "\n".join(lines)
 
