@@ -81,7 +81,11 @@ def gpu(large_mib: int, adam_params: int, reps: int, alone_s: float, methods: li
     if "dcp_best" in methods:  # DCP's PROCESS executor needs a process group
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
-    stager = P.shm_async_stager(pinned=True) if "dcp_best" in methods else None
+    # One stager for every save keeps its pinned buffers (its intended use); torch 2.11's DefaultStager breaks on
+    # its second save (pytorch#183413, fixed in 2.12), so there each save gets a new one and pins anew.
+    reusable = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 12)
+    stager = P.shm_async_stager(pinned=True) if "dcp_best" in methods and reusable else None
+    out["dcp_best_stager"] = "one for every save" if reusable else "a new one per save (pytorch#183413)"
     try:
         for name, build in (("large", make_large), ("adam", make_adam)):
             state = build()
@@ -100,7 +104,8 @@ def gpu(large_mib: int, adam_params: int, reps: int, alone_s: float, methods: li
                     os.fsync(f.fileno())
 
             def dcp_best(path: str) -> tuple:
-                return path, P.dcp_async_save_staged(state, path, stager, process=True)
+                return path, P.dcp_async_save_staged(state, path, stager or P.shm_async_stager(pinned=True),
+                                                     process=True)
 
             calls = {"d2h": (d2h, lambda _: None), "torch": (torch_save, lambda _: None),
                      "dcp": (lambda p: (p, dcp.async_save(state, checkpoint_id=p, no_dist=True)),
@@ -115,13 +120,14 @@ def gpu(large_mib: int, adam_params: int, reps: int, alone_s: float, methods: li
                     reps_ = []
                     for rep in range(reps + 1):  # the first warms buffers and plans
                         path = os.path.join(root, f"{method}{rep}")
-                        reps_.append(timed_save(*calls[method], path))
+                        start, finish, *staged = calls[method]
+                        reps_.append(timed_save(start, finish, path, *staged))
                         remove(path)
                     entry[method] = {"first": reps_[0], "reps": reps_[1:]}
                 except Exception as error:  # noqa: BLE001 - a failing peer is a result
                     entry[method] = {"error": f"{type(error).__name__}: {error}"[:600]}
             if name == "large":
-                dcp_write = (lambda p: dcp_best(p)[1]) if stager is not None else None
+                dcp_write = (lambda p: dcp_best(p)[1]) if "dcp_best" in methods else None
                 entry["training"] = training_loop(checkpointer, state, root, alone_s, ExportOptions, dcp_write)
             out["workloads"][name] = entry
             state = held = None  # freed before the next workload (the calls above read the names)
@@ -184,6 +190,9 @@ def measure(sitting) -> dict:
 def render(result: dict) -> str:
     lines = ["Stall: until the save returned, or, for `dcp_best`, until its staging completed (the state may change "
              "from then on; `call returned` is when its call returned). Medians of the reps after the first.", ""]
+    stagers = {found.get("dcp_best_stager") for found in result["figures"].values()} - {None}
+    if stagers:
+        lines += [f"`dcp_best`'s DefaultStager: {', '.join(sorted(stagers))}.", ""]
     for label, found in result["figures"].items():
         for name, entry in found["workloads"].items():
             floor = median(r["stall_s"] for r in entry["d2h"].get("reps", []))
