@@ -19,11 +19,17 @@ from asyncckpt.core import is_complete
 
 
 def threads_and_writers() -> tuple[list[str], list[int]]:
-    """Threads named asyncckpt-* and writer processes of this process."""
+    """Threads named asyncckpt-* and writer processes of this process (running ones: a child of an earlier test
+    that exited and is not reaped yet is a zombie, whose command line cannot be read)."""
     threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("asyncckpt"))
-    writers = sorted(p.pid for p in psutil.Process().children(recursive=True)
-                     if any("asyncckpt.core.writer.process" in part for part in p.cmdline()))
-    return threads, writers
+    return threads, sorted(p.pid for p in psutil.Process().children(recursive=True) if _is_writer(p))
+
+
+def _is_writer(process: psutil.Process) -> bool:
+    try:
+        return any("asyncckpt.core.writer.process" in part for part in process.cmdline())
+    except psutil.NoSuchProcess:  # exited meanwhile, or a zombie (psutil.ZombieProcess)
+        return False
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ and to the S3 server (moto). Per save: the stall, the time to committed (in memo
 the time to durable; against the snapshot (a held memcpy of the share) plus a raw socket transfer of it
 (``os.sendfile`` into another process that writes it into tmpfs; both shares at once, as the job moves them).
 **Restarts** (a fresh two-rank job: ``latest_checkpoint`` + ``load``, checked bit for bit): from each node's own
-memory (a process restart), with node 1's memory gone (a replaced node: it fetches its share from node 0's
+memory (a process restart; both nodes at once, and one node at a time, each load with the machine's cores to
+itself as on nodes of their own), with node 1's memory gone (a replaced node: it fetches its share from node 0's
 replica), from the disk with its pages evicted, from the S3 server; against a memcpy of the share.
 **Training**: both ranks compute (one thread each: every core busy), saving every few seconds with the memory
 tier (in memory only), against the same loop saving nothing, saving durably, with another process writing the
@@ -40,8 +41,8 @@ from scenarios.replication import raw_reader, started  # noqa: F401 - raw_reader
 
 SAVES = {"durable": "durable only (disk)", "memory": "**memory tier**, durable on disk",
          "memory_s3": "**memory tier**, durable on S3"}
-RESTARTS = {"own": "own node's memory", "peer": "node 1 replaced: its share from node 0",
-            "disk": "disk (cold)", "s3": "S3 server"}
+RESTARTS = {"own": "own node's memory", "own_alone": "own node's memory, one node at a time",
+            "peer": "node 1 replaced: its share from node 0", "disk": "disk (cold)", "s3": "S3 server"}
 TRAINING = {"none": "no checkpoints", "durable": "durable only (asyncckpt, disk)",
             "memory": "**memory tier** (1 replica, memory only)",
             "raw": "floor: another process writes the same bytes to the disk (O_DIRECT)",
@@ -115,7 +116,11 @@ def _saves_rank(rank: int, world: int, arm: str, size_mib: int, reps: int, root:
             "kept": previous}
 
 
-def _restart_rank(rank: int, world: int, size_mib: int, root: str, memory_root: str, breakdown: bool) -> dict:
+def _restart_rank(rank: int, world: int, size_mib: int, root: str, memory_root: str, breakdown: bool,
+                  turns: bool) -> dict:
+    """``turns``: the ranks load one after the other (the agreement together; each load then rank-local, as it
+    reads only its own keys), then take a held memcpy of the share in turn: what a node's restart takes with the
+    machine's cores to itself."""
     import torch.distributed as dist
 
     _node(rank, memory_root)
@@ -129,9 +134,19 @@ def _restart_rank(rank: int, world: int, size_mib: int, root: str, memory_root: 
         t0 = now()
         path = checkpointer.latest_checkpoint(root)
         parts["agree_s"] = now() - t0
-        checkpointer.load(target, path)
-        load_s = now() - t0
+        for turn in range(world if turns else 1):
+            if turns:
+                dist.barrier()
+                t0 = now() - parts["agree_s"]
+            if turn == rank or not turns:  # alone: the load without collectives (each rank reads its own keys)
+                checkpointer.load(target, path, use_collectives=not turns)
+                load_s = now() - t0
         parts["load_s"] = load_s - parts["agree_s"]
+        if turns:
+            for turn in range(world):
+                dist.barrier()
+                if turn == rank:
+                    parts["memcpy_s"] = HeldMemcpy()(list(flat_tensors(target).values()))[0]
         if not same_state(target, expected):
             raise AssertionError(f"rank {rank} loaded {path}: not the state it saved")
         if breakdown:  # the same load again unverified, a bare read of this rank's files, a memcpy: both ranks at once
@@ -280,8 +295,8 @@ def job_saves(arm: str, size_mib: int, reps: int, root: str, memory_root: str, k
             "tensors": r0["tensors"], "kept": r0["kept"]}
 
 
-def job_restart(size_mib: int, root: str, memory_root: str, breakdown: bool) -> dict:
-    ranks = on_ranks(_restart_rank, 2, size_mib, root, memory_root, breakdown)
+def job_restart(size_mib: int, root: str, memory_root: str, breakdown: bool, turns: bool = False) -> dict:
+    ranks = on_ranks(_restart_rank, 2, size_mib, root, memory_root, breakdown, turns)
     return {"load_s": max(r["load_s"] for r in ranks), "paths": [r["path"] for r in ranks],
             "parts": {key: max(r["parts"][key] for r in ranks) for key in ranks[0]["parts"]}}
 
@@ -368,8 +383,8 @@ def measure(sitting) -> dict:
             child.process.kill()
             child.process.wait()
         disk_root = os.path.dirname(kept["memory"])
-        sources = {"own": (disk_root, ("n0", "n1")), "peer": (disk_root, ("n0",)), "disk": (disk_root, ()),
-                   "s3": (os.path.dirname(kept["memory_s3"]), ())}
+        sources = {"own": (disk_root, ("n0", "n1")), "own_alone": (disk_root, ("n0", "n1")),
+                   "peer": (disk_root, ("n0",)), "disk": (disk_root, ()), "s3": (os.path.dirname(kept["memory_s3"]), ())}
         for _ in range(o.reps):
             for source, (root, nodes) in sources.items():
                 _restored(backup, memory_root, nodes)
@@ -377,7 +392,7 @@ def measure(sitting) -> dict:
                     evict([os.path.join(d, n) for d, _, names in os.walk(root) for n in names])
                 with sitting.phase(f"restart {source}"):
                     found = sitting.child("job_restart", size_mib=o.size_mib, root=root, memory_root=memory_root,
-                                          breakdown=source == "own")
+                                          breakdown=source == "own", turns=source == "own_alone")
                 out["restart"].setdefault(source, []).append(found["load_s"])
                 out.setdefault("restart_parts", {}).setdefault(source, []).append(found["parts"])
                 out.setdefault("restart_paths", {})[source] = found["paths"]
@@ -385,7 +400,8 @@ def measure(sitting) -> dict:
         _restored(backup, memory_root, ())
         readers = [started(sitting, "raw_reader", sink=tempfile.mkdtemp(dir=memory_root)) for _ in range(2)]
         try:
-            for _, run in sitting.abba(sitting.runs(list(TRAINING) + [FREE + arm for arm in TRAINING]), 2):
+            training = list(TRAINING) + [FREE + arm for arm in TRAINING] if o.training else []
+            for _, run in sitting.abba(sitting.runs(training), 2) if training else ():
                 root = sitting.directory(f"train_{run.label}")
                 with sitting.phase(f"training {run.label}"):
                     found = sitting.child("job_train", arm=run.arm, size_mib=o.size_mib, seconds=o.train_s,
@@ -440,6 +456,13 @@ def render(result: dict) -> str:
                       fmt(median(figures["restart"]["disk"]) / median(times), ".1f") + "x faster"]
                      for source, times in figures["restart"].items()]), "",
              "Goals: from memory within 1.5x of a memcpy, at least 5x faster than the disk cold.", ""]
+    alone = figures.get("restart_parts", {}).get("own_alone")
+    if alone and "memcpy_s" in alone[0]:
+        load_s, memcpy_s = median([p["load_s"] for p in alone]), median([p["memcpy_s"] for p in alone])
+        lines += [f"One node at a time (each rank's load, then its held memcpy of the share, with the machine's cores "
+                  f"to itself, as on a node of its own; the slower rank's): `load` {fmt(load_s)} s against a memcpy of "
+                  f"{fmt(memcpy_s)} s, **{fmt(load_s / memcpy_s, '.2f')}x**; both nodes at once (above) share this "
+                  f"machine's two cores between two loads and the start of two writers.", ""]
     parts = figures.get("restart_parts", {}).get("own")
     if parts and "read_s" in parts[0]:
         part = {key: median([p[key] for p in parts]) for key in parts[0]}
@@ -506,7 +529,8 @@ SCENARIO = Scenario(
     measure=measure, render=render, plot=plot,
     options={"size_mib": Option(1024, 32), "failures_per_day": Option(1.0, 1.0),
              "train_s": Option(30.0, 4.0, help="seconds of computation per training run"),
-             "train_saves": Option(5, 2, help="saves per training run")},
+             "train_saves": Option(5, 2, help="saves per training run"),
+             "training": Option(True, True, help="false: the saves and restarts only")},
     reps=(3, 1),
     limits=("memcpy", "odirect_write", "cold_read"),
 )
