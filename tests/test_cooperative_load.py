@@ -141,10 +141,12 @@ def test_ranks_that_load_different_files_each_read_their_own_and_say_why(tmp_pat
         assert len(said) == 1 and "the ranks load different files" in said[0] and "file1.bin" in said[0], said
 
 
-def _failing_rank(rank, world, paths, failing, how, report):
+def _failing_rank(rank, world, paths, failing, how, report, memory=None):
     """``failing`` cannot read its part (``how``: "error") or dies reading it ("killed"); what every other rank
-    saw, and how long it took, goes to ``report``. Each rank a node of its own."""
+    saw, and how long it took, goes to ``report``. Each rank a node of its own (``memory``: its memory root there)."""
     os.environ["ASYNCCKPT_NODE"] = f"n{rank}"
+    if memory is not None:
+        os.environ["ASYNCCKPT_MEMORY_ROOT"] = f"{memory}/n{rank}"
     from asyncckpt.core.errors import CheckpointError
     from asyncckpt.core.loading import cooperative
 
@@ -175,15 +177,30 @@ def test_a_rank_that_cannot_read_its_part_fails_every_rank_naming_the_rank_and_t
         assert "file0.bin" in outcome and "Input/output error" in outcome, outcome
 
 
+def _loading_rank(rank, world, paths, memory):
+    """A cooperative load of ``paths`` on nodes of their own (memory roots under ``memory``): what it read."""
+    os.environ.update(ASYNCCKPT_NODE=f"n{rank}", ASYNCCKPT_MEMORY_ROOT=f"{memory}/n{rank}")
+    from asyncckpt.core.loading import cooperative
+
+    with cooperative.shared_copy(paths, None, timeout=60) as copies:
+        return [hashlib.sha256(open(copies[path], "rb").read()).hexdigest() for path in paths]
+
+
 def test_a_rank_killed_during_the_load_fails_the_others_within_the_timeout(tmp_path):
-    paths = _files(tmp_path)
+    """...and the node copy its killed node leader left in memory goes at the next cooperative load on that node."""
+    paths, memory = _files(tmp_path), tmp_path / "memory"
     report = str(tmp_path / "report")
     with pytest.raises(AssertionError, match=r"rank 1: no result .* exit code 9"):
-        run_on_ranks(_failing_rank, 3, paths, 1, "killed", report)
+        run_on_ranks(_failing_rank, 3, paths, 1, "killed", report, str(memory))
     for rank in (0, 2):
         outcome, seconds = json.load(open(f"{report}.{rank}"))
         assert outcome.startswith("CheckpointTimeoutError: the ranks' cooperative load failed"), outcome
         assert seconds < 20 + 10, seconds
+    left = memory / "n1-loads"
+    assert len(os.listdir(left)) == 1, os.listdir(left)  # the dead leader's copy of node n1 (its pid gone)
+    expected = [hashlib.sha256(open(path, "rb").read()).hexdigest() for path in paths]
+    assert run_on_ranks(_loading_rank, 2, paths, str(memory)) == [expected, expected]
+    assert list(left.glob("*")) == [] and list((memory / "n0-loads").glob("*")) == []  # the loads' own went too
 
 
 def _restore_together(rank, world, url_root, local_roots, memory):
