@@ -212,6 +212,10 @@ def _memory_to_clean(good: Path, node: Path) -> Path:
         _backdate(run, idle)
     half_removed = Path(tier.open_run(str(node / "half_removed"), str(memory_root)))
     os.rename(half_removed, names.hidden_path(str(half_removed), "removing", dead))
+    for pid in (_dead_pid(), os.getpid()):  # node copies of two cooperative loads: one killed, one running
+        copy_of_load = Path(tier.loads_dir(str(memory_root))) / f"0123456789ab-{pid}"
+        copy_of_load.mkdir(parents=True)
+        (copy_of_load / "0-model.ckpt").write_bytes(bytes(3000))
     return node
 
 
@@ -289,7 +293,9 @@ def test_clean_memory_removes_every_orphaned_tier_of_the_node_never_a_live_one(r
     assert len(os.listdir(memory_root)) == 2  # what the dead cleaner left went too
     assert "(memory tier of " + str(node / "live") + ": in use by a live process)" in result.stdout
     assert "removed once unchanged for 60 min" in result.stdout
-    assert "in 3 entries" in result.stdout
+    assert os.listdir(tier.loads_dir(str(memory_root))) == [f"0123456789ab-{os.getpid()}"]  # the running load's kept
+    assert "(a node copy of a load whose process is gone)" in result.stdout
+    assert "in 4 entries" in result.stdout
 
 
 def test_clean_memory_older_than_shortens_the_bound(runs):
@@ -338,6 +344,13 @@ FRESH_STAGING = ".step_000030.asyncckpt-staging-fresh"
 OLD_REPLACED = ".step_000010.asyncckpt-replaced-0ld"
 DEAD_OWNER = ".step_000040.asyncckpt-staging-dead"
 LIVE_OWNER = ".step_000050.asyncckpt-staging-live"
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited."""
+    process = subprocess.Popen([sys.executable, "-c", ""])
+    process.wait()
+    return process.pid
 
 
 def _dead_token() -> str:

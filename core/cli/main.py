@@ -8,7 +8,8 @@
                              1 damaged, 2 incomplete
     asyncckpt clean ROOT     remove what crashed saves left (``leftovers``), and ROOT's memory tier
                              on this node once its job is gone (``tier.remove_orphans``)
-    asyncckpt clean --memory every memory tier of this node whose job is gone
+    asyncckpt clean --memory every memory tier of this node whose job is gone, and the node copies of
+                             killed loads (``tier.dead_loads``)
     asyncckpt export CHECKPOINT OUT   its model as Hugging Face safetensors (``cli/export``)
 
 The tool reads only what the formats promise (see docs/FORMAT.md): the commit record, the JSON
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from collections import defaultdict
 from typing import Optional, Sequence
@@ -328,7 +330,8 @@ def cmd_clean(root: Optional[str], min_age_s: float, dry_run: bool, memory_root:
     host cannot see) only once untouched for ``min_age_s``. Never anything a live writer still uses.
     Then the same in ROOT's memory tier on this node, and the tier itself if no live process owns
     it and nothing changed in it for ``older_than_s`` (``tier.Run.orphaned``). Without ROOT: every
-    memory tier of this node that is orphaned so (and what dead cleaners left beside them)."""
+    memory tier of this node that is orphaned so (and what dead cleaners left beside them), and the node copies
+    that killed cooperative loads left beside the memory root (``tier.dead_loads``)."""
     freed = count = 0
     try:
         if root is not None:
@@ -342,6 +345,13 @@ def cmd_clean(root: Optional[str], min_age_s: float, dry_run: bool, memory_root:
         else:
             freed, count = _clean_leftovers(memory_root, "memory ", min_age_s, dry_run)
             selected = tier.runs(memory_root)
+            for copy in tier.dead_loads(tier.loads_dir(memory_root)):
+                size = used_bytes(copy)
+                if not dry_run:
+                    shutil.rmtree(copy)
+                freed, count = freed + size, count + 1
+                print(f"{'would remove' if dry_run else 'removed'}  load {basename(copy)}  {human_bytes(size)}  "
+                      "(a node copy of a load whose process is gone)")
     except (OSError, ObjectStoreError) as e:
         print(f"asyncckpt clean: {e}", file=sys.stderr)
         return EXIT_PROBLEM

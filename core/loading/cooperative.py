@@ -113,7 +113,7 @@ def shared_copy(paths: list[str], group: Optional[dist.ProcessGroup], *, timeout
     if readers == "off" or not dist_ready() or world < 2:
         yield None
         return
-    root = tier.memory_root(memory_root) + "-loads"
+    root = tier.loads_dir(tier.memory_root(memory_root))
     sizes = _sizes(paths)
     free = _free_bytes(root)
     gathered: list = [None] * world
@@ -133,7 +133,8 @@ def shared_copy(paths: list[str], group: Optional[dist.ProcessGroup], *, timeout
     folder = os.path.join(root, f"{gathered[0][4]}-{gathered[leader][5]}")  # the load's token, the node leader's pid
     leader = leader == rank
     if leader:
-        _remove_dead_loads(root)
+        for dead in tier.dead_loads(root):
+            shutil.rmtree(dead, ignore_errors=True)
     os.makedirs(folder, exist_ok=True)
     copies = {path: os.path.join(folder, f"{index}-{basename(path)}") for index, path in enumerate(paths)}
     try:
@@ -321,16 +322,6 @@ def _within(timeout: float, what: str, collective) -> None:
         raise
     except (RuntimeError, ValueError) as e:
         raise CheckpointTimeoutError(f"the ranks' cooperative load failed to {what} within {timeout:.0f} s: {e}") from e
-
-
-def _remove_dead_loads(root: str) -> None:
-    """The node copies of loads whose node leader is gone (a killed job's): ``<token>-<pid>`` folders whose
-    process no longer runs on this machine."""
-    with contextlib.suppress(OSError):
-        for name in os.listdir(root):
-            pid = name.rpartition("-")[2]
-            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 # ------------------------------------------------------------------ replicated tensors of a sharded checkpoint

@@ -69,6 +69,23 @@ def memory_root(configured: Optional[str] = None) -> str:
     return os.path.abspath(os.environ.get(MEMORY_ROOT_ENV) or configured or DEFAULT_MEMORY_ROOT)
 
 
+def loads_dir(memory_root_dir: str) -> str:
+    """Beside a memory root, where cooperative loads keep their node copies (``loading.cooperative``): one folder
+    ``<load token>-<node leader's pid>`` per load, for its duration."""
+    return memory_root_dir.rstrip("/") + "-loads"
+
+
+def dead_loads(loads: str) -> list[str]:
+    """The node copies under ``loads`` (``loads_dir``) whose node leader no longer runs on this machine: what a
+    killed load left."""
+    try:
+        names_here = sorted(os.listdir(loads))
+    except OSError:
+        return []
+    return [os.path.join(loads, name) for name in names_here
+            if name.rpartition("-")[2].isdigit() and not os.path.exists(f"/proc/{name.rpartition('-')[2]}")]
+
+
 def run_name(durable_root: str) -> str:
     """The name of the run directory holding the memory copies of the checkpoints under ``durable_root``:
     readable, and unique per root (two runs with the same last path component do not share one). The root is
