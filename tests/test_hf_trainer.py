@@ -640,3 +640,24 @@ def test_max_pending_is_a_deprecated_name_of_max_in_flight():
     with pytest.warns(FutureWarning, match="use max_in_flight"):
         callback = AsyncCheckpointCallback(max_pending=3)
     assert callback.options.max_in_flight == 3 and callback.checkpointer.options.max_in_flight == 3
+
+
+def test_the_rotation_lists_again_when_the_writer_removes_a_checkpoint_meanwhile(tmp_path, monkeypatch):
+    """The writer removes the checkpoints a rotation dropped while training goes on: one can go between the listing
+    and the reading of its mtime (a clean-clone run under load failed so at a resume). The rotation lists again."""
+    import shutil
+
+    from asyncckpt.adapters.hf_trainer.saver import checkpoints_on_disk
+
+    for step in (10, 20, 30):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        os.utime(tmp_path / f"checkpoint-{step}", (step, step))
+    getmtime = os.path.getmtime
+
+    def removed_as_it_is_read(path):  # the writer's removal lands right then, once
+        if path.endswith("checkpoint-20") and os.path.isdir(path):
+            shutil.rmtree(path)
+        return getmtime(path)
+
+    monkeypatch.setattr(os.path, "getmtime", removed_as_it_is_read)
+    assert checkpoints_on_disk(str(tmp_path)) == [str(tmp_path / "checkpoint-10"), str(tmp_path / "checkpoint-30")]

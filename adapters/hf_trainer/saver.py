@@ -50,6 +50,16 @@ from asyncckpt.core.integration import SaveMetrics, capture, dist_env, patching,
 _CHECKPOINT_STEP = resume.numbered(re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$"), directories=True)
 
 
+def checkpoints_on_disk(run_dir: str) -> list[str]:
+    """``sort_checkpoints(run_dir, use_mtime=True)``, as the Trainer's rotation orders them. The writer removes the
+    checkpoints a rotation dropped while training goes on: one listed by ``sort_checkpoints`` can be gone before it
+    reads that one's mtime (``FileNotFoundError``); then it lists again, without it."""
+    for _ in range(8):
+        with contextlib.suppress(FileNotFoundError):
+            return sort_checkpoints(run_dir, use_mtime=True)
+    return sort_checkpoints(run_dir, use_mtime=True)
+
+
 class AsyncCheckpointSaver:
     """Installed on one Trainer for its ``train()`` calls: replaces ``_save_checkpoint`` and
     ``_finalize_training`` on that instance (not its class; a subclass's override of ``_save_checkpoint``
@@ -208,7 +218,7 @@ class AsyncCheckpointSaver:
         next forward/backward runs), rotation behind it, the push after it."""
         args, state = self.trainer.args, self.trainer.state
         best = state.best_model_checkpoint
-        doomed = saving.rotation(self.checkpointer, run_dir, sort_checkpoints(run_dir, use_mtime=True),
+        doomed = saving.rotation(self.checkpointer, run_dir, checkpoints_on_disk(run_dir),
                                  keep=args.save_total_limit, protected={tx.final_dir, os.path.abspath(best or tx.final_dir)}
                                  ) if args.should_save else []
         saving.finish(self.checkpointer, tx, stage_later=files.stage_deferred if files.deferred else None, removals=doomed)
