@@ -125,7 +125,6 @@ def test_a_returned_save_is_committed_after_kill_9_single_and_multi_rank(place, 
             proc.wait_for_line("returned")
         kill(procs)
         visible_at_kill = core.is_complete(os.path.join(root, "next"))
-        proving += not visible_at_kill
         if local:  # a restart while the orphan writes: it waits for the orphan, then resumes from its checkpoint
             wait_until(lambda: orphans.at_work(root) or core.is_complete(os.path.join(root, "next")), 60,
                        "the orphaned writer neither committed nor said it is at work")
@@ -134,14 +133,18 @@ def test_a_returned_save_is_committed_after_kill_9_single_and_multi_rank(place, 
         assert core.latest_checkpoint(root) == os.path.join(root, "next")
         assert_holds(os.path.join(root, "next"), seed, world, int(env.get("SURVIVAL_ELEMENTS", ELEMENTS)))
         no_writer_left(procs)
-        if local and not visible_at_kill:
+        # A trial proves the orphan at work where its writer said so (locally: its log). Not visible at the kill is
+        # not enough: a writer already committing may land it a moment later without having seen its trainer die.
+        logged = local and os.path.exists(orphans.log_path(root))
+        if logged:
             with open(orphans.log_path(root)) as f:
                 log = f.read()
-            assert log.count("finishing next") == log.count("committed next") == world, log
+            assert 1 <= log.count("finishing next") == log.count("committed next") <= world, log
+        proving += logged if local else not visible_at_kill
         if local:
             assert orphans.at_work(root) == {}
         assert no_leftovers(root), "leftovers after the orphans' commit"
-    assert proving >= 1, "no trial killed the training process before its checkpoint was visible"
+    assert proving >= 1, "no trial had an orphaned writer finish the checkpoint (and, locally, say so)"
 
 
 @pytest.mark.parametrize("writer", ["running", "none"])
