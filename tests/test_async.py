@@ -397,6 +397,30 @@ def test_a_directory_counts_as_one_save_in_flight(tmp_path):
     assert core.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
 
 
+def test_a_rotation_counts_a_checkpoint_committing_while_it_lists_once(tmp_path):
+    """A framework's rotation lists its checkpoints while the previous save may commit: listed before its commit
+    and no longer pending after it, that checkpoint was counted nowhere, and a rotation kept one too many (a
+    clean-clone run under load left Accelerate's checkpoint_1 beside checkpoint_2 and 3 so)."""
+    from asyncckpt.core.integration import saving
+
+    with core.Checkpointer() as checkpointer:
+        for step in (0, 1):
+            checkpointer.save({"w": torch.ones(3)}, tmp_path / f"checkpoint_{step}")
+        tx = checkpointer.begin_directory(tmp_path / "checkpoint_2", step=2)
+        tx.save_file({"w": torch.ones(3)}, "model.pt")
+        saving.finish(checkpointer, tx, removals=[str(tmp_path / "checkpoint_0")])
+
+        def listed_then_committed():  # the listing, then the commit lands before the rotation counts
+            names = sorted(os.listdir(tmp_path))
+            tx.handle.result()
+            return [str(tmp_path / name) for name in names if name.startswith("checkpoint_")]
+
+        doomed = saving.rotation(checkpointer, str(tmp_path), listed_then_committed, keep=2, adding=1)
+        assert doomed == [str(tmp_path / "checkpoint_1")]
+        checkpointer.wait()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_1", "checkpoint_2"]
+
+
 def test_killed_worker_fails_a_pending_single_file_save(tmp_path):
     with core.Checkpointer() as checkpointer:
         handle = checkpointer.async_save_file({"w": torch.randn(32 << 20)}, tmp_path / "model.pt")

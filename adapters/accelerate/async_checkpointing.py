@@ -190,8 +190,10 @@ class AsyncCheckpointing:
         acc, config = self.accelerator, self.accelerator.project_configuration
         root = os.path.abspath(os.path.join(acc.project_dir, "checkpoints"))
         os.makedirs(root, exist_ok=True)
-        on_disk = sorted((p for p in (os.path.join(root, name) for name in os.listdir(root))
-                          if _accelerate_number(p) is not None), key=_accelerate_number)
+        def on_disk() -> list[str]:
+            return sorted((p for p in (os.path.join(root, name) for name in os.listdir(root))
+                           if _accelerate_number(p) is not None), key=_accelerate_number)
+
         entries = self.checkpointer.checkpoints_in(root, on_disk)
         removals = saving.rotation(self.checkpointer, root, on_disk, keep=config.total_limit, adding=1) \
             if acc.is_main_process else []

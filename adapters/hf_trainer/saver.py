@@ -218,7 +218,7 @@ class AsyncCheckpointSaver:
         next forward/backward runs), rotation behind it, the push after it."""
         args, state = self.trainer.args, self.trainer.state
         best = state.best_model_checkpoint
-        doomed = saving.rotation(self.checkpointer, run_dir, checkpoints_on_disk(run_dir),
+        doomed = saving.rotation(self.checkpointer, run_dir, lambda: checkpoints_on_disk(run_dir),
                                  keep=args.save_total_limit, protected={tx.final_dir, os.path.abspath(best or tx.final_dir)}
                                  ) if args.should_save else []
         saving.finish(self.checkpointer, tx, stage_later=files.stage_deferred if files.deferred else None, removals=doomed)

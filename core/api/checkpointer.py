@@ -496,13 +496,15 @@ class Checkpointer:
         """Checkpoints, removals and links not done yet, oldest first."""
         return self.ledger.pending()
 
-    def checkpoints_in(self, root: str | os.PathLike, on_disk: Iterable[str | os.PathLike]) -> list[str]:
+    def checkpoints_in(self, root: str | os.PathLike, list_on_disk: Callable[[], Iterable[str | os.PathLike]]) -> list[str]:
         """The checkpoints directly under ``root`` once the queued work has run, as a framework's
-        rotation must count them: ``on_disk`` (in the framework's own order) less those queued for
-        removal, then the directories being saved there, in the order they were saved."""
+        rotation must count them: those ``list_on_disk()`` finds (in the framework's own order) less those
+        queued for removal, then the directories being saved there, in the order they were saved. The
+        saves in flight are taken before the listing: one committing in between is then found in both
+        (counted once), never in neither."""
         root = os.path.abspath(os.fspath(root))
         in_flight = [h.path for h in self.pending() if h.kind == "directory" and os.path.dirname(h.path) == root]
-        found = [p for p in map(os.path.abspath, map(os.fspath, on_disk)) if p not in in_flight]
+        found = [p for p in map(os.path.abspath, map(os.fspath, list_on_disk())) if p not in in_flight]
         return [p for p in found + in_flight if self.will_exist(p)]
 
     # ------------------------------------------------------------------ before a framework loads a checkpoint

@@ -37,16 +37,16 @@ def overlaps_optimizer(checkpointer: Any, optimizers: Iterable[Any]) -> bool:
     return True
 
 
-def rotation(checkpointer: Any, root: str, on_disk: list[str], *, keep: Optional[int], protected: Iterable[str] = (),
-             adding: int = 0) -> list[str]:
+def rotation(checkpointer: Any, root: str, list_on_disk: Callable[[], list[str]], *, keep: Optional[int],
+             protected: Iterable[str] = (), adding: int = 0) -> list[str]:
     """What a framework's rotation (keep the newest ``keep`` checkpoints in ``root``) deletes once the queued work
-    has run, oldest first: ``on_disk`` in the framework's own order (oldest first), less those queued for
+    has run, oldest first: ``list_on_disk()`` in the framework's own order (oldest first), less those queued for
     removal, then those being saved there in save order, plus ``adding`` about to be saved; never a
     ``protected`` one (the newest, the best). Counting checkpoints in flight as present is what keeps an
     asynchronous save's rotation the framework's own."""
     if keep is None or keep <= 0:
         return []
-    checkpoints = checkpointer.checkpoints_in(root, on_disk)
+    checkpoints = checkpointer.checkpoints_in(root, list_on_disk)
     protected = set(protected) & set(checkpoints)
     excess = len(checkpoints) + adding - max(keep, len(protected))
     return [path for path in checkpoints if path not in protected][:max(0, excess)]
