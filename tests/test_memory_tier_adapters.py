@@ -15,14 +15,16 @@ from pathlib import Path
 import torch
 
 import tier_programs
-from writers import writers_of
+from writers import wait_until_gone, writers_of
 
 REPO = Path(__file__).resolve().parents[1]
 KILL_AT = 15  # every rank kills itself in the step after this save: saves at 5 (memory), 10 (durable too), 15 (memory)
 
 
 def _torchrun(program: Path, cwd: Path, *args: str, memory_root: Path, expect_killed: bool = False) -> str:
-    """``torchrun --standalone --nproc-per-node 2 program args`` with its output in files; its text."""
+    """``torchrun --standalone --nproc-per-node 2 program args`` with its output in files; its text. A killed job
+    returns once its orphaned writers finished what its trainers handed them (a durable copy may be under way when
+    the trainers die: what the test then finds on storage is what the orphans left)."""
     out, err = cwd / f"{program.stem}.out", cwd / f"{program.stem}.err"
     env = {**os.environ, "ASYNCCKPT_MEMORY_ROOT": str(memory_root), "PYTHONWARNINGS": "ignore",
            "OMP_NUM_THREADS": "1"}
@@ -39,13 +41,18 @@ def _torchrun(program: Path, cwd: Path, *args: str, memory_root: Path, expect_ki
     text = out.read_text()
     if expect_killed:
         assert returncode != 0, text
+        wait_until_gone(*_pids(text), timeout=120)
     else:
         assert returncode == 0, f"{text}\n{err.read_text()[-5000:]}"
     return text
 
 
+def _pids(text: str) -> list[int]:
+    return [int(line.split()[-1]) for line in text.splitlines() if line.startswith("PID ")]
+
+
 def _no_process_left(text: str) -> None:
-    pids = [int(line.split()[-1]) for line in text.splitlines() if line.startswith("PID ")]
+    pids = _pids(text)
     assert pids and all(writers_of(pid) == [] for pid in pids), text
 
 

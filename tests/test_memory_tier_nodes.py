@@ -321,12 +321,13 @@ def test_accelerate_resumes_on_a_replaced_node_from_its_peers_memory(tmp_path, j
 
 
 
-def test_lightning_on_two_nodes_saves_in_memory_and_resumes_from_storage(tmp_path, jobs):
+def test_lightning_on_two_nodes_resumes_from_the_other_nodes_replica(tmp_path, jobs):
     """Lightning with ``Trainer(num_nodes=2, devices=1, strategy="ddp")``, a node per torchrun, the memory tier on:
-    steps 5 and 15 in memory only, 10 durable too. Every process of both nodes killed after step 15's checkpoint
-    and node 0's memory deleted: ``ckpt_path="last"`` resumes both ranks from step 10 on storage (Lightning picks
-    its file on each rank before the nodes can agree on a memory copy: docs/memory_tier.md, Limits), and ends bit
-    for bit as Lightning's own kill and resume from step 10; nothing left in memory, no process."""
+    steps 5 and 15 in memory only, 10 durable too; rank 0's files go to node 1's memory as they commit. Every
+    process of both nodes killed after step 15's checkpoint and node 0's memory deleted (a replaced node):
+    ``ckpt_path="last"`` brings the process group up before Lightning picks, the nodes agree on step 15's
+    ``last.ckpt`` (newer than the durable step 10), node 0 fetches it from node 1, both ranks resume at 15 and end
+    bit for bit as Lightning's own kill and resume from step 15; nothing left in memory, no process."""
     program = tmp_path / "lightning_nodes.py"
     program.write_text(tier_programs.LIGHTNING)
     memory = tmp_path / "memory"
@@ -335,21 +336,20 @@ def test_lightning_on_two_nodes_saves_in_memory_and_resumes_from_storage(tmp_pat
         return [tier_programs.config([{"asyncckpt": run["root"].endswith("async"), **run}], replicas=1, num_nodes=2,
                                      devices=1, max_steps=24)]
 
-    for arm, stop in (("native", 10), ("async", 15)):  # stopped once the checkpoint of that step is committed
-        job = jobs(program, run(root=str(tmp_path / arm), stop_at=stop), nodes=2, memory=memory,
-                   logs=tmp_path / "logs")
+    for arm in ("native", "async"):  # stopped once the checkpoint of step 15 is committed
+        job = jobs(program, run(root=str(tmp_path / arm), stop_at=15), nodes=2, memory=memory, logs=tmp_path / "logs")
         job.wait_for_line("SAVED")
         job.kill()
     assert sorted(os.listdir(tmp_path / "async" / "ckpts")) == ["epoch=0-step=10.ckpt", "last.ckpt"]
-    assert _held(memory) == [str(memory / "n0" / run.name) for run in (memory / "n0").iterdir()]  # none on n1
-    assert sorted(entry.name for entry in (memory / "n0").glob("*/*") if not entry.name.startswith(".")) == [
-        "epoch=0-step=15.ckpt", "last.ckpt"]  # rank 0 saves them; the newest two kept
+    held = {node: sorted(entry.name for entry in (memory / node).glob("*/*") if not entry.name.startswith("."))
+            for node in ("n0", "n1")}
+    assert held["n0"] == held["n1"] == ["epoch=0-step=15.ckpt", "last.ckpt"], held  # the newest two, replicated
     shutil.rmtree(memory / "n0")
     lines = []
     for arm in ("native", "async"):
         job = jobs(program, run(root=str(tmp_path / arm), resume=True), nodes=2, memory=memory, logs=tmp_path / "logs")
         lines += job.finish()
-    assert lines.count("RANK 0 BEGINS AT 10") == 2 and lines.count("RANK 1 BEGINS AT 10") == 2, lines
+    assert lines.count("RANK 0 BEGINS AT 15") == 2 and lines.count("RANK 1 BEGINS AT 15") == 2, lines
     a, b = (torch.load(tmp_path / name / "final.pt", weights_only=True) for name in ("async", "native"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _held(memory) == []

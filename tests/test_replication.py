@@ -202,6 +202,52 @@ def test_a_replica_damaged_at_rest_is_never_kept_by_the_node_that_fetches_it(tmp
     assert not (restored / f"{CHECKPOINT}/optimizer.bin").exists() and hidden_leftovers(restored) == []
 
 
+def test_a_single_file_checkpoint_moves_with_its_checksum_and_time_and_its_copies_follow_it(tmp_path, start_node,
+                                                                                              caplog):
+    """A single-file checkpoint (Lightning's ``.ckpt``: no commit record) is the file, whichever node holds it: its
+    copies carry its checksum and modification time (a framework picks its newest file by that time), into a run
+    directory the peer's ranks made (never one nothing there would remove); a copy damaged at rest is named and the
+    next holder's used; the original's retention removes the peers' copies."""
+    from asyncckpt.core.storage.file_checksums import read_record
+    from asyncckpt.core.storage.local import attach_checksum
+    from asyncckpt.core.writer.replicas import NodeMap, fetch_file
+
+    source, name = tmp_path / "source", "run-abc/last.ckpt"
+    (source / "run-abc").mkdir(parents=True)
+    data = os.urandom(3 << 20)
+    (source / name).write_bytes(data)
+    recorded = FileChecksum(len(data), checksum(data))
+    attach_checksum(str(source / name), recorded)
+    os.utime(source / name, ns=(1_700_000_000_123_456_789,) * 2)
+    a, b = start_node("node-a"), start_node("node-b")
+    with PeerConnection(a.address, timeout=30) as peer, open(source / name, "rb") as f:  # no run directory there
+        assert "run-abc/last.ckpt: cannot be written here" in peer.put(name, f.fileno(), recorded, as_file=True)
+    assert files_under(a.root) == {}
+    for node in (a, b):
+        (node.root / "run-abc").mkdir(parents=True)  # its ranks expect the run's files
+        with PeerConnection(node.address, timeout=30) as peer, open(source / name, "rb") as f:
+            assert peer.put(name, f.fileno(), recorded, as_file=True) is None
+        assert (node.root / name).read_bytes() == data and read_record(str(node.root / name)) == recorded
+        assert os.stat(node.root / name).st_mtime_ns == 1_700_000_000_123_456_789
+    (a.root / name).write_bytes(b"\0" + data[1:])  # node a's copy damaged at rest
+
+    replaced = tmp_path / "replaced-node"
+    (replaced / "run-abc").mkdir(parents=True)  # its restart opened the run (tiers.assemble)
+    nodes = NodeMap(str(replaced), "node-c", (("node-a", f"{a.address[0]}:{a.address[1]}"),
+                                              ("node-b", f"{b.address[0]}:{b.address[1]}")), 30.0)
+    with caplog.at_level("WARNING", logger="asyncckpt"):
+        assert fetch_file(nodes, str(replaced / name), recorded, ["node-a", "node-b"])
+    assert "run-abc/last.ckpt on node node-a" in caplog.text and "damaged" in caplog.text
+    assert (replaced / name).read_bytes() == data and read_record(str(replaced / name)) == recorded
+    assert os.stat(replaced / name).st_mtime_ns == 1_700_000_000_123_456_789
+    assert hidden_leftovers(replaced) == []
+
+    with PeerConnection(b.address, timeout=30) as peer:
+        assert peer.remove(name) is None and peer.remove(name) is None  # gone already: done
+        assert "not a file" in peer.remove("run-abc")
+    assert not (b.root / name).exists() and (b.root / "run-abc").is_dir()
+
+
 def test_a_path_leaving_the_memory_root_is_refused_on_both_sides(tmp_path, start_node):
     source = tmp_path / "source"
     files = a_checkpoint(source)

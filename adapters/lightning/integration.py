@@ -25,8 +25,15 @@ subclass's own)                                            start-up overlaps the
 ``.load_checkpoint``                                       checkpoint (each rank its share), load
 ``_CheckpointConnector._parse_ckpt_path``                  before Lightning picks ("last", "hpc"):
                                                            saves in flight committed, ``last.ckpt``
-                                                           restored from ``mirror_to``; note which
-                                                           checkpoint it picked: ``resume_from_intact``
+                                                           restored from ``mirror_to``; with the memory
+                                                           tier on several nodes, the process group up
+                                                           early and the nodes agreed on the newest
+                                                           ``last*.ckpt`` in memory (fetched where
+                                                           missing); note which checkpoint it picked:
+                                                           ``resume_from_intact``
+``ModelCheckpoint.setup``                                  with the memory tier on several nodes, every
+                                                           rank's node keeps rank 0's replicated files
+                                                           of ``dirpath`` as its own (``tiers.expect``)
 ``ModelCheckpoint._find_last_checkpoints``                 also the ``last*.ckpt`` in the memory tier;
                                                            a ``dirpath`` URL: the candidates keep its
                                                            scheme (Lightning drops it, and then finds
@@ -72,6 +79,7 @@ def install(plugin_type: type) -> None:
     patching.install(saving, "pl_load", lifecycle.waiting_reader)
     patching.install(_CheckpointConnector, "_parse_ckpt_path", _noting_the_pick)
     patching.install(ModelCheckpoint, "_find_last_checkpoints", _last_checkpoints)
+    patching.install(ModelCheckpoint, "setup", _expecting_replicas)
     for strategy, model_key, sharded in ((FSDPStrategy, "model", lambda s: s._state_dict_type == "sharded"),
                                          (ModelParallelStrategy, "state_dict", lambda s: s._save_distributed_checkpoint)):
         patching.install(strategy, "save_checkpoint", _sharded_save(model_key, sharded))
@@ -163,12 +171,21 @@ def _noting_the_pick(original: Callable) -> Callable:
     def parse_ckpt_path(self, state_fn, ckpt_path, *args: Any, **kwargs: Any) -> Any:
         io = plugin_of(self.trainer.strategy)
         if io is not None and (ckpt_path is None or ckpt_path in ("last", "best", "hpc")):
+            tiers = io.checkpointer.tiers
+            if ckpt_path == "last" and tiers is not None and tiers.awaiting_nodes:
+                self.trainer.strategy.setup_environment()  # the nodes meet before Lightning picks (it skips it later)
             folders = {self.trainer.default_root_dir} | {cb.dirpath for cb in self.trainer.checkpoint_callbacks
                                                          if getattr(cb, "dirpath", None)}
             for folder in sorted(map(str, folders)):
                 resume.prepare(io.checkpointer, normalize_path(folder),
                                mirrored_name=ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION
                                if ckpt_path == "last" else None)
+            if ckpt_path == "last" and tiers is not None:  # on several nodes: the same last*.ckpt on every node
+                for callback in self.trainer.checkpoint_callbacks:
+                    dirpath = getattr(callback, "dirpath", None)
+                    if isinstance(callback, ModelCheckpoint) and dirpath is not None and not is_url(str(dirpath)):
+                        tiers.assemble(normalize_path(str(dirpath)), io.checkpointer.process_group,
+                                       single_files=_last_name(callback).match)
         resolved = original(self, state_fn, ckpt_path, *args, **kwargs)
         if io is not None:
             picked = ckpt_path in ("last", "best", "hpc", "registry") and resolved
@@ -187,7 +204,7 @@ def _last_checkpoints(original: Callable) -> Callable:
         if is_url(str(self.dirpath)):
             scheme = urllib.parse.urlsplit(str(self.dirpath)).scheme
             found = {path if is_url(path) else f"{scheme}://{path}" for path in found}
-        last = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-\d+)?{re.escape(self.FILE_EXTENSION)}$")
+        last = _last_name(self)
         for folder in resume.places(io.checkpointer, normalize_path(str(self.dirpath)))[1:]:  # in memory
             usable = io.checkpointer.tiers.usable(folder)  # on several nodes: what every node holds (none before a load)
             found |= {os.path.join(folder, name) for name in os.listdir(folder)
@@ -195,6 +212,21 @@ def _last_checkpoints(original: Callable) -> Callable:
         return found
 
     return find_last_checkpoints
+
+
+def _last_name(callback: ModelCheckpoint) -> re.Pattern:
+    """The names of the ``last*.ckpt`` files ``callback`` saves (``last.ckpt``, ``last-v1.ckpt``)."""
+    return re.compile(rf"^{re.escape(callback.CHECKPOINT_NAME_LAST)}(-\d+)?{re.escape(callback.FILE_EXTENSION)}$")
+
+
+def _expecting_replicas(original: Callable) -> Callable:
+    def setup(self, trainer, *args: Any, **kwargs: Any) -> None:
+        original(self, trainer, *args, **kwargs)
+        io = plugin_of(trainer.strategy)
+        if io is not None and io.checkpointer.tiers is not None and self.dirpath is not None:
+            io.checkpointer.tiers.expect(normalize_path(str(self.dirpath)))
+
+    return setup
 
 
 def _teardown(original: Callable) -> Callable:

@@ -405,12 +405,13 @@ class Checkpointer:
     def _follow_ups(self, checkpoint: SaveHandle) -> list[tuple]:
         """Writer jobs handed over together with a checkpoint's own request, so that they run right behind it and
         before anything queued later (a rotation's removal of that very checkpoint), and only if it committed:
-        with the memory tier, its durable copy when due and the tier's retention (``tiers``); rank 0's copy of it
-        to ``mirror_to``."""
+        with the memory tier, its durable copy when due, a single file's replicas and the tier's retention (``tiers``);
+        rank 0's copy of it to ``mirror_to``."""
         jobs = []
         publishes = checkpoint.rank == 0 or checkpoint.kind == "file"
         if self.tiers is not None:
-            jobs += self.tiers.follow_ups(checkpoint.path, checkpoint.nbytes, publishes=publishes)
+            jobs += self.tiers.follow_ups(checkpoint.path, checkpoint.nbytes, publishes=publishes,
+                                          single_file=checkpoint.kind == "file")
         root = self.options.mirror_to
         if root and checkpoint.rank == 0 and not backend_for(checkpoint.path).remote:
             url = posixpath.join(root, os.path.basename(checkpoint.path))

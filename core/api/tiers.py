@@ -19,7 +19,10 @@ node's memory is its own: the saves' requests carry ``writer.replicas.Replicas``
 replicas, rank 0's node, whether this rank publishes its node's copy), and the lowest rank of each node has its
 writer serve the node's memory to the others (``writer.replication.Receiver``, on a socket made and published here:
 the address is in the Store before any peer needs it, and the same for every writer this Checkpointer starts). A
-restart agrees on the memory checkpoint to load and completes each node's copy from its peers (``assemble``).
+single file saved by one rank (Lightning's ``.ckpt``) goes to its node's peers behind its commit (``FileReplicas``);
+the ranks of the other nodes ``expect`` its root, so that their nodes' copies are theirs (kept while they run,
+removed at the end). A restart agrees on the memory checkpoint to load and completes each node's copy from its
+peers (``assemble``).
 """
 from __future__ import annotations
 
@@ -36,11 +39,12 @@ import torch.distributed as dist
 
 from asyncckpt.core.api.options import MemoryTier
 from asyncckpt.core.formats import names
+from asyncckpt.core.formats.checksum import FileChecksum
 from asyncckpt.core.snapshot.dist_env import any_rank, dist_ready, rank_and_world
 from asyncckpt.core.storage import commit, tier
 from asyncckpt.core.storage.backend import is_url
 from asyncckpt.core.writer.mirror import CopyRequest
-from asyncckpt.core.writer.replicas import NodeMap, Replicas, fetch_missing, missing_files
+from asyncckpt.core.writer.replicas import FileReplicas, NodeMap, Replicas, fetch_file, fetch_missing, missing_files
 from asyncckpt.core.writer.replication import (
     format_address,
     listening_socket,
@@ -67,6 +71,7 @@ class _Run:
     last_bytes: int = 0  # the size of its last checkpoint: what the next one is expected to need
     unpersisted: Optional[str] = None  # the memory path of its newest checkpoint not written durably (yet)
     durable_only: bool = False  # its checkpoints do not fit in memory
+    expected: bool = False  # every rank expects its files (``expect``): a single file saved here goes to the peers
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,12 @@ class MemoryTiers:
         publishes = node_of.index(node) == rank and node != node_of[0]
         return Replicas(nodes.map, peers, node_of[0], members, publishes)
 
+    @property
+    def awaiting_nodes(self) -> bool:
+        """The launcher says this job spans several nodes and they have not met yet (``connect``: its process group
+        is not up): a resume that must agree on a memory copy brings the process group up first."""
+        return not self._connected and _spans_nodes()
+
     def _received(self) -> int:
         """Replicas of other nodes' shares this node holds, per share of its own (``peers_for``: as many as it
         sends)."""
@@ -177,30 +188,45 @@ class MemoryTiers:
         return CopyRequest(memory, durable, self.object_store, self._nodes.map if self._nodes is not None else None)
 
     # ------------------------------------------------------------------ a restart on several nodes
-    def assemble(self, durable_root: str, group: Any) -> Optional[str]:
+    def assemble(self, durable_root: str, group: Any, *, single_files: Optional[Callable[[str], bool]] = None
+                 ) -> Optional[str]:
         """Before a resume from ``durable_root`` on several nodes (a collective over ``group``: every rank calls
         it): the ranks agree on the newest memory checkpoint whose every file some node holds, not older than the
         newest durable one; each node's lowest rank fetches what its node lacks of it from the nodes that hold it
         (``replicas.fetch_missing``: checked against the record, a damaged copy named and the next holder tried);
-        if a node cannot complete it, the next one is tried. Returns its path on this node, None if there is none
-        (or one node: nothing is asked): storage then. What a resume on this node may load from memory is then
-        that checkpoint only (``usable``): every rank tries the same copies in the same order."""
+        if a node cannot complete it, the next one is tried. With ``single_files`` (which names a framework picks
+        from, as Lightning's ``last.ckpt``), of the single-file checkpoints so named, the newest by modification
+        time (as the framework picks), fetched whole where missing (``replicas.fetch_file``). Returns its path on
+        this node, None if there is none (or one node: nothing is asked): storage then. What a resume on this node
+        may load from memory is then that checkpoint only (``usable``): every rank tries the same copies in the
+        same order."""
         self.connect()
         nodes = self._nodes
         if nodes is None:
             return None
         run_directory = tier.open_run(durable_root, self.options.root)  # a replaced node's is made (to fetch into)
-        held = [(c.name, c.record, sorted(set(c.record.get("files", {})) - set(c.missing)))
-                for c in tier.memory_checkpoints(run_directory) if c.record is not None]
+        here = tier.memory_checkpoints(run_directory)
+        if single_files:
+            held = [(c.name, _file_record(c), [c.name]) for c in here
+                    if c.checksum is not None and c.complete and single_files(c.name)]
+        else:
+            held = [(c.name, c.record, sorted(set(c.record.get("files", {})) - set(c.missing)))
+                    for c in here if c.record is not None]
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (nodes.map.node, held), group=group)
         node_of = [node for node, _held in gathered]
         leads = node_of.index(nodes.map.node) == dist.get_rank(group)
         agreed = None
-        for name, record, holders in _candidates(dict(gathered), _durable_step(durable_root)):
+        candidates = _newest_files(dict(gathered)) if single_files else _candidates(dict(gathered),
+                                                                                    _durable_step(durable_root))
+        for name, record, holders in candidates:
             path = os.path.join(run_directory, name)
-            unavailable = fetch_missing(nodes.map, path, record, holders) \
-                if leads and missing_files(path, record) else []
+            if single_files:
+                missing = not any(c.name == name and c.checksum == _checksum(record) for c in here)
+                unavailable = missing and leads and not fetch_file(nodes.map, path, _checksum(record), holders[name])
+            else:
+                unavailable = bool(fetch_missing(nodes.map, path, record, holders)) \
+                    if leads and missing_files(path, record) else False
             if not any_rank(bool(unavailable), group):
                 agreed = name
                 break
@@ -210,10 +236,22 @@ class MemoryTiers:
     def usable(self, run_directory: str) -> Optional[set[str]]:
         """The memory checkpoints in ``run_directory`` a resume on this node may load (names): on several nodes, the
         one they agreed on (``assemble``; none before it, nor before the nodes are known on a job the launcher says
-        spans several, nor a single file, which is not replicated); None on one node: any (each is whole there)."""
+        spans several); None on one node: any (each is whole there)."""
         if self._nodes is None:
-            return set() if not self._connected and _spans_nodes() else None
+            return set() if self.awaiting_nodes else None
         return {self._agreed[run_directory]} if self._agreed.get(run_directory) else set()
+
+    def expect(self, durable_root: str) -> None:
+        """Every rank calls it: one of them saves single files under ``durable_root`` (Lightning's rank 0), which
+        reach this node as replicas. This process owns the root's run directory here as if it saved them, so that
+        no cleaner takes it for an orphan while the job runs and the end of the run removes it (``clear``); a single
+        file saved there is replicated (the peers expect it too). Nothing on one node."""
+        if self._nodes is None or is_url(durable_root):
+            return
+        with self._lock:
+            if durable_root not in self._runs:
+                self._runs[durable_root] = self._open(durable_root)
+            self._runs[durable_root].expected = True
 
     def close(self) -> None:
         """The Checkpointer is closed: its listening socket goes (a writer serving on it keeps its own)."""
@@ -275,10 +313,11 @@ class MemoryTiers:
                                                                                          capacity))
         return False
 
-    def follow_ups(self, memory: str, nbytes: int, *, publishes: bool) -> list[tuple[str, str, Any]]:
+    def follow_ups(self, memory: str, nbytes: int, *, publishes: bool, single_file: bool) -> list[tuple[str, str, Any]]:
         """The writer jobs behind the commit of the checkpoint saved at ``memory`` (``nbytes`` on this rank), as
-        ``(kind, path, request)``: its persistence when due, by the rank that publishes it (``publishes``); then,
-        by one rank per node, the tier's retention on this node."""
+        ``(kind, path, request)``: its persistence when due, by the rank that publishes it (``publishes``); a
+        ``single_file`` of a root every rank ``expect``s, its replicas (a directory's go with its files); then, by
+        one rank per node, the tier's retention on this node."""
         placed = self._placed.get(memory)
         if placed is None:
             return []
@@ -287,6 +326,11 @@ class MemoryTiers:
         jobs = []
         if placed.persist and publishes:
             jobs.append(("persist", placed.durable, self.copy_request(memory, placed.durable)))
+        if single_file and placed.run.expected and self._nodes is not None:
+            members = sorted(set(self._nodes.of_rank))
+            peers = tuple(members[i] for i in peers_for(members.index(self._nodes.map.node), len(members),
+                                                        self.options.replicas))
+            jobs.append(("replicate", memory, FileReplicas(memory, self._nodes.map, peers, self.options.keep)))
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             jobs.append(("retention", placed.run.directory, MemoryRetentionRequest(placed.run.directory,
                                                                                    self.options.keep)))
@@ -316,6 +360,28 @@ def _spans_nodes() -> bool:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _file_record(checkpoint: tier.MemoryCheckpoint) -> dict:
+    """What the nodes compare of a single-file checkpoint they hold: its checksum and modification time."""
+    return {"size": checkpoint.checksum.size, "xxh3": checkpoint.checksum.xxh3,
+            "mtime_ns": int(checkpoint.committed_at * 1e9)}
+
+
+def _checksum(record: dict) -> FileChecksum:
+    return FileChecksum(record["size"], record["xxh3"])
+
+
+def _newest_files(held_by_node: dict[str, list]) -> list[tuple[str, dict, dict]]:
+    """From what each node holds (node -> [(name, file record, [name])]), the single-file checkpoints, newest
+    first by modification time (as a framework picks its newest file): ``(name, record, {name: [nodes]})``; a name
+    whose nodes hold different contents is each content its own candidate."""
+    found: dict[tuple[str, str], tuple[dict, list[str]]] = {}
+    for node, files in sorted(held_by_node.items()):
+        for name, record, _names in files:
+            found.setdefault((name, record["xxh3"]), (record, []))[1].append(node)
+    ordered = sorted(found.items(), key=lambda item: item[1][0]["mtime_ns"], reverse=True)
+    return [(name, record, {name: holders}) for (name, _xxh3), (record, holders) in ordered]
 
 
 def _durable_step(durable_root: str) -> Optional[int]:

@@ -18,7 +18,7 @@ from asyncckpt.core.errors import CheckpointTimeoutError
 _VERBS = {
     "save": "saving checkpoint", "file": "saving checkpoint", "directory": "saving checkpoint",
     "member": "writing", "remove": "removing", "link": "linking", "retention": "applying retention in",
-    "mirror": "mirroring to", "persist": "writing durably", "hook": "running the on_commit code of", "export": "exporting",
+    "mirror": "mirroring to", "persist": "writing durably", "replicate": "replicating", "hook": "running the on_commit code of", "export": "exporting",
     "idle": "waiting for",
 }
 CHECKPOINT_KINDS = ("save", "file", "directory")

@@ -23,8 +23,10 @@ every node), and the writers of the ranks, given ``Replicas`` in their requests,
    each missing file from a node that holds it, checked against the record; a damaged or missing replica is
    named in a warning and the next holder is tried.
 
-A single file (Lightning's ``.ckpt``, saved by one rank) is not replicated: a node holds the files its ranks save
-(a restart on several nodes, where ranks pick a file before their process group is up, loads them from storage).
+A single file (Lightning's ``.ckpt``, saved by one rank, with no commit record: committed by its rename) goes
+whole to its node's replica peers once it is committed in memory (``FileReplicas``, a writer request behind it),
+with its checksum and modification time; the peers' copies of the files its node's retention drops go with them.
+A restart agrees on the newest such file some node holds and fetches it where it is missing (``fetch_file``).
 A DCP part of a directory checkpoint (``DirectoryTransaction.save_sharded``) is spread with the directory's files,
 its sidecars sent to rank 0's node first (``to_coordinator``), where ``.metadata`` is made.
 
@@ -49,8 +51,11 @@ from asyncckpt.core.storage.backend import at_once, backend_for
 from asyncckpt.core.storage.contents import published_files
 from asyncckpt.core.storage.sidecars import write_files_record
 from asyncckpt.core.storage.staging import remove_coordination_files
+from asyncckpt.core.storage.file_checksums import read_record
+from asyncckpt.core.writer.protocol import RequestContext
 from asyncckpt.core.writer.replication import (
     Address,
+    PeerConnection,
     ReplicationError,
     Transfer,
     fetch,
@@ -306,6 +311,66 @@ def fetch_missing(nodes: NodeMap, path: str, record: dict, holders: Mapping[str,
         else:
             backend_for(path).publish(into, path, json.dumps(record, indent=1).encode())
     return sorted(unavailable)
+
+
+@dataclass(frozen=True)
+class FileReplicas:
+    """A writer request, right behind the commit of the single-file checkpoint ``path`` in this node's memory: the
+    file to each of ``peers`` (with its checksum and modification time), and the peers' copies of the files this
+    node's retention (``keep``, ``tier.stale``) is about to remove, removed. A peer that does not answer is left out
+    (``Peers``); the checkpoint stays committed on the nodes that have it."""
+
+    path: str
+    nodes: NodeMap
+    peers: tuple[str, ...]
+    keep: int
+
+    def run(self, context: RequestContext) -> None:
+        nodes = self.nodes
+        checksum = read_record(self.path) or file_checksum(self.path)
+        dropped = [nodes.relative(path) for path in tier.stale(os.path.dirname(self.path), self.keep)
+                   if os.path.isfile(path)]
+        relative = nodes.relative(self.path)
+        for peer in self.peers:
+            if PEERS.left_out(peer):
+                continue
+            address = dict(nodes.addresses)[peer]
+            try:
+                with PeerConnection(parse_address(address), timeout=nodes.timeout) as connection:
+                    fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                    try:
+                        refused = connection.put(relative, fd, checksum, as_file=True)
+                    finally:
+                        os.close(fd)
+                    for path in dropped:
+                        refused = refused or connection.remove(path)
+            except ReplicationError as e:
+                PEERS.failed(peer, address, e.reason)
+                continue
+            if refused:
+                PEERS.failed(peer, address, refused)
+            else:
+                PEERS.answered(peer)
+
+
+def fetch_file(nodes: NodeMap, path: str, checksum: FileChecksum, holders: Sequence[str]) -> bool:
+    """The single-file checkpoint ``path`` (on this node's memory), fetched from the first of ``holders`` that gives
+    it whole and matching ``checksum`` (its checksum attached, its modification time kept); a copy that is damaged
+    or gone is named in a warning and the next holder tried. Whether it is here now."""
+    relative = nodes.relative(path)
+    known = dict(nodes.addresses)
+    for holder in holders:
+        if holder == nodes.node or holder not in known:
+            continue
+        try:
+            [transfer] = fetch(nodes.address(holder), nodes.root, [relative], timeout=nodes.timeout,
+                               checksums={relative: checksum}, as_files=True)
+        except ReplicationError as e:
+            transfer = Transfer(relative, e.reason)
+        if transfer.ok:
+            return True
+        logger.warning("asyncckpt: not using the copy of %s on node %s: %s", relative, holder, transfer.error)
+    return False
 
 
 def _read(path: str) -> Optional[bytes]:

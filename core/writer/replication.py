@@ -17,6 +17,10 @@ files, and when, is the caller's business; this module only moves bytes and vouc
   (``checksums``; else hashed here first). ``fetch(address, root, paths)``: the reverse, each file verified
   on arrival against the checksum the caller knows (the checkpoint's commit record: a replica damaged at
   rest is then caught too), else against the one the peer computes before sending it.
+* A single-file checkpoint (Lightning's ``.ckpt``: no commit record) moves ``as_file``: its copy carries its
+  checksum attached as the writer attaches it (``storage.local``) and its modification time (by which a
+  framework picks its newest file), so that the copy is the file, whichever node holds it. ``remove`` deletes
+  a peer's copy of one whose original retention removed.
 
 Bounded everywhere. Every wait on a peer (connecting, each piece sent or received, each answer) lasts at
 most ``timeout`` seconds, and ``time_limit`` bounds a whole call, so a peer that is dead (connection
@@ -52,6 +56,7 @@ from asyncckpt.core.errors import CheckpointError
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import FileChecksum, checksum, checksum_stream
 from asyncckpt.core.storage import owners
+from asyncckpt.core.storage.local import attach_checksum
 
 Address = tuple[str, int]
 
@@ -275,15 +280,20 @@ class _Stream:
             raise _Broken("it sent something other than the replication protocol")
         return message
 
-    def receive_file(self, root: str, relative_path: str, expected: FileChecksum) -> Optional[str]:
+    def receive_file(self, root: str, relative_path: str, expected: FileChecksum,
+                     file_mtime_ns: Optional[int] = None) -> Optional[str]:
         """Receive ``expected.size`` bytes into ``relative_path`` under ``root``: written to a hidden temporary
         name, hashed as they arrive, renamed to their name only if whole and matching ``expected``. Returns
         None, or why the file was not kept (the bytes are read to their end either way, so that the
-        connection goes on with the next file). A connection that fails meanwhile raises, and leaves nothing."""
+        connection goes on with the next file). A connection that fails meanwhile raises, and leaves nothing.
+        With ``file_mtime_ns`` (a single-file checkpoint), the file gets its checksum attached and that
+        modification time before it takes its name, in a directory that must be there (a run directory some
+        process here owns: none is made that nothing would remove)."""
         target = _target(root, relative_path)
         temporary, fd, problem = None, None, None
         try:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if file_mtime_ns is None:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
             temporary = names.hidden_path(target, "tmp", owners.owner_token())
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except OSError as e:
@@ -307,6 +317,9 @@ class _Stream:
             os.close(fd)
             fd = None
             try:
+                if file_mtime_ns is not None:
+                    attach_checksum(temporary, expected)
+                    os.utime(temporary, ns=(file_mtime_ns, file_mtime_ns))
                 os.replace(temporary, target)
             except OSError as e:
                 return f"{relative_path}: cannot be written here ({e.strerror})"
@@ -388,19 +401,31 @@ class PeerConnection:
             raise _Broken(f"it answered for {reply.get('path')!r}")
         return reply
 
-    def put(self, relative_path: str, fd: int, expected: FileChecksum) -> Optional[str]:
+    def put(self, relative_path: str, fd: int, expected: FileChecksum, *, as_file: bool = False) -> Optional[str]:
         """Send the first ``expected.size`` bytes of ``fd`` to ``relative_path`` under the peer's root, announced
-        with ``expected.xxh3``: None once the peer has it under its name, else why not."""
+        with ``expected.xxh3`` (``as_file``: a single-file checkpoint, with its modification time): None once the
+        peer has it under its name, else why not."""
         with self._failing(relative_path) as stream:
-            stream.send_message({"put": relative_path, "size": expected.size, "xxh3": expected.xxh3})
+            message = {"put": relative_path, "size": expected.size, "xxh3": expected.xxh3}
+            if as_file:
+                message["mtime_ns"] = os.fstat(fd).st_mtime_ns
+            stream.send_message(message)
             stream.send_file(fd, expected.size)
             return self._reply(stream, relative_path).get("error")
 
+    def remove(self, relative_path: str) -> Optional[str]:
+        """Delete the single file ``relative_path`` under the peer's root (gone already counts as done): None
+        once it is not there, else why not."""
+        with self._failing(relative_path) as stream:
+            stream.send_message({"remove": relative_path})
+            return self._reply(stream, relative_path).get("error")
+
     def get(self, relative_path: str, root: str, expected: Optional[FileChecksum] = None,
-            local_path: Optional[str] = None) -> Optional[str]:
+            local_path: Optional[str] = None, *, as_file: bool = False) -> Optional[str]:
         """Fetch the peer's ``relative_path`` into the same path under ``root`` (or ``local_path`` there),
         checked against ``expected`` (else against the checksum the peer computes before sending it): None
-        once it is here under its name, else why not (missing there, damaged: never kept under its name)."""
+        once it is here under its name, else why not (missing there, damaged: never kept under its name).
+        ``as_file``: a single-file checkpoint, its checksum attached and its modification time kept."""
         local_path = relative_path if local_path is None else checked_path(local_path)
         with self._failing(relative_path) as stream:
             stream.send_message({"get": relative_path, "hash": expected is None})
@@ -415,7 +440,10 @@ class PeerConnection:
             if size != expected.size:
                 stream.discard(size)
                 return f"{relative_path}: {size} B at {self.peer}, {expected.size} B recorded; not kept"
-            problem = stream.receive_file(root, local_path, expected)
+            mtime_ns = reply.get("mtime_ns") if as_file else None
+            if as_file and not isinstance(mtime_ns, int):
+                raise _Broken(f"it sent {relative_path} without its modification time")
+            problem = stream.receive_file(root, local_path, expected, mtime_ns)
             return None if problem is None else problem.replace(local_path, relative_path)
 
     def close(self) -> None:
@@ -464,19 +492,20 @@ def send(address: Address, root: str, relative_paths: Iterable[str], *, timeout:
 
 def fetch(address: Address, root: str, relative_paths: Iterable[str], *, timeout: float,
           time_limit: Optional[float] = None, checksums: Optional[Mapping[str, FileChecksum]] = None,
-          local_paths: Optional[Mapping[str, str]] = None) -> list[Transfer]:
+          local_paths: Optional[Mapping[str, str]] = None, as_files: bool = False) -> list[Transfer]:
     """Copy the files ``relative_paths`` from the memory root of the receiver at ``address`` into the same
     paths under ``root`` (replacing what is there), or where ``local_paths`` puts one (a relative path under
     ``root`` too: a hidden staging directory, say); what became of each, in order. Each is checked as it
     arrives against ``checksums`` (the checkpoint's record: a replica damaged at rest is refused too), else
     against the checksum the peer computes before sending it; one that fails is never kept under its name.
-    Raises as ``send`` does."""
+    ``as_files``: single-file checkpoints (``PeerConnection.get``). Raises as ``send`` does."""
     paths, checksums, local_paths = [checked_path(path) for path in relative_paths], checksums or {}, local_paths or {}
     outcomes: list[Transfer] = []
     try:
         with PeerConnection(address, timeout=timeout, time_limit=time_limit) as peer:
             for path in paths:
-                outcomes.append(Transfer(path, peer.get(path, root, checksums.get(path), local_paths.get(path))))
+                outcomes.append(Transfer(path, peer.get(path, root, checksums.get(path), local_paths.get(path),
+                                                    as_file=as_files)))
     except ReplicationError as e:
         raise ReplicationError(e.peer, e.file, e.reason, outcomes) from None
     return outcomes
@@ -560,6 +589,8 @@ class Receiver:
                     self._receive(stream, request)
                 elif "get" in request:
                     self._send(stream, request)
+                elif "remove" in request:
+                    self._remove(stream, request)
                 else:
                     raise _Broken("an unknown request")
         except (OSError, _Stalled, _Broken):
@@ -580,7 +611,27 @@ class Receiver:
             stream.discard(size)
             problem: Optional[str] = str(e)
         else:
-            problem = stream.receive_file(self.root, path, FileChecksum(size, xxh3))
+            mtime_ns = request.get("mtime_ns")
+            problem = stream.receive_file(self.root, path, FileChecksum(size, xxh3),
+                                          mtime_ns if isinstance(mtime_ns, int) else None)
+        stream.send_message({"path": path, "error": problem})
+
+    def _remove(self, stream: _Stream, request: dict) -> None:
+        path = request["remove"]
+        if not isinstance(path, str):
+            raise _Broken("it asked to remove a file without a path")
+        problem = None
+        try:
+            target = _target(self.root, path)
+            if os.path.isdir(target) and not os.path.islink(target):
+                problem = f"{path}: not a file here"
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(target)
+        except ValueError as e:
+            problem = str(e)
+        except OSError as e:
+            problem = f"{path}: cannot be removed here ({e.strerror})"
         stream.send_message({"path": path, "error": problem})
 
     def _send(self, stream: _Stream, request: dict) -> None:
@@ -601,7 +652,7 @@ class Receiver:
                 stream.send_message({"path": path, "error": f"{path}: not a file here"})
                 return
             xxh3 = _file_checksum(fd, info.st_size).xxh3 if request.get("hash") else None
-            stream.send_message({"path": path, "size": info.st_size, "xxh3": xxh3})
+            stream.send_message({"path": path, "size": info.st_size, "xxh3": xxh3, "mtime_ns": info.st_mtime_ns})
             stream.send_file(fd, info.st_size)
         finally:
             os.close(fd)
