@@ -170,3 +170,21 @@ def test_streamed_image_write_waits_for_each_part(tmp_path):
     diskio.write_image(str(tmp_path / "image"), image, size, wait_ready=progress.waiter(7, timeout=5, abandoned=lambda: False))
     copier.join()
     assert (tmp_path / "image").read_bytes() == payload
+
+
+@pytest.mark.parametrize("size", [0, 100, 4096, 3 * 4096 + 7, (5 << 20) + 1])
+def test_a_mapped_file_is_written_directly_but_its_partial_last_block(tmp_path, size):
+    """A memory-mapped file (a memory-tier checkpoint written durably: ``mirror.copy``) ends at its size, not at a
+    whole block as a staging buffer does: its whole blocks go with O_DIRECT, its partial last block through the page
+    cache, and the file is exactly its bytes."""
+    source = tmp_path / "source"
+    payload = os.urandom(size)
+    source.write_bytes(payload)
+    with open(source, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+    image = memoryview(mapping if mapping is not None else b"")
+    used_direct = diskio.write_image(str(tmp_path / "copy"), image, size)
+    assert (tmp_path / "copy").read_bytes() == payload
+    probe, direct_here = diskio._open_for_write(str(tmp_path / "probe"), True)
+    os.close(probe)
+    assert used_direct == direct_here  # O_DIRECT wherever this file system takes it

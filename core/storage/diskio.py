@@ -54,26 +54,43 @@ def write_image(path: str, image: memoryview, size: int, *, direct: bool = True,
                 wait_ready: Optional[Callable[[float], float]] = None) -> bool:
     """Durably write ``image[:size]`` to ``path`` (fsync'd). Returns whether O_DIRECT was used.
 
-    ``image`` must be page-aligned and its length a multiple of 4096 (a ``StagingBuffer``), so
-    direct writes cover whole blocks; the file is then truncated to ``size``. With
-    ``wait_ready`` (see ``CopyProgress.waiter``) the image is still being copied: each part is
-    written as soon as it is ready, so the write overlaps the copy.
+    ``image`` must be page-aligned (a ``StagingBuffer``, a memory-mapped file). Direct writes cover
+    whole blocks: where the image extends past ``size`` to a whole block (a staging buffer), the
+    file is written to that block and truncated to ``size``; where it ends at ``size`` (a mapped
+    file), its last partial block is written through the page cache. With ``wait_ready`` (see
+    ``CopyProgress.waiter``) the image is still being copied: each part is written as soon as it
+    is ready, so the write overlaps the copy.
     """
     fd, used_direct = _open_for_write(path, direct)
     try:
-        padded = min(len(image), align_up(size, IO_ALIGNMENT)) if used_direct else size
-        if padded:
+        direct_end = size
+        if used_direct:
+            padded = align_up(size, IO_ALIGNMENT)
+            direct_end = padded if len(image) >= padded else size - size % IO_ALIGNMENT
+        if direct_end:
             try:
-                os.posix_fallocate(fd, 0, padded)
+                os.posix_fallocate(fd, 0, max(direct_end, size))
             except OSError:
                 pass  # not supported everywhere; only an allocation hint
-            _write_parts(fd, image, padded, _chunk_size(padded, threads), threads,
+            _write_parts(fd, image, direct_end, _chunk_size(direct_end, threads), threads,
                          wait_ready or (lambda _written: float("inf")))
+        if direct_end < size:  # the partial last block of an image that ends at ``size``
+            _write_buffered(path, image[direct_end:size], direct_end)
         os.ftruncate(fd, size)
         os.fsync(fd)
     finally:
         os.close(fd)
     return used_direct
+
+
+def _write_buffered(path: str, data: memoryview, offset: int) -> None:
+    """``data`` at ``offset`` of the file ``path`` (open with O_DIRECT elsewhere) through the page cache."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        _pwrite_all(fd, data, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_parts(fd: int, image: memoryview, padded: int, chunk: int, threads: int,

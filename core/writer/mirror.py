@@ -76,7 +76,7 @@ def copy(source: str, target: str, token: str, options: Optional[ObjectStoreOpti
     if os.path.isfile(source):
         checksum = file_checksums.read_record(source)
         with _mapped(source) as (view, size):
-            backend.write_file(target, view, size, token, checksum=lambda: checksum, direct_io=False)
+            backend.write_file(target, view, size, token, checksum=lambda: checksum)
         return
     record = commit.read_commit_record(source)
     if record is None:
@@ -87,8 +87,7 @@ def copy(source: str, target: str, token: str, options: Optional[ObjectStoreOpti
             raise CheckpointWriteError(f"cannot copy {source}: {', '.join(unavailable)} not on this node, and no node "
                                        "that holds a copy gave an intact one")
         record = {key: value for key, value in record.items() if key != tier.TIER_ENTRY}
-    # buffered: a mapped file's last page is not whole, as O_DIRECT would need (an object store streams it anyway)
-    place = Staging(staging_dir_for(target, token), target, options, coordinator=True, direct_io=False)
+    place = Staging(staging_dir_for(target, token), target, options, coordinator=True)
     place.claim(0, token)
     for name in sorted(record.get("files", {})):
         with _mapped(os.path.join(source, name)) as (view, size):
