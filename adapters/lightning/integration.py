@@ -56,7 +56,7 @@ from lightning.pytorch.core import saving
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
-from asyncckpt.core.integration import is_url, lifecycle, normalize_path, patching, resume
+from asyncckpt.core.integration import dist_env, is_url, lifecycle, normalize_path, patching, resume
 
 
 _plugin_type: Optional[type] = None  # AsyncCkptIO, handed over by ``install`` (importing it here would be a cycle)
@@ -172,7 +172,7 @@ def _noting_the_pick(original: Callable) -> Callable:
         io = plugin_of(self.trainer.strategy)
         if io is not None and (ckpt_path is None or ckpt_path in ("last", "best", "hpc")):
             tiers = io.checkpointer.tiers
-            if ckpt_path == "last" and tiers is not None and tiers.awaiting_nodes:
+            if ckpt_path == "last" and tiers is not None and self.trainer.num_nodes > 1 and not dist_env.dist_ready():
                 self.trainer.strategy.setup_environment()  # the nodes meet before Lightning picks (it skips it later)
             folders = {self.trainer.default_root_dir} | {cb.dirpath for cb in self.trainer.checkpoint_callbacks
                                                          if getattr(cb, "dirpath", None)}

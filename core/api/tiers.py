@@ -171,12 +171,6 @@ class MemoryTiers:
         publishes = node_of.index(node) == rank and node != node_of[0]
         return Replicas(nodes.map, peers, node_of[0], members, publishes)
 
-    @property
-    def awaiting_nodes(self) -> bool:
-        """The launcher says this job spans several nodes and they have not met yet (``connect``: its process group
-        is not up): a resume that must agree on a memory copy brings the process group up first."""
-        return not self._connected and _spans_nodes()
-
     def _received(self) -> int:
         """Replicas of other nodes' shares this node holds, per share of its own (``peers_for``: as many as it
         sends)."""
@@ -238,7 +232,7 @@ class MemoryTiers:
         one they agreed on (``assemble``; none before it, nor before the nodes are known on a job the launcher says
         spans several); None on one node: any (each is whole there)."""
         if self._nodes is None:
-            return set() if self.awaiting_nodes else None
+            return set() if not self._connected and _spans_nodes() else None
         return {self._agreed[run_directory]} if self._agreed.get(run_directory) else set()
 
     def expect(self, durable_root: str) -> None:
