@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from asyncckpt import core
-from asyncckpt.core.storage import tier
+from asyncckpt.core.storage import owners, tier
 from asyncckpt.core.storage.owners import owner_token
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.names import COMMIT_RECORD
@@ -216,6 +216,10 @@ def _memory_to_clean(good: Path, node: Path) -> Path:
         copy_of_load = Path(tier.loads_dir(str(memory_root))) / f"0123456789ab-{pid}"
         copy_of_load.mkdir(parents=True)
         (copy_of_load / "0-model.ckpt").write_bytes(bytes(3000))
+    for token in (dead, owner_token()):  # the scratch folders of two saves being captured: one killed, one running
+        scratch = Path(tier.captures_dir(str(memory_root))) / token
+        scratch.mkdir(parents=True)
+        (scratch / "trainer_state.json").write_text("{}")
     return node
 
 
@@ -295,7 +299,9 @@ def test_clean_memory_removes_every_orphaned_tier_of_the_node_never_a_live_one(r
     assert "removed once unchanged for 60 min" in result.stdout
     assert os.listdir(tier.loads_dir(str(memory_root))) == [f"0123456789ab-{os.getpid()}"]  # the running load's kept
     assert "(a node copy of a load whose process is gone)" in result.stdout
-    assert "in 4 entries" in result.stdout
+    [kept] = os.listdir(tier.captures_dir(str(memory_root)))  # the running save's scratch folder
+    assert owners.same_process(kept, owner_token()) and "(a save's scratch folder whose process is gone)" in result.stdout
+    assert "in 5 entries" in result.stdout
 
 
 def test_clean_memory_older_than_shortens_the_bound(runs):

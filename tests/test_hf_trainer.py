@@ -661,3 +661,28 @@ def test_the_rotation_lists_again_when_the_writer_removes_a_checkpoint_meanwhile
 
     monkeypatch.setattr(os.path, "getmtime", removed_as_it_is_read)
     assert checkpoints_on_disk(str(tmp_path)) == [str(tmp_path / "checkpoint-10"), str(tmp_path / "checkpoint-30")]
+
+
+def test_a_save_captured_leaves_no_scratch_folder_and_removes_the_one_a_killed_save_left(tmp_path, monkeypatch,
+                                                                                       shared_checkpointer):
+    """The Trainer's files are captured in a scratch folder beside the memory root, named after its process: gone
+    when the capture ends; the one of a process killed mid-capture goes at the next capture (and with ``asyncckpt
+    clean --memory``: test_cli.py), nothing else there."""
+    import subprocess
+    import sys
+
+    from asyncckpt.core.storage import tier
+
+    memory_root = tmp_path / "shm" / "asyncckpt"
+    monkeypatch.setenv("ASYNCCKPT_MEMORY_ROOT", str(memory_root))
+    captures = Path(tier.captures_dir(str(memory_root)))
+    dead = subprocess.run([sys.executable, "-c", "from asyncckpt.core.storage.owners import owner_token; "
+                           "print(owner_token())"], capture_output=True, text=True, check=True).stdout.strip()
+    (captures / dead).mkdir(parents=True)
+    (captures / dead / "trainer_state.json").write_text("{}")
+    (captures / "not-ours").mkdir()
+    _train_toy(tmp_path / "async", callbacks=[AsyncCheckpointCallback(checkpointer=shared_checkpointer)],
+               max_steps=4, save_steps=2)
+    shared_checkpointer.wait()
+    assert sorted(os.listdir(tmp_path / "async")) == ["checkpoint-2", "checkpoint-4"]
+    assert os.listdir(captures) == ["not-ours"]

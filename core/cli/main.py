@@ -8,8 +8,8 @@
                              1 damaged, 2 incomplete
     asyncckpt clean ROOT     remove what crashed saves left (``leftovers``), and ROOT's memory tier
                              on this node once its job is gone (``tier.remove_orphans``)
-    asyncckpt clean --memory every memory tier of this node whose job is gone, and the node copies of
-                             killed loads (``tier.dead_loads``)
+    asyncckpt clean --memory every memory tier of this node whose job is gone, and the node copies and
+                             scratch folders of killed loads and saves (``tier.dead_loads``, ``dead_captures``)
     asyncckpt export CHECKPOINT OUT   its model as Hugging Face safetensors (``cli/export``)
 
 The tool reads only what the formats promise (see docs/FORMAT.md): the commit record, the JSON
@@ -331,7 +331,8 @@ def cmd_clean(root: Optional[str], min_age_s: float, dry_run: bool, memory_root:
     Then the same in ROOT's memory tier on this node, and the tier itself if no live process owns
     it and nothing changed in it for ``older_than_s`` (``tier.Run.orphaned``). Without ROOT: every
     memory tier of this node that is orphaned so (and what dead cleaners left beside them), and the node copies
-    that killed cooperative loads left beside the memory root (``tier.dead_loads``)."""
+    that killed cooperative loads and the scratch folders that killed saves left beside the memory root
+    (``tier.dead_loads``, ``tier.dead_captures``)."""
     freed = count = 0
     try:
         if root is not None:
@@ -345,13 +346,16 @@ def cmd_clean(root: Optional[str], min_age_s: float, dry_run: bool, memory_root:
         else:
             freed, count = _clean_leftovers(memory_root, "memory ", min_age_s, dry_run)
             selected = tier.runs(memory_root)
-            for copy in tier.dead_loads(tier.loads_dir(memory_root)):
-                size = used_bytes(copy)
+            dead = [("load", copy, "a node copy of a load whose process is gone")
+                    for copy in tier.dead_loads(tier.loads_dir(memory_root))]
+            dead += [("capture", scratch, "a save's scratch folder whose process is gone")
+                     for scratch in tier.dead_captures(tier.captures_dir(memory_root))]
+            for kind, path, why in dead:
+                size = used_bytes(path)
                 if not dry_run:
-                    shutil.rmtree(copy)
+                    shutil.rmtree(path)
                 freed, count = freed + size, count + 1
-                print(f"{'would remove' if dry_run else 'removed'}  load {basename(copy)}  {human_bytes(size)}  "
-                      "(a node copy of a load whose process is gone)")
+                print(f"{'would remove' if dry_run else 'removed'}  {kind} {basename(path)}  {human_bytes(size)}  ({why})")
     except (OSError, ObjectStoreError) as e:
         print(f"asyncckpt clean: {e}", file=sys.stderr)
         return EXIT_PROBLEM

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import tempfile
 import threading
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -29,6 +30,7 @@ from asyncckpt.core.formats.checksum import checksum
 import asyncckpt.core.integration.patching as patching
 from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves
 from asyncckpt.core.snapshot.file_snapshots import tensor_bytes
+from asyncckpt.core.storage import owners, tier
 
 # one capture at a time in a process (frameworks save from their main thread); reentrant: an outer capture (a
 # Trainer subclass's own writes into its checkpoint folder) holds it while the framework's own runs inside
@@ -131,13 +133,12 @@ def capturing(tx: Any, *, root: Optional[str] = None, safetensors_savers: Iterab
     """``with capturing(tx) as capture:`` run the framework's save code with ``capture.root`` as its output.
 
     ``root``: the directory it writes into (which need not exist yet); default: a scratch directory of our
-    own (in memory where ``/dev/shm`` is writable: its files are read back a moment later), whose other files
-    are handed over at the end (``collect``). ``torch.save`` and ``dcp.save`` are captured, safetensors
+    own (in memory beside the memory root, ``/dev/shm`` by default: its files are read back a moment later;
+    ``_scratch``), whose other files are handed over at the end (``collect``). ``torch.save`` and ``dcp.save`` are captured, safetensors
     files through ``safetensors_savers``."""
     with contextlib.ExitStack() as stack:
         if root is None:
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="asyncckpt-", dir=shm))
+            root = stack.enter_context(_scratch())
         capture = FileCapture(tx, root, defer=defer, inline_bytes=inline_bytes, collect=collect)
         stack.enter_context(_lock)
         stack.enter_context(_log_lines_naming(capture.root, tx.final_dir))
@@ -147,6 +148,27 @@ def capturing(tx: Any, *, root: Optional[str] = None, safetensors_savers: Iterab
         stack.enter_context(capturing_dcp_saves(tx, root=capture.root))
         yield capture
         capture.hand_over()
+
+
+@contextlib.contextmanager
+def _scratch() -> Iterator[str]:
+    """A capture's scratch folder, under ``tier.captures_dir`` (in the temporary directory where that cannot be
+    made), named after this process: the one a save killed mid-capture leaves goes at the next capture on the node
+    (and with ``asyncckpt clean --memory``); its own goes when the capture ends."""
+    captures = tier.captures_dir(tier.memory_root())
+    try:
+        os.makedirs(captures, exist_ok=True)
+    except OSError:
+        captures = os.path.join(tempfile.gettempdir(), os.path.basename(captures))
+        os.makedirs(captures, exist_ok=True)
+    for dead in tier.dead_captures(captures):
+        shutil.rmtree(dead, ignore_errors=True)
+    path = os.path.join(captures, owners.owner_token())
+    os.mkdir(path, 0o700)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager

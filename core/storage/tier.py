@@ -32,7 +32,7 @@ import shutil
 import socket
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import FileChecksum
@@ -78,12 +78,29 @@ def loads_dir(memory_root_dir: str) -> str:
 def dead_loads(loads: str) -> list[str]:
     """The node copies under ``loads`` (``loads_dir``) whose node leader no longer runs on this machine: what a
     killed load left."""
+    return _entries_where(loads, lambda name: name.rpartition("-")[2].isdigit()
+                          and not os.path.exists(f"/proc/{name.rpartition('-')[2]}"))
+
+
+def captures_dir(memory_root_dir: str) -> str:
+    """Beside a memory root, where a framework's save is captured (``integration.capture``): one scratch folder per
+    capture, named after its process (an owner token), for the capture's duration."""
+    return memory_root_dir.rstrip("/") + "-captures"
+
+
+def dead_captures(captures: str) -> list[str]:
+    """The scratch folders under ``captures`` (``captures_dir``) whose process is gone: what a save killed while it
+    was captured left."""
+    return _entries_where(captures, lambda name: owners.owner_alive(name) is False)
+
+
+def _entries_where(folder: str, dead: Callable[[str], bool]) -> list[str]:
+    """The paths of the entries of ``folder`` whose name ``dead`` says is a dead process's, in name order."""
     try:
-        names_here = sorted(os.listdir(loads))
+        names_here = sorted(os.listdir(folder))
     except OSError:
         return []
-    return [os.path.join(loads, name) for name in names_here
-            if name.rpartition("-")[2].isdigit() and not os.path.exists(f"/proc/{name.rpartition('-')[2]}")]
+    return [os.path.join(folder, name) for name in names_here if dead(name)]
 
 
 def run_name(durable_root: str) -> str:
