@@ -167,9 +167,13 @@ class MemoryTiers:
         if len(members) < 2:
             return None
         node = node_of[rank]
-        peers = tuple(members[i] for i in peers_for(members.index(node), len(members), self.options.replicas))
+        peers = self._peers(node, members)
         publishes = node_of.index(node) == rank and node != node_of[0]
         return Replicas(nodes.map, peers, node_of[0], members, publishes)
+
+    def _peers(self, node: str, members: tuple[str, ...]) -> tuple[str, ...]:
+        """The nodes of ``members`` (sorted) that hold ``node``'s replicas (``peers_for``)."""
+        return tuple(members[i] for i in peers_for(members.index(node), len(members), self.options.replicas))
 
     def _received(self) -> int:
         """Replicas of other nodes' shares this node holds, per share of its own (``peers_for``: as many as it
@@ -321,9 +325,7 @@ class MemoryTiers:
         if placed.persist and publishes:
             jobs.append(("persist", placed.durable, self.copy_request(memory, placed.durable)))
         if single_file and placed.run.expected and self._nodes is not None:
-            members = sorted(set(self._nodes.of_rank))
-            peers = tuple(members[i] for i in peers_for(members.index(self._nodes.map.node), len(members),
-                                                        self.options.replicas))
+            peers = self._peers(self._nodes.map.node, tuple(sorted(set(self._nodes.of_rank))))
             jobs.append(("replicate", memory, FileReplicas(memory, self._nodes.map, peers, self.options.keep)))
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             jobs.append(("retention", placed.run.directory, MemoryRetentionRequest(placed.run.directory,
