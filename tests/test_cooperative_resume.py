@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from dist_helper import free_port
+from program_end import DESTROY_PROCESS_GROUP
 
 pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
@@ -191,7 +192,7 @@ PROGRAM = textwrap.dedent('''
         lightning_resumes(folder, phases, rank, world)
         accelerate_resumes(folder, rank)
         trainer_resumes(folder, rank)
-''')
+''') + DESTROY_PROCESS_GROUP
 
 
 def launch(script: Path, world: int, cwd: Path, *args: str, timeout: float = 300) -> list[dict]:

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from dist_helper import run_on_ranks
+from program_end import DESTROY_PROCESS_GROUP
 from zygote import ForkedRun, Zygote
 
 pytest.importorskip("accelerate")
@@ -321,7 +322,7 @@ for step in range(100000 if mode == "loop" else 1):
     if step == 2 and rank == 0:
         print("READY", flush=True)  # rotation has started
 handle.remove()
-"""
+""" + DESTROY_PROCESS_GROUP
 
 
 def _torchrun(zygote: Zygote, script: Path, *args: str) -> ForkedRun:

@@ -32,6 +32,7 @@ from transformers.trainer_callback import ExportableState  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from dist_helper import free_port  # noqa: E402
+from program_end import DESTROY_PROCESS_GROUP  # noqa: E402
 from writers import limit_file_size, writers_of  # noqa: E402
 from zygote import Zygote  # noqa: E402
 
@@ -479,7 +480,7 @@ DDP_PROGRAM = textwrap.dedent('''
         for name in ("native", "async"):
             train(os.path.join(sys.argv[1], name), name == "async", first_part=True)
             train(os.path.join(sys.argv[1], name), name == "async", first_part=False)
-''')
+''') + DESTROY_PROCESS_GROUP
 
 
 def test_two_processes_ddp(tmp_path):
@@ -537,7 +538,7 @@ KILL_PROGRAM = textwrap.dedent('''
         trainer = Trainer(model=Big(), args=args, train_dataset=Toy(), callbacks=[AsyncCheckpointCallback(), Report()])
         trainer.train(resume_from_checkpoint=len(sys.argv) > 3)
         print("DONE", trainer.state.global_step, flush=True)
-''')
+''') + DESTROY_PROCESS_GROUP
 
 
 def test_kill9_during_save_then_resume_from_last_complete(tmp_path):
@@ -606,7 +607,7 @@ args = TrainingArguments(output_dir=sys.argv[1], max_steps=1, save_steps=1, repo
 with open(os.path.join(sys.argv[2], "world-" + os.environ["RANK"]), "w") as f:  # not stdout: lines interleave
     f.write(str(args.world_size))
 Trainer(model=Net(), args=args, train_dataset=Toy(), callbacks=[AsyncCheckpointCallback()]).train()
-"""
+""" + DESTROY_PROCESS_GROUP
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs, torchrun's processes train together")

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint, O
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from asyncckpt.adapters.lightning import AsyncCkptIO, AsyncCkptSaveError  # noqa: E402
+from program_end import DESTROY_PROCESS_GROUP  # noqa: E402
 from zygote import Zygote  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -405,7 +406,7 @@ MODEL_PARALLEL_SCRIPT = textwrap.dedent('''
                         "stats": [dict(tr1.strategy.checkpoint_io.checkpointer.stats),
                                   dict(tr2.strategy.checkpoint_io.checkpointer.stats)]},
                        out + "/result.pt")
-''')
+''') + DESTROY_PROCESS_GROUP
 
 
 def test_model_parallel_sharded_saves_are_async(tmp_path):

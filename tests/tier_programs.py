@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import textwrap
 
+from program_end import DESTROY_PROCESS_GROUP
+
 
 def config(runs: list[dict], *, replicas: int, **options) -> str:
     """The program's argument: ``runs`` (each with the defaults filled in), ``replicas`` and ``options``."""
@@ -81,7 +83,7 @@ LIGHTNING = textwrap.dedent("""
     print(f"PID {os.getpid()}", flush=True)
     for run in options["runs"]:
         fit(run, options)
-""")
+""") + DESTROY_PROCESS_GROUP
 
 
 ACCELERATE = textwrap.dedent("""
