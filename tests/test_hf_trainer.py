@@ -668,7 +668,7 @@ def test_a_save_captured_leaves_no_scratch_folder_and_removes_the_one_a_killed_s
                                                                                        shared_checkpointer):
     """The Trainer's files are captured in a scratch folder beside the memory root, named after its process: gone
     when the capture ends; the one of a process killed mid-capture goes at the next capture (and with ``asyncckpt
-    clean --memory``: test_cli.py), nothing else there."""
+    clean --memory``: test_cli.py), nothing else there; the folder above goes with the node's last capture."""
     import subprocess
     import sys
 
@@ -687,3 +687,9 @@ def test_a_save_captured_leaves_no_scratch_folder_and_removes_the_one_a_killed_s
     shared_checkpointer.wait()
     assert sorted(os.listdir(tmp_path / "async")) == ["checkpoint-2", "checkpoint-4"]
     assert os.listdir(captures) == ["not-ours"]
+    (captures / "not-ours").rmdir()
+    _train_toy(tmp_path / "again", callbacks=[AsyncCheckpointCallback(checkpointer=shared_checkpointer)],
+               max_steps=2, save_steps=2)
+    shared_checkpointer.wait()
+    assert os.listdir(tmp_path / "again") == ["checkpoint-2"]
+    assert not captures.exists() and os.listdir(memory_root.parent) == []

@@ -154,21 +154,33 @@ def capturing(tx: Any, *, root: Optional[str] = None, safetensors_savers: Iterab
 def _scratch() -> Iterator[str]:
     """A capture's scratch folder, under ``tier.captures_dir`` (in the temporary directory where that cannot be
     made), named after this process: the one a save killed mid-capture leaves goes at the next capture on the node
-    (and with ``asyncckpt clean --memory``); its own goes when the capture ends."""
-    captures = tier.captures_dir(tier.memory_root())
-    try:
-        os.makedirs(captures, exist_ok=True)
-    except OSError:
-        captures = os.path.join(tempfile.gettempdir(), os.path.basename(captures))
-        os.makedirs(captures, exist_ok=True)
-    for dead in tier.dead_captures(captures):
-        shutil.rmtree(dead, ignore_errors=True)
-    path = os.path.join(captures, owners.owner_token())
-    os.mkdir(path, 0o700)
+    (and with ``asyncckpt clean --memory``); its own goes when the capture ends, and the folder above it with the
+    node's last capture (as a cooperative load's node copies do)."""
+    path = _own_folder(tier.captures_dir(tier.memory_root()))
     try:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):  # another process's capture is still there
+            os.rmdir(os.path.dirname(path))
+
+
+def _own_folder(captures: str) -> str:
+    """This process's folder under ``captures``, made, once the folders of dead processes there are removed."""
+    while True:
+        try:
+            os.makedirs(captures, exist_ok=True)
+        except OSError:
+            captures = os.path.join(tempfile.gettempdir(), os.path.basename(captures))
+            os.makedirs(captures, exist_ok=True)
+        for dead in tier.dead_captures(captures):
+            shutil.rmtree(dead, ignore_errors=True)
+        path = os.path.join(captures, owners.owner_token())
+        try:
+            os.mkdir(path, 0o700)
+            return path
+        except FileNotFoundError:  # the last capture of another process removed ``captures`` meanwhile: again
+            continue
 
 
 @contextlib.contextmanager
