@@ -71,7 +71,8 @@ def _load_together(rank, world, paths, nodes, memory, readers="job"):
         return _digests([copies[path] for path in paths]), sorted({os.path.dirname(c) for c in copies.values()}), read
 
 
-def _each_by_itself(rank, world, paths):
+def _each_by_itself(rank, world, paths, memory):
+    os.environ["ASYNCCKPT_MEMORY_ROOT"] = f"{memory}/node0"
     from asyncckpt.core.loading import cooperative
 
     with cooperative.shared_copy(paths, None, timeout=60) as copies:
@@ -79,8 +80,12 @@ def _each_by_itself(rank, world, paths):
 
 
 def test_files_of_one_node_are_left_to_its_page_cache(tmp_path):
-    """Ranks of one node loading local files: the page cache reads each byte once for all of them, so no copy."""
-    assert run_on_ranks(_each_by_itself, 2, _files(tmp_path)) == [None, None]
+    """Ranks of one node loading local files: the page cache reads each byte once for all of them, so no copy, and
+    nothing made beside the node's memory root."""
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    assert run_on_ranks(_each_by_itself, 2, _files(tmp_path), str(memory)) == [None, None]
+    assert not os.listdir(memory)
 
 
 @pytest.mark.parametrize("world,nodes", [(2, 2), (4, 2)])

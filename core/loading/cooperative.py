@@ -164,12 +164,17 @@ def _sizes(paths: list[str]) -> Optional[list[int]]:
 
 
 def _free_bytes(root: str) -> int:
+    """The bytes a node copy could take under ``root``: free space on the file system of its nearest folder that
+    exists (``root`` is made only by a load that copies; one that does not left it empty in the memory's place), 0
+    where this process could not make it."""
+    where = root
+    while not os.path.isdir(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
     try:
-        os.makedirs(root, exist_ok=True)
-        found = os.statvfs(root)
+        found = os.statvfs(where)
     except OSError:
         return 0
-    return found.f_bavail * found.f_frsize
+    return found.f_bavail * found.f_frsize if os.access(where, os.W_OK | os.X_OK) else 0
 
 
 def _cannot_share(gathered: list, group: Optional[dist.ProcessGroup], nodes: _Node) -> Optional[str]:
