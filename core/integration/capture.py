@@ -134,8 +134,8 @@ def capturing(tx: Any, *, root: Optional[str] = None, safetensors_savers: Iterab
 
     ``root``: the directory it writes into (which need not exist yet); default: a scratch directory of our
     own (in memory beside the memory root, ``/dev/shm`` by default: its files are read back a moment later;
-    ``_scratch``), whose other files are handed over at the end (``collect``). ``torch.save`` and ``dcp.save`` are captured, safetensors
-    files through ``safetensors_savers``."""
+    ``_scratch``), whose other files are handed over at the end (``collect``). ``torch.save`` and ``dcp.save`` are
+    captured, safetensors files through ``safetensors_savers``."""
     with contextlib.ExitStack() as stack:
         if root is None:
             root = stack.enter_context(_scratch())

@@ -164,9 +164,9 @@ def _sizes(paths: list[str]) -> Optional[list[int]]:
 
 
 def _free_bytes(root: str) -> int:
-    """The bytes a node copy could take under ``root``: free space on the file system of its nearest folder that
-    exists (``root`` is made only by a load that copies; one that does not left it empty in the memory's place), 0
-    where this process could not make it."""
+    """The bytes a node copy could take under ``root``: the free space of the file system of its nearest existing
+    folder, 0 where this process could not make it there. ``root`` itself is made only by a load that copies (made
+    here, every load that then reads by itself left it empty in the node's memory)."""
     where = root
     while not os.path.isdir(where) and os.path.dirname(where) != where:
         where = os.path.dirname(where)
