@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from asyncckpt import core
-from asyncckpt.core.storage import tier
+from asyncckpt.core.cli.main import main
+from asyncckpt.core.formats import names
+from asyncckpt.core.storage import spares, tier
 from programs import Program
 from writers import wait_until_gone, writers_of
 
@@ -68,6 +70,34 @@ def test_the_framework_rotation_removes_both_copies(tmp_path, memory_root):
         checkpointer.remove([str(durable / "step_1")], after=checkpointer.pending()[-1]).result()
         assert _names(durable) == ["step_2"] and _names(tier.run_dir(str(durable))) == ["step_2"]
         assert checkpointer.will_exist(str(durable / "step_2")) and not checkpointer.will_exist(str(durable / "step_1"))
+
+
+def test_the_next_save_is_written_over_the_files_retention_drops(tmp_path, memory_root, capsys):
+    """Retention keeps the large files of the checkpoint it drops as spares; the next save's data file is written
+    over one (the same tmpfs pages), and loads bit for bit; small files are freed; the run leaves nothing."""
+    durable, data = tmp_path / "run", names.data_file_name(0)
+    big = {"w": torch.randn(6 << 20), "step": 0}  # a 24 MiB data file: above spares.MIN_BYTES
+    memory = tier.run_dir(str(durable))
+    with core.Checkpointer(memory_tier=core.MemoryTier(persist_every=100, keep=1, replicas=0)) as checkpointer:
+        inodes = {}
+        for step in (1, 2, 3):
+            big["w"].add_(1.0)
+            big["step"] = step
+            checkpointer.save(big, str(durable / f"step_{step}"), step=step)
+            checkpointer.wait()  # and the retention behind it
+            inodes[step] = os.stat(os.path.join(memory, f"step_{step}", data)).st_ino
+            if step == 2:  # step 1 dropped: its data file is a spare, its small files are gone
+                [spare] = os.listdir(os.path.join(memory, spares.SPARES_DIR))
+                assert os.stat(os.path.join(memory, spares.SPARES_DIR, spare)).st_ino == inodes[1]
+        assert inodes[3] == inodes[1] and inodes[2] != inodes[1]  # written over step 1's pages
+        assert _names(memory) == ["step_3"]
+        assert os.listdir(os.path.join(memory, spares.SPARES_DIR)) != []  # step 2's, for the next save
+        assert main(["ls", "--memory"]) == 0  # and the listing says what they hold
+        assert "spare files, for the next save to write over" in capsys.readouterr().out
+        restored = {"w": torch.zeros(6 << 20), "step": None}
+        core.load(restored, core.latest_checkpoint(str(durable)))
+        assert torch.equal(restored["w"], big["w"]) and restored["step"] == 3
+    assert not os.listdir(memory_root)
 
 
 KILLED = textwrap.dedent('''

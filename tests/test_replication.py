@@ -22,6 +22,7 @@ from typing import Optional
 import pytest
 
 from asyncckpt.core.formats.checksum import FileChecksum, checksum
+from asyncckpt.core.storage import spares
 from asyncckpt.core.writer.replication import (
     PeerConnection,
     Receiver,
@@ -183,6 +184,37 @@ def test_a_file_damaged_since_its_checksum_was_recorded_is_refused_by_the_peer(t
     [outcome] = send(a.address, str(source), [grown], timeout=30,
                      checksums={grown: FileChecksum(record[grown].size + 1, record[grown].xxh3)})
     assert not outcome.ok and grown in outcome.error
+
+
+def test_a_file_arrives_in_the_pages_of_a_spare_its_node_kept_and_a_damaged_one_is_not_kept(tmp_path, start_node):
+    """A node whose run directory holds spares (what its retention dropped) receives a file of their size into the
+    smallest one large enough (cut to the file's size), byte for byte; a damaged transfer received into a spare is
+    refused like any other, and leaves nothing."""
+    source = tmp_path / "source"
+    files = a_checkpoint(source)
+    big = f"{CHECKPOINT}/model.safetensors"
+    record = {path: FileChecksum(len(data), checksum(data)) for path, data in files.items()}
+    a = start_node("node-a")
+    run = a.root / os.path.dirname(CHECKPOINT)
+    dropped = run / "checkpoint-10"
+    dropped.mkdir(parents=True)
+    for name, size in (("larger.bin", 80 << 20), ("fits.bin", (64 << 20) + 4096), ("small.bin", 1 << 20)):
+        (dropped / name).write_bytes(os.urandom(size))
+    fits = os.stat(dropped / "fits.bin").st_ino
+    spares.recycle([str(dropped)], str(run), "test")
+    assert len(os.listdir(run / spares.SPARES_DIR)) == 2 and not dropped.exists()  # the small file freed
+
+    assert all(t.ok for t in send(a.address, str(source), list(files), timeout=30, checksums=record))
+    assert files_under(a.root / CHECKPOINT) == {os.path.relpath(p, CHECKPOINT): d for p, d in files.items()}
+    assert os.stat(a.root / big).st_ino == fits  # the smallest spare large enough, cut to size
+    assert len(os.listdir(run / spares.SPARES_DIR)) == 1
+
+    damaged = dict(record, **{big: FileChecksum(record[big].size, "0" * 16)})
+    (a.root / big).unlink()
+    [outcome] = send(a.address, str(source), [big], timeout=30, checksums=damaged)
+    assert not outcome.ok and "damaged" in outcome.error
+    assert not (a.root / big).exists() and hidden_leftovers(a.root) == []
+    assert os.listdir(run / spares.SPARES_DIR) == []  # the spare it went into went with it
 
 
 def test_a_replica_damaged_at_rest_is_never_kept_by_the_node_that_fetches_it(tmp_path, start_node):

@@ -13,6 +13,7 @@ the other arms run.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import socket
@@ -51,8 +52,9 @@ def receiver(root: str) -> None:
 def raw_reader(sink: str) -> None:
     """The raw floor's other process: per connection, an 8-byte length and a mode byte (0: discard, 1: into a
     fresh file under ``sink``, 2: into one of two files under ``sink`` in turn, the older replaced, as a tier's
-    retention keeps memory bounded over many saves), then that many bytes, read through one buffer; one byte back
-    once all arrived."""
+    retention keeps memory bounded over many saves, 3: into the pages of one file under ``sink`` kept from the
+    connection before, mapped at once, as the tier receives into the spares of what its retention dropped; fresh
+    the first time), then that many bytes, read through one buffer; one byte back once all arrived."""
     buffer = memoryview(bytearray(PIECE))
     with socket.create_server(("127.0.0.1", 0)) as listener:
         report_now({"address": list(listener.getsockname()[:2])})
@@ -63,8 +65,11 @@ def raw_reader(sink: str) -> None:
                 while len(head) < 9:
                     head += connection.recv(9 - len(head))
                 left, mode = struct.unpack(">QB", head)
-                name = f"raw-{n}" if mode == 1 else f"raw-{n % 2}"
-                fd = os.open(os.path.join(sink, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if mode else None
+                path = os.path.join(sink, {1: f"raw-{n}", 2: f"raw-{n % 2}", 3: "raw-reused"}.get(mode, ""))
+                if mode == 3 and os.path.exists(path) and os.path.getsize(path) == left > 0:
+                    _receive_into_pages(connection, path, left)
+                    left = 0
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if mode and left else None
                 while left:
                     received = connection.recv_into(buffer[:min(left, PIECE)])
                     if not received:
@@ -77,6 +82,21 @@ def raw_reader(sink: str) -> None:
                 if fd is not None:
                     os.close(fd)
                 connection.sendall(b"k")
+
+
+def _receive_into_pages(connection: socket.socket, path: str, size: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) as pages:
+            view, offset = memoryview(pages), 0
+            while offset < size:
+                received = connection.recv_into(view[offset:min(offset + PIECE, size)])
+                if not received:
+                    raise ConnectionError("the sender closed early")
+                offset += received
+            view.release()
+    finally:
+        os.close(fd)
 
 
 def started(sitting, function: str, **kwargs):

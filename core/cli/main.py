@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from asyncckpt.core.verify import checkpoint_kinds
 from asyncckpt.core.verify import integrity
-from asyncckpt.core.storage import leftovers, orphans, tier
+from asyncckpt.core.storage import leftovers, orphans, spares, tier
 from asyncckpt.core.formats import names
 from asyncckpt.core.cli import export as export_cli
 from asyncckpt.core.errors import CheckpointError
@@ -131,7 +131,8 @@ def _missing(checkpoint: tier.MemoryCheckpoint, shown: int = 3) -> str:
 def cmd_ls_memory(memory_root: str) -> int:
     """Every run directory under this node's ``memory_root``: the durable root it is the memory
     tier of, whether a live process owns it (else how long it has been unchanged, and whether
-    ``clean --memory`` removes it now), its checkpoints and bytes; then each of its checkpoints."""
+    ``clean --memory`` removes it now), its checkpoints and bytes (its spares among them); then each
+    of its checkpoints."""
     runs = tier.runs(memory_root)
     if not runs:
         print(f"no memory tier under {memory_root}")
@@ -141,8 +142,10 @@ def cmd_ls_memory(memory_root: str) -> int:
         owner = "in use" if run.alive else (
             f"no live owner, unchanged for {_duration(run.idle_s)}"
             f"{'; orphaned' if run.orphaned() else f'; orphaned after {_duration(tier.ORPHAN_AFTER_S)}'}")
+        spare = used_bytes(os.path.join(run.path, spares.SPARES_DIR))
         print(f"{basename(run.path)}  {run.durable_root}  ({owner})  {len(checkpoints)} checkpoint(s)  "
-              f"{human_bytes(used_bytes(run.path))}")
+              f"{human_bytes(used_bytes(run.path))}"
+              + (f" (of which {human_bytes(spare)} spare files, for the next save to write over)" if spare else ""))
         for checkpoint in checkpoints:
             state = "COMPLETE" if checkpoint.complete else f"PARTIAL ({_missing(checkpoint)})"
             print(f"  {checkpoint.name}  {'-' if checkpoint.step is None else checkpoint.step}  "

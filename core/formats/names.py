@@ -34,6 +34,7 @@ COMMIT_RECORD = ".asyncckpt-commit.json"
 DCP_METADATA_FILE = ".metadata"
 ABORT_MARKER = "ABORTED.json"  # in a staging directory: the save failed on some rank
 REMOVING_MARKER = ".asyncckpt-removing"  # under an object-store prefix being removed: garbage, whoever wrote it
+CHECKSUM_ATTRIBUTE = "user.asyncckpt.checksum"  # a single file's checksum record, attached (an extended attribute)
 
 
 def data_file_name(rank: int) -> str:

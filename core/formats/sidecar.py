@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Optional
 
-import numpy as np
-
 from asyncckpt.core.errors import CorruptCheckpointError
 from asyncckpt.core.formats.checksum import FileChecksum
 from asyncckpt.core.formats.layout import RankLayout
@@ -205,10 +203,10 @@ def _strings(values: list) -> bool:
 def _counts(values: list, below: Optional[int] = None) -> bool:
     """Non-negative integers (less than ``below``)."""
     try:
-        packed = np.frombuffer(array("q", values), dtype=np.int64)  # C speed; raises on anything but int
+        packed = array("q", values)  # C speed; raises on anything but int
     except (TypeError, OverflowError):
         return False
-    return not len(packed) or (packed.min() >= 0 and (below is None or packed.max() < below))
+    return not packed or (min(packed) >= 0 and (below is None or max(packed) < below))
 
 
 def _malformed(path: str, what: str) -> CorruptCheckpointError:

@@ -40,7 +40,6 @@ from asyncckpt.core.storage import diskio
 from asyncckpt.core.storage.fsio import atomic_write_bytes, exchange_paths, fsync_dir, fsync_file
 from asyncckpt.core.storage.listing import IncompleteUpload, Listed
 
-CHECKSUM_ATTRIBUTE = "user.asyncckpt.checksum"
 _UNSUPPORTED = {errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.ENOSYS}
 _warned_unsupported = False
 
@@ -49,7 +48,7 @@ def attach_checksum(temporary: str, checksum: FileChecksum) -> None:
     """Attach ``checksum`` to the written (not yet renamed) file ``temporary``, durably."""
     global _warned_unsupported
     try:
-        os.setxattr(temporary, CHECKSUM_ATTRIBUTE, record_body(checksum).encode())
+        os.setxattr(temporary, names.CHECKSUM_ATTRIBUTE, record_body(checksum).encode())
     except OSError as e:
         if e.errno not in _UNSUPPORTED:
             raise
@@ -165,7 +164,7 @@ class LocalBackend:
         """Following a symlink to the file it names; None where none is attached (written without
         asyncckpt, or copied without extended attributes)."""
         try:
-            body = os.getxattr(path, CHECKSUM_ATTRIBUTE)
+            body = os.getxattr(path, names.CHECKSUM_ATTRIBUTE)
         except OSError as e:
             if e.errno in _UNSUPPORTED or e.errno in (errno.ENODATA, errno.ENOENT):
                 return None

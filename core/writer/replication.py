@@ -11,7 +11,8 @@ files, and when, is the caller's business; this module only moves bytes and vouc
   (``names`` kind ``tmp``, with an owner token, so that a receiver killed mid-file leaves a leftover that
   ``leftovers`` judges by its owner), hashed (xxh3-64, ``formats.checksum``) as its bytes arrive, and renamed
   to its name only if the hash matches the one the sender announced: a damaged transfer is never published
-  under its name. A path that would leave the root (absolute, ``..``, through a symlink) is refused, named.
+  under its name. Where the memory run directory has a spare file of the size (``spares``: what its retention
+  dropped), the bytes are received straight into its pages. A path that would leave the root (absolute, ``..``, through a symlink) is refused, named.
 * ``send(address, root, paths)``: the files go out with ``os.sendfile`` from the tier's pages (tmpfs: no
   copy through user space on this side), each announced with the xxh3 its writer recorded when given
   (``checksums``; else hashed here first). ``fetch(address, root, paths)``: the reverse, each file verified
@@ -55,7 +56,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional
 from asyncckpt.core.errors import CheckpointError
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import FileChecksum, checksum, checksum_stream
-from asyncckpt.core.storage import owners
+from asyncckpt.core.storage import owners, spares
 from asyncckpt.core.storage.local import attach_checksum
 
 Address = tuple[str, int]
@@ -290,25 +291,31 @@ class _Stream:
         modification time before it takes its name, in a directory that must be there (a run directory some
         process here owns: none is made that nothing would remove)."""
         target = _target(root, relative_path)
-        temporary, fd, problem = None, None, None
+        temporary, fd, problem, recycled = None, None, None, None
         try:
             if file_mtime_ns is None:
                 os.makedirs(os.path.dirname(target), exist_ok=True)
             temporary = names.hidden_path(target, "tmp", owners.owner_token())
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            recycled = fd = spares.take(temporary, expected.size)
+            if fd is None:
+                fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except OSError as e:
             problem = f"{relative_path}: cannot be written here ({e.strerror})"
         try:
-            digest, left = checksum_stream(), expected.size
-            while left:
-                piece = self.buffer[:self.recv_into(self.buffer[:min(left, PIECE_BYTES)])]
-                left -= len(piece)
-                if problem is None:
-                    digest.update(piece)
-                    try:
-                        _write_all(fd, piece)
-                    except OSError as e:
-                        problem = f"{relative_path}: cannot be written here ({e.strerror})"
+            digest = checksum_stream()
+            if recycled is not None:
+                self._receive_over(recycled, expected.size, digest)
+            else:
+                left = expected.size
+                while left:
+                    piece = self.buffer[:self.recv_into(self.buffer[:min(left, PIECE_BYTES)])]
+                    left -= len(piece)
+                    if problem is None:
+                        digest.update(piece)
+                        try:
+                            _write_all(fd, piece)
+                        except OSError as e:
+                            problem = f"{relative_path}: cannot be written here ({e.strerror})"
             if problem is not None:
                 return problem
             if digest.hexdigest() != expected.xxh3:
@@ -331,6 +338,19 @@ class _Stream:
             if temporary is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(temporary)
+
+    def _receive_over(self, fd: int, size: int, digest: Any) -> None:
+        """``size`` bytes received straight into the pages of ``fd`` (a spare of that size: every page there, so
+        none is allocated while mapped), each piece hashed into ``digest`` while in cache."""
+        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as pages:
+            view, offset = memoryview(pages), 0
+            try:
+                while offset < size:
+                    received = self.recv_into(view[offset:min(offset + PIECE_BYTES, size)])
+                    digest.update(view[offset:offset + received])
+                    offset += received
+            finally:
+                view.release()
 
     def discard(self, size: int) -> None:
         while size:

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from asyncckpt.core.storage import commit, tier
+from asyncckpt.core.storage import commit, spares, tier
 from asyncckpt.core.storage.backend import basename
 from asyncckpt.core.writer.file_requests import RemoveRequest
 from asyncckpt.core.writer.protocol import RequestContext
@@ -48,13 +48,14 @@ class RetentionRequest:
 @dataclass
 class MemoryRetentionRequest:
     """The memory tier's retention on this node, right after a checkpoint was published there, and only if it
-    committed: the memory checkpoints of ``run_directory`` beyond the newest ``keep`` go (``tier.stale``)."""
+    committed: the memory checkpoints of ``run_directory`` beyond the newest ``keep`` go (``tier.stale``), their
+    large files kept for the next save to write over (``spares``)."""
 
     run_directory: str
     keep: int
 
     def run(self, context: RequestContext) -> None:
-        RemoveRequest(tier.stale(self.run_directory, self.keep)).run(context)
+        spares.recycle(tier.stale(self.run_directory, self.keep), self.run_directory, context.token())
 
 
 def committed_steps(root: str, pattern: re.Pattern, options: Any = None) -> dict[int, str]:
