@@ -15,11 +15,12 @@ override both, for tests and unusual launchers that run several "nodes" on one m
 * ``ASYNCCKPT_MEMORY_ROOT``, else the ``MemoryTier(root=...)`` given, else ``/dev/shm/asyncckpt``.
 
 What the tier holds on a node is bounded twice. Each run keeps its ``keep`` newest memory checkpoints (``stale``
-names the rest, whose large files the next save writes over: ``spares``), and the tier as a whole uses at most ``MemoryTier.max_bytes``, else half of the memory root's
-file system (``capacity``: a tmpfs takes its pages from the node's RAM, which training needs too). A run directory
-is owned by the processes using it (an owner marker each, ``claim_run``), and one nobody alive owns is removed
-once nothing in it changed for ``ORPHAN_AFTER_S`` (``remove_orphans``: by any process that opens a run, and by
-``asyncckpt clean``): a job that died does not hold the node's memory for ever.
+names the rest, whose large files the next save writes over: ``spares``), and the tier as a whole uses at most
+``MemoryTier.max_bytes``, else half of the memory root's file system (``capacity``: a tmpfs takes its pages from the
+node's RAM, which training needs too). A run directory is owned by the processes using it (an owner marker each,
+``claim_run``), and one nobody alive owns is removed once nothing in it changed for ``ORPHAN_AFTER_S``
+(``remove_orphans``: by any process that opens a run, and by ``asyncckpt clean``): a job that died does not hold the
+node's memory for ever.
 
 Kept free of torch: the background writer and the CLI use it.
 """

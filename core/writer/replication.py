@@ -12,7 +12,8 @@ files, and when, is the caller's business; this module only moves bytes and vouc
   ``leftovers`` judges by its owner), hashed (xxh3-64, ``formats.checksum``) as its bytes arrive, and renamed
   to its name only if the hash matches the one the sender announced: a damaged transfer is never published
   under its name. Where the memory run directory has a spare file of the size (``spares``: what its retention
-  dropped), the bytes are received straight into its pages. A path that would leave the root (absolute, ``..``, through a symlink) is refused, named.
+  dropped), the bytes are received straight into its pages. A path that would leave the root (absolute, ``..``,
+  through a symlink) is refused, named.
 * ``send(address, root, paths)``: the files go out with ``os.sendfile`` from the tier's pages (tmpfs: no
   copy through user space on this side), each announced with the xxh3 its writer recorded when given
   (``checksums``; else hashed here first). ``fetch(address, root, paths)``: the reverse, each file verified
