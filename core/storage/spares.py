@@ -43,7 +43,6 @@ def recycle(paths: list[str], run_directory: str, token: str) -> None:
     single file renamed into the spares or deleted)."""
     folder = os.path.join(run_directory, SPARES_DIR)
     shutil.rmtree(folder, ignore_errors=True)
-    os.makedirs(folder, exist_ok=True)
     for path in paths:
         if os.path.isdir(path) and not os.path.islink(path):
             aside = names.hidden_path(path, "removing", token)
@@ -68,6 +67,7 @@ def _keep(path: str, folder: str) -> bool:
             return False
         with contextlib.suppress(OSError):  # ENODATA: none attached; unsupported: none could be
             os.removexattr(path, names.CHECKSUM_ATTRIBUTE, follow_symlinks=False)
+        os.makedirs(folder, exist_ok=True)
         os.rename(path, os.path.join(folder, uuid.uuid4().hex))
     except FileNotFoundError:
         return False
