@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from asyncckpt import core
+from asyncckpt.core.cli.main import main
 from asyncckpt.core.storage import owners, tier
 from asyncckpt.core.storage.owners import owner_token
 from asyncckpt.core.formats import names
@@ -302,6 +303,22 @@ def test_clean_memory_removes_every_orphaned_tier_of_the_node_never_a_live_one(r
     [kept] = os.listdir(tier.captures_dir(str(memory_root)))  # the running save's scratch folder
     assert owners.same_process(kept, owner_token()) and "(a save's scratch folder whose process is gone)" in result.stdout
     assert "in 5 entries" in result.stdout
+
+
+def test_clean_memory_removes_the_folders_of_loads_and_captures_once_nothing_is_left_in_them(tmp_path, capsys):
+    """What killed loads and saves left beside the memory root goes, and the folders that held it with it once empty
+    (``--dry-run`` removes neither)."""
+    memory_root = tmp_path / "shm"
+    left = [Path(tier.loads_dir(str(memory_root))) / f"0123456789ab-{_dead_pid()}",
+            Path(tier.captures_dir(str(memory_root))) / _dead_token()]
+    for folder in left:
+        folder.mkdir(parents=True)
+        (folder / "piece").write_bytes(bytes(100))
+    assert main(["clean", "--memory", "--memory-root", str(memory_root), "--dry-run"]) == 0
+    assert all(folder.exists() for folder in left)
+    assert main(["clean", "--memory", "--memory-root", str(memory_root)]) == 0
+    assert "in 2 entries" in capsys.readouterr().out
+    assert not any(folder.parent.exists() for folder in left)
 
 
 def test_clean_memory_older_than_shortens_the_bound(runs):

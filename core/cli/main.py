@@ -20,6 +20,7 @@ memory-mapped: pointing it at a checkpoint of unknown origin runs none of its co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -335,7 +336,7 @@ def cmd_clean(root: Optional[str], min_age_s: float, dry_run: bool, memory_root:
     it and nothing changed in it for ``older_than_s`` (``tier.Run.orphaned``). Without ROOT: every
     memory tier of this node that is orphaned so (and what dead cleaners left beside them), and the node copies
     that killed cooperative loads and the scratch folders that killed saves left beside the memory root
-    (``tier.dead_loads``, ``tier.dead_captures``)."""
+    (``tier.dead_loads``, ``tier.dead_captures``), and the folders holding them once empty."""
     freed = count = 0
     try:
         if root is not None:
@@ -359,6 +360,9 @@ def cmd_clean(root: Optional[str], min_age_s: float, dry_run: bool, memory_root:
                     shutil.rmtree(path)
                 freed, count = freed + size, count + 1
                 print(f"{'would remove' if dry_run else 'removed'}  {kind} {basename(path)}  {human_bytes(size)}  ({why})")
+            for parent in () if dry_run else (tier.loads_dir(memory_root), tier.captures_dir(memory_root)):
+                with contextlib.suppress(OSError):  # not there, or a live load's or save's folder is in it
+                    os.rmdir(parent)
     except (OSError, ObjectStoreError) as e:
         print(f"asyncckpt clean: {e}", file=sys.stderr)
         return EXIT_PROBLEM

@@ -135,7 +135,12 @@ def shared_copy(paths: list[str], group: Optional[dist.ProcessGroup], *, timeout
     if leader:
         for dead in tier.dead_loads(root):
             shutil.rmtree(dead, ignore_errors=True)
-    os.makedirs(folder, exist_ok=True)
+    while True:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            break
+        except FileNotFoundError:  # the last load of another job (or ``asyncckpt clean``) removed ``root`` meanwhile
+            continue
     copies = {path: os.path.join(folder, f"{index}-{basename(path)}") for index, path in enumerate(paths)}
     try:
         with _Mapped([copies[path] for path in paths], sizes) as views:
