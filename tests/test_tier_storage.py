@@ -21,7 +21,7 @@ import torch
 
 from asyncckpt import core
 from asyncckpt.core.formats import names
-from asyncckpt.core.storage import owners, removal, tier
+from asyncckpt.core.storage import owners, removal, spares, tier
 from asyncckpt.core.storage.backend import at_once
 from programs import Program
 
@@ -125,6 +125,29 @@ def test_retention_removes_all_but_the_newest_keep_with_the_removal_machinery(ru
 
     assert [c.name for c in tier.memory_checkpoints(str(run))] == ["step_000004", "step_000003"]
     assert sorted(os.listdir(run)) == sorted([tier.RUN_RECORD, "step_000003", "step_000004"])
+
+
+def test_retention_keeps_only_large_files_nobody_else_links_to_as_spares(run, tmp_path):
+    """What the memory tier's retention drops (``spares.recycle``) leaves every listing at once; its large files
+    become spares, its small ones and one that another name links to (someone kept it) are not written over."""
+    dropped = run / "step_000001"
+    (dropped / "sub").mkdir(parents=True)
+    large, kept, small = os.urandom(spares.MIN_BYTES + 8192), os.urandom(spares.MIN_BYTES), b"x" * 100
+    (dropped / "sub" / "large.bin").write_bytes(large)
+    (dropped / "kept.bin").write_bytes(kept)
+    (dropped / "small.bin").write_bytes(small)
+    os.link(dropped / "kept.bin", run / "someone-kept-this.bin")
+    spares.recycle([str(dropped)], str(run), owners.owner_token())
+
+    assert not dropped.exists() and not [n for n in os.listdir(run) if names.is_hidden(n)]
+    [spare] = os.listdir(run / spares.SPARES_DIR)
+    assert (run / spares.SPARES_DIR / spare).read_bytes() == large
+    assert (run / "someone-kept-this.bin").read_bytes() == kept and os.stat(run / "someone-kept-this.bin").st_nlink == 1
+    assert spares.take(str(run / "next" / "data.bin"), spares.MIN_BYTES + 8193) is None  # none large enough
+    (run / "next").mkdir()
+    os.close(spares.take(str(run / "next" / "data.bin"), spares.MIN_BYTES + 4096))  # cut to its size
+    assert (run / "next" / "data.bin").read_bytes() == large[:spares.MIN_BYTES + 4096]
+    assert os.listdir(run / spares.SPARES_DIR) == []
 
 
 # ------------------------------------------------------------------------------------------- capacity

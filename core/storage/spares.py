@@ -60,10 +60,11 @@ def recycle(paths: list[str], run_directory: str, token: str) -> None:
 
 
 def _keep(path: str, folder: str) -> bool:
-    """``path`` moved into the spares ``folder`` if it is a regular file of at least ``MIN_BYTES``: whether it was."""
+    """``path`` moved into the spares ``folder`` if it is a regular file of at least ``MIN_BYTES`` that no other name
+    links to (someone keeps those pages: they are not ours to write over): whether it was."""
     try:
         found = os.lstat(path)
-        if not (stat.S_ISREG(found.st_mode) and found.st_size >= MIN_BYTES):
+        if not (stat.S_ISREG(found.st_mode) and found.st_size >= MIN_BYTES and found.st_nlink == 1):
             return False
         with contextlib.suppress(OSError):  # ENODATA: none attached; unsupported: none could be
             os.removexattr(path, names.CHECKSUM_ATTRIBUTE, follow_symlinks=False)
