@@ -193,3 +193,55 @@ def test_lightning_fsdp_on_gpus_saves_asynchronously_and_resumes_from_last(tmp_p
     assert report.intact and report.checked_files >= 1, report
     resumed = _torchrun(tmp_path, LIGHTNING_FSDP, str(tmp_path / "ckpts"), kind, "resume")
     assert resumed.returncode == 0 and f"OK {32 // RANKS}" in resumed.stdout, resumed.stderr[-4000:]
+
+
+MEMORY_TIER_CUDA = """
+    import glob, os, sys, torch
+    import torch.distributed as dist
+    root = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    # two nodes of one rank each on this machine, the ranks sharing the GPU (the tier's traffic is host-side)
+    os.environ.update(ASYNCCKPT_NODE=f"n{rank}", ASYNCCKPT_MEMORY_ROOT=os.path.join(root, "memory", f"n{rank}"),
+                      ASYNCCKPT_REPLICATION_ADDRESS="127.0.0.1", GROUP_RANK=str(rank), LOCAL_RANK="0",
+                      LOCAL_WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    from asyncckpt import core
+    from asyncckpt.core.storage import tier
+    torch.manual_seed(rank)
+    share = {"w": torch.randn(24 << 20, device="cuda"), "h": torch.randn(7, 3, device="cuda", dtype=torch.bfloat16)}
+    state, durable, expected = {f"rank{rank}": share, "step": 0}, os.path.join(root, "run"), {}
+    with core.Checkpointer(memory_tier=core.MemoryTier(replicas=1, persist_every=100, keep=2)) as checkpointer:
+        for step in (1, 2):
+            state["step"] = step
+            checkpointer.async_save(state, f"{durable}/step_{step}", step=step)
+            expected[step] = {key: value.clone() for key, value in share.items()}
+            for value in share.values():  # after the snapshot: in no checkpoint
+                value.add_(1)
+        checkpointer.wait()
+        latest = core.latest_checkpoint(durable)
+        assert latest == tier.memory_path(f"{durable}/step_2"), latest  # memory only: nothing durable yet
+        own = os.environ["ASYNCCKPT_MEMORY_ROOT"]  # committed here: this node's share and its peer's replica
+        assert glob.glob(f"{own}/*/step_2/__{1 - rank}_0.distcp"), f"node n{rank} holds no replica of its peer's share"
+        target = {f"rank{rank}": {key: torch.zeros_like(value) for key, value in share.items()}, "step": None}
+        core.load(target, latest)
+        assert target["step"] == 2, target["step"]
+        for key, value in target[f"rank{rank}"].items():
+            assert value.is_cuda and torch.equal(value, expected[2][key]), key
+    dist.barrier()
+    dist.destroy_process_group()
+    print("OK", flush=True)
+"""
+
+
+def test_memory_tier_from_cuda_state_replicates_and_loads_back_onto_the_gpu(tmp_path):
+    """Two nodes (one rank each, sharing the GPU): a save of GPU tensors is committed in node memory with its
+    replica on the other node, and the restart's load from memory puts the state back on the GPU, bit for bit;
+    the run's end leaves only the durable copy."""
+    script = tmp_path / "program.py"
+    script.write_text(textwrap.dedent(MEMORY_TIER_CUDA))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.count("OK") == 2, result.stderr[-4000:]
+    assert sorted(os.listdir(tmp_path / "run")) == ["step_2"]  # the run's last checkpoint, durable at its end
+    assert [name for node in ("n0", "n1") for name in os.listdir(tmp_path / "memory" / node)] == []

@@ -47,6 +47,15 @@ def make_adam(total_bytes: int, n_small: Optional[int] = None, seed: int = 1) ->
     return {"model": model, "optim": {"state": state, "param_groups": groups}}
 
 
+def on_device(obj: Any, device: str) -> Any:
+    """``obj`` with every tensor in it moved to ``device`` (the rest kept as it is)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: on_device(v, device) for k, v in obj.items()}
+    return obj
+
+
 def workload(name: str, total_bytes: int, n_small: Optional[int] = None) -> dict:
     """``large`` or ``adam`` of ``total_bytes``."""
     return make_large(total_bytes) if name == "large" else make_adam(total_bytes, n_small)
@@ -135,3 +144,20 @@ class MMLoop:
             self.step()
             n += 1
         return n, now() - t0
+
+
+class GpuMMLoop(MMLoop):
+    """A GPU trainer's step: ``MATMULS`` bf16 4096x4096 products (each through ``tanh``), then a synchronize, as a
+    step's loss read back makes one; the CPU waits for the GPU in between (its cores free for background work)."""
+
+    MATMULS = 20
+
+    def __init__(self) -> None:
+        self.a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def step(self) -> None:
+        a = self.a
+        for _ in range(self.MATMULS):
+            a = (a @ a).tanh_()
+        self.a = a
+        torch.cuda.synchronize()

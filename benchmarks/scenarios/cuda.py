@@ -146,18 +146,14 @@ def training_loop(checkpointer, state: dict, root: str, alone_s: float, export_o
                   dcp_write: Optional[Callable[[str], Any]]) -> dict:
     """Steps/s of a 4096x4096 bf16 matmul loop alone, while the writer writes a save, while it exports it, and
     while ``dcp_write`` (DCP's strongest configuration) writes one after its staging."""
-    import torch
+    from harness.workloads import GpuMMLoop
 
     def rate(until: Callable[[float], bool]) -> float:
-        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-        steps, t0 = 0, now()
-        while True:
-            for _ in range(20):
-                a = (a @ a).tanh_()
-            torch.cuda.synchronize()
-            steps += 20
-            if not until(now() - t0):
-                return steps / (now() - t0)
+        """Matmuls per second while ``until(elapsed seconds)``."""
+        loop, t0 = GpuMMLoop(), now()
+        loop.step()  # at least one, as when the save is done before the loop starts
+        steps, _ = loop.run_until(lambda: not until(now() - t0))
+        return (steps + 1) * GpuMMLoop.MATMULS / (now() - t0)
 
     alone = rate(lambda elapsed: elapsed < alone_s)
     handle = checkpointer.async_save(state, os.path.join(root, "during"))

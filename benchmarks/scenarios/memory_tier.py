@@ -17,6 +17,8 @@ tier (in memory only), against the same loop saving nothing, saving durably, wit
 same bytes to the disk at the same steps, and with another process sending the same bytes over loopback into the
 other node's tmpfs at the same steps (the floor of a replica); then the same arms with a core left free, as a GPU
 trainer leaves its CPU: rank 0 computes on one thread, rank 1 keeps step with it without computing.
+``--set device=cuda`` (where a GPU is lent): the training arms' shares in GPU memory and their steps on the GPU
+(both ranks on the one GPU), a GPU trainer as it is, its cores free; ``--set saves=false``: the training alone.
 From the measured costs, the work a day of failures loses against the checkpoint interval, with and without the
 tier (``asyncckpt.core.api.interval``).
 """
@@ -35,7 +37,8 @@ from harness.machine import evict
 from harness.ranks import on_ranks
 from harness.report import bars, fmt, table
 from harness.util import median, now
-from harness.workloads import MMLoop, flat_tensors, make_adam, n_tensors, same_state, state_bytes, zeros_like_state
+from harness.workloads import (GpuMMLoop, MMLoop, flat_tensors, make_adam, n_tensors, on_device, same_state,
+                               state_bytes, zeros_like_state)
 from scenarios.object_store import Server
 from scenarios.replication import raw_reader, started  # noqa: F401 - raw_reader runs in a child of this scenario
 
@@ -60,9 +63,9 @@ def _node(rank: int, memory_root: str) -> None:
                        "LOCAL_WORLD_SIZE": "1"})
 
 
-def _share(rank: int, size_mib: int) -> dict:
-    """Rank ``rank``'s own share (its keys its own: every rank writes its ``size_mib``)."""
-    return {f"rank{rank}": make_adam(size_mib << 20, seed=1 + rank)}
+def _share(rank: int, size_mib: int, device: str = "cpu") -> dict:
+    """Rank ``rank``'s own share (its keys its own: every rank writes its ``size_mib``), on ``device``."""
+    return on_device({f"rank{rank}": make_adam(size_mib << 20, seed=1 + rank)}, device)
 
 
 def _drop(path: str) -> None:
@@ -199,7 +202,7 @@ def _load_parts(checkpointer, target: dict, path: str, rank: int) -> dict:
 
 
 def _train_rank(rank: int, world: int, arm: str, size_mib: int, seconds: float, saves: int, root: str,
-                memory_root: str, readers: list) -> dict:
+                memory_root: str, readers: list, device: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -208,7 +211,7 @@ def _train_rank(rank: int, world: int, arm: str, size_mib: int, seconds: float, 
 
     free, arm = arm.startswith(FREE), arm.removeprefix(FREE)
     computes = not free or rank == 0  # with a core left free, rank 1 keeps step without computing
-    state, loop = _share(rank, size_mib), MMLoop()
+    state, loop = _share(rank, size_mib, device), GpuMMLoop() if device == "cuda" else MMLoop()
     rate = torch.tensor([loop.rate_alone(2.0) if computes else float("inf")])
     dist.all_reduce(rate, op=dist.ReduceOp.MIN)  # both ranks run the same steps (a save is collective)
     steps = int(rate.item() * seconds)
@@ -226,7 +229,7 @@ def _train_rank(rank: int, world: int, arm: str, size_mib: int, seconds: float, 
     stalls, t0 = [], now()
     for step in range(1, steps + 1):
         if computes:
-            loop.step()
+            loop.step()  # on the GPU: each rank's own stream, the two ranks sharing the one GPU
         if step % every == 0 and step // every <= saves:
             if free:
                 dist.barrier()  # the idle rank waits for the computing one here, in every arm alike
@@ -303,8 +306,8 @@ def job_restart(size_mib: int, root: str, memory_root: str, breakdown: bool, tur
 
 
 def job_train(arm: str, size_mib: int, seconds: float, saves: int, root: str, memory_root: str,
-              readers: list) -> dict:
-    ranks = on_ranks(_train_rank, 2, arm, size_mib, seconds, saves, root, memory_root, readers)
+              readers: list, device: str) -> dict:
+    ranks = on_ranks(_train_rank, 2, arm, size_mib, seconds, saves, root, memory_root, readers, device)
     return {"wall_s": max(r["wall_s"] for r in ranks), "steps": ranks[0]["steps"],
             "stall_s": median([s for r in ranks for s in r["stalls_s"]])}
 
@@ -354,11 +357,24 @@ def _restored(backup: str, memory_root: str, nodes: tuple[str, ...]) -> None:
 
 
 def measure(sitting) -> dict:
-    import boto3
-
     o = sitting.o
     out: dict = {"saves": {}, "restart": {}, "training": {}}
     memory_root = tempfile.mkdtemp(prefix="asyncckpt-bench-", dir="/dev/shm")
+    try:
+        if o.saves:
+            _saves_and_restarts(sitting, memory_root, out)
+        if o.training:
+            _training(sitting, memory_root, out)
+    finally:
+        shutil.rmtree(memory_root, ignore_errors=True)
+    out["failures_per_day"] = o.failures_per_day
+    return out
+
+
+def _saves_and_restarts(sitting, memory_root: str, out: dict) -> None:
+    import boto3
+
+    o = sitting.o
     server = Server("moto", sitting.directory("s3"))
     try:
         boto3.client("s3").create_bucket(Bucket=BUCKET)
@@ -403,26 +419,28 @@ def measure(sitting) -> dict:
                 out.setdefault("restart_paths", {})[source] = found["paths"]
         shutil.rmtree(disk_root, ignore_errors=True)
         _restored(backup, memory_root, ())
-        readers = [started(sitting, "raw_reader", sink=tempfile.mkdtemp(dir=memory_root)) for _ in range(2)]
-        try:
-            training = list(TRAINING) + [FREE + arm for arm in TRAINING] if o.training else []
-            for _, run in sitting.abba(sitting.runs(training), 2) if training else ():
-                root = sitting.directory(f"train_{run.label}")
-                with sitting.phase(f"training {run.label}"):
-                    found = sitting.child("job_train", arm=run.arm, size_mib=o.size_mib, seconds=o.train_s,
-                                          saves=o.train_saves, root=root, memory_root=memory_root,
-                                          readers=[a for _, a in readers])
-                out["training"].setdefault(run.arm, []).append(found)
-                shutil.rmtree(root, ignore_errors=True)
-        finally:
-            for child, _ in readers:
-                child.process.kill()
-                child.process.wait()
     finally:
         server.stop()
-        shutil.rmtree(memory_root, ignore_errors=True)
-    out["failures_per_day"] = o.failures_per_day
-    return out
+
+
+def _training(sitting, memory_root: str, out: dict) -> None:
+    """The training arms in ABBA order; on the GPU without the core-free arms (a GPU trainer leaves its cores)."""
+    o = sitting.o
+    readers = [started(sitting, "raw_reader", sink=tempfile.mkdtemp(dir=memory_root)) for _ in range(2)]
+    try:
+        training = list(TRAINING) + ([FREE + arm for arm in TRAINING] if o.device == "cpu" else [])
+        for _, run in sitting.abba(sitting.runs(training), 2):
+            root = sitting.directory(f"train_{run.label}")
+            with sitting.phase(f"training {run.label}"):
+                found = sitting.child("job_train", arm=run.arm, size_mib=o.size_mib, seconds=o.train_s,
+                                      saves=o.train_saves, root=root, memory_root=memory_root,
+                                      readers=[a for _, a in readers], device=o.device)
+            out["training"].setdefault(run.arm, []).append(found)
+            shutil.rmtree(root, ignore_errors=True)
+    finally:
+        for child, _ in readers:
+            child.process.kill()
+            child.process.wait()
 
 
 # ------------------------------------------------------------------------------------------ the page
@@ -435,8 +453,15 @@ def _costs(figures: dict) -> dict:
 
 
 def render(result: dict) -> str:
-    from asyncckpt.core.api import interval
+    figures = result["figures"]
+    lines = _saves_and_restarts_lines(result) if figures["saves"] else []
+    lines += _training_lines(result)
+    if figures["saves"]:
+        lines += _interval_lines(figures)
+    return "\n".join(lines)
 
+
+def _saves_and_restarts_lines(result: dict) -> list[str]:
     figures = result["figures"]
     saves = figures["saves"]
     first = saves["durable"]
@@ -485,9 +510,16 @@ def render(result: dict) -> str:
                              ("read_s", "bare read of the rank's data files into a held buffer (16 MiB reads)"),
                              ("hash_s", "bare xxh3 of the rank's data files (through a mapping)"),
                              ("memcpy_s", "held memcpy of the share (the same process, then)"))]), ""]
-    training = figures["training"]
+    return lines
+
+
+def _training_lines(result: dict) -> list[str]:
+    training, lines = result["figures"]["training"], []
+    on_gpu = result["options"].get("device") == "cuda"
     for title, prefix, goal in (
-            ("both ranks computing, one thread each: every core busy", "",
+            ("both ranks computing on the one GPU, each rank's CPU thread waiting for its steps: the cores free, as a "
+             "GPU trainer leaves them" if on_gpu else "both ranks computing, one thread each: every core busy", "",
+             "Goal (a GPU trainer): the background work at most 5% slower than no checkpoints." if on_gpu else
              "Goal (every core busy): the memory tier's slowdown no worse than its floor's: the same bytes sent by "
              "another process over loopback into the other node's tmpfs."),
             ("a core left free: rank 0 computes on one thread, rank 1 keeps step without computing, as a GPU "
@@ -506,22 +538,33 @@ def render(result: dict) -> str:
         lines += [f"The training loop ({title}; the same steps in every arm):", "",
                   *table(["arm", "wall s", "vs no checkpoints", "stall per save s",
                           "beyond the stalls (the background work's share)"], rows), "", goal, ""]
+    return lines
+
+
+def _interval_lines(figures: dict) -> list[str]:
+    from asyncckpt.core.api import interval
+
     costs = _costs(figures)
     rate = figures["failures_per_day"]
     losses = {name: interval.least_loss(costs["stall"], *costs[name], rate) for name in ("durable", "memory")}
-    lines += ["", f"At {rate:g} failure(s) a day (`api.interval`, Young/Daly; the memory tier's restart from "
+    return ["", f"At {rate:g} failure(s) a day (`api.interval`, Young/Daly; the memory tier's restart from "
                   f"its own memory, the durable one's from the disk cold):", "",
               *table(["", "least-loss interval", "lost per failure", "lost per day"],
                      [[name, f"{loss.seconds:.0f} s", f"{loss.lost_per_failure_s:.1f} s", f"{loss.lost_per_day_s:.0f} s"]
                       for name, loss in (("durable only", losses["durable"]), ("**memory tier**", losses["memory"]))])]
-    return "\n".join(lines)
 
 
 def plot(result: dict, figure) -> None:
     from asyncckpt.core.api import interval
 
-    restart_axes, loss_axes = figure.subplots(1, 2)
     restarts = result["figures"]["restart"]
+    if not restarts:  # the training arms alone: each arm's wall time
+        runs = result["figures"]["training"]
+        arms = [arm for arm in TRAINING if arm in runs]
+        bars(figure.subplots(1, 1), [TRAINING[arm].replace("**", "") for arm in arms],
+             [median([run["wall_s"] for run in runs[arm]]) for arm in arms], "training loop, wall s")
+        return
+    restart_axes, loss_axes = figure.subplots(1, 2)
     bars(restart_axes, [RESTARTS[s] for s in restarts], [median(restarts[s]) for s in restarts], "restart load, s")
     costs, rate = _costs(result["figures"]), result["figures"]["failures_per_day"]
     intervals = [10 * 1.25 ** k for k in range(40)]
@@ -543,7 +586,9 @@ SCENARIO = Scenario(
     options={"size_mib": Option(1024, 32), "failures_per_day": Option(1.0, 1.0),
              "train_s": Option(30.0, 4.0, help="seconds of computation per training run"),
              "train_saves": Option(5, 2, help="saves per training run"),
-             "training": Option(True, True, help="false: the saves and restarts only")},
+             "training": Option(True, True, help="false: the saves and restarts only"),
+             "saves": Option(True, True, help="false: the training arms only"),
+             "device": Option("cpu", "cpu", help="cuda: the training arms' shares and steps on the GPU")},
     reps=(3, 1),
     limits=("memcpy", "odirect_write", "cold_read"),
 )
