@@ -143,9 +143,11 @@ CORE = textwrap.dedent('''
         time.sleep(600)  # killed here
     elif mode == "load":
         path = checkpointer.latest_checkpoint(root)
+        print(f"BEFORE THE LOAD {checkpointer!r}", flush=True)  # its writer: started yet or not
         loaded = {"w": distribute_tensor(torch.zeros(3 * 4096, 64), mesh, [Shard(0)]), "b": torch.zeros(1000, dtype=torch.int64),
                   "step": None}
         checkpointer.load(loaded, path)
+        print(f"AFTER THE LOAD {checkpointer!r}", flush=True)
         expected = state(loaded["step"])
         same = torch.equal(loaded["w"].to_local(), expected["w"].to_local()) and torch.equal(loaded["b"], expected["b"])
         print(f"RESUMED {path} {loaded['step']} {same}", flush=True)
@@ -222,6 +224,22 @@ def _resumed(lines: list[str]) -> list[tuple[str, int, bool]]:
             (line.split() for line in lines if line.startswith("RESUMED "))]
 
 
+def _writers(lines: list[str], when: str) -> list[str]:
+    """Each node's writer ``BEFORE`` or ``AFTER`` its load: ``running`` or ``stopped``."""
+    return [line.rpartition("writer=")[2].rstrip(")") for line in lines if line.startswith(f"{when} THE LOAD ")]
+
+
+def test_a_process_restart_loads_each_nodes_own_memory_before_its_writer_starts(three_nodes, jobs):
+    """Every process killed, every node's memory intact: the relaunched job resumes from step 3 (in memory only),
+    each node from its own copy, bit for bit; no node needs another's, so each node's writer (which serves its
+    memory to the others) starts after the load, not during it."""
+    base, program, memory, durable = _restored(three_nodes)
+    job = jobs(program, ["load", str(durable), "2"], nodes=3, memory=memory, logs=base / "logs-restart")
+    lines = job.finish()
+    assert sorted(_resumed(lines)) == sorted((str(path), 3, True) for path in memory.glob("n*/*/step_003"))
+    assert _writers(lines, "BEFORE") == ["stopped"] * 3 and _writers(lines, "AFTER") == ["running"] * 3, lines
+
+
 def test_a_replaced_node_fetches_its_shares_from_its_peers_and_a_damaged_replica_gives_way(three_nodes, jobs):
     """Node 2 replaced (its memory gone) and a byte flipped in node 0's replica of its share: the relaunched job
     resumes from step 3, in memory only, on every node; node 2 fetches its share from node 1 after refusing node
@@ -238,6 +256,7 @@ def test_a_replaced_node_fetches_its_shares_from_its_peers_and_a_damaged_replica
     lines = job.finish()
     resumed = _resumed(lines)
     assert sorted(resumed) == sorted((str(path), 3, True) for path in memory.glob("n*/*/step_003")), resumed
+    assert _writers(lines, "BEFORE") == ["running"] * 3  # node 2 fetches: the others' writers serve it at once
     directories = sorted(line.split()[1:] for line in lines if line.startswith("DIRECTORY "))
     assert directories == sorted([str(path), "True"] for path in memory.glob("n*/*/checkpoint_3")), directories
     warnings = [line for line in job.nodes[2].error_output().splitlines() if "not using the copy" in line]

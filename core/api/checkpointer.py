@@ -189,15 +189,22 @@ class Checkpointer:
     def load(self, state_dict: STATE_DICT, path: str | os.PathLike, *, process_group: Optional[dist.ProcessGroup] = None,
              strict: bool = True, verify: Optional[bool] = None, use_collectives: Optional[bool] = None) -> None:
         """Load a committed checkpoint into ``state_dict`` in place, resharding as needed (``loading``).
-        Waits for a save of ``path`` still in flight first."""
+        Waits for a save of ``path`` still in flight first. With the memory tier on several nodes, this node's
+        writer serves its memory to the others from then on, if a restart left that until its load
+        (``MemoryTiers.assemble``)."""
         path = _normalize(path)
         self.wait_for(path)
-        with object_store_module.using(self.object_store):
-            load_checkpoint(state_dict, path, group=process_group if process_group is not None else self.process_group,
-                            collectives=self.use_collectives if use_collectives is None else use_collectives,
-                            strict=strict, verify=self.options.verify if verify is None else verify,
-                            io_threads=self.options.io_threads, timeout=self.options.timeout,
-                            readers=self.options.cooperative_load)
+        try:
+            with object_store_module.using(self.object_store):
+                load_checkpoint(state_dict, path,
+                                group=process_group if process_group is not None else self.process_group,
+                                collectives=self.use_collectives if use_collectives is None else use_collectives,
+                                strict=strict, verify=self.options.verify if verify is None else verify,
+                                io_threads=self.options.io_threads, timeout=self.options.timeout,
+                                readers=self.options.cooperative_load)
+        finally:
+            if self.tiers is not None:
+                self.tiers.serve()
 
     # ------------------------------------------------------------------ native files and directories
     def async_save_file(self, obj: Any, path: str | os.PathLike, *, format: str = "torch",
@@ -546,7 +553,10 @@ class Checkpointer:
             if isinstance(outcome[0], CheckpointError):  # the load failed on damaged bytes: say which
                 raise outcome[0] from None
             raise
-        thread.join()
+        finally:
+            thread.join()
+            if self.tiers is not None:  # as ``load``: a restart's writer serves its node's memory from here
+                self.tiers.serve()
         self._raise_if_damaged(path, outcome[0], everywhere)
         return result
 

@@ -132,14 +132,15 @@ class WriterQueue:
                 send_handle(self._writer.conn, listener.fileno(), self._writer.process.pid)
                 self._writer.serving = True
 
-    def serve_replicas(self, listener: socket.socket, root: str) -> None:
+    def serve_replicas(self, listener: socket.socket, root: str, *, now: bool = True) -> None:
         """Have the writer serve this node's memory root ``root`` to the other nodes on ``listener`` (a listening
-        TCP socket whose address the caller published: ``writer.replication``), from now on: this writer (started
-        now if none runs) and every one started later, none of which stops when idle (the other nodes' saves
-        need it)."""
+        TCP socket whose address the caller published: ``writer.replication``): this writer (started now if none
+        runs; with ``now=False`` at its next ``start``, the peers' connections waiting in the listener's backlog
+        meanwhile) and every one started later, none of which stops when idle (the other nodes' saves need it)."""
         with self._lock:
             self._receiver = (listener, root)
-            self.start()
+            if now or self.running:
+                self.start()
 
     def submit(self, items: list[tuple[SaveHandle, protocol.Request, Any]]) -> None:
         """Queue ``(handle, request, staging buffer or None)`` in order. A handle depending on a
