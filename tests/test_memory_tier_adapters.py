@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 import tier_programs
+from program_end import DESTROY_PROCESS_GROUP
 from writers import wait_until_gone, writers_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,7 +101,7 @@ TRAINER = textwrap.dedent('''
     else:  # uninterrupted without asyncckpt, then the relaunch of the killed run
         train(os.path.join(root, "native"), False, False)
         train(os.path.join(root, "async"), True, True)
-''')
+''') + DESTROY_PROCESS_GROUP
 
 
 def test_trainer_resumes_from_memory_after_every_process_was_killed(tmp_path):

@@ -23,6 +23,7 @@ import torch
 
 from dist_helper import free_port
 import tier_programs
+from program_end import DESTROY_PROCESS_GROUP
 from programs import Program
 from writers import wait_until_gone, writers_of
 
@@ -187,7 +188,7 @@ CORE = textwrap.dedent('''
             print(f"HOLDERS {step} {json.dumps(tier.holders(record), sort_keys=True)}", flush=True)
         checkpointer.close()
         print("DONE", flush=True)
-''')
+''') + DESTROY_PROCESS_GROUP
 
 
 @pytest.fixture(scope="module")
