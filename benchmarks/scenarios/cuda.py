@@ -155,8 +155,10 @@ def training_loop(checkpointer, state: dict, root: str, alone_s: float, export_o
         steps, _ = loop.run_until(lambda: not until(now() - t0))
         return (steps + 1) * GpuMMLoop.MATMULS / (now() - t0)
 
-    rate(lambda elapsed: elapsed < 1.0)  # the GPU's clocks up first: the H100 and H200 sittings measured the loop
-    alone = rate(lambda elapsed: elapsed < alone_s)  # cold, and it ran ~5% faster during the writes after it
+    # The GPU's clocks up first: the H100 and H200 sittings timed the loop alone cold, and it then ran ~5% faster
+    # during the writes after it.
+    rate(lambda elapsed: elapsed < 1.0)
+    alone = rate(lambda elapsed: elapsed < alone_s)
     handle = checkpointer.async_save(state, os.path.join(root, "during"))
     during = rate(lambda _: not handle.done())
     handle.result()
