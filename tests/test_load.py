@@ -2,8 +2,10 @@
 to ``dcp.load`` when something does: same results, same errors, on real checkpoints."""
 from __future__ import annotations
 
+import base64
 import json
 import os
+import struct
 
 import pytest
 import torch
@@ -179,23 +181,44 @@ def test_stateful_values_are_given_back_through_load_state_dict(tmp_path):
     assert torch.equal(target["w"], torch.ones(4))
 
 
-def test_version_1_sidecars_still_load_and_verify(saved):
+def _older_sidecar(path: str, version: int) -> dict:
+    """Rank 0's sidecar as ``version`` wrote it: 1, an object per item; 2, columns of JSON numbers and dtype names
+    (docs/FORMAT.md §3, where version 3 packs them)."""
+    if version == 1:
+        document = read_rank_sidecar(path, 0)
+    else:
+        with open(os.path.join(path, sidecar_name(0))) as f:
+            document = json.load(f)
+        for columns in (document["tensors"], document["objects"]):
+            for field, value in list(columns.items()):
+                if field != "file" and isinstance(value, str):  # a packed column: little-endian int64s
+                    raw = base64.b64decode(value)
+                    columns[field] = list(struct.unpack(f"<{len(raw) // 8}q", raw))
+        tensors = document["tensors"]
+        tensors["dtype"] = [tensors["dtypes"][index] for index in tensors["dtype"]]
+        del tensors["dtypes"]
+    document["version"] = version
+    return document
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_older_sidecars_still_load_and_verify(saved, version):
     path, state = saved
-    old = read_rank_sidecar(path, 0)  # the item-per-object document version 1 wrote
-    old["version"] = 1
+    item = next(i for i in read_rank_sidecar(path, 0)["items"] if i["fqn"] == "model.small")
+    older = _older_sidecar(path, version)
     with open(os.path.join(path, sidecar_name(0)), "w") as f:
-        json.dump(old, f)
+        json.dump(older, f)
     with open(os.path.join(path, names.COMMIT_RECORD)) as f:
         record = json.load(f)
     record["files"][sidecar_name(0)] = os.path.getsize(os.path.join(path, sidecar_name(0)))
     with open(os.path.join(path, names.COMMIT_RECORD), "w") as f:
-        json.dump(record, f)  # as if that save had written the version-1 sidecar
+        json.dump(record, f)  # as if that save had written the older sidecar
+    assert read_rank_sidecar(path, 0)["version"] == version
     target = blank(state)
     assert plan_for(target, path) is not None
     core.load(target, path)
     assert_same(target, state)
     assert main.main(["verify", path, "--no-progress"]) == main.EXIT_OK
-    item = next(i for i in old["items"] if i["fqn"] == "model.small")
     with open(os.path.join(path, item["file"]), "r+b") as f:
         f.seek(item["data_start"] + 3)
         f.write(b"\xff")
@@ -209,12 +232,14 @@ def test_a_malformed_sidecar_is_named(saved, damage):
     name = os.path.join(path, sidecar_name(0))
     with open(name) as f:
         document = json.load(f)
+    tensors = document["tensors"]
     if damage == "start":
-        document["tensors"]["start"][1] = "12"
-    elif damage == "shapes":
-        document["tensors"]["chunk_sizes"][0] = len(document["tensors"]["shapes"])
+        tensors["start"] = tensors["start"][:-4]  # no longer whole int64s
+    elif damage == "shapes":  # the first chunk's size: an index past the shapes table
+        raw = base64.b64decode(tensors["chunk_sizes"])
+        tensors["chunk_sizes"] = base64.b64encode(struct.pack("<q", len(tensors["shapes"])) + raw[8:]).decode()
     else:
-        document["tensors"]["xxh3"].pop()
+        tensors["xxh3"].pop()
     with open(name, "w") as f:
         json.dump(document, f)
     with pytest.raises(core.CorruptCheckpointError, match=rf"{sidecar_name(0)}: malformed sidecar"):

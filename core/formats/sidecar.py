@@ -1,37 +1,68 @@
 """One rank's sidecar ``__{rank}.asyncckpt.json``: where every item it wrote lies, and its checksum.
 
-Format version 2 (docs/FORMAT.md §3) stores the items column by column, one JSON array per field
-(index ``i`` of every array is item ``i``), where version 1 had one JSON object per item; shapes
-are stored once each in a table the columns index, and ``planner_data`` lists only the keys whose
-path is not simply the key split at its dots. A rank with 8,000 tensors parses in under a third
-of the time, and a load wants columns anyway. Every tensor column except the checksums depends
-only on the rank's layout, the same for every save of one state-dict structure, so the writer
-encodes that part once per layout and a save encodes only its checksums and objects. Version 1
-sidecars are still read.
+The format (docs/FORMAT.md §3) stores the items column by column (index ``i`` of every column is
+item ``i``), where version 1 had one JSON object per item; shapes and dtypes are stored once each in
+tables the columns index, and ``planner_data`` lists only the keys whose path is not simply the key
+split at its dots. Version 3 packs the integer columns (offsets, sizes, table indices) as base64 of
+little-endian int64s, where version 2 had JSON arrays of numbers: a parse then makes one array per
+column instead of an int object per item and field, which is most of the memory a parse fills, and a
+restart's fresh process pays for every new page of it (docs/DESIGN.md, Measured). Every tensor
+column except the checksums depends only on the rank's layout, the same for every save of one
+state-dict structure, so the writer encodes that part once per layout and a save encodes only its
+checksums and objects. Versions 1 and 2 are still read.
 
 The sidecar is also the rank's "my share is durable" signal: it is published atomically, after
 the rank's data files are fsynced.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import sys
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from asyncckpt.core.errors import CorruptCheckpointError
 from asyncckpt.core.formats.checksum import FileChecksum
 from asyncckpt.core.formats.layout import RankLayout
 
 SIDECAR_FORMAT = "asyncckpt-rank"
-SIDECAR_VERSION = 2
+SIDECAR_VERSION = 3
 _COMPACT = (",", ":")
 _SHAPE_FIELDS = ("chunk_offsets", "chunk_sizes", "global_size")  # indices into the tensors' "shapes" table
 _TENSOR_FIELDS = ("fqn",) + _SHAPE_FIELDS + ("dtype", "requires_grad", "start", "length", "data_start", "nbytes", "xxh3")
 _OBJECT_FIELDS = ("fqn", "start", "length", "xxh3")
 _INT_FIELDS = ("start", "length", "data_start", "nbytes")
+_PACKED_FIELDS = _SHAPE_FIELDS + ("dtype",) + _INT_FIELDS  # version 3: base64 of little-endian int64s
+
+
+def _packed(values: Sequence[int]) -> str:
+    """Non-negative integers as version 3 stores a column: base64 of little-endian int64s."""
+    column = array("q", values)
+    if sys.byteorder == "big":
+        column.byteswap()
+    return base64.b64encode(column).decode("ascii")
+
+
+def _unpacked(text: Any) -> Optional[array]:
+    """A packed column back as an ``array('q')``; None if it is not one."""
+    if not isinstance(text, str):
+        return None
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    if len(raw) % 8:
+        return None
+    column = array("q")
+    column.frombytes(raw)
+    if sys.byteorder == "big":
+        column.byteswap()
+    return column
 
 
 # ------------------------------------------------------------------------------------- writing
@@ -75,14 +106,18 @@ def _static_json(layout: Optional[RankLayout], planner_data: dict) -> str:
     if cached is not None and cached[0] is layout and cached[1] is planner_data:
         return cached[2]
     slots = layout.slots if layout is not None else ()
-    table: dict[tuple, int] = {}
-    columns: dict[str, Any] = {"file": layout.file_name if layout is not None else None, "shapes": []}
+    shapes: dict[tuple, int] = {}
+    dtypes: dict[str, int] = {}
+    columns: dict[str, Any] = {"file": layout.file_name if layout is not None else None, "shapes": [], "dtypes": []}
     for field in _TENSOR_FIELDS[:-1]:
+        values = [getattr(slot, field) for slot in slots]
         if field in _SHAPE_FIELDS:
-            columns[field] = [table.setdefault(tuple(getattr(slot, field)), len(table)) for slot in slots]
-        else:
-            columns[field] = [getattr(slot, field) for slot in slots]
-    columns["shapes"] = [list(shape) for shape in table]
+            values = [shapes.setdefault(tuple(shape), len(shapes)) for shape in values]
+        elif field == "dtype":
+            values = [dtypes.setdefault(dtype, len(dtypes)) for dtype in values]
+        columns[field] = _packed(values) if field in _PACKED_FIELDS else values
+    columns["shapes"] = [list(shape) for shape in shapes]
+    columns["dtypes"] = list(dtypes)
     explicit = {fqn: list(path) for fqn, path in planner_data.items() if list(path) != fqn.split(".")}
     text = ('"planner_data":' + json.dumps(explicit, separators=_COMPACT)
             + ',"tensors":' + json.dumps(columns, separators=_COMPACT)[:-1])
@@ -94,13 +129,14 @@ def _static_json(layout: Optional[RankLayout], planner_data: dict) -> str:
 
 
 def encode_sidecar(record: ShareRecord) -> bytes:
-    """The version-2 JSON document of ``record`` (field order as in docs/FORMAT.md)."""
+    """The JSON document of ``record`` (field order as in docs/FORMAT.md)."""
     share = record.share
     header = json.dumps({"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "save_id": record.save_id,
                          "rank": record.rank, "world_size": record.world_size,
                          "structure_hash": record.structure_hash}, separators=_COMPACT)
-    objects = {"file": share.objects_file, "fqn": [o[0] for o in share.objects], "start": [o[1] for o in share.objects],
-               "length": [o[2] for o in share.objects], "xxh3": [o[3] for o in share.objects]}
+    objects = {"file": share.objects_file, "fqn": [o[0] for o in share.objects],
+               "start": _packed([o[1] for o in share.objects]), "length": _packed([o[2] for o in share.objects]),
+               "xxh3": [o[3] for o in share.objects]}
     return "".join((
         header[:-1], ",", _static_json(share.layout, record.planner_data),
         ',"xxh3":', json.dumps(share.tensor_digests, separators=_COMPACT), "}",
@@ -111,20 +147,20 @@ def encode_sidecar(record: ShareRecord) -> bytes:
 # ------------------------------------------------------------------------------------- reading
 @dataclass
 class TensorColumns:
-    """A rank's tensor items, one list per field, in file order. Tied tensors share bytes."""
+    """A rank's tensor items, one sequence per field, in file order. Tied tensors share bytes."""
 
     file: Optional[str]
     shapes: list[list[int]]  # every distinct shape once; the three shape columns index it
     fqn: list[str]
-    chunk_offsets: list[int]  # this chunk's offset in the global tensor
-    chunk_sizes: list[int]  # this chunk's size
-    global_size: list[int]  # the global tensor's size
+    chunk_offsets: Sequence[int]  # this chunk's offset in the global tensor
+    chunk_sizes: Sequence[int]  # this chunk's size
+    global_size: Sequence[int]  # the global tensor's size
     dtype: list[str]
     requires_grad: list[bool]
-    start: list[int]  # the torch.save container in ``file``
-    length: list[int]
-    data_start: list[int]  # the raw tensor bytes in ``file``
-    nbytes: list[int]
+    start: Sequence[int]  # the torch.save container in ``file``
+    length: Sequence[int]
+    data_start: Sequence[int]  # the raw tensor bytes in ``file``
+    nbytes: Sequence[int]
     xxh3: list[str]
 
     def chunk_shape(self, index: int) -> tuple:
@@ -133,12 +169,12 @@ class TensorColumns:
 
 @dataclass
 class ObjectColumns:
-    """A rank's pickled objects, one list per field, in file order (each item is its whole blob)."""
+    """A rank's pickled objects, one sequence per field, in file order (each item is its whole blob)."""
 
     file: Optional[str]
     fqn: list[str]
-    start: list[int]
-    length: list[int]
+    start: Sequence[int]
+    length: Sequence[int]
     xxh3: list[str]
 
 
@@ -200,10 +236,10 @@ def _strings(values: list) -> bool:
     return True
 
 
-def _counts(values: list, below: Optional[int] = None) -> bool:
+def _counts(values: Sequence[int], below: Optional[int] = None) -> bool:
     """Non-negative integers (less than ``below``)."""
     try:
-        packed = array("q", values)  # C speed; raises on anything but int
+        packed = values if isinstance(values, array) else array("q", values)  # C speed; raises on anything but int
     except (TypeError, OverflowError):
         return False
     return not packed or (min(packed) >= 0 and (below is None or max(packed) < below))
@@ -218,7 +254,7 @@ def _check_columns(path: str, section: str, columns: dict, fields: tuple) -> Non
     lengths = set()
     for field in fields:
         values = columns.get(field)
-        if not isinstance(values, list):
+        if not isinstance(values, (list, array)):
             raise _malformed(path, f"'{section}.{field}' is not a list")
         lengths.add(len(values))
     if len(lengths) > 1:
@@ -274,8 +310,24 @@ def _columns_from_v1(path: str, record: dict) -> tuple[dict, dict, dict]:
     return tensors, objects, explicit
 
 
+def _unpack_columns(path: str, section: str, columns: dict) -> None:
+    """A version-3 section's packed columns as arrays, and its dtype indices as the ``dtypes`` table's names (the
+    same string objects: a parse makes no string per tensor for them)."""
+    for field in _PACKED_FIELDS:
+        if field in columns:
+            column = _unpacked(columns[field])
+            if column is None:
+                raise _malformed(path, f"'{section}.{field}' is not a packed column of integers")
+            columns[field] = column
+    if "dtype" in columns:
+        dtypes = columns.get("dtypes")
+        if not isinstance(dtypes, list) or not _strings(dtypes) or not _counts(columns["dtype"], below=len(dtypes)):
+            raise _malformed(path, f"'{section}.dtype' holds something other than an index into 'dtypes'")
+        columns["dtype"] = [dtypes[index] for index in columns["dtype"]]
+
+
 def parse_sidecar(path: str, data: bytes) -> Sidecar:
-    """Parse and check a sidecar (version 1 or 2) read from ``path`` (named in errors)."""
+    """Parse and check a sidecar (version 1, 2 or 3) read from ``path`` (named in errors)."""
     try:
         record = json.loads(data)
     except ValueError as e:
@@ -288,6 +340,9 @@ def parse_sidecar(path: str, data: bytes) -> Sidecar:
         tensors, objects, explicit = record.get("tensors"), record.get("objects"), record.get("planner_data", {})
         if not isinstance(tensors, dict) or not isinstance(objects, dict):
             raise _malformed(path, "'tensors' or 'objects' is missing")
+        if record["version"] >= 3:
+            _unpack_columns(path, "tensors", tensors)
+            _unpack_columns(path, "objects", objects)
     else:
         tensors, objects, explicit = _columns_from_v1(path, record)
     _check_columns(path, "tensors", tensors, _TENSOR_FIELDS)
