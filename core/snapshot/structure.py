@@ -71,7 +71,9 @@ def _flatten(state_dict: Mapping, paths: dict[str, tuple] | None) -> dict[str, A
         for name, value in items:
             key = str(name) if prefix is None else f"{prefix}.{name}"
             child_path = None if paths is None else path + ((name,) if in_list else (str(name),))
-            if type(value) in leaf_types or _is_leaf(value):
+            if type(value) is dict:  # most containers (an optimizer's state has one per parameter): no ABC checks
+                visit(key, child_path, value.items(), False)
+            elif type(value) in leaf_types or _is_leaf(value):
                 if key in flat:
                     raise ValueError(f"duplicated flatten key {key}")
                 flat[key] = value
