@@ -17,7 +17,6 @@ the rank's data files are fsynced.
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import sys
 from array import array
@@ -54,7 +53,7 @@ def _unpacked(text: Any) -> Optional[array]:
         return None
     try:
         raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
+    except ValueError:  # binascii.Error, and a str that is not ASCII
         return None
     if len(raw) % 8:
         return None
