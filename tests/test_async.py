@@ -343,6 +343,24 @@ def test_directory_transaction_publishes_all_or_nothing(tmp_path):
     assert core.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-1")
 
 
+def test_a_directory_never_committed_is_discarded_when_the_checkpointer_closes(tmp_path):
+    """An interrupt between a directory's files and its commit (Ctrl-C in the Trainer's save, then the exit's drain):
+    what the writer staged goes, nothing of it is left beside the checkpoints, and the committed one still loads."""
+    with core.Checkpointer() as checkpointer:
+        tx = checkpointer.begin_directory(tmp_path / "checkpoint-1", step=1)
+        tx.save_file({"w": torch.ones(3)}, "model.safetensors", format="safetensors")
+        tx.commit().result()
+        tx = checkpointer.begin_directory(tmp_path / "checkpoint-2", step=2)
+        tx.save_file({"w": torch.full((3,), 2.0)}, "model.safetensors", format="safetensors")
+        with open(tx.path("trainer_state.json"), "w") as f:  # a file the framework writes there itself
+            f.write("{}")
+        tx.release()  # the file's write reaches the writer (as waiting for a held file releases it)
+        checkpointer.wait()
+        assert sorted(os.listdir(tmp_path)) == sorted(["checkpoint-1", os.path.basename(tx.staging_dir)])
+    assert os.listdir(tmp_path) == ["checkpoint-1"]
+    assert core.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-1")
+
+
 def test_retention_deletes_only_after_a_newer_commit(tmp_path):
     manager = core.CheckpointManager(tmp_path, keep_last=1, keep_every=10)
     small = {"w": torch.ones(1000)}

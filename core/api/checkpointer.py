@@ -621,8 +621,13 @@ class Checkpointer:
 
     def teardown(self) -> None:
         """Drain, then stop the writer process and every thread of ours (a framework's run ended);
-        the staging buffers and plans are kept for the next run. Raises a failure nobody has seen."""
+        the staging buffers and plans are kept for the next run. Raises a failure nobody has seen. A directory
+        begun and never committed (an interrupt between its files and its commit) is aborted first: the writer
+        discards what it staged, and nothing of it is left beside the framework's checkpoints."""
         try:
+            self.stager.wait()  # a commit left to the staging thread lands first
+            for handle in self.ledger.uncommitted():
+                handle.transaction.abandon()
             self.wait()
             self._finish_memory_tier()
         finally:

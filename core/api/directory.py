@@ -59,6 +59,7 @@ class DirectoryTransaction:
         self._committing = False
         self._failed: Optional[str] = None
         self._lock = threading.Lock()
+        handle.transaction = self
 
     def __enter__(self) -> "DirectoryTransaction":
         return self
@@ -165,6 +166,14 @@ class DirectoryTransaction:
             self._ledger.complete(member, CheckpointCancelledError(f"asyncckpt: {member.describe()}: aborted"))
         self.commit()
         self.handle.observed = raised
+
+    def abandon(self) -> None:
+        """The Checkpointer is shutting down with this directory never committed (the process interrupted between
+        its files and its commit): abort it, so that the writer discards what it staged, as for a failed save."""
+        with self._lock:
+            if self._committing:
+                return
+        self.abort(CheckpointCancelledError(f"asyncckpt: {self.handle.describe()}: never committed"))
 
     def release(self) -> None:
         """Hand every held request to the writer, in the order they were made."""

@@ -48,6 +48,7 @@ class SaveHandle:
         self.request: Any = None
         self.observed = False  # its outcome reached someone (raised, or returned by result())
         self.held_by: Any = None  # a DirectoryTransaction holding the request back until its commit
+        self.transaction: Any = None  # a directory's DirectoryTransaction (``Ledger.uncommitted``)
         # seconds the caller spent per phase: waited_s (back-pressure), prepare_s, plan_s, buffer_s
         # (sharded saves), copy_s (the snapshot copy and the hand-over to the writer)
         self.timings: dict[str, float] = {}

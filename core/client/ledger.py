@@ -197,11 +197,14 @@ class Ledger:
         pending = self.touching(path)
         return pending[-1].kind in _CREATES if pending else None
 
-    def abandon_uncommitted(self) -> None:
-        """Cancel directories that were begun and never committed (the Checkpointer is closing)."""
+    def uncommitted(self) -> list[SaveHandle]:
+        """Directories begun and never committed."""
         with self._lock:
-            forgotten = [h for h in self._in_flight if not h.done() and not _handed_over(h)]
-        for handle in forgotten:
+            return [h for h in self._in_flight if not h.done() and not _handed_over(h)]
+
+    def abandon_uncommitted(self) -> None:
+        """Cancel directories that were begun and never committed (the Checkpointer is closing, its writer gone)."""
+        for handle in self.uncommitted():
             self.complete(handle, CheckpointCancelledError(f"asyncckpt: {handle.describe()}: never committed"))
 
     def pending(self) -> list[SaveHandle]:
