@@ -190,8 +190,11 @@ def test_resume_fidelity_n_then_2n_equals_2n_uninterrupted(tmp_path, handles, op
     assert handles[-1].checkpointer.staging_busy == overlapped  # overlap: optimizer.bin is snapshot after the call
     acc, step = build(tmp_path / "resumed", 123, adapter=True)  # different init and RNG until load_state
     acc.load_state()
+    writer = handles[-1].checkpointer.ledger.queue
+    assert not writer.running  # its start-up would have shared the cores with the load: it starts at the first step
     for _ in range(n):
         step()
+        assert writer.running
     acc.save_state()
     handles[-1].wait()
     assert_same_state(tmp_path / "resumed" / "checkpoints" / "checkpoint_1",

@@ -79,10 +79,10 @@ def stats_delta(before: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in shared_io().checkpointer.stats.items()}
 
 
-def fit(root: Path, plugin: bool, ckpt_kwargs: dict, max_epochs: int, resume=None, **trainer_kwargs):
+def fit(root: Path, plugin: bool, ckpt_kwargs: dict, max_epochs: int, resume=None, callbacks=(), **trainer_kwargs):
     L.seed_everything(0, verbose=False)
     ckpt = ModelCheckpoint(dirpath=root, **ckpt_kwargs)
-    trainer = L.Trainer(max_epochs=max_epochs, callbacks=[ckpt], plugins=[shared_io()] if plugin else None,
+    trainer = L.Trainer(max_epochs=max_epochs, callbacks=[ckpt, *callbacks], plugins=[shared_io()] if plugin else None,
                         **QUIET, **trainer_kwargs)
     model = TinyModule()
     val = data(16) if ckpt_kwargs.get("monitor") == "val_loss" else None
@@ -206,11 +206,29 @@ def test_a_resume_waits_for_a_save_another_trainer_has_in_flight(tmp_path):
     first.teardown()
 
 
+class WriterRunning(L.Callback):
+    """Whether the plugin's background writer runs when training starts (a resume's restore done) and after each of
+    the first steps."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.seen.append(shared_io().checkpointer.ledger.queue.running)
+
+    def on_train_batch_end(self, trainer, *_) -> None:
+        if len(self.seen) < 3:
+            self.seen.append(shared_io().checkpointer.ledger.queue.running)
+
+
 def test_resume_fidelity_bitwise(tmp_path):
-    """N steps + resume to 2N with the plugin == 2N uninterrupted: weights and optimizer state."""
+    """N steps + resume to 2N with the plugin == 2N uninterrupted: weights and optimizer state. The resume's
+    restore runs before the writer starts (at the first step: its start-up would share the cores with the load)."""
     kwargs = dict(save_last=True, every_n_epochs=1, save_top_k=0)
     fit(tmp_path / "a", True, kwargs, max_epochs=2)
-    resumed, *_ = fit(tmp_path / "a", True, kwargs, max_epochs=4, resume="last")
+    writer = WriterRunning()
+    resumed, *_ = fit(tmp_path / "a", True, kwargs, max_epochs=4, resume="last", callbacks=[writer])
+    assert writer.seen == [False, True, True]
     straight, *_ = fit(tmp_path / "b", False, kwargs, max_epochs=4)
     assert resumed.global_step == straight.global_step == 32
     assert same(resumed.lightning_module.state_dict(), straight.lightning_module.state_dict())

@@ -101,7 +101,7 @@ class AsyncCheckpointing:
         self._attach()
         dist_env.warn_if_launched_as_many(accelerator.num_processes, "Accelerate", "Launch with `accelerate launch` "
                                           "(or torchrun with the process group set up) so that they train together.")
-        self.checkpointer.start()  # the writer starts now, not at the first save
+        self.checkpointer.start(at_first_step=True)  # after a load_state() that comes first, not at the first save
 
     def _attach(self) -> None:
         vars(self.accelerator)[_ATTRIBUTE] = self

@@ -99,7 +99,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         if self.saver is not None:
             self.saver.install()
             if args.save_strategy != "no":
-                self.checkpointer.start()  # its start-up overlaps the first steps
+                self.checkpointer.start(at_first_step=True)  # its start-up overlaps the first steps
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.saver is None:

@@ -103,10 +103,11 @@ def _after_with_plugin(after: Callable[[Any, Any], None]) -> Callable:
 
 
 def _start_writer(strategy: Any, io: Any) -> None:
-    """Run by the base ``Strategy.setup_environment`` (a subclass calls it first: the writer's start-up overlaps
-    the rest of the set-up) and again once a subclass's own is done (its process group up: on several nodes the
-    memory tier finds the job's nodes then, on every rank, not only on the rank that saves)."""
-    io.checkpointer.start()
+    """Run by the base ``Strategy.setup_environment`` and again once a subclass's own is done (its process group
+    up: on several nodes the memory tier finds the job's nodes then, on every rank, not only on the rank that
+    saves). The writer itself starts at the first optimizer step (``Checkpointer.start``): after a resume's
+    restore, whose cores its start-up would share."""
+    io.checkpointer.start(at_first_step=True)
     io.trainer = getattr(strategy.lightning_module, "_trainer", None) if strategy.lightning_module else None
 
 

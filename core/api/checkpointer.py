@@ -26,11 +26,13 @@ import posixpath
 import shutil
 import threading
 import time
+import weakref
 from collections import Counter
 from typing import Any, Callable, Iterable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from asyncckpt.core.verify import integrity
 from asyncckpt.core.storage import file_checksums
@@ -112,6 +114,7 @@ class Checkpointer:
         self.stats: Counter = Counter()  # requests by kind, and removals/links queued behind a pending save
         self.closed = False
         self._directories = 0
+        self._first_step: Any = None  # ``start(at_first_step=True)``'s optimizer hook, until ``teardown``
         lifecycle.track(self)
 
     def __getstate__(self) -> dict:
@@ -610,11 +613,22 @@ class Checkpointer:
         return self.stager.guard_every_optimizer()
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> None:
+    def start(self, *, at_first_step: bool = False) -> None:
         """Start the background writer now, in the background (it starts at the first save
         otherwise, which then waits for it), and keep it until ``teardown()``: a framework's run
-        starts it, and its saves never wait for a writer stopped when idle (``writer_idle_timeout``)."""
+        starts it, and its saves never wait for a writer stopped when idle (``writer_idle_timeout``).
+
+        With ``at_first_step`` (the adapters'), at this process's first optimizer step instead (or its first save, if
+        that comes sooner): a run that resumes loads its checkpoint between its start and its first
+        step, and the writer's start-up (a process and its imports) would take the node's cores from that load
+        (docs/DESIGN.md, Measured). With the memory tier, this rank finds the job's nodes now either way."""
         self._check_open()
+        if at_first_step and not self.ledger.queue.running:
+            if self.tiers is not None:
+                self.tiers.connect(serve=False)  # the writer serves the node's memory once it starts
+            if self._first_step is None:
+                self._first_step = register_optimizer_step_pre_hook(_starting_once(weakref.ref(self)))
+            return
         self.ledger.queue.start(hold=True)
         if self.tiers is not None:
             self.tiers.connect()
@@ -671,6 +685,9 @@ class Checkpointer:
         try:
             self.stager.wait()
         finally:
+            if self._first_step is not None:
+                self._first_step.remove()
+                self._first_step = None
             self.hooks.stop()
             self.ledger.queue.stop()
             self.copy_threads.stop()
@@ -754,3 +771,19 @@ class Checkpointer:
 def _normalize(path: str | os.PathLike) -> str:
     """The form the core keeps a path in (``backend.normalize``): the pending work is keyed by it."""
     return normalize(path)
+
+
+def _starting_once(checkpointer: "weakref.ref[Checkpointer]") -> Callable[..., None]:
+    """An optimizer step pre-hook that starts the Checkpointer's writer at the first step (``start(at_first_step=
+    True)``) and does nothing after: torch runs the global hooks from its dict, which a hook may not change, so
+    ``teardown`` removes it. Held weakly: a Checkpointer that is gone starts nothing."""
+    started = False
+
+    def hook(*_: Any) -> None:
+        nonlocal started
+        target = checkpointer()
+        if not started and target is not None and not target.closed:
+            started = True
+            target.start()
+
+    return hook
