@@ -480,3 +480,49 @@ def test_a_failure_settled_between_the_next_saves_look_and_its_admission_is_rais
     with pytest.raises(core.CheckpointWriteError, match=r"saving checkpoint /ckpts/a\.ckpt failed: .*No space left"):
         ledger.admit("file", "/ckpts/b.ckpt", rank=0)
     assert ledger.admit("file", "/ckpts/c.ckpt", rank=0) is not None  # raised once
+
+
+def _idle_core_seconds() -> float:
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="the kernel groups no sessions")
+def test_the_writer_takes_only_idle_cpu_where_the_node_leaves_some(tmp_path):
+    """Before each batch of saves the writer's scheduling group takes the training's priority where every core was
+    busy since its previous batch, and the lowest where at least half a core sat idle (``writer.priority``). The
+    busy case is made here (a busy loop per core) and always checked; the idle one is checked in the windows where
+    this machine was idle enough to tell (other jobs may keep it busy)."""
+    state = {"w": torch.randn(1 << 16)}
+    with core.Checkpointer() as checkpointer:
+        checkpointer.save(state, tmp_path / "first")
+        group = f"/proc/{checkpointer.ledger.queue.writer_pid}/autogroup"
+
+        def nice(value=None) -> int:
+            if value is not None:
+                with open(group, "w") as f:
+                    f.write(str(value))
+            with open(group) as f:
+                return int(f.read().rsplit("nice", 1)[1])
+
+        assert nice(19) == 19
+        loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+        try:
+            time.sleep(1.5)
+            checkpointer.save(state, tmp_path / "busy")
+            assert nice() == 0
+        finally:
+            for loop in loops:
+                loop.kill()
+                loop.wait()
+        for attempt in range(4):
+            nice(0)
+            before, started = _idle_core_seconds(), time.monotonic()
+            time.sleep(1.5)
+            idle = (_idle_core_seconds() - before) / (time.monotonic() - started)
+            checkpointer.save(state, tmp_path / f"idle-{attempt}")
+            if idle >= 1.0:
+                assert nice() == 19, f"{idle:.2f} cores idle"
+                break
+    assert core.is_complete(str(tmp_path / "busy"))

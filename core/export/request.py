@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable
 
 from asyncckpt.core.export.options import ExportOptions
 from asyncckpt.core.export.writing import export_checkpoint, stale_exports
 from asyncckpt.core.storage import removal
 from asyncckpt.core.storage.backend import backend_for
+from asyncckpt.core.writer.priority import LOWEST, set_group_nice
 
 if TYPE_CHECKING:
     from asyncckpt.core.writer.protocol import RequestContext
@@ -41,11 +42,10 @@ def on_idle_cpu(work: Callable[[], object]) -> None:
     """Run ``work`` in a thread of its own scheduled ``SCHED_IDLE``: the export takes the CPU time the
     training loop leaves, rather than competing with it (docs/benchmarks_export.md). A thread of its
     own, because an unprivileged thread cannot leave ``SCHED_IDLE`` again; where the policy is refused,
-    it runs as usual (a child process it starts inherits the policy). The writer has a session of its
-    own, and with it (where the kernel groups by session: ``sched_autogroup_enabled``) a scheduling
-    group of its own, which competes with the training process's group as an equal whatever its
-    threads' policies: the group is niced to 19 meanwhile (what it cost training without that:
-    docs/benchmarks_export.md). What ``work`` raises is raised here."""
+    it runs as usual (a child process it starts inherits the policy). The writer's scheduling group
+    (``writer.priority``) is at the lowest priority meanwhile, whatever idle CPU the node has: an export is
+    never urgent (what it cost training without that: docs/benchmarks_export.md). What ``work`` raises is
+    raised here."""
     failure: list[BaseException] = []
 
     def idle() -> None:
@@ -58,28 +58,13 @@ def on_idle_cpu(work: Callable[[], object]) -> None:
         except BaseException as e:  # noqa: BLE001 - raised in the calling thread
             failure.append(e)
 
-    previous = _set_group_nice(19)
+    previous = set_group_nice(LOWEST)
     try:
         thread = threading.Thread(target=idle, name="asyncckpt-export")
         thread.start()
         thread.join()
     finally:
         if previous is not None:
-            _set_group_nice(previous)
+            set_group_nice(previous)
     if failure:
         raise failure[0]
-
-
-_AUTOGROUP = "/proc/self/autogroup"
-
-
-def _set_group_nice(nice: int) -> Optional[int]:
-    """Set the nice value of this process's scheduling group; the one it had (None: no such group here)."""
-    try:
-        with open(_AUTOGROUP) as f:
-            previous = int(f.read().rsplit("nice", 1)[1])
-        with open(_AUTOGROUP, "w") as f:
-            f.write(str(nice))
-    except (OSError, ValueError, IndexError):
-        return None
-    return previous

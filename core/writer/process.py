@@ -57,6 +57,7 @@ from asyncckpt.core.writer.barrier import (
 )
 from asyncckpt.core.writer.copy_progress import PROGRESS_BYTES
 from asyncckpt.core.writer.mirror import copy
+from asyncckpt.core.writer.priority import CpuShare
 from asyncckpt.core.writer.replication import Receiver
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
 
@@ -192,6 +193,7 @@ class Writer:
         self.heartbeats = Heartbeats(self.token)  # liveness markers of the saves at work (``barrier``)
         self.terminated = False  # a SIGTERM reached this writer: its node may go away
         self.memory_saves: dict[str, str] = {}  # memory run directory -> the newest checkpoint this writer published
+        self.cpu_share = CpuShare()  # the training's priority, or only idle CPU where the node leaves some
 
     def _note_memory_save(self, request: Any) -> None:
         """Remember the newest memory-tier checkpoint this writer published (a rank's directory or sharded share by
@@ -221,6 +223,7 @@ class Writer:
                              f"could not write {durable} from memory (SIGTERM): {type(e).__name__}: {e}")
 
     def run_jobs(self, jobs: list[protocol.Job]) -> None:
+        self.cpu_share.choose()
         for job in jobs:
             if job.after is not None and job.after in self.failed_jobs:
                 self.failed_jobs.add(job.job_id)
@@ -244,6 +247,7 @@ class Writer:
                 self.current = None
         self.heartbeats.stop_all()  # a save whose requests did not all come in this batch shows itself again
         self._after_replies()
+        self.cpu_share.settle()
 
     # ------------------------------------------------------------------ orphaned
     def announce(self, job: protocol.Job) -> None:
