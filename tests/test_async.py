@@ -491,12 +491,22 @@ def _idle_core_seconds() -> float:
 @pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="the kernel groups no sessions")
 def test_the_writer_takes_only_idle_cpu_where_the_node_leaves_some(tmp_path):
     """Before each batch of saves the writer's scheduling group takes the training's priority where every core was
-    busy since its previous batch, and the lowest where at least half a core sat idle (``writer.priority``). The
-    busy case is made here (a busy loop per core) and always checked; the idle one is checked in the windows where
-    this machine was idle enough to tell (other jobs may keep it busy)."""
-    state = {"w": torch.randn(1 << 16)}
+    busy since its previous batch, and the lowest where at least half a core sat idle; at the lowest, it takes the
+    training's back as soon as it is starved (``writer.priority``). The busy case is made here (a busy loop per core)
+    and always checked; the idle one, and the starved save after it, in a window where this machine was idle enough
+    to tell (other jobs may keep it busy)."""
+    small, large = {"w": torch.randn(1 << 16)}, {"w": torch.randn(64 << 20)}  # 256 MiB: a batch that lasts
+
+    def busy_loops() -> list[subprocess.Popen]:
+        return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+
+    def stop(loops: list[subprocess.Popen]) -> None:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
     with core.Checkpointer() as checkpointer:
-        checkpointer.save(state, tmp_path / "first")
+        checkpointer.save(small, tmp_path / "first")
         group = f"/proc/{checkpointer.ledger.queue.writer_pid}/autogroup"
 
         def nice(value=None) -> int:
@@ -507,22 +517,26 @@ def test_the_writer_takes_only_idle_cpu_where_the_node_leaves_some(tmp_path):
                 return int(f.read().rsplit("nice", 1)[1])
 
         assert nice(19) == 19
-        loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+        loops = busy_loops()
         try:
             time.sleep(1.5)
-            checkpointer.save(state, tmp_path / "busy")
+            checkpointer.save(small, tmp_path / "busy")
             assert nice() == 0
         finally:
-            for loop in loops:
-                loop.kill()
-                loop.wait()
+            stop(loops)
         for attempt in range(4):
             nice(0)
             before, started = _idle_core_seconds(), time.monotonic()
             time.sleep(1.5)
             idle = (_idle_core_seconds() - before) / (time.monotonic() - started)
-            checkpointer.save(state, tmp_path / f"idle-{attempt}")
+            checkpointer.save(small, tmp_path / f"idle-{attempt}")
             if idle >= 1.0:
                 assert nice() == 19, f"{idle:.2f} cores idle"
+                loops = busy_loops()  # at once: the next batch keeps the lowest priority it chose (too soon to tell)
+                try:
+                    checkpointer.save(large, tmp_path / "starved")
+                    assert nice() == 0  # given up while the busy loops starved it
+                finally:
+                    stop(loops)
                 break
-    assert core.is_complete(str(tmp_path / "busy"))
+    assert core.is_complete(str(tmp_path / "busy")) and core.is_complete(str(tmp_path / "first"))

@@ -5,29 +5,38 @@ GPU trainer's CPU), whatever the writer takes from the training's own cores is l
 its work runs on the idle cores instead. Where training keeps every core busy, the lowest priority starves the writer
 for no less slowdown in all: the work is the same, only later, and the next save waits for it. Measured with the
 memory tier's saves (docs/DESIGN.md, Measured): with a core idle, a one-thread training loop ran 10-13% slower beyond
-the saves' stalls at the training's priority, 2-3% at the lowest (commits 1.7 -> 2.2 s); with every core busy, the
-lowest priority left the slowdown as it was and made the commits take 12-16 s instead of ~2 s, stalling saves that
-found their buffer still in use.
+the saves' stalls at the training's priority, 0-3% at the lowest; with every core busy, the lowest priority left the
+slowdown as it was and made the commits take 11-16 s instead of ~2 s, stalling saves that found their buffer still in
+use.
 
-So, before each batch of requests, the writer looks at how much CPU the node left idle since its previous batch
-(``/proc/stat``) and takes the lowest priority only where at least ``IDLE_CORES`` were. The priority is its scheduling
-group's (``/proc/self/autogroup``): the writer has a session of its own, and with it, where the kernel groups by
-session (``sched_autogroup_enabled``), a group that competes with the training's as an equal whatever its threads'
-nice values. A process may raise its group's nice value and lower it back to 0 without privileges. Where there is no
-such group, nothing changes.
+So the writer (``CpuShare``) takes the lowest priority before a batch of requests only where the node left at least
+``IDLE_CORES`` idle since its previous batch (``/proc/stat``, the writer's own CPU not counted), and goes back to the
+training's as soon as it is starved there (a thread looks every ``PERIOD_S``: the writer's threads ran for less than
+``STARVED`` of the time they waited for a core, ``/proc/self/task/*/schedstat``), as when the training's CPU use rises
+during a save: a save is then never held up for longer than that. Writers sharing idle cores among themselves (the
+ranks of a node) are not starved by that measure.
+
+The priority is the writer's scheduling group's (``/proc/self/autogroup``): the writer has a session of its own, and
+with it, where the kernel groups by session (``sched_autogroup_enabled``), a group that competes with the training's as
+an equal whatever its threads' nice values. A process may raise its group's nice value and lower it back to 0 without
+privileges. Where there is no such group, nothing changes.
 
 Kept free of torch: the background writer uses it.
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
-IDLE_CORES = 0.5  # idle cores (averaged since the previous batch) from which the writer takes only idle CPU
+IDLE_CORES = 0.5  # cores left idle (averaged since the previous batch) from which the writer takes only idle CPU
 LOWEST = 19
+PERIOD_S = 0.25  # how often a writer at the lowest priority checks that it is not starved
+STARVED = 0.05  # the writer's threads ran for less than this share of the time they waited for a core
 _MIN_WINDOW_S = 0.5  # a shorter gap between batches (one save's requests arriving in parts) keeps the choice made
 _AUTOGROUP = "/proc/self/autogroup"
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
 def set_group_nice(nice: int) -> Optional[int]:
@@ -42,32 +51,71 @@ def set_group_nice(nice: int) -> Optional[int]:
     return previous
 
 
-def _idle_seconds() -> Optional[float]:
-    """CPU-seconds the node's cores have spent idle (idle and iowait) since boot; None where ``/proc/stat`` is not."""
+class _Sample(NamedTuple):
+    at: float  # monotonic seconds
+    busy: float  # CPU-seconds the node's cores were busy since boot (all but idle and iowait)
+    ours: float  # CPU-seconds of this process (every thread)
+
+
+def _sample() -> Optional[_Sample]:
     try:
         with open("/proc/stat") as f:
-            fields = f.readline().split()
-        return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+            ticks = [int(value) for value in f.readline().split()[1:8]]
+        with open("/proc/self/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        ours = (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
     except (OSError, ValueError, IndexError):
         return None
+    return _Sample(time.monotonic(), (sum(ticks) - ticks[3] - ticks[4]) * _TICK_S, ours)
+
+
+def _threads_run_and_wait() -> tuple[float, float]:
+    """Seconds this process's threads have run, and waited runnable for a core, since each started."""
+    run = wait = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                ran, waited = f.read().split()[:2]
+        except (OSError, ValueError):
+            continue  # a thread that ended meanwhile
+        run, wait = run + int(ran), wait + int(waited)
+    return run / 1e9, wait / 1e9
 
 
 class CpuShare:
-    """The writer's priority, chosen before each batch of requests (``choose``) from the idle CPU since the end of the
-    previous one (``settle``)."""
+    """The writer's priority: chosen before each batch of requests (``choose``) from the idle CPU since the end of the
+    previous one (``settle``), given up while starved (a thread of its own, until the writer exits)."""
 
     def __init__(self) -> None:
-        self._since: tuple[float, Optional[float]] = (time.monotonic(), _idle_seconds())
+        self._lock = threading.Lock()
+        self._lowest = False
+        self._since = _sample()
+        threading.Thread(target=self._watch, name="asyncckpt-cpu-share", daemon=True).start()
 
     def settle(self) -> None:
         """A batch is done: the window the next choice looks at starts now."""
-        self._since = (time.monotonic(), _idle_seconds())
+        self._since = _sample()
 
     def choose(self) -> None:
-        """Before a batch: the lowest priority if the node left at least ``IDLE_CORES`` idle since the last batch,
-        else the training's; the choice made stays where that window is too short to tell."""
-        started, idle_then = self._since
-        idle_now, seconds = _idle_seconds(), time.monotonic() - started
-        if idle_then is None or idle_now is None or seconds < _MIN_WINDOW_S:
+        """Before a batch: the lowest priority if the node left at least ``IDLE_CORES`` idle since the last batch
+        (beyond what this writer used), else the training's; the choice made stays where that window is too short
+        to tell."""
+        before, now = self._since, _sample()
+        if before is None or now is None or now.at - before.at < _MIN_WINDOW_S:
             return
-        set_group_nice(LOWEST if (idle_now - idle_then) / seconds >= IDLE_CORES else 0)
+        cores = os.cpu_count() or 1
+        spare = cores - ((now.busy - before.busy) - (now.ours - before.ours)) / (now.at - before.at)
+        self._set(spare >= IDLE_CORES)
+
+    def _set(self, lowest: bool) -> None:
+        with self._lock:
+            self._lowest = set_group_nice(LOWEST if lowest else 0) is not None and lowest
+
+    def _watch(self) -> None:
+        ran, waited = _threads_run_and_wait()
+        while True:
+            time.sleep(PERIOD_S)
+            ran_before, waited_before = ran, waited
+            ran, waited = _threads_run_and_wait()
+            if self._lowest and waited - waited_before > PERIOD_S / 2 and ran - ran_before < STARVED * (waited - waited_before):
+                self._set(False)
