@@ -532,9 +532,14 @@ def test_the_writer_takes_only_idle_cpu_where_the_node_leaves_some(tmp_path):
             checkpointer.save(small, tmp_path / f"idle-{attempt}")
             if idle >= 1.0:
                 assert nice() == 19, f"{idle:.2f} cores idle"
-                loops = busy_loops()  # at once: the next batch keeps the lowest priority it chose (too soon to tell)
+                loops = busy_loops()
                 try:
-                    checkpointer.save(large, tmp_path / "starved")
+                    for loop in loops:  # held until the save's batch has begun at the lowest priority
+                        os.kill(loop.pid, signal.SIGSTOP)
+                    handle = checkpointer.async_save(large, tmp_path / "starved")
+                    for loop in loops:
+                        os.kill(loop.pid, signal.SIGCONT)
+                    handle.result()
                     assert nice() == 0  # given up while the busy loops starved it
                 finally:
                     stop(loops)

@@ -112,10 +112,16 @@ class CpuShare:
             self._lowest = set_group_nice(LOWEST if lowest else 0) is not None and lowest
 
     def _watch(self) -> None:
-        ran, waited = _threads_run_and_wait()
+        """Looks only while the writer is at the lowest priority (two looks apart: starved within ``2 * PERIOD_S``)."""
+        before: Optional[tuple[float, float]] = None
         while True:
             time.sleep(PERIOD_S)
-            ran_before, waited_before = ran, waited
-            ran, waited = _threads_run_and_wait()
-            if self._lowest and waited - waited_before > PERIOD_S / 2 and ran - ran_before < STARVED * (waited - waited_before):
-                self._set(False)
+            if not self._lowest:
+                before = None
+                continue
+            now = _threads_run_and_wait()
+            if before is not None:
+                ran, waited = now[0] - before[0], now[1] - before[1]
+                if waited > PERIOD_S / 2 and ran < STARVED * waited:
+                    self._set(False)
+            before = now
