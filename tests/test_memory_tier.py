@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from asyncckpt import core
-from asyncckpt.core.cli.main import main
 from asyncckpt.core.formats import names
-from asyncckpt.core.storage import spares, tier
+from asyncckpt.core.storage import tier
 from programs import Program
 from writers import wait_until_gone, writers_of
 
@@ -72,32 +71,34 @@ def test_the_framework_rotation_removes_both_copies(tmp_path, memory_root):
         assert checkpointer.will_exist(str(durable / "step_2")) and not checkpointer.will_exist(str(durable / "step_1"))
 
 
-def test_the_next_save_is_written_over_the_files_retention_drops(tmp_path, memory_root, capsys):
-    """Retention keeps the large files of the checkpoint it drops as spares; the next save's data file is written
-    over one (the same tmpfs pages), and loads bit for bit; small files are freed; the run leaves nothing."""
-    durable, data = tmp_path / "run", names.data_file_name(0)
-    big = {"w": torch.randn(6 << 20), "step": 0}  # a 24 MiB data file: above spares.MIN_BYTES
-    memory = tier.run_dir(str(durable))
-    with core.Checkpointer(memory_tier=core.MemoryTier(persist_every=100, keep=1, replicas=0)) as checkpointer:
-        inodes = {}
-        for step in (1, 2, 3):
-            big["w"].add_(1.0)
-            big["step"] = step
-            checkpointer.save(big, str(durable / f"step_{step}"), step=step)
-            checkpointer.wait()  # and the retention behind it
-            inodes[step] = os.stat(os.path.join(memory, f"step_{step}", data)).st_ino
-            if step == 2:  # step 1 dropped: its data file is a spare, its small files are gone
-                [spare] = os.listdir(os.path.join(memory, spares.SPARES_DIR))
-                assert os.stat(os.path.join(memory, spares.SPARES_DIR, spare)).st_ino == inodes[1]
-        assert inodes[3] == inodes[1] and inodes[2] != inodes[1]  # written over step 1's pages
-        assert _names(memory) == ["step_3"]
-        assert os.listdir(os.path.join(memory, spares.SPARES_DIR)) != []  # step 2's, for the next save
-        assert main(["ls", "--memory"]) == 0  # and the listing says what they hold
-        assert "spare files, for the next save to write over" in capsys.readouterr().out
+def test_a_memory_save_is_the_snapshot_buffer_itself_and_kept_ones_are_never_copied_into(tmp_path, memory_root):
+    """A memory-tier save's data file is the staging buffer the snapshot was copied into (a second name for the same
+    pages, not a copy), for as long as the training process keeps the buffer; a buffer that a kept checkpoint holds is
+    never copied into again, so every kept checkpoint loads as it was saved; the tier holds keep + 1 shares (no
+    spare besides the buffers); the run leaves nothing."""
+    durable, data, share = tmp_path / "run", names.data_file_name(0), 6 << 22
+
+    def state(step: int) -> dict:
+        return {"w": torch.full((6 << 20,), float(step)), "step": step}  # 24 MiB
+
+    def loaded(path: str) -> dict:
         restored = {"w": torch.zeros(6 << 20), "step": None}
-        core.load(restored, core.latest_checkpoint(str(durable)))
-        assert torch.equal(restored["w"], big["w"]) and restored["step"] == 3
-    assert not os.listdir(memory_root)
+        core.load(restored, path)
+        return restored
+
+    memory = tier.run_dir(str(durable))
+    with core.Checkpointer(memory_tier=core.MemoryTier(persist_every=100, keep=2, replicas=0)) as checkpointer:
+        for step in range(1, 6):
+            checkpointer.save(state(step), str(durable / f"step_{step}"), step=step)
+            checkpointer.wait()  # and the retention behind it
+            assert os.stat(os.path.join(memory, f"step_{step}", data)).st_nlink == 2  # the buffer's pages
+            assert tier.stored_bytes(str(memory_root)) < 3 * share + (1 << 20)  # keep=2 checkpoints and a buffer
+        assert _names(memory) == ["step_4", "step_5"]
+        for step in (4, 5):
+            restored = loaded(os.path.join(memory, f"step_{step}"))
+            assert torch.equal(restored["w"], state(step)["w"]) and restored["step"] == step
+        last = os.path.join(memory, "step_5", data)
+    assert not os.path.exists(last) and not os.listdir(memory_root)
 
 
 KILLED = textwrap.dedent('''
@@ -105,8 +106,8 @@ KILLED = textwrap.dedent('''
     from asyncckpt import core
     root = sys.argv[1]
     checkpointer = core.Checkpointer(memory_tier=core.MemoryTier(persist_every=3, keep=2, replicas=0))
-    for step in range(1, 6):
-        state = {"w": torch.full((1 << 20,), float(step)), "b": torch.arange(10) * step, "step": step}
+    for step in range(1, 6):  # w: 20 MiB
+        state = {"w": torch.full((5 << 20,), float(step)), "b": torch.arange(10) * step, "step": step}
         checkpointer.async_save(state, f"{root}/step_{step:03d}", step=step)
         print(f"saved {step}", flush=True)
     time.sleep(3600)  # killed here, its last save handed over
@@ -115,7 +116,8 @@ KILLED = textwrap.dedent('''
 
 def test_a_restart_after_kill_9_resumes_from_memory(tmp_path, memory_root):
     """kill -9 the training process right after a memory-only save returned: its writer finishes that save in
-    memory, and a new process resumes from it (newer than the last durable one), bit for bit."""
+    memory, and a new process resumes from it (newer than the last durable one), bit for bit; the memory that the
+    killed process's staging buffers held beyond its checkpoints is freed once the new one saves there."""
     durable = str(tmp_path / "run")
     program = tmp_path / "killed.py"
     program.write_text(KILLED)
@@ -130,9 +132,14 @@ def test_a_restart_after_kill_9_resumes_from_memory(tmp_path, memory_root):
     latest = core.latest_checkpoint(durable)
     assert latest == tier.memory_path(f"{durable}/step_005")  # memory only: the durable one is step 3
     assert _names(durable) == ["step_003"]
-    state = {"w": torch.zeros(1 << 20), "b": torch.zeros(10, dtype=torch.int64), "step": None}
+    state = {"w": torch.zeros(5 << 20), "b": torch.zeros(10, dtype=torch.int64), "step": None}
     core.load(state, latest)
-    assert state["step"] == 5 and torch.equal(state["w"], torch.full((1 << 20,), 5.0))
+    assert state["step"] == 5 and torch.equal(state["w"], torch.full((5 << 20,), 5.0))
+    with core.Checkpointer(memory_tier=core.MemoryTier(persist_every=3, keep=2, replicas=0)) as checkpointer:
+        state["step"] = 6
+        checkpointer.save(state, f"{durable}/step_006", step=6)
+        checkpointer.wait()
+        assert tier.stored_bytes(str(memory_root)) < 3 * (5 << 22) + (1 << 20)  # keep=2 and one buffer or spare
 
 
 def test_a_damaged_memory_copy_gives_way_to_its_durable_copy(tmp_path, memory_root, caplog):

@@ -131,7 +131,7 @@ def test_copy_failing_after_the_writer_started_fails_only_that_save(tmp_path, mo
 
 def test_copy_progress_names_a_failed_or_replaced_copy_and_times_out():
     mapping = mmap.mmap(-1, copy_progress.PROGRESS_BYTES)  # dropped with the test (the waiter keeps a view)
-    progress = copy_progress.CopyProgress(mapping, 0)
+    progress = copy_progress.CopyProgress(mapping)
     progress.publish(3, 10 * 4096 + 100)
     assert progress.finished_bytes(3) == 10 * 4096  # whole pages only: the rest may be mid-copy
     wait = progress.waiter(3, timeout=0.2, abandoned=lambda: False)
@@ -151,9 +151,9 @@ def test_streamed_image_write_waits_for_each_part(tmp_path):
     """``write_image`` with ``wait_ready`` writes only what the progress covers, in order of
     arrival, and ends with exactly the image's bytes on disk."""
     size = 6 * (1 << 20) + 123
-    mapping = mmap.mmap(-1, (size + 4095) // 4096 * 4096 + copy_progress.PROGRESS_BYTES)
-    image = memoryview(mapping)[: len(mapping) - copy_progress.PROGRESS_BYTES]
-    progress = copy_progress.CopyProgress(mapping, len(image))
+    image = memoryview(mmap.mmap(-1, (size + 4095) // 4096 * 4096))
+    mapping = mmap.mmap(-1, copy_progress.PROGRESS_BYTES)
+    progress = copy_progress.CopyProgress(mapping)
     payload = os.urandom(size)
     progress.publish(7, 0)
 

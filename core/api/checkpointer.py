@@ -157,7 +157,8 @@ class Checkpointer:
         overlap = self.overlap_staging if overlap_staging is None else overlap_staging
         self.stager.wait()  # one snapshot at a time: saves agree on their structures in call order
         target = self.sharded.target(path, group, collectives, self._store, step=step, extra_files=extra_files,
-                                     object_store=self.object_store, replicas=self._replicas(path, group))
+                                     object_store=self.object_store, replicas=self._replicas(path, group),
+                                     buffers_in=self._buffers_in(path))
         world, agreement = target.world, target.group
         handle = self._admit("save", path, rank=target.rank, step=step, label=label)
         started = time.perf_counter()
@@ -266,11 +267,11 @@ class Checkpointer:
         staging_dir = names.staging_dir_for(final_dir, save_id, os.fspath(staging_parent) if staging_parent else None)
         barrier = BarrierSpec("store" if store is not None else "files", save_id, world, staging_dir, final_dir, self.timeout)
         collectives = self.use_collectives and dist_ready()
-        replicas = self._replicas(final_dir, self.process_group)
+        replicas, buffers_in = self._replicas(final_dir, self.process_group), self._buffers_in(final_dir)
 
         def sharded_target(path: str, group: Optional[dist.ProcessGroup], **details: Any):
             return self.sharded.target(path, group if group is not None else self.process_group, collectives,
-                                       self._store, replicas=replicas, **details)
+                                       self._store, replicas=replicas, buffers_in=buffers_in, **details)
 
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
                                     ledger=self.ledger, stager=self.stager, files=self.files,
@@ -708,6 +709,10 @@ class Checkpointer:
     def _replicas(self, path: str, group: Optional[dist.ProcessGroup]) -> Any:
         """What this rank's request of the save at ``path`` needs to reach the other nodes (``tiers.replicas``)."""
         return None if self.tiers is None else self.tiers.replicas(path, group)
+
+    def _buffers_in(self, path: str) -> Optional[str]:
+        """Where the staging buffers of the save at ``path`` are files (a memory-tier save's: ``tiers.buffers_in``)."""
+        return None if self.tiers is None else self.tiers.buffers_in(path)
 
     def _committed(self, handle: SaveHandle, seconds: float) -> None:
         """A checkpoint (or its durable copy) is done: at the first that is durable, one log line with the

@@ -304,6 +304,12 @@ class MemoryTiers:
         """Where the checkpoint saved at ``memory`` went (None: not a memory save of this process)."""
         return self._placed.get(memory)
 
+    def buffers_in(self, memory: str) -> Optional[str]:
+        """Where the save at ``memory`` keeps its staging buffers as files (``tier.BUFFERS_DIR`` of its run directory:
+        the writer links its data files to them), None where it is not a memory save of this process."""
+        placed = self._placed.get(memory)
+        return None if placed is None else os.path.join(placed.run.directory, tier.BUFFERS_DIR)
+
     def run_dir(self, durable_root: str) -> str:
         """The memory run directory of ``durable_root`` on this node (whether or not it exists)."""
         return tier.run_dir(durable_root, self.options.root)
@@ -314,9 +320,11 @@ class MemoryTiers:
 
     def _open(self, root: str) -> _Run:
         """A root's run directory, this process its owner (first: a restart must not take its own tier for an
-        orphan), and the orphaned runs of dead jobs on this node gone."""
+        orphan), the staging buffers its dead processes left there and the orphaned runs of dead jobs on this node
+        gone."""
         directory = tier.open_run(root, self.options.root)
         run = _Run(directory, tier.claim_run(directory))
+        tier.remove_dead_buffers(directory)
         tier.remove_orphans(self.root)
         return run
 

@@ -145,7 +145,7 @@ def cmd_ls_memory(memory_root: str) -> int:
             f"{'; orphaned' if run.orphaned() else f'; orphaned after {_duration(tier.ORPHAN_AFTER_S)}'}")
         spare = used_bytes(os.path.join(run.path, spares.SPARES_DIR))
         print(f"{basename(run.path)}  {run.durable_root}  ({owner})  {len(checkpoints)} checkpoint(s)  "
-              f"{human_bytes(used_bytes(run.path))}"
+              f"{human_bytes(tier.stored_bytes(run.path))}"
               + (f" (of which {human_bytes(spare)} spare files, for the next save to write over)" if spare else ""))
         for checkpoint in checkpoints:
             state = "COMPLETE" if checkpoint.complete else f"PARTIAL ({_missing(checkpoint)})"
@@ -373,7 +373,7 @@ def cmd_clean(root: Optional[str], min_age_s: float, dry_run: bool, memory_root:
                 f"no live owner, changed {_duration(run.idle_s)} ago; removed once unchanged for {_duration(older_than_s)}")
             print(f"kept     {name}  (memory tier of {run.durable_root}: {why})")
             continue
-        size = used_bytes(run.path)
+        size = tier.stored_bytes(run.path)
         if not dry_run and not tier.remove_orphan(run.path):
             print(f"kept     {name}  (memory tier of {run.durable_root}: claimed by a process just now)")
             continue

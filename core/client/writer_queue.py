@@ -170,7 +170,8 @@ class WriterQueue:
                 for buffer in buffers:
                     if buffer is not None and buffer.id not in writer.registered:
                         writer.conn.send((protocol.BUFFER, buffer.id, buffer.layout))
-                        send_handle(writer.conn, buffer.fd, writer.process.pid)
+                        for fd in (buffer.fd, buffer.progress_fd):
+                            send_handle(writer.conn, fd, writer.process.pid)
                         writer.registered.add(buffer.id)
                 writer.conn.send((protocol.RUN, jobs))
             except (OSError, ValueError) as e:

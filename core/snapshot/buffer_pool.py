@@ -4,6 +4,10 @@ A save in flight holds one buffer until its writer is done with it; a new save t
 buffer of its structure (or of enough size, for single files), so memory is ``max_in_flight``
 copies of the state. Buffers are kept across saves, and across a framework's runs: memory this
 machine has handed back costs ~10x more to touch again than memory we hold (docs/DESIGN.md).
+
+A memory-tier save's buffer is a file of its run directory that the save's checkpoint keeps
+(``StagingBuffer.in_checkpoint``): it is free once the save is done and the tier's retention dropped
+that checkpoint, so a run keeps ``keep + 1`` of them per structure, the tier's own memory.
 """
 from __future__ import annotations
 
@@ -43,22 +47,25 @@ class BufferPool:
         with self.lock:
             return list(self._slots)
 
-    def take(self, key: Any, layout: RankLayout, user: Any) -> Slot:
+    def take(self, key: Any, layout: RankLayout, user: Any, *, file_in: Optional[str] = None) -> Slot:
         """A free buffer of structure ``key`` for ``user``; buffers of other structures that are
-        free are released first (the structure changed: their memory is not needed any more)."""
+        free are released first (the structure changed: their memory is not needed any more). A new
+        one is a file in ``file_in`` (a memory-tier save's: ``StagingBuffer``) unless its image is
+        empty (nothing to map)."""
         with self.lock:
-            for slot in self._slots:
-                if slot.key == key and slot.user is None:
-                    slot.user = user
-                    return slot
+            slot = self.take_free_of(key, user)
+            if slot is not None:
+                return slot
             for slot in [s for s in self._slots if s.key not in (key, FILE_BUFFERS) and s.user is None]:
                 self._release(slot)
-            return self._new(key, layout, user)
+            return self._new(key, layout, user, file_in if layout.size else None)
 
     def take_free_of(self, key: Any, user: Any) -> Optional[Slot]:
-        """A free buffer of structure ``key`` if there is one (never allocates)."""
+        """A free buffer of structure ``key`` if there is one (never allocates): neither in use nor held
+        by a checkpoint."""
         with self.lock:
-            slot = next((s for s in self._slots if s.key == key and s.user is None), None)
+            slot = next((s for s in self._slots if s.key == key and s.user is None and not s.buffer.in_checkpoint()),
+                        None)
             if slot is not None:
                 slot.user = user
             return slot
@@ -81,8 +88,8 @@ class BufferPool:
         with self.lock:
             slot.user = None
 
-    def _new(self, key: Any, layout: RankLayout, user: Any) -> Slot:
-        slot = Slot(key, StagingBuffer(layout, pin_for_cuda=torch.cuda.is_available()))
+    def _new(self, key: Any, layout: RankLayout, user: Any, file_in: Optional[str] = None) -> Slot:
+        slot = Slot(key, StagingBuffer(layout, pin_for_cuda=torch.cuda.is_available(), file_in=file_in))
         slot.user = user
         self._slots.append(slot)
         return slot

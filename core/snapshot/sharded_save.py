@@ -72,6 +72,7 @@ class SaveTarget:
     staging_dir: Optional[str] = None
     directory_barrier: Optional[BarrierSpec] = None
     replicas: Optional[Replicas] = None  # a memory-tier save on several nodes: how this rank's part reaches the others
+    buffers_in: Optional[str] = None  # a memory-tier save: where its staging buffer is a file (``BufferPool.take``)
 
     def barrier_kind(self) -> str:
         """How its ranks meet: the Store whenever there is one to meet in; else markers where the
@@ -156,7 +157,7 @@ class ShardedSaves:
                     speculation.abandon()
                     speculation = None
                 started = time.perf_counter()
-                slot = self.buffers.take(key, cached.layout, user)
+                slot = self.buffers.take(key, cached.layout, user, file_in=target.buffers_in)
                 timings["buffer_s"] = time.perf_counter() - started
                 sources = _sources(flat, cached)
                 begin = lambda: begin_copy(slot.buffer, sources, self.threads)  # noqa: E731

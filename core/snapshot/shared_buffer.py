@@ -5,9 +5,17 @@ background writer maps the same pages (the fd is passed over a Unix socket), so 
 writes the snapshot to disk without another copy, and the memory is freed by the kernel as soon
 as both processes drop it, however they exit. Buffers are kept across saves because memory this
 machine has handed back costs much more to touch again than memory we hold (measured: docs/DESIGN.md).
+
+A memory-tier save's buffer is instead a file of the tier (``file_in``: a folder of its run directory, the file
+named after this process's owner token), exactly the size of the rank's data file: the writer publishes it as that
+file with a hard link, where another buffer would be copied into the tier (``writer.process``). The checkpoint
+then holds the buffer's pages, so the buffer is free again only once no checkpoint links to it (``in_checkpoint``:
+the retention dropped it). The copy's progress is a small memfd of its own, which is not part of the file.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import mmap
 import os
 import threading
@@ -18,8 +26,9 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from asyncckpt.core.snapshot.container import container_template
+from asyncckpt.core.storage.owners import owner_token
 from asyncckpt.core.writer.copy_progress import PROGRESS_BYTES, CopyProgress
-from asyncckpt.core.formats.layout import RankLayout
+from asyncckpt.core.formats.layout import IO_ALIGNMENT, RankLayout
 from asyncckpt.core.snapshot.tensor_copy import CopyThreads
 
 SEGMENTS_PER_COPY = 8  # the copy publishes progress this often, so the writer starts after 1/8 of it
@@ -28,18 +37,42 @@ UNIT_BYTES = 4 << 20  # consecutive slots a copy thread takes at a time (a large
 _LANES = 2  # copy threads per copy
 
 _pinned_lock = threading.Lock()
+_owners: dict[int, str] = {}  # pid -> the owner token naming its file buffers (a forked child is not its parent)
+
+
+def _owner() -> str:
+    """This process's owner token for its file buffers: the files of a dead process are found by it (``storage.tier``)."""
+    return _owners.setdefault(os.getpid(), owner_token())
 
 
 class StagingBuffer:
-    """One rank's file image in shared memory, with tensor views onto every slot."""
+    """One rank's file image in shared memory, with tensor views onto every slot: a memfd, or with ``file_in`` a file
+    there (see the module docstring); ``fd`` either way, ``path`` the file's (None: a memfd)."""
 
-    def __init__(self, layout: RankLayout, *, pin_for_cuda: bool = False) -> None:
+    _numbers = itertools.count()
+
+    def __init__(self, layout: RankLayout, *, pin_for_cuda: bool = False, file_in: Optional[str] = None) -> None:
         self.layout = layout
-        self.fd = os.memfd_create(f"asyncckpt-{os.getpid()}", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, layout.buffer_size + PROGRESS_BYTES)
-        self.mmap = mmap.mmap(self.fd, layout.buffer_size + PROGRESS_BYTES)
-        self.bytes = torch.frombuffer(self.mmap, dtype=torch.uint8, count=layout.buffer_size)
-        self.progress = CopyProgress(self.mmap, layout.buffer_size)
+        self.path: Optional[str] = None
+        if file_in is None:
+            self.fd = os.memfd_create(f"asyncckpt-{os.getpid()}", os.MFD_CLOEXEC)
+            size = max(layout.buffer_size, IO_ALIGNMENT)  # padded for direct writes (never empty: mapped)
+        else:
+            os.makedirs(file_in, exist_ok=True)
+            self.path = os.path.join(file_in, f"{_owner()}.{next(self._numbers)}")
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            size = layout.size  # the data file it becomes
+        try:
+            os.ftruncate(self.fd, size)
+            self.mmap = mmap.mmap(self.fd, size)
+        except BaseException:
+            self._forget_file()
+            raise
+        self.progress_fd = os.memfd_create(f"asyncckpt-progress-{os.getpid()}", os.MFD_CLOEXEC)
+        os.ftruncate(self.progress_fd, PROGRESS_BYTES)
+        self._progress_map = mmap.mmap(self.progress_fd, PROGRESS_BYTES)
+        self.bytes = torch.frombuffer(self.mmap, dtype=torch.uint8)
+        self.progress = CopyProgress(self._progress_map)
         self.generation = 0  # of the latest copy into this buffer, as published in ``progress``
         self.bytes.zero_()  # fault every page in now, not during the first snapshot's copy
         for offset, piece in _container_framing(layout):
@@ -54,10 +87,15 @@ class StagingBuffer:
         if pin_for_cuda:
             self._pin()
 
+    def in_checkpoint(self) -> bool:
+        """Whether a checkpoint holds this buffer's pages (a file buffer the writer linked, not dropped since): a
+        snapshot must not be copied into it."""
+        return self.path is not None and os.fstat(self.fd).st_nlink > 1
+
     def _pin(self) -> None:
         """Page-lock the mapping so device-to-host copies run at full PCIe speed and asynchronously."""
         with _pinned_lock:
-            result = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.layout.buffer_size, 0)
+            result = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.bytes.numel(), 0)
             if int(result) != 0:
                 raise RuntimeError(f"cudaHostRegister failed with {result}")
         self.pinned = True
@@ -70,7 +108,16 @@ class StagingBuffer:
             self.pinned = False
         del self.bytes
         self.mmap.close()
+        self._progress_map.close()
+        os.close(self.progress_fd)
+        self._forget_file()
+
+    def _forget_file(self) -> None:
+        """Close the buffer's descriptor and remove its file's name (a checkpoint linked to it keeps its pages)."""
         os.close(self.fd)
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):  # the run directory went first (the end of a run)
+                os.unlink(self.path)
 
 
 @dataclass

@@ -26,11 +26,13 @@ Kept free of torch: the background writer and the CLI use it.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -45,6 +47,9 @@ NODE_ENV, MEMORY_ROOT_ENV = "ASYNCCKPT_NODE", "ASYNCCKPT_MEMORY_ROOT"
 DEFAULT_MEMORY_ROOT = "/dev/shm/asyncckpt"
 RUN_RECORD = ".asyncckpt-tier.json"  # in a run directory: the durable root it holds memory copies of
 OWNER_MARKER_PREFIX = ".owner-"  # in a run directory: ``.owner-<owner token>``, one per process using it now
+#: In a run directory: the staging buffers of its saves, files named ``<owner token>.<n>`` after the training process
+#: that made them (``snapshot.shared_buffer``); a rank's data file of a checkpoint is a hard link to one.
+BUFFERS_DIR = ".asyncckpt-buffers"
 
 #: How long a run directory nobody alive owns is kept (seconds since anything in it last changed). Not at once:
 #: a job restarted after a crash (its launcher's retry, a SLURM requeue) must find its memory checkpoints on the
@@ -93,6 +98,32 @@ def dead_captures(captures: str) -> list[str]:
     """The scratch folders under ``captures`` (``captures_dir``) whose process is gone: what a save killed while it
     was captured left."""
     return _entries_where(captures, lambda name: owners.owner_alive(name) is False)
+
+
+def remove_dead_buffers(run_directory: str) -> None:
+    """Remove the names of the staging buffers (``BUFFERS_DIR``) of training processes that are gone from the run
+    directory: a killed run's, found by its restart. The checkpoints linked to them keep their pages, and their
+    files are the retention's to recycle again (``spares`` takes only files no other name links to)."""
+    for path in _entries_where(os.path.join(run_directory, BUFFERS_DIR),
+                               lambda name: owners.owner_alive(name.rpartition(".")[0]) is False):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def stored_bytes(path: str) -> int:
+    """The bytes of the files under the local directory ``path``, each file once whatever its names (a checkpoint's
+    data file and the staging buffer it links to are the same pages); 0 if there is nothing."""
+    seen, total = set(), 0
+    for directory, _subdirectories, files in os.walk(path):
+        for name in files:
+            try:
+                found = os.lstat(os.path.join(directory, name))
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            if stat.S_ISREG(found.st_mode) and (found.st_dev, found.st_ino) not in seen:
+                seen.add((found.st_dev, found.st_ino))
+                total += found.st_size
+    return total
 
 
 def _entries_where(folder: str, dead: Callable[[str], bool]) -> list[str]:
@@ -279,8 +310,8 @@ def capacity(root: str, max_bytes: Optional[int] = None, for_run: Optional[str] 
     stats = os.statvfs(probe)
     filesystem, available = stats.f_blocks * stats.f_frsize, stats.f_bavail * stats.f_frsize
     limit = max_bytes if max_bytes is not None else filesystem // 2
-    own = used_bytes(for_run) if for_run is not None else 0
-    return Capacity(os.path.abspath(root), limit, used_bytes(root) - own, available + own, filesystem,
+    own = stored_bytes(for_run) if for_run is not None else 0
+    return Capacity(os.path.abspath(root), limit, stored_bytes(root) - own, available + own, filesystem,
                     max_bytes is not None)
 
 

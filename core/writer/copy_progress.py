@@ -11,16 +11,17 @@ import time
 from typing import Callable
 
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError, SnapshotCopyFailed
-from asyncckpt.core.formats.layout import IO_ALIGNMENT, RankLayout
+from asyncckpt.core.formats.layout import IO_ALIGNMENT
 
-PROGRESS_BYTES = IO_ALIGNMENT  # one page after the image holds the copy's progress (``CopyProgress``)
+PROGRESS_BYTES = IO_ALIGNMENT  # a staging buffer's progress: a page of shared memory of its own (``CopyProgress``)
 
 
 class CopyProgress:
     """How far the latest copy into a buffer has got, shared with the background writer so it
     streams each finished part to disk while the rest is still being copied.
 
-    One aligned 64-bit word in the page after the image, written and read whole (a single
+    One aligned 64-bit word in a page of its own (not in the image: a file buffer becomes a
+    checkpoint's data file, ``snapshot.shared_buffer``), written and read whole (a single
     machine store or load): ``generation << 40 | finished 4 KiB pages``, or one of two markers
     in place of the page count. The generation names the copy a write request belongs to, so the
     writer never takes bytes of a later copy for its own. The copy threads publish after the
@@ -31,8 +32,8 @@ class CopyProgress:
     _COMPLETE = (1 << 40) - 2
     _GENERATIONS = 1 << 22
 
-    def __init__(self, mapping, offset: int) -> None:
-        self._word = ctypes.c_int64.from_buffer(mapping, offset)
+    def __init__(self, mapping) -> None:
+        self._word = ctypes.c_int64.from_buffer(mapping)
 
     @classmethod
     def next_generation(cls, generation: int) -> int:
@@ -78,8 +79,3 @@ class CopyProgress:
                 delay = min(2 * delay, 0.002)
 
         return wait
-
-
-def split_image(layout: RankLayout, mapping: memoryview) -> tuple[memoryview, CopyProgress]:
-    """Writer: a staging buffer's mapping as (the image, its copy progress)."""
-    return mapping[: layout.buffer_size], CopyProgress(mapping, layout.buffer_size)

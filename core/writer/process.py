@@ -42,6 +42,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from asyncckpt.core.storage import commit, leftovers, orphans, owners, tier
@@ -55,7 +56,7 @@ from asyncckpt.core.writer.barrier import (
     StoreUnreachable,
     SurvivingBarrier,
 )
-from asyncckpt.core.writer.copy_progress import PROGRESS_BYTES
+from asyncckpt.core.writer.copy_progress import PROGRESS_BYTES, CopyProgress
 from asyncckpt.core.writer.mirror import copy
 from asyncckpt.core.writer.priority import CpuShare
 from asyncckpt.core.writer.replication import Receiver
@@ -108,15 +109,19 @@ class Channel:
 
     def __init__(self, conn: Connection, trainer: TrainingProcess) -> None:
         self.conn, self.trainer = conn, trainer
-        self._queued: list[tuple[tuple, Optional[int]]] = []
+        self._queued: list[tuple[tuple, Any]] = []
 
-    def _receive(self) -> tuple[tuple, Optional[int]]:
+    def _receive(self) -> tuple[tuple, Any]:
         message = self.conn.recv()
-        fd = recv_handle(self.conn) if message[0] in (protocol.BUFFER, protocol.RECEIVER) else None
+        fd: Any = None
+        if message[0] == protocol.BUFFER:
+            fd = recv_handle(self.conn), recv_handle(self.conn)  # its image, its progress
+        elif message[0] == protocol.RECEIVER:
+            fd = recv_handle(self.conn)
         return message, fd
 
-    def next_message(self) -> tuple[tuple, Optional[int]]:
-        """The next message (and the file descriptor a BUFFER or RECEIVER message brings)."""
+    def next_message(self) -> tuple[tuple, Any]:
+        """The next message (and the file descriptors a BUFFER or RECEIVER message brings)."""
         return self._queued.pop(0) if self._queued else self._receive()
 
     def ready(self, timeout: float) -> bool:
@@ -184,7 +189,7 @@ class Writer:
         self.announced: dict[int, tuple[str, str]] = {}  # orphaned: job id -> (parent, name) it logs
         self.logged_in: set[str] = set()
         self.trainer.on_gone.append(lambda: self.current is not None and self.announce(self.current))
-        self.buffers: dict[int, tuple[Any, mmap.mmap]] = {}
+        self.buffers: dict[int, MappedBuffer] = {}
         self.failed_jobs: set[int] = set()
         self.failures: dict[str, str] = {}
         self.files: dict[str, dict[str, Any]] = {}  # save key -> name -> FileChecksum, until its commit
@@ -229,8 +234,7 @@ class Writer:
                 self.failed_jobs.add(job.job_id)
                 self.channel.send(protocol.CANCELLED, job.job_id)
                 continue
-            layout, mapping = self.buffers[job.buffer_id] if job.buffer_id is not None else (None, None)
-            context = _Context(self, layout, memoryview(mapping) if mapping is not None else None)
+            context = _Context(self, self.buffers[job.buffer_id] if job.buffer_id is not None else None)
             self.current = job
             if not self.trainer.alive:
                 self.announce(job)
@@ -292,11 +296,59 @@ class Writer:
         gc.freeze()
 
 
+@dataclass
+class MappedBuffer:
+    """The writer's side of a staging buffer (``snapshot.shared_buffer``): its image and its copy's progress mapped,
+    and the image's descriptor where it is a file (the hard link that publishes it: ``link_image``)."""
+
+    layout: Any
+    image: mmap.mmap
+    progress: mmap.mmap
+    file: Optional[int]
+
+    @classmethod
+    def mapped(cls, layout: Any, image_fd: int, progress_fd: int) -> "MappedBuffer":
+        """Map a buffer handed over; its descriptors are kept (the file's) or closed."""
+        try:
+            image, progress = mmap.mmap(image_fd, 0), mmap.mmap(progress_fd, PROGRESS_BYTES)
+        finally:
+            os.close(progress_fd)
+        if os.fstat(image_fd).st_nlink == 0:  # a memfd: nothing to link
+            os.close(image_fd)
+            image_fd = None
+        return cls(layout, image, progress, image_fd)
+
+    def forget(self) -> None:
+        """The training process dropped it. Only our descriptor goes: views of the mappings may outlive a failed
+        request (its traceback), and a mapping unmaps itself once the last of them is gone."""
+        if self.file is not None:
+            os.close(self.file)
+            self.file = None
+
+
 class _Context:
     """``protocol.RequestContext`` for one request."""
 
-    def __init__(self, writer: Writer, layout: Any, image: Optional[memoryview]) -> None:
-        self.writer, self.layout, self.image = writer, layout, image
+    def __init__(self, writer: Writer, buffer: Optional[MappedBuffer]) -> None:
+        self.writer, self.buffer = writer, buffer
+        self.layout = buffer.layout if buffer is not None else None
+        self.image = memoryview(buffer.image) if buffer is not None else None
+        self.progress = CopyProgress(buffer.progress) if buffer is not None else None
+
+    def link_image(self, path: str) -> bool:
+        if self.buffer is None or self.buffer.file is None:
+            return False
+        try:
+            with contextlib.suppress(FileNotFoundError):  # one there (a save's request run again) is replaced
+                os.unlink(path)
+            descriptors = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:  # linkat(AT_SYMLINK_FOLLOW) of the descriptor's file (a plain link() would link the /proc entry)
+                os.link(str(self.buffer.file), path, src_dir_fd=descriptors, follow_symlinks=True)
+            finally:
+                os.close(descriptors)
+        except OSError:  # another file system (a tier that did not fit), the buffer's names all removed (ENOENT)
+            return False
+        return True
 
     def token(self) -> str:
         return owners.owner_token()
@@ -356,12 +408,11 @@ def serve(writer: "Writer") -> None:
         kind = message[0]
         if kind == protocol.BUFFER:
             _, buffer_id, layout = message
-            writer.buffers[buffer_id] = (layout, mmap.mmap(fd, layout.buffer_size + PROGRESS_BYTES))  # image, then CopyProgress
-            os.close(fd)
+            writer.buffers[buffer_id] = MappedBuffer.mapped(layout, *fd)
         elif kind == protocol.DROP:
-            # Only drop our reference: views of the mapping may outlive a failed request (its
-            # traceback), and the mapping unmaps itself once the last of them is gone.
-            writer.buffers.pop(message[1], None)
+            dropped = writer.buffers.pop(message[1], None)
+            if dropped is not None:
+                dropped.forget()
         elif kind == protocol.RUN:
             writer.run_jobs(message[1])
         elif kind == protocol.RECEIVER:  # threads of its own until the process exits: nothing to stop

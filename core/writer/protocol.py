@@ -13,7 +13,8 @@ Messages, each a tuple whose first element is its kind:
 =================  ================================================  ===========================
 training → writer  fields                                            meaning
 =================  ================================================  ===========================
-``BUFFER``         buffer id, layout  (then the memfd, SCM_RIGHTS)   map this staging buffer
+``BUFFER``         buffer id, layout  (then the image's file, its    map this staging buffer
+                   progress memfd: SCM_RIGHTS)
 ``DROP``           buffer id                                         forget it
 ``RUN``            [Job, ...]                                        run these, in order
 ``BARRIER_RESULT`` error or None                                     the answer to BARRIER_CALL
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol, runtime_checkabl
 
 if TYPE_CHECKING:
     from asyncckpt.core.writer.barrier import Barrier, BarrierSpec
+    from asyncckpt.core.writer.copy_progress import CopyProgress
     from asyncckpt.core.formats.checksum import FileChecksum
     from asyncckpt.core.formats.layout import RankLayout
 
@@ -56,6 +58,12 @@ class RequestContext(Protocol):
 
     layout: Optional["RankLayout"]  # of the staging buffer the request writes from (None: no buffer)
     image: Optional[memoryview]  # that buffer's bytes
+    progress: Optional["CopyProgress"]  # how far the snapshot copy into it has got
+
+    def link_image(self, path: str) -> bool:
+        """Make the staging buffer the file ``path`` by a hard link (a memory-tier save's buffer is a file of the
+        tier: ``snapshot.shared_buffer``), in place of writing its image there: whether it could (not where the buffer
+        is a memfd, on another file system, or its name is gone)."""
 
     def token(self) -> str:
         """A fresh owner token of this writer (``leftovers``), for a hidden name it creates."""

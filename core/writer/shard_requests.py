@@ -20,7 +20,6 @@ from asyncckpt.core.storage import diskio
 from asyncckpt.core.formats import names
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.formats.checksum import FileChecksum, checksum, checksum_stream
-from asyncckpt.core.writer.copy_progress import split_image
 from asyncckpt.core.formats.dcp_pickle import DcpClasses, metadata_bytes
 from asyncckpt.core.errors import CheckpointWriteError, SnapshotCopyFailed
 from asyncckpt.core.writer.file_requests import fail_save
@@ -70,8 +69,8 @@ class ShareRequest:
         arrive at the barrier; then commit (rank 0) or wait for the commit. Inside a directory
         checkpoint: rank 0 writes ``.metadata`` once every share is durable, and the directory's
         commit, queued behind, publishes it all."""
-        image, progress = split_image(context.layout, context.image)
-        wait_ready = None if self.copy_generation is None else progress.waiter(
+        image = context.image
+        wait_ready = None if self.copy_generation is None else context.progress.waiter(
             self.copy_generation, self.barrier.timeout, context.trainer_gone)
         barrier = context.barrier(self.barrier)
         place = self.destination()
@@ -84,7 +83,7 @@ class ShareRequest:
                 os.makedirs(self.staging_dir, exist_ok=True)
             barrier.begin(self.rank)
             items = write_share(place, self.rank, context.layout, image, self.byte_items, wait_ready=wait_ready,
-                                whole_file=self.replicas is not None)
+                                whole_file=self.replicas is not None, link_image=context.link_image)
             place.write_bytes(names.sidecar_name(self.rank), encode_sidecar(ShareRecord(
                 self.save_id, self.rank, self.world_size, self.structure_hash, context.layout.planner_data, items)),
                 atomic=True)
@@ -148,10 +147,13 @@ class ShareRequest:
 def write_share(
     place: Staging, rank: int, layout: RankLayout, image: memoryview, byte_items: list, *,
     wait_ready: Optional[Callable[[float], float]] = None, whole_file: bool = False,
+    link_image: Callable[[str], bool] = lambda _path: False,
 ) -> ShareItems:
     """Durably write one rank's tensor image and pickled objects; return what the sidecar records.
     With ``wait_ready`` the image is still being copied (see ``diskio.write_image``); with ``whole_file``
-    (a replicated save: its files go out with their checksums) the tensor file's checksum too."""
+    (a replicated save: its files go out with their checksums) the tensor file's checksum too. The image
+    becomes the tensor file by ``link_image`` where it can (``RequestContext.link_image``: a memory-tier
+    save's buffer, which is already the file's bytes), else it is written."""
     digests: list[str] = []
     tensor_file: Optional[FileChecksum] = None
     if layout.slots:
@@ -164,7 +166,8 @@ def write_share(
             return slot_digests(image, layout, whole_file)
 
         pending = diskio.submit_background(checksum_slots)
-        place.write_image(layout.file_name, image, layout.size, wait_ready)
+        if place.backend.remote or not link_image(os.path.join(place.directory, layout.file_name)):
+            place.write_image(layout.file_name, image, layout.size, wait_ready)
         digests, tensor_file = pending.result()
     objects: list[tuple[str, int, int, str]] = []
     if byte_items:
