@@ -139,7 +139,8 @@ def test_a_restart_after_kill_9_resumes_from_memory(tmp_path, memory_root):
         state["step"] = 6
         checkpointer.save(state, f"{durable}/step_006", step=6)
         checkpointer.wait()
-        assert tier.stored_bytes(str(memory_root)) < 3 * (5 << 22) + (1 << 20)  # keep=2 and one buffer or spare
+        # keep=2 checkpoints, this process's next buffer, the dropped one's file as a spare (the killed one's 6)
+        assert tier.stored_bytes(str(memory_root)) < 4 * (5 << 22) + (1 << 20)
 
 
 def test_a_damaged_memory_copy_gives_way_to_its_durable_copy(tmp_path, memory_root, caplog):
@@ -231,3 +232,35 @@ def test_the_first_durable_save_logs_the_least_loss_interval(tmp_path, memory_ro
     # Young: sqrt(2 C M); never shorter than the time a checkpoint takes to be safe
     assert interval.least_loss(0.5, 1.0, 0.0, 24).seconds == pytest.approx((2 * 0.5 * 3600) ** 0.5)
     assert interval.least_loss(0.5, 600.0, 0.0, 24).seconds == 600.0
+
+
+def test_the_pool_makes_the_buffers_a_tier_needs_beside_the_saves_and_never_hands_out_a_held_one(tmp_path):
+    """Asked for two file buffers per structure (keep=1), the pool makes the second on a thread of its own once a
+    save took the first: the next save, finding the first held by its checkpoint, takes that one and makes none (its
+    stall pays no new pages). A buffer a checkpoint holds is not handed out until the checkpoint is gone; closing the
+    pool removes the buffers' names, and a checkpoint linked to one keeps its bytes."""
+    import time
+
+    from asyncckpt.core.formats.layout import RankLayout
+    from asyncckpt.core.snapshot.buffer_pool import BufferPool, FileBuffers
+
+    pool, files = BufferPool(lambda _buffer_id: None), FileBuffers(str(tmp_path / "buffers"), count=2)
+    layout = RankLayout("data", (), 1 << 20, 1 << 20)
+    first = pool.take("structure", layout, "save 1", files=files)
+    first.buffer.bytes.fill_(7)
+    deadline = time.monotonic() + 60
+    while len(pool.slots()) < 2:  # the second, made beside the save
+        assert time.monotonic() < deadline, "the pool made no second buffer"
+        time.sleep(0.05)
+    checkpoint = tmp_path / "checkpoint"
+    os.link(first.buffer.path, checkpoint)  # what the writer does to publish it
+    pool.give_back(first)
+    for save in (2, 3):  # the first is held: the other one, each time, and no third
+        taken = pool.take("structure", layout, f"save {save}", files=files)
+        assert taken is not first and len(pool.slots()) == 2
+        pool.give_back(taken)
+    os.unlink(checkpoint)
+    assert pool.take_free_of("structure", "save 4") is not None and len(pool.slots()) == 2
+    os.link(first.buffer.path, checkpoint)
+    pool.close()
+    assert os.listdir(tmp_path / "buffers") == [] and checkpoint.read_bytes() == bytes([7]) * (1 << 20)

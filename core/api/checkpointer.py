@@ -41,7 +41,7 @@ from asyncckpt.core.api import lifecycle
 from asyncckpt.core.formats import names
 from asyncckpt.core.storage import object_store as object_store_module
 from asyncckpt.core.writer.barrier import BarrierSpec
-from asyncckpt.core.snapshot.buffer_pool import BufferPool
+from asyncckpt.core.snapshot.buffer_pool import BufferPool, FileBuffers
 from asyncckpt.core.client.ledger import Ledger
 from asyncckpt.core.api.commit_hooks import CommitHooks, OnCommit
 from asyncckpt.core.api.options import CheckpointOptions, resolve, taking_options
@@ -158,7 +158,7 @@ class Checkpointer:
         self.stager.wait()  # one snapshot at a time: saves agree on their structures in call order
         target = self.sharded.target(path, group, collectives, self._store, step=step, extra_files=extra_files,
                                      object_store=self.object_store, replicas=self._replicas(path, group),
-                                     buffers_in=self._buffers_in(path))
+                                     file_buffers=self._file_buffers(path))
         world, agreement = target.world, target.group
         handle = self._admit("save", path, rank=target.rank, step=step, label=label)
         started = time.perf_counter()
@@ -267,11 +267,11 @@ class Checkpointer:
         staging_dir = names.staging_dir_for(final_dir, save_id, os.fspath(staging_parent) if staging_parent else None)
         barrier = BarrierSpec("store" if store is not None else "files", save_id, world, staging_dir, final_dir, self.timeout)
         collectives = self.use_collectives and dist_ready()
-        replicas, buffers_in = self._replicas(final_dir, self.process_group), self._buffers_in(final_dir)
+        replicas, file_buffers = self._replicas(final_dir, self.process_group), self._file_buffers(final_dir)
 
         def sharded_target(path: str, group: Optional[dist.ProcessGroup], **details: Any):
             return self.sharded.target(path, group if group is not None else self.process_group, collectives,
-                                       self._store, replicas=replicas, buffers_in=buffers_in, **details)
+                                       self._store, replicas=replicas, file_buffers=file_buffers, **details)
 
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
                                     ledger=self.ledger, stager=self.stager, files=self.files,
@@ -710,9 +710,9 @@ class Checkpointer:
         """What this rank's request of the save at ``path`` needs to reach the other nodes (``tiers.replicas``)."""
         return None if self.tiers is None else self.tiers.replicas(path, group)
 
-    def _buffers_in(self, path: str) -> Optional[str]:
-        """Where the staging buffers of the save at ``path`` are files (a memory-tier save's: ``tiers.buffers_in``)."""
-        return None if self.tiers is None else self.tiers.buffers_in(path)
+    def _file_buffers(self, path: str) -> Optional[FileBuffers]:
+        """The staging buffers of the save at ``path`` as files of the memory tier (``tiers.file_buffers``)."""
+        return None if self.tiers is None else self.tiers.file_buffers(path)
 
     def _committed(self, handle: SaveHandle, seconds: float) -> None:
         """A checkpoint (or its durable copy) is done: at the first that is durable, one log line with the

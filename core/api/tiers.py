@@ -41,6 +41,7 @@ import torch.distributed as dist
 from asyncckpt.core.api.options import MemoryTier
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import FileChecksum
+from asyncckpt.core.snapshot.buffer_pool import FileBuffers
 from asyncckpt.core.snapshot.dist_env import any_rank, dist_ready, rank_and_world
 from asyncckpt.core.storage import commit, tier
 from asyncckpt.core.storage.backend import is_url
@@ -304,11 +305,13 @@ class MemoryTiers:
         """Where the checkpoint saved at ``memory`` went (None: not a memory save of this process)."""
         return self._placed.get(memory)
 
-    def buffers_in(self, memory: str) -> Optional[str]:
-        """Where the save at ``memory`` keeps its staging buffers as files (``tier.BUFFERS_DIR`` of its run directory:
-        the writer links its data files to them), None where it is not a memory save of this process."""
+    def file_buffers(self, memory: str) -> Optional[FileBuffers]:
+        """The save at ``memory``'s staging buffers as files of its run directory (``tier.BUFFERS_DIR``: the writer
+        links its data files to them), ``keep`` + 1 of them; None where it is not a memory save of this process."""
         placed = self._placed.get(memory)
-        return None if placed is None else os.path.join(placed.run.directory, tier.BUFFERS_DIR)
+        if placed is None:
+            return None
+        return FileBuffers(os.path.join(placed.run.directory, tier.BUFFERS_DIR), self.options.keep + 1)
 
     def run_dir(self, durable_root: str) -> str:
         """The memory run directory of ``durable_root`` on this node (whether or not it exists)."""

@@ -7,12 +7,16 @@ machine has handed back costs ~10x more to touch again than memory we hold (docs
 
 A memory-tier save's buffer is a file of its run directory that the save's checkpoint keeps
 (``StagingBuffer.in_checkpoint``): it is free once the save is done and the tier's retention dropped
-that checkpoint, so a run keeps ``keep + 1`` of them per structure, the tier's own memory.
+that checkpoint, so a run needs ``keep + 1`` of them per structure (``FileBuffers``), the tier's own
+memory. The pool makes the ones after the first on a thread of its own, once a save took one: new
+pages cost as much as the copy into them (docs/DESIGN.md), which the next save's stall then does not
+pay.
 """
 from __future__ import annotations
 
 import itertools
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -35,6 +39,15 @@ class Slot:
         self.framing: Optional[list] = None  # the torch-file framing the buffer holds (``torch_file``)
 
 
+@dataclass(frozen=True)
+class FileBuffers:
+    """A memory-tier save's staging buffers: files in ``folder`` (``StagingBuffer``), ``count`` of them per
+    structure (the tier's ``keep`` + 1: its kept checkpoints hold theirs, the next save takes the last)."""
+
+    folder: str
+    count: int
+
+
 class BufferPool:
     """``on_release(buffer_id)`` is told when a buffer is freed (the writer forgets it)."""
 
@@ -42,23 +55,30 @@ class BufferPool:
         self._slots: list[Slot] = []
         self._on_release = on_release
         self.lock = threading.RLock()
+        self._files: dict[Any, tuple[RankLayout, FileBuffers]] = {}  # structure -> its file buffers, where they are
+        self._growing: Optional[threading.Thread] = None
 
     def slots(self) -> list[Slot]:
         with self.lock:
             return list(self._slots)
 
-    def take(self, key: Any, layout: RankLayout, user: Any, *, file_in: Optional[str] = None) -> Slot:
+    def take(self, key: Any, layout: RankLayout, user: Any, *, files: Optional[FileBuffers] = None) -> Slot:
         """A free buffer of structure ``key`` for ``user``; buffers of other structures that are
-        free are released first (the structure changed: their memory is not needed any more). A new
-        one is a file in ``file_in`` (a memory-tier save's: ``StagingBuffer``) unless its image is
-        empty (nothing to map)."""
+        free are released first (the structure changed: their memory is not needed any more). With
+        ``files`` (a memory-tier save's), a new one is a file there unless its image is empty (nothing to
+        map), and the others ``files`` asks for are made in the background."""
         with self.lock:
+            if files is not None and layout.size and self._files.get(key) != (layout, files):
+                self._files[key] = (layout, files)
             slot = self.take_free_of(key, user)
             if slot is not None:
                 return slot
             for slot in [s for s in self._slots if s.key not in (key, FILE_BUFFERS) and s.user is None]:
                 self._release(slot)
-            return self._new(key, layout, user, file_in if layout.size else None)
+            found = self._files.get(key)
+            slot = self._new(key, layout, user, found[1].folder if found is not None else None)
+            self._grow(key)
+            return slot
 
     def take_free_of(self, key: Any, user: Any) -> Optional[Slot]:
         """A free buffer of structure ``key`` if there is one (never allocates): neither in use nor held
@@ -68,7 +88,32 @@ class BufferPool:
                         None)
             if slot is not None:
                 slot.user = user
+                self._grow(key)
             return slot
+
+    def _grow(self, key: Any) -> None:
+        """Make the next file buffer of structure ``key`` on a thread, where it has fewer than its ``FileBuffers``
+        ask for (one at a time)."""
+        found = self._files.get(key)
+        if found is None or (self._growing is not None and self._growing.is_alive()):
+            return
+        layout, files = found
+        if sum(slot.key == key for slot in self._slots) >= files.count:
+            return
+
+        def make() -> None:
+            try:
+                buffer = StagingBuffer(layout, pin_for_cuda=torch.cuda.is_available(), file_in=files.folder)
+            except Exception:  # noqa: BLE001 - no room now, say: the save that needs it makes it, and raises
+                return
+            with self.lock:
+                if self._files.get(key) == found:
+                    self._slots.append(Slot(key, buffer))
+                    return
+            buffer.close()  # the structure changed, or the pool closed, meanwhile
+
+        self._growing = threading.Thread(target=make, name="asyncckpt-buffers", daemon=True)
+        self._growing.start()
 
     def take_for_file(self, size: int, user: Any) -> Slot:
         """A free single-file buffer of at least ``size`` bytes (grown with headroom, not per save)."""
@@ -96,11 +141,18 @@ class BufferPool:
 
     def _release(self, slot: Slot) -> None:
         self._slots.remove(slot)
+        if not any(other.key == slot.key for other in self._slots):
+            self._files.pop(slot.key, None)
         self._on_release(slot.buffer.id)
         slot.buffer.close()
 
     def close(self) -> None:
-        """Free every buffer (none may be in use)."""
+        """Free every buffer (none may be in use), once the one being made is there."""
+        with self.lock:
+            self._files.clear()
+            growing = self._growing
+        if growing is not None:
+            growing.join()
         with self.lock:
             for slot in list(self._slots):
                 self._release(slot)

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper, find_state_dict_obj
 from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.storage.staging import staging_dir_for
 from asyncckpt.core.writer.barrier import BarrierSpec
-from asyncckpt.core.snapshot.buffer_pool import BufferPool, Slot
+from asyncckpt.core.snapshot.buffer_pool import BufferPool, FileBuffers, Slot
 from asyncckpt.core.snapshot.dist_env import rank_and_world
 from asyncckpt.core.errors import CheckpointWriteError
 from asyncckpt.core.snapshot.dcp_metadata import dcp_classes, metadata_command
@@ -72,7 +72,7 @@ class SaveTarget:
     staging_dir: Optional[str] = None
     directory_barrier: Optional[BarrierSpec] = None
     replicas: Optional[Replicas] = None  # a memory-tier save on several nodes: how this rank's part reaches the others
-    buffers_in: Optional[str] = None  # a memory-tier save: where its staging buffer is a file (``BufferPool.take``)
+    file_buffers: Optional[FileBuffers] = None  # a memory-tier save's: its staging buffers are files of the tier
 
     def barrier_kind(self) -> str:
         """How its ranks meet: the Store whenever there is one to meet in; else markers where the
@@ -157,7 +157,7 @@ class ShardedSaves:
                     speculation.abandon()
                     speculation = None
                 started = time.perf_counter()
-                slot = self.buffers.take(key, cached.layout, user, file_in=target.buffers_in)
+                slot = self.buffers.take(key, cached.layout, user, files=target.file_buffers)
                 timings["buffer_s"] = time.perf_counter() - started
                 sources = _sources(flat, cached)
                 begin = lambda: begin_copy(slot.buffer, sources, self.threads)  # noqa: E731
