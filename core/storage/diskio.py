@@ -4,8 +4,8 @@ O_DIRECT matters on hosts that reclaim freed memory: a buffered write has to all
 cache, which after idle time runs at a fraction of the disk's speed. Direct I/O streams from our
 (held, page-aligned) staging buffer instead. Filesystems without O_DIRECT (tmpfs, some FUSE
 and network mounts) fall back to buffered writes transparently. In a memory tier's run directory
-an image is copied into a spare file's pages (``spares``): existing tmpfs pages, mapped, cost less
-than new ones written.
+an image that could not be linked (``snapshot.shared_buffer``) is copied into a spare file's pages
+(``spares``): existing tmpfs pages, mapped, cost less than new ones written.
 """
 from __future__ import annotations
 

@@ -6,8 +6,9 @@ of a core here, over the pages of an existing file 0.31-0.45 s, and received int
 memory tier every save writes its share into tmpfs and receives its peers' replicas there, while the tier's retention
 frees as many bytes of the checkpoint it drops: fresh pages each save, on both sides, paid for by the training loop's
 cores. So the retention keeps the large files of what it drops as the run directory's spares (``recycle``), and the
-next save's own file (``diskio.write_image``) and the replicas it receives (``writer.replication``) are written over
-a spare of at least their size (``take``).
+replicas the next save receives (``writer.replication``), and its own file where it is written rather than linked
+to its staging buffer (``diskio.write_image``; ``snapshot.shared_buffer``), are written over a spare of at least
+their size (``take``). A file a staging buffer links to is the training process's, never a spare.
 
 * A spare is a file in ``SPARES_DIR`` of a memory run directory, taken by renaming it to the path a writer is about
   to write: each goes to one taker, whichever process (two ranks' writers, a receiver) asks at once.
