@@ -73,6 +73,13 @@ class BufferPool:
             slot = self.take_free_of(key, user)
             if slot is not None:
                 return slot
+            growing = self._growing
+        if growing is not None:  # the buffer being made beside the saves is the one this save needs: not another
+            growing.join()
+        with self.lock:
+            slot = self.take_free_of(key, user)
+            if slot is not None:
+                return slot
             for slot in [s for s in self._slots if s.key not in (key, FILE_BUFFERS) and s.user is None]:
                 self._release(slot)
             found = self._files.get(key)
@@ -107,7 +114,7 @@ class BufferPool:
             except Exception:  # noqa: BLE001 - no room now, say: the save that needs it makes it, and raises
                 return
             with self.lock:
-                if self._files.get(key) == found:
+                if self._files.get(key) == found and sum(slot.key == key for slot in self._slots) < files.count:
                     self._slots.append(Slot(key, buffer))
                     return
             buffer.close()  # the structure changed, or the pool closed, meanwhile
