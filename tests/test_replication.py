@@ -21,12 +21,14 @@ from typing import Optional
 
 import pytest
 
+from asyncckpt.core.errors import SnapshotCopyFailed
 from asyncckpt.core.formats.checksum import FileChecksum, checksum
 from asyncckpt.core.storage import spares
 from asyncckpt.core.writer.replication import (
     PeerConnection,
     Receiver,
     ReplicationError,
+    Streaming,
     fetch,
     parse_address,
     peer_address,
@@ -161,6 +163,63 @@ def test_files_arrive_whole_under_their_names_on_several_peers_and_come_back(tmp
     missing = f"{CHECKPOINT}/not-there.bin"
     [outcome] = fetch(a.address, str(restored), [missing], timeout=30)
     assert not outcome.ok and missing in outcome.error and not (restored / missing).exists()
+
+
+def test_a_file_still_being_written_arrives_whole_and_only_with_the_checksum_sent_after_it(tmp_path, start_node):
+    """A file sent while it is written (``Streaming``: a snapshot being copied into a memory-tier file) goes part by
+    part as each is there, its xxh3 after its bytes: the peer publishes it only if that xxh3 matches what arrived,
+    and keeps nothing of one whose writing failed half-way (the copy failed: the sender raises that)."""
+    payload, part = os.urandom(24 << 20), 4 << 20
+    a = start_node("node-a")
+
+    def streamed(name: str, checksum_of, fail_at: Optional[int] = None):
+        path = tmp_path / "source" / CHECKPOINT / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.truncate(len(payload))
+        there, changed = [0], threading.Condition()
+
+        def write() -> None:
+            with open(path, "r+b") as f:
+                for start in range(0, len(payload), part):
+                    if fail_at is not None and start >= fail_at:
+                        there[0] = -1
+                    else:
+                        f.seek(start)
+                        f.write(payload[start:start + part])
+                        f.flush()
+                        there[0] = start + part
+                    with changed:
+                        changed.notify_all()
+                    if there[0] < 0:
+                        return
+                    time.sleep(0.02)
+
+        def ready(done: float) -> float:
+            with changed:
+                assert changed.wait_for(lambda: there[0] > done or there[0] < 0, timeout=30)
+            if there[0] < 0:
+                raise SnapshotCopyFailed("the snapshot copy failed in the training process")
+            return float("inf") if there[0] == len(payload) else there[0]
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with PeerConnection(a.address, timeout=30) as peer:
+                return peer.put(f"{CHECKPOINT}/{name}", fd, Streaming(len(payload), ready, lambda: checksum_of(payload)))
+        finally:
+            os.close(fd)
+            writer.join()
+
+    assert streamed("whole.bin", checksum) is None
+    assert (a.root / CHECKPOINT / "whole.bin").read_bytes() == payload
+    refused = streamed("damaged.bin", lambda data: checksum(data + b"!"))
+    assert "damaged.bin" in refused and "damaged" in refused and not (a.root / CHECKPOINT / "damaged.bin").exists()
+    with pytest.raises(SnapshotCopyFailed):
+        streamed("failed.bin", checksum, fail_at=12 << 20)
+    wait_until(lambda: hidden_leftovers(a.root) == [], 30, "the peer kept what it had of the failed file")
+    assert not (a.root / CHECKPOINT / "failed.bin").exists()
 
 
 def test_a_file_damaged_since_its_checksum_was_recorded_is_refused_by_the_peer(tmp_path, start_node):

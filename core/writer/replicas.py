@@ -8,6 +8,7 @@ every node), and the writers of the ranks, given ``Replicas`` in their requests,
 
 1. ``spread`` (every rank, once its files are written on its node, before it arrives at the save's barrier): its
    files go to its node's replica peers (``replication.peers_for``); each peer that took a file holds it. Its
+   data file goes first, as the snapshot is copied into it and hashed (``stream_file``: ``replication.Streaming``). Its
    files record (``storage.sidecars``: each file's size, xxh3 and holders) and what else rank 0 needs to commit
    (a sharded save's sidecar) go to rank 0's node. A peer that does not answer within the wait allowed is left
    out (``Peers``: one warning per peer and writer process, tried again ``RETRY_AFTER_S`` later): the save commits
@@ -40,6 +41,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -57,6 +59,7 @@ from asyncckpt.core.writer.replication import (
     Address,
     PeerConnection,
     ReplicationError,
+    Streaming,
     Transfer,
     fetch,
     file_checksum,
@@ -145,6 +148,44 @@ def _send(nodes: NodeMap, node: str, paths: Mapping[str, FileChecksum]) -> list[
     return [transfer.path for transfer in outcomes if transfer.ok]
 
 
+_streams: list[ThreadPoolExecutor] = []  # the thread ``stream_file`` sends on (made at the first)
+_streams_lock = threading.Lock()
+
+
+def stream_file(replicas: Replicas, path: str, streaming: Streaming) -> "Future[list[str]]":
+    """Send ``path`` (in this node's memory root), a file still being written (``Streaming``), to each peer that is
+    not left out, one after the other, on a thread of its own: the peers that then hold it, or what ``streaming``
+    raised (the copy failed)."""
+    with _streams_lock:
+        if not _streams:
+            _streams.append(ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-replicate"))
+    return _streams[0].submit(_stream_file, replicas, path, streaming)
+
+
+def _stream_file(replicas: Replicas, path: str, streaming: Streaming) -> list[str]:
+    nodes, held = replicas.nodes, []
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for peer in replicas.peers:
+            if PEERS.left_out(peer):
+                continue
+            address = dict(nodes.addresses)[peer]
+            try:
+                with PeerConnection(parse_address(address), timeout=nodes.timeout) as connection:
+                    refused = connection.put(nodes.relative(path), fd, streaming)
+            except ReplicationError as e:
+                PEERS.failed(peer, address, e.reason)
+                continue
+            PEERS.answered(peer)
+            if refused:  # it answered, but did not take it: no room there, say
+                PEERS.failed(peer, address, refused)
+            else:
+                held.append(peer)
+    finally:
+        os.close(fd)
+    return held
+
+
 def _replicate(replicas: Replicas, paths: Mapping[str, FileChecksum]) -> dict[str, list[str]]:
     """``paths`` to each peer that is not left out: relative path -> the peers that now hold it."""
     held: dict[str, list[str]] = {path: [] for path in paths}
@@ -157,14 +198,17 @@ def _replicate(replicas: Replicas, paths: Mapping[str, FileChecksum]) -> dict[st
 
 
 def spread(replicas: Replicas, staging_dir: str, rank: int, files: Mapping[str, FileChecksum], *,
-           coordinator_needs: Sequence[str] = ()) -> None:
+           coordinator_needs: Sequence[str] = (), sent: Optional[Mapping[str, list[str]]] = None) -> None:
     """Step 1 of the module docstring, for ``rank``'s ``files`` (names in ``staging_dir``, with their checksums;
-    ``coordinator_needs``: those of them rank 0 reads to commit). Raises ``CheckpointWriteError`` if rank 0's node
-    does not take the files record and ``coordinator_needs``."""
-    nodes = replicas.nodes
+    ``coordinator_needs``: those of them rank 0 reads to commit; ``sent``: those ``stream_file`` sent already, with
+    the peers that hold them). Raises ``CheckpointWriteError`` if rank 0's node does not take the files record and
+    ``coordinator_needs``."""
+    nodes, sent = replicas.nodes, sent or {}
     base = nodes.relative(staging_dir)
-    held = _replicate(replicas, {os.path.join(base, name): checksum for name, checksum in files.items()})
-    holders = {name: [nodes.node, *held[os.path.join(base, name)]] for name in files}
+    held = _replicate(replicas, {os.path.join(base, name): checksum for name, checksum in files.items()
+                                 if name not in sent})
+    holders = {name: [nodes.node, *(sent[name] if name in sent else held[os.path.join(base, name)])]
+               for name in files}
     record = write_files_record(staging_dir, rank, files, holders)
     needed = {name: files[name] for name in coordinator_needs if replicas.coordinator not in holders[name]}
     to_coordinator(replicas, staging_dir, rank, {**needed, record: file_checksum(os.path.join(staging_dir, record))})

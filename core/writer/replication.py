@@ -16,7 +16,10 @@ files, and when, is the caller's business; this module only moves bytes and vouc
   through a symlink) is refused, named.
 * ``send(address, root, paths)``: the files go out with ``os.sendfile`` from the tier's pages (tmpfs: no
   copy through user space on this side), each announced with the xxh3 its writer recorded when given
-  (``checksums``; else hashed here first). ``fetch(address, root, paths)``: the reverse, each file verified
+  (``checksums``; else hashed here first). ``PeerConnection.put`` of a file still being written
+  (``Streaming``: a snapshot copied into a memory-tier file) sends each part as soon as it is there, and its
+  xxh3 after its bytes, once the writer has hashed it: the transfer overlaps the copy and the hash, where a
+  sequence of them would add up. The receiver publishes it only if that xxh3 matches what arrived. ``fetch(address, root, paths)``: the reverse, each file verified
   on arrival against the checksum the caller knows (the checkpoint's commit record: a replica damaged at
   rest is then caught too), else against the one the peer computes before sending it.
 * A single-file checkpoint (Lightning's ``.ckpt``: no commit record) moves ``as_file``: its copy carries its
@@ -52,7 +55,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 from asyncckpt.core.errors import CheckpointError
 from asyncckpt.core.formats import names
@@ -66,7 +69,7 @@ ADDRESS_ENV = "ASYNCCKPT_REPLICATION_ADDRESS"  # the host name or IP other nodes
 PEER_KEY = "asyncckpt/tier/peer/{node}"  # in the Store: a node's receiver address, "host:port"
 PIECE_BYTES = 1 << 20  # received bytes are hashed and written in pieces of this size (hashed while in cache)
 MAX_MESSAGE_BYTES = 64 << 10  # the largest header a peer may send: a path and a few numbers
-HELLO = {"protocol": "asyncckpt-replication", "version": 1}  # every connection's first message
+HELLO = {"protocol": "asyncckpt-replication", "version": 2}  # every connection's first message (2: ``Streaming``)
 
 
 class ReplicationError(CheckpointError):
@@ -81,6 +84,18 @@ class ReplicationError(CheckpointError):
 
     def __reduce__(self):  # pickled with what it was made of (its message alone would not rebuild it)
         return type(self), (self.peer, self.file, self.reason, self.finished)
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """A file being written while it is sent (a memory-tier save's data file while its snapshot is copied): its
+    ``size``, ``ready(done)`` that blocks until more than ``done`` bytes are there and returns how many
+    (``CopyProgress.waiter``: ``inf`` once all are), and ``checksum()`` that returns its xxh3 once it is hashed
+    (both raise if the copy failed: the peer then keeps nothing)."""
+
+    size: int
+    ready: Callable[[float], float]
+    checksum: Callable[[], str]
 
 
 @dataclass(frozen=True)
@@ -233,12 +248,15 @@ class _Stream:
         body = json.dumps(message).encode()
         self.send_all(struct.pack(">I", len(body)) + body)
 
-    def send_file(self, fd: int, size: int) -> None:
-        """``size`` bytes of ``fd`` from its start, kernel to kernel (``os.sendfile``)."""
-        offset = 0
+    def send_file(self, fd: int, size: int, ready: Optional[Callable[[float], float]] = None) -> None:
+        """``size`` bytes of ``fd`` from its start, kernel to kernel (``os.sendfile``); with ``ready``
+        (``Streaming``), each part once it is there."""
+        offset, there = 0, size if ready is None else 0
         while offset < size:
+            if offset == there:
+                there = int(min(size, ready(offset)))
             try:
-                sent = os.sendfile(self.sock.fileno(), fd, offset, size - offset)
+                sent = os.sendfile(self.sock.fileno(), fd, offset, there - offset)
             except BlockingIOError:
                 self._wait(select.POLLOUT)
                 continue
@@ -285,7 +303,8 @@ class _Stream:
     def receive_file(self, root: str, relative_path: str, expected: FileChecksum,
                      file_mtime_ns: Optional[int] = None) -> Optional[str]:
         """Receive ``expected.size`` bytes into ``relative_path`` under ``root``: written to a hidden temporary
-        name, hashed as they arrive, renamed to their name only if whole and matching ``expected``. Returns
+        name, hashed as they arrive, renamed to their name only if whole and matching ``expected`` (whose xxh3
+        None: the one the peer sends after the bytes, ``Streaming``). Returns
         None, or why the file was not kept (the bytes are read to their end either way, so that the
         connection goes on with the next file). A connection that fails meanwhile raises, and leaves nothing.
         With ``file_mtime_ns`` (a single-file checkpoint), the file gets its checksum attached and that
@@ -317,6 +336,8 @@ class _Stream:
                             _write_all(fd, piece)
                         except OSError as e:
                             problem = f"{relative_path}: cannot be written here ({e.strerror})"
+            if expected.xxh3 is None:
+                expected = FileChecksum(expected.size, self.read_trailer(relative_path))
             if problem is not None:
                 return problem
             if digest.hexdigest() != expected.xxh3:
@@ -356,6 +377,13 @@ class _Stream:
     def discard(self, size: int) -> None:
         while size:
             size -= self.recv_into(self.buffer[:min(size, PIECE_BYTES)])
+
+    def read_trailer(self, relative_path: str) -> str:
+        """The xxh3 a ``Streaming`` file's sender sends after its bytes."""
+        xxh3 = self.read_message().get("xxh3")
+        if not isinstance(xxh3, str):
+            raise _Broken(f"it sent {relative_path} without its checksum")
+        return xxh3
 
 
 def _announced(message: dict, path_key: str) -> tuple[str, int, Optional[str]]:
@@ -422,17 +450,29 @@ class PeerConnection:
             raise _Broken(f"it answered for {reply.get('path')!r}")
         return reply
 
-    def put(self, relative_path: str, fd: int, expected: FileChecksum, *, as_file: bool = False) -> Optional[str]:
+    def put(self, relative_path: str, fd: int, expected: Union[FileChecksum, Streaming], *,
+            as_file: bool = False) -> Optional[str]:
         """Send the first ``expected.size`` bytes of ``fd`` to ``relative_path`` under the peer's root, announced
-        with ``expected.xxh3`` (``as_file``: a single-file checkpoint, with its modification time): None once the
-        peer has it under its name, else why not."""
-        with self._failing(relative_path) as stream:
-            message = {"put": relative_path, "size": expected.size, "xxh3": expected.xxh3}
-            if as_file:
-                message["mtime_ns"] = os.fstat(fd).st_mtime_ns
-            stream.send_message(message)
-            stream.send_file(fd, expected.size)
-            return self._reply(stream, relative_path).get("error")
+        with ``expected.xxh3`` (a ``Streaming`` file: each part once it is there, its xxh3 after them; ``as_file``:
+        a single-file checkpoint, with its modification time): None once the peer has it under its name, else why
+        not. What a ``Streaming`` file's ``ready`` or ``checksum`` raises ends the connection (the peer keeps
+        nothing) and is raised."""
+        streaming = isinstance(expected, Streaming)
+        try:
+            with self._failing(relative_path) as stream:
+                message = {"put": relative_path, "size": expected.size, "xxh3": None if streaming else expected.xxh3}
+                if as_file:
+                    message["mtime_ns"] = os.fstat(fd).st_mtime_ns
+                stream.send_message(message)
+                stream.send_file(fd, expected.size, expected.ready if streaming else None)
+                if streaming:
+                    stream.send_message({"xxh3": expected.checksum()})
+                return self._reply(stream, relative_path).get("error")
+        except ReplicationError:
+            raise
+        except BaseException:
+            self.close()  # mid-file: the peer discards what it received
+            raise
 
     def remove(self, relative_path: str) -> Optional[str]:
         """Delete the single file ``relative_path`` under the peer's root (gone already counts as done): None
@@ -623,13 +663,13 @@ class Receiver:
                 self._ended.notify()
 
     def _receive(self, stream: _Stream, request: dict) -> None:
-        path, size, xxh3 = _announced(request, "put")
-        if xxh3 is None:
-            raise _Broken(f"it sent {path} without its checksum")
+        path, size, xxh3 = _announced(request, "put")  # no xxh3: it follows the bytes (``Streaming``)
         try:
             _target(self.root, path)
         except ValueError as e:
             stream.discard(size)
+            if xxh3 is None:
+                stream.read_trailer(path)
             problem: Optional[str] = str(e)
         else:
             mtime_ns = request.get("mtime_ns")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -28,8 +29,8 @@ from asyncckpt.core.storage.sidecars import read_sidecar, take_files_records
 from asyncckpt.core.storage.staging import Staging, remove_coordination_files
 from asyncckpt.core.writer.protocol import RequestContext
 from asyncckpt.core.formats.sidecar import ShareItems, ShareRecord, encode_sidecar
-from asyncckpt.core.writer.replicas import Replicas, commit_entries, publish_copy, spread, to_coordinator
-from asyncckpt.core.writer.replication import file_checksum
+from asyncckpt.core.writer.replicas import Replicas, commit_entries, publish_copy, spread, stream_file, to_coordinator
+from asyncckpt.core.writer.replication import Streaming, file_checksum
 
 
 @dataclass
@@ -74,6 +75,14 @@ class ShareRequest:
             self.copy_generation, self.barrier.timeout, context.trainer_gone)
         barrier = context.barrier(self.barrier)
         place = self.destination()
+        sending: list[Future] = []  # the data file to the replica peers, as it is copied and hashed (``replicas``)
+
+        def stream(hashing: Future) -> None:  # the data file is in place; its hash is on its way
+            path = os.path.join(self.staging_dir, context.layout.file_name)
+            sending.append(stream_file(self.replicas, path, Streaming(
+                context.layout.size, wait_ready or (lambda _done: float("inf")),
+                lambda: (hashing.result()[1] or file_checksum(path)).xxh3)))
+
         try:
             if self.directory_barrier is None:
                 if place.tidy_parent() is not None:
@@ -83,14 +92,18 @@ class ShareRequest:
                 os.makedirs(self.staging_dir, exist_ok=True)
             barrier.begin(self.rank)
             items = write_share(place, self.rank, context.layout, image, self.byte_items, wait_ready=wait_ready,
-                                whole_file=self.replicas is not None, link_image=context.link_image)
+                                whole_file=self.replicas is not None, link_image=context.link_image,
+                                on_placed=stream if self.replicas is not None and self.directory_barrier is None
+                                else None)  # a directory's commit spreads the files of its parts
             place.write_bytes(names.sidecar_name(self.rank), encode_sidecar(ShareRecord(
                 self.save_id, self.rank, self.world_size, self.structure_hash, context.layout.planner_data, items)),
                 atomic=True)
             if self.replicas is not None:
-                self._spread(context, items)
+                self._spread(context, items, {items.layout.file_name: sending[0].result()} if sending else {})
             barrier.arrive(self.rank)
         except BaseException as e:
+            for future in sending:
+                future.exception()  # ended (the copy it follows failed, say) before the save fails
             reason = f"{type(e).__name__}: {e}"
             barrier.fail(self.rank, reason)
             fail_save(context, self.directory_barrier, self.rank, e)
@@ -121,10 +134,11 @@ class ShareRequest:
         if replaced is not None:
             context.after_reply(lambda: place.delete(replaced, context.token()))
 
-    def _spread(self, context: RequestContext, items: ShareItems) -> None:
-        """On several nodes (``replicas``): this rank's files to its node's peers, and its sidecar to rank 0's node
-        (``.metadata`` is made from every sidecar); in a directory checkpoint the directory's commit spreads its
-        files with the others', and only the sidecar goes now."""
+    def _spread(self, context: RequestContext, items: ShareItems, sent: dict[str, list[str]]) -> None:
+        """On several nodes (``replicas``): this rank's files to its node's peers (``sent``: those sent already, with
+        the peers that hold them), and its sidecar to rank 0's node (``.metadata`` is made from every sidecar); in a
+        directory checkpoint the directory's commit spreads its files with the others', and only the sidecar goes
+        now."""
         sidecar = names.sidecar_name(self.rank)
         written = {name: file_checksum(os.path.join(self.staging_dir, name))
                    for name in (items.layout and items.layout.file_name, items.objects_file, sidecar)
@@ -132,7 +146,7 @@ class ShareRequest:
         if items.tensor_file is not None:  # hashed with its items as it was written: no second pass over it
             written[items.layout.file_name] = items.tensor_file
         if self.directory_barrier is None:
-            spread(self.replicas, self.staging_dir, self.rank, written, coordinator_needs=[sidecar])
+            spread(self.replicas, self.staging_dir, self.rank, written, coordinator_needs=[sidecar], sent=sent)
             return
         self._record(context, written)
         to_coordinator(self.replicas, self.staging_dir, self.rank, {sidecar: written[sidecar]})
@@ -147,13 +161,15 @@ class ShareRequest:
 def write_share(
     place: Staging, rank: int, layout: RankLayout, image: memoryview, byte_items: list, *,
     wait_ready: Optional[Callable[[float], float]] = None, whole_file: bool = False,
-    link_image: Callable[[str], bool] = lambda _path: False,
+    link_image: Callable[[str], bool] = lambda _path: False, on_placed: Optional[Callable[[Future], None]] = None,
 ) -> ShareItems:
     """Durably write one rank's tensor image and pickled objects; return what the sidecar records.
     With ``wait_ready`` the image is still being copied (see ``diskio.write_image``); with ``whole_file``
     (a replicated save: its files go out with their checksums) the tensor file's checksum too. The image
     becomes the tensor file by ``link_image`` where it can (``RequestContext.link_image``: a memory-tier
-    save's buffer, which is already the file's bytes), else it is written."""
+    save's buffer, which is already the file's bytes), else it is written. ``on_placed(hashing)`` is called once
+    the tensor file is there (linked, its bytes maybe still being copied; or written), with the future of
+    ``slot_digests``."""
     digests: list[str] = []
     tensor_file: Optional[FileChecksum] = None
     if layout.slots:
@@ -168,6 +184,8 @@ def write_share(
         pending = diskio.submit_background(checksum_slots)
         if place.backend.remote or not link_image(os.path.join(place.directory, layout.file_name)):
             place.write_image(layout.file_name, image, layout.size, wait_ready)
+        if on_placed is not None:
+            on_placed(pending)
         digests, tensor_file = pending.result()
     objects: list[tuple[str, int, int, str]] = []
     if byte_items:
