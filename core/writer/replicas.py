@@ -43,7 +43,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from asyncckpt.core.errors import CheckpointWriteError
 from asyncckpt.core.formats import commit_record, names
@@ -163,27 +163,34 @@ def stream_file(replicas: Replicas, path: str, streaming: Streaming) -> "Future[
 
 
 def _stream_file(replicas: Replicas, path: str, streaming: Streaming) -> list[str]:
-    nodes, held = replicas.nodes, []
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        for peer in replicas.peers:
-            if PEERS.left_out(peer):
-                continue
-            address = dict(nodes.addresses)[peer]
-            try:
-                with PeerConnection(parse_address(address), timeout=nodes.timeout) as connection:
-                    refused = connection.put(nodes.relative(path), fd, streaming)
-            except ReplicationError as e:
-                PEERS.failed(peer, address, e.reason)
-                continue
-            PEERS.answered(peer)
-            if refused:  # it answered, but did not take it: no room there, say
-                PEERS.failed(peer, address, refused)
-            else:
-                held.append(peer)
+        relative = replicas.nodes.relative(path)
+        return _to_each(replicas.nodes, replicas.peers, lambda connection: connection.put(relative, fd, streaming))
     finally:
         os.close(fd)
-    return held
+
+
+def _to_each(nodes: NodeMap, peers: Sequence[str], exchange: Callable[[PeerConnection], Optional[str]]) -> list[str]:
+    """``exchange`` with each of ``peers`` that is not left out, one after the other, on a connection of its own
+    (None: done, else why the peer did not take it: it is left out, ``Peers``): the peers that took it."""
+    took = []
+    for peer in peers:
+        if PEERS.left_out(peer):
+            continue
+        address = dict(nodes.addresses)[peer]
+        try:
+            with PeerConnection(parse_address(address), timeout=nodes.timeout) as connection:
+                refused = exchange(connection)
+        except ReplicationError as e:
+            PEERS.failed(peer, address, e.reason)
+            continue
+        if refused:  # it answered, but did not take it: no room there, say
+            PEERS.failed(peer, address, refused)
+        else:
+            PEERS.answered(peer)
+            took.append(peer)
+    return took
 
 
 def _replicate(replicas: Replicas, paths: Mapping[str, FileChecksum]) -> dict[str, list[str]]:
@@ -375,26 +382,18 @@ class FileReplicas:
         dropped = [nodes.relative(path) for path in tier.stale(os.path.dirname(self.path), self.keep)
                    if os.path.isfile(path)]
         relative = nodes.relative(self.path)
-        for peer in self.peers:
-            if PEERS.left_out(peer):
-                continue
-            address = dict(nodes.addresses)[peer]
+
+        def exchange(connection: PeerConnection) -> Optional[str]:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                with PeerConnection(parse_address(address), timeout=nodes.timeout) as connection:
-                    fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-                    try:
-                        refused = connection.put(relative, fd, checksum, as_file=True)
-                    finally:
-                        os.close(fd)
-                    for path in dropped:
-                        refused = refused or connection.remove(path)
-            except ReplicationError as e:
-                PEERS.failed(peer, address, e.reason)
-                continue
-            if refused:
-                PEERS.failed(peer, address, refused)
-            else:
-                PEERS.answered(peer)
+                refused = connection.put(relative, fd, checksum, as_file=True)
+            finally:
+                os.close(fd)
+            for path in dropped:
+                refused = refused or connection.remove(path)
+            return refused
+
+        _to_each(nodes, self.peers, exchange)
 
 
 def fetch_file(nodes: NodeMap, path: str, checksum: FileChecksum, holders: Sequence[str]) -> bool:
