@@ -148,18 +148,14 @@ def _send(nodes: NodeMap, node: str, paths: Mapping[str, FileChecksum]) -> list[
     return [transfer.path for transfer in outcomes if transfer.ok]
 
 
-_streams: list[ThreadPoolExecutor] = []  # the thread ``stream_file`` sends on (made at the first)
-_streams_lock = threading.Lock()
+_STREAMS = ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-replicate")  # ``stream_file``'s thread, once used
 
 
 def stream_file(replicas: Replicas, path: str, streaming: Streaming) -> "Future[list[str]]":
     """Send ``path`` (in this node's memory root), a file still being written (``Streaming``), to each peer that is
     not left out, one after the other, on a thread of its own: the peers that then hold it, or what ``streaming``
     raised (the copy failed)."""
-    with _streams_lock:
-        if not _streams:
-            _streams.append(ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-replicate"))
-    return _streams[0].submit(_stream_file, replicas, path, streaming)
+    return _STREAMS.submit(_stream_file, replicas, path, streaming)
 
 
 def _stream_file(replicas: Replicas, path: str, streaming: Streaming) -> list[str]:

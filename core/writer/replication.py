@@ -90,11 +90,11 @@ class ReplicationError(CheckpointError):
 class Streaming:
     """A file being written while it is sent (a memory-tier save's data file while its snapshot is copied): its
     ``size``, ``ready(done)`` that blocks until more than ``done`` bytes are there and returns how many
-    (``CopyProgress.waiter``: ``inf`` once all are), and ``checksum()`` that returns its xxh3 once it is hashed
+    (``CopyProgress.waiter``: ``inf`` once all are; None: all are there already), and ``checksum()`` that returns its xxh3 once it is hashed
     (both raise if the copy failed: the peer then keeps nothing)."""
 
     size: int
-    ready: Callable[[float], float]
+    ready: Optional[Callable[[float], float]]
     checksum: Callable[[], str]
 
 

@@ -80,8 +80,7 @@ class ShareRequest:
         def stream(hashing: Future) -> None:  # the data file is in place; its hash is on its way
             path = os.path.join(self.staging_dir, context.layout.file_name)
             sending.append(stream_file(self.replicas, path, Streaming(
-                context.layout.size, wait_ready or (lambda _done: float("inf")),
-                lambda: (hashing.result()[1] or file_checksum(path)).xxh3)))
+                context.layout.size, wait_ready, lambda: (hashing.result()[1] or file_checksum(path)).xxh3)))
 
         try:
             if self.directory_barrier is None:
