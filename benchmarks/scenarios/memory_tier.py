@@ -7,17 +7,20 @@ over loopback), each with its own share of ``size_mib`` (an Adam-like mix of ten
 node's memory and in the other's; the durable copy written from memory behind it, ``persist_every=1``) to the disk,
 and to the S3 server (moto). Per save: the stall, the time to committed (in memory with its replica, or durable),
 the time to durable; against the snapshot (a held memcpy of the share) plus a raw socket transfer of it
-(``os.sendfile`` into another process that writes it into tmpfs; both shares at once, as the job moves them).
+(``os.sendfile`` into another process that writes it into tmpfs; both shares at once, as the job moves them;
+measured right after each job of the memory arm, in the same minutes of this shared machine).
+Every job with the tier (saves and training alike) first saves twice, the durable arms once: the tier at its steady
+state, its pages held and recycled, as the floors' processes hold theirs from the start; a run's first saves pay for
+new tmpfs pages once (with one warm-up save, the first measured one took 4-7 s to commit, the later ones ~1.5 s), and
+the page gives what those first two saves took.
 **Restarts** (a fresh two-rank job: ``latest_checkpoint`` + ``load``, checked bit for bit): from each node's own
 memory (a process restart; both nodes at once, and one node at a time, each load with the machine's cores to
 itself as on nodes of their own), with node 1's memory gone (a replaced node: it fetches its share from node 0's
 replica), from the disk with its pages evicted, from the S3 server; against a memcpy of the share.
 **Training**: both ranks compute (one thread each: every core busy), saving every few seconds with the memory
-tier (in memory only; after two warm-up saves, the durable arm after one: the tier at its steady state, its pages
-held and recycled, as the floors' processes hold theirs from the start; a run's first saves pay for new tmpfs pages
-once: with one warm-up save, the first measured one took 4-7 s to commit, the later ones ~2 s), against the same
-loop saving nothing, saving durably, with another process writing the same bytes to the disk at the same steps, and with another process sending the same bytes over loopback into the
-other node's tmpfs at the same steps (the floor of a replica); then the same arms with a core left free, as a GPU
+tier (in memory only), against the same loop saving nothing, saving durably, with another process writing the same
+bytes to the disk at the same steps, and with another process sending the same bytes over loopback into the other
+node's tmpfs at the same steps (the floor of a replica); then the same arms with a core left free, as a GPU
 trainer leaves its CPU: rank 0 computes on one thread, rank 1 keeps step with it without computing.
 ``--set device=cuda`` (where a GPU is lent): the training arms' shares in GPU memory and their steps on the GPU
 (both ranks on the one GPU), a GPU trainer as it is, its cores free; ``--set saves=false``: the training alone.
@@ -94,10 +97,19 @@ def _saves_rank(rank: int, world: int, arm: str, size_mib: int, reps: int, root:
     rows: dict[str, list[float]] = {"stall_s": [], "committed_s": [], "durable_s": []}
     memcpy, sources = HeldMemcpy(), list(flat_tensors(state).values())
     snapshot_s = []
+    warmup_s: list[float] = []
     with Checkpointer(**options) as checkpointer:
-        previous = f"{root}/warmup"
-        checkpointer.save(state, previous, step=0)  # plans, staging buffers, writers, receivers: warm
-        checkpointer.wait()  # and its durable copy written: not in the first measured save's way
+        previous = ""
+        for warm in range(2 if arm != "durable" else 1):  # the tier at its steady state: keep + 1 saves' pages held
+            path = f"{root}/warmup_{warm}"
+            t0 = now()
+            checkpointer.save(state, path, step=0)  # plans, staging buffers, writers, receivers, pages: new
+            warmup_s.append(now() - t0)
+            checkpointer.wait()  # and its durable copy written: not in the next save's way
+            dist.barrier()
+            if rank == 0 and previous:
+                _drop(previous)
+            previous = path
         for rep in range(1, reps + 1):
             snapshot_s.append(memcpy(sources)[0])
             dist.barrier()
@@ -118,7 +130,7 @@ def _saves_rank(rank: int, world: int, arm: str, size_mib: int, reps: int, root:
             shutil.copytree(os.environ["ASYNCCKPT_MEMORY_ROOT"], os.path.join(keep_to, f"n{rank}"), symlinks=True)
             dist.barrier()
     return {"state_bytes": state_bytes(state), "tensors": n_tensors(state), "reps": rows, "snapshot_s": snapshot_s,
-            "kept": previous}
+            "warmup_s": warmup_s, "kept": previous}
 
 
 def _restart_rank(rank: int, world: int, size_mib: int, root: str, memory_root: str, breakdown: bool,
@@ -295,11 +307,12 @@ class RawSender(RawWriter):
 
 # ------------------------------------------------------------------------------------------ children
 def job_saves(arm: str, size_mib: int, reps: int, root: str, memory_root: str, keep_to: str) -> dict:
-    """``reps`` saves on both nodes; per rep the slower rank's seconds."""
+    """``reps`` saves on both nodes (after the warm-up saves); per save the slower rank's seconds."""
     r0, r1 = on_ranks(_saves_rank, 2, arm, size_mib, reps, root, memory_root, keep_to)
     out = {key: [max(a, b) for a, b in zip(r0["reps"][key], r1["reps"][key])] for key in r0["reps"]}
     return {"reps": out, "snapshot_s": r0["snapshot_s"] + r1["snapshot_s"], "state_bytes": r0["state_bytes"],
-            "tensors": r0["tensors"], "kept": r0["kept"]}
+            "tensors": r0["tensors"], "kept": r0["kept"],
+            "warmup_s": [max(a, b) for a, b in zip(r0["warmup_s"], r1["warmup_s"])]}
 
 
 def job_restart(size_mib: int, root: str, memory_root: str, breakdown: bool, turns: bool = False) -> dict:
@@ -390,22 +403,21 @@ def _saves_and_restarts(sitting, memory_root: str, out: dict) -> None:
                 found = sitting.child("job_saves", arm=run.arm, size_mib=o.size_mib, reps=o.reps, root=root,
                                       memory_root=memory_root, keep_to=keep_to)
             entry = out["saves"].setdefault(run.arm, {"state_bytes": found["state_bytes"], "tensors": found["tensors"],
-                                                      "reps": {k: [] for k in found["reps"]}, "snapshot_s": []})
+                                                      "reps": {k: [] for k in found["reps"]}, "snapshot_s": [],
+                                                      "warmup_s": []})
             for key, values in found["reps"].items():
                 entry["reps"][key] += values
             entry["snapshot_s"] += found["snapshot_s"]
+            entry["warmup_s"].append(found["warmup_s"])
             if r == rounds - 1 and run.arm != "durable":
                 kept[run.arm] = found["kept"]  # the newest checkpoint, durable (and in memory: ``backup``)
             elif not root.startswith("s3://"):
                 shutil.rmtree(root, ignore_errors=True)
-        readers = [started(sitting, "raw_reader", sink=tempfile.mkdtemp(dir=memory_root)) for _ in range(2)]
-        with sitting.phase("raw transfers"):
-            raw = sitting.child("raw_transfers", addresses=[a for _, a in readers], size_mib=o.size_mib,
-                                scratch=memory_root, reps=o.reps)
-            out["raw_transfer_s"], out["raw_transfer_reused_s"] = raw["s"], raw["reused_s"]
-        for child, _ in readers:
-            child.process.kill()
-            child.process.wait()
+            if run.arm == "memory":  # its floor right after it: the same minutes of this shared machine
+                with sitting.phase(f"raw transfers {r}"):
+                    raw = _raw_transfers(sitting, memory_root)
+                out.setdefault("raw_transfer_s", []).extend(raw["s"])
+                out.setdefault("raw_transfer_reused_s", []).extend(raw["reused_s"])
         disk_root = os.path.dirname(kept["memory"])
         sources = {"own": (disk_root, ("n0", "n1")), "own_alone": (disk_root, ("n0", "n1")),
                    "peer": (disk_root, ("n0",)), "disk": (disk_root, ()), "s3": (os.path.dirname(kept["memory_s3"]), ())}
@@ -424,6 +436,21 @@ def _saves_and_restarts(sitting, memory_root: str, out: dict) -> None:
         _restored(backup, memory_root, ())
     finally:
         server.stop()
+
+
+def _raw_transfers(sitting, memory_root: str) -> dict:
+    """``raw_transfers`` between two raw readers of their own, and their files removed after."""
+    sinks = [tempfile.mkdtemp(dir=memory_root) for _ in range(2)]
+    readers = [started(sitting, "raw_reader", sink=sink) for sink in sinks]
+    try:
+        return sitting.child("raw_transfers", addresses=[a for _, a in readers], size_mib=sitting.o.size_mib,
+                             scratch=memory_root, reps=sitting.o.reps)
+    finally:
+        for child, _ in readers:
+            child.process.kill()
+            child.process.wait()
+        for sink in sinks:
+            shutil.rmtree(sink, ignore_errors=True)
 
 
 def _training(sitting, memory_root: str, out: dict) -> None:
@@ -482,11 +509,13 @@ def _saves_and_restarts_lines(result: dict) -> list[str]:
                       fmt(median(saves[arm]["reps"]["committed_s"]) / floor_s, ".2f") + "x"]
                      for arm, name in SAVES.items()]), "",
              f"Floor of the memory commit with a replica: the snapshot (a held memcpy of the share, {fmt(snapshot_s)} s) "
-             f"+ a raw socket transfer of the share ({fmt(raw_s)} s, both shares at once; the faster of into fresh "
+             f"+ a raw socket transfer of the share ({fmt(raw_s)} s, both shares at once, right after each job of the "
+             f"memory arm; the faster of into fresh "
              f"tmpfs pages, {fmt(fresh_s)} s, and into the pages of a file kept from the transfer before, "
              f"{fmt(reused_s)} s, as the tier's spares) = {fmt(floor_s)} s "
              f"(goal: committed within 1.25x). With the tier, the durable copy is written by rank 0 from its node's "
              f"memory (its own share and its replica of node 1's).", "",
+             *_warmup_lines(saves), 
              "A restart (a fresh two-rank job: `latest_checkpoint` + `load`, the slower rank, checked bit for bit):", "",
              *table(["source", "load s", "x the saves' memcpy of the share", "vs disk (cold)"],
                     [[RESTARTS[source], fmt(median(times)), fmt(median(times) / snapshot_s, ".2f") + "x",
@@ -517,6 +546,20 @@ def _saves_and_restarts_lines(result: dict) -> list[str]:
                              ("hash_s", "bare xxh3 of the rank's data files (through a mapping)"),
                              ("memcpy_s", "held memcpy of the share (the same process, then)"))]), ""]
     return lines
+
+
+def _warmup_lines(saves: dict) -> list[str]:
+    """What a run's first saves cost, before the measured ones (each job's, ``save``: blocking to committed)."""
+    jobs = saves["memory"].get("warmup_s")
+    if not jobs:
+        return []
+    first, second = (median([job[n] for job in jobs]) for n in range(2))
+    return [f"Not in the table: a run's first two saves with the tier, which each job makes before the measured ones "
+            f"(so that these find the tier at its steady state, as the floor's processes hold their pages from the "
+            f"start): the first {fmt(first)} s to committed (plans, the writer and the receivers start, a staging "
+            f"buffer and the peer's copy in new tmpfs pages), the second {fmt(second)} s (a second staging buffer, "
+            f"kept while the first holds the newest checkpoint, and the peer's second copy in new pages); medians "
+            f"over {len(jobs)} jobs.", ""]
 
 
 def _training_lines(result: dict) -> list[str]:
