@@ -75,7 +75,9 @@ def test_a_memory_save_is_the_snapshot_buffer_itself_and_kept_ones_are_never_cop
     """A memory-tier save's data file is the staging buffer the snapshot was copied into (a second name for the same
     pages, not a copy), for as long as the training process keeps the buffer; a buffer that a kept checkpoint holds is
     never copied into again, so every kept checkpoint loads as it was saved; the tier holds keep + 1 shares (no
-    spare besides the buffers); the run leaves nothing."""
+    spare besides the buffers); the run leaves nothing. The next run of the same Checkpointer (a framework's second
+    ``fit``) links its saves too: the first run's buffers went with its run directory, and new ones are made in the
+    new one."""
     durable, data, share = tmp_path / "run", names.data_file_name(0), 6 << 22
 
     def state(step: int) -> dict:
@@ -97,8 +99,15 @@ def test_a_memory_save_is_the_snapshot_buffer_itself_and_kept_ones_are_never_cop
         for step in (4, 5):
             restored = loaded(os.path.join(memory, f"step_{step}"))
             assert torch.equal(restored["w"], state(step)["w"]) and restored["step"] == step
-        last = os.path.join(memory, "step_5", data)
-    assert not os.path.exists(last) and not os.listdir(memory_root)
+        checkpointer.teardown()  # the end of a run: the tier's copies go (written durably first), the buffers stay
+        assert not os.path.exists(memory) and loaded(str(durable / "step_5"))["step"] == 5
+        for step in (6, 7):  # the next run
+            checkpointer.save(state(step), str(durable / f"step_{step}"), step=step)
+            checkpointer.wait()
+            assert os.stat(os.path.join(memory, f"step_{step}", data)).st_nlink == 2  # linked, not copied
+        restored = loaded(os.path.join(memory, "step_7"))
+        assert torch.equal(restored["w"], state(7)["w"]) and restored["step"] == 7
+    assert not os.listdir(memory_root)
 
 
 KILLED = textwrap.dedent('''

@@ -10,7 +10,9 @@ A memory-tier save's buffer is a file of its run directory that the save's check
 that checkpoint, so a run needs ``keep + 1`` of them per structure (``FileBuffers``), the tier's own
 memory. The pool makes the ones after the first on a thread of its own, once a save took one: new
 pages cost as much as the copy into them (docs/DESIGN.md), which the next save's stall then does not
-pay.
+pay. A file buffer whose run directory the end of a run removed is freed when a save next looks for
+one (``StagingBuffer.unnamed``): the next run's are made in its own run directory, where the writer
+can link them.
 """
 from __future__ import annotations
 
@@ -91,6 +93,8 @@ class BufferPool:
         """A free buffer of structure ``key`` if there is one (never allocates): neither in use nor held
         by a checkpoint."""
         with self.lock:
+            for slot in [s for s in self._slots if s.key == key and s.user is None and s.buffer.unnamed()]:
+                self._drop(slot)  # the structure's files stay where they are asked for: new ones are made there
             slot = next((s for s in self._slots if s.key == key and s.user is None and not s.buffer.in_checkpoint()),
                         None)
             if slot is not None:
@@ -147,9 +151,13 @@ class BufferPool:
         return slot
 
     def _release(self, slot: Slot) -> None:
-        self._slots.remove(slot)
+        """Free ``slot``, and forget where its structure's files go once none of its buffers is left."""
+        self._drop(slot)
         if not any(other.key == slot.key for other in self._slots):
             self._files.pop(slot.key, None)
+
+    def _drop(self, slot: Slot) -> None:
+        self._slots.remove(slot)
         self._on_release(slot.buffer.id)
         slot.buffer.close()
 

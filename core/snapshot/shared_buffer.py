@@ -92,6 +92,12 @@ class StagingBuffer:
         snapshot must not be copied into it."""
         return self.path is not None and os.fstat(self.fd).st_nlink > 1
 
+    def unnamed(self) -> bool:
+        """Whether a file buffer lost its name (its run directory was removed: the end of a run): no checkpoint can be
+        linked to it any more (a file without a name cannot be given one), and nothing but this buffer holds its
+        pages."""
+        return self.path is not None and os.fstat(self.fd).st_nlink == 0
+
     def _pin(self) -> None:
         """Page-lock the mapping so device-to-host copies run at full PCIe speed and asynchronously."""
         with _pinned_lock:
