@@ -515,7 +515,7 @@ def _saves_and_restarts_lines(result: dict) -> list[str]:
              f"{fmt(reused_s)} s, as the tier's spares) = {fmt(floor_s)} s "
              f"(goal: committed within 1.25x). With the tier, the durable copy is written by rank 0 from its node's "
              f"memory (its own share and its replica of node 1's).", "",
-             *_warmup_lines(saves), 
+             *_warmup_lines(saves),
              "A restart (a fresh two-rank job: `latest_checkpoint` + `load`, the slower rank, checked bit for bit):", "",
              *table(["source", "load s", "x the saves' memcpy of the share", "vs disk (cold)"],
                     [[RESTARTS[source], fmt(median(times)), fmt(median(times) / snapshot_s, ".2f") + "x",
