@@ -19,9 +19,10 @@ files, and when, is the caller's business; this module only moves bytes and vouc
   (``checksums``; else hashed here first). ``PeerConnection.put`` of a file still being written
   (``Streaming``: a snapshot copied into a memory-tier file) sends each part as soon as it is there, and its
   xxh3 after its bytes, once the writer has hashed it: the transfer overlaps the copy and the hash, where a
-  sequence of them would add up. The receiver publishes it only if that xxh3 matches what arrived. ``fetch(address, root, paths)``: the reverse, each file verified
-  on arrival against the checksum the caller knows (the checkpoint's commit record: a replica damaged at
-  rest is then caught too), else against the one the peer computes before sending it.
+  sequence of them would add up. The receiver publishes it only if that xxh3 matches what arrived.
+  ``fetch(address, root, paths)``: the reverse, each file verified on arrival against the checksum the caller
+  knows (the checkpoint's commit record: a replica damaged at rest is then caught too), else against the one
+  the peer computes before sending it.
 * A single-file checkpoint (Lightning's ``.ckpt``: no commit record) moves ``as_file``: its copy carries its
   checksum attached as the writer attaches it (``storage.local``) and its modification time (by which a
   framework picks its newest file), so that the copy is the file, whichever node holds it. ``remove`` deletes
@@ -90,8 +91,8 @@ class ReplicationError(CheckpointError):
 class Streaming:
     """A file being written while it is sent (a memory-tier save's data file while its snapshot is copied): its
     ``size``, ``ready(done)`` that blocks until more than ``done`` bytes are there and returns how many
-    (``CopyProgress.waiter``: ``inf`` once all are; None: all are there already), and ``checksum()`` that returns its xxh3 once it is hashed
-    (both raise if the copy failed: the peer then keeps nothing)."""
+    (``CopyProgress.waiter``: ``inf`` once all are; None: all are there already), and ``checksum()`` that
+    returns its xxh3 once it is hashed (both raise if the copy failed: the peer then keeps nothing)."""
 
     size: int
     ready: Optional[Callable[[float], float]]
@@ -304,9 +305,9 @@ class _Stream:
                      file_mtime_ns: Optional[int] = None) -> Optional[str]:
         """Receive ``expected.size`` bytes into ``relative_path`` under ``root``: written to a hidden temporary
         name, hashed as they arrive, renamed to their name only if whole and matching ``expected`` (whose xxh3
-        None: the one the peer sends after the bytes, ``Streaming``). Returns
-        None, or why the file was not kept (the bytes are read to their end either way, so that the
-        connection goes on with the next file). A connection that fails meanwhile raises, and leaves nothing.
+        None: the one the peer sends after the bytes, ``Streaming``). Returns None, or why the file was not
+        kept (the bytes are read to their end either way, so that the connection goes on with the next file).
+        A connection that fails meanwhile raises, and leaves nothing.
         With ``file_mtime_ns`` (a single-file checkpoint), the file gets its checksum attached and that
         modification time before it takes its name, in a directory that must be there (a run directory some
         process here owns: none is made that nothing would remove)."""
