@@ -66,8 +66,8 @@ def assert_same(loaded, expected) -> None:
         assert loaded == expected
 
 
-def plan_for(target: dict, path: str, strict: bool = True):
-    return plan_direct_load(target, path, commit.require_complete(path), strict=strict, verify=True)
+def plan_for(target: dict, path: str, strict: bool = True, rank: int = 0):
+    return plan_direct_load(target, path, commit.require_complete(path), rank=rank, strict=strict, verify=True)
 
 
 @pytest.fixture()
@@ -264,7 +264,7 @@ def _load_on_ranks(rank, world, path, damaged):
         with pytest.raises(core.CorruptCheckpointError, match=rf"__1_0\.distcp: checksum mismatch for key '{damaged}'"):
             core.load(state, path)
     else:
-        assert plan_for(state, path) is not None
+        assert plan_for(state, path, rank=rank) is not None
         core.load(state, path)
         assert all(torch.equal(value, torch.full((1 << 16,), float(key[1:]))) for key, value in state.items())
     core.default_checkpointer().close()
@@ -284,6 +284,33 @@ def test_two_ranks_load_directly_and_a_damaged_share_fails_every_rank(tmp_path):
         f.seek(item["data_start"])
         f.write(b"\x01\x02\x03")
     run_on_ranks(_load_on_ranks, 2, path, item["fqn"])  # one rank reads the damage; both raise it
+
+
+def _save_own_keys(rank, world, path):
+    core.save({f"rank{rank}.t{i}": torch.full((1 << 12,), float(10 * rank + i)) for i in range(3)}, path)
+    core.default_checkpointer().close()
+
+
+def _load_own_keys(rank, world, path):
+    state = {f"rank{rank}.t{i}": torch.zeros(1 << 12) for i in range(3)}
+    if rank == 1:
+        with pytest.raises(core.CorruptCheckpointError, match=rf"{sidecar_name(1)}: unreadable sidecar"):
+            core.load(state, path, use_collectives=False)
+    else:
+        assert plan_for(state, path, rank=rank) is not None
+        core.load(state, path, use_collectives=False)
+        assert all(torch.equal(value, torch.full((1 << 12,), float(10 * rank + int(key[-1])))) for key, value in state.items())
+    core.default_checkpointer().close()
+
+
+def test_a_rank_that_saved_its_own_keys_reads_its_own_sidecar_alone(tmp_path):
+    """A restart of rank-local state: each rank's keys are in its own sidecar, so the other ranks' are not parsed
+    (rank 0 loads while rank 1's sidecar is unreadable; rank 1's load names it)."""
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(_save_own_keys, 2, path)
+    with open(os.path.join(path, sidecar_name(1)), "r+b") as f:
+        f.write(b"\x00")
+    run_on_ranks(_load_own_keys, 2, path)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -119,6 +119,15 @@ def wait_quiet(max_wait_s: float, threshold_pct: float = 15.0, quiet_for_s: floa
     return {"waited_s": now() - t0, "quiet": False}
 
 
+def settle(max_wait_s: float = 10.0, threshold_pct: float = 10.0, samples: int = 3) -> float:
+    """Wait (at most ``max_wait_s``) until the machine has been nearly idle for ``samples`` samples of 0.1 s: the
+    work a step left behind (another process's start-up) done before the next is timed. Seconds waited."""
+    t0, quiet = now(), 0
+    while quiet < samples and now() - t0 < max_wait_s:
+        quiet = quiet + 1 if psutil.cpu_percent(interval=0.1) < threshold_pct else 0
+    return now() - t0
+
+
 # ------------------------------------------------------------------------------------------ limits
 LIMITS = {
     "memcpy": "memcpy into a held buffer (`dst.copy_(src)`, torch's threads)",

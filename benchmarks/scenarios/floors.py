@@ -57,7 +57,7 @@ def direct_load_parts(target: dict, path: str, threads: int) -> tuple[Callable[[
 
     def plan() -> None:
         with paused_gc():
-            planned[:] = [plan_direct_load(target, path, record, strict=True, verify=True)]
+            planned[:] = [plan_direct_load(target, path, record, rank=0, strict=True, verify=True)]
 
     def read() -> None:
         with paused_gc():

@@ -38,7 +38,7 @@ import threading
 
 from harness import Option, Scenario
 from harness.floors import HeldMemcpy, RawWriter
-from harness.machine import evict
+from harness.machine import evict, settle
 from harness.ranks import on_ranks
 from harness.report import bars, fmt, table
 from harness.util import median, now
@@ -137,7 +137,8 @@ def _restart_rank(rank: int, world: int, size_mib: int, root: str, memory_root: 
                   turns: bool) -> dict:
     """``turns``: the ranks load one after the other (the agreement together; each load then rank-local, as it
     reads only its own keys), then take a held memcpy of the share in turn: what a node's restart takes with the
-    machine's cores to itself."""
+    machine's cores to itself. Each turn begins once the machine is quiet (``settle``): the writer a node's load
+    starts after it runs on that node's cores, not on the next node's."""
     import torch.distributed as dist
 
     _node(rank, memory_root)
@@ -153,7 +154,7 @@ def _restart_rank(rank: int, world: int, size_mib: int, root: str, memory_root: 
         parts["agree_s"] = now() - t0
         for turn in range(world if turns else 1):
             if turns:
-                dist.barrier()
+                _turn(turn, rank)
                 t0 = now() - parts["agree_s"]
             if turn == rank or not turns:  # alone: the load without collectives (each rank reads its own keys)
                 checkpointer.load(target, path, use_collectives=not turns)
@@ -161,7 +162,7 @@ def _restart_rank(rank: int, world: int, size_mib: int, root: str, memory_root: 
         parts["load_s"] = load_s - parts["agree_s"]
         if turns:
             for turn in range(world):
-                dist.barrier()
+                _turn(turn, rank)
                 if turn == rank:
                     parts["memcpy_s"] = HeldMemcpy()(list(flat_tensors(target).values()))[0]
         if not same_state(target, expected):
@@ -169,6 +170,15 @@ def _restart_rank(rank: int, world: int, size_mib: int, root: str, memory_root: 
         if breakdown:  # the same load again unverified, a bare read of this rank's files, a memcpy: both ranks at once
             parts.update(_load_parts(checkpointer, target, path, rank))
     return {"load_s": load_s, "path": path, "parts": parts}
+
+
+def _turn(turn: int, rank: int) -> None:
+    """The ranks meet for ``turn``; the rank whose turn it is first waits for the machine to be quiet."""
+    import torch.distributed as dist
+
+    if turn == rank:
+        settle()
+    dist.barrier()
 
 
 def _load_parts(checkpointer, target: dict, path: str, rank: int) -> dict:

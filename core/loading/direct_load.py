@@ -22,6 +22,7 @@ import gc
 import io
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
 from typing import Iterator, Optional
 
 import torch
@@ -85,36 +86,66 @@ class DirectLoad:
                 self.state_dict[key] = self.resolved[key]
 
 
-def committed_sidecars(root: str, record: dict) -> Optional[list[Sidecar]]:
-    """Every rank's sidecar, if they and ``.metadata`` are the ones the commit record lists (the
+def _committed_world(root: str, record: dict) -> Optional[int]:
+    """The saved world size, if the record lists every rank's sidecar and ``.metadata`` is the one it lists (the
     sidecars then describe exactly what ``.metadata`` does, and it need not be unpickled)."""
     files, world_size = record.get("files"), record.get("world_size")
     if not isinstance(files, dict) or not isinstance(world_size, int) or world_size < 1:
         return None  # e.g. a reduced record of a save through DCP's own API
+    if any(sidecar_name(rank) not in files for rank in range(world_size)):
+        return None
     try:
         if backend_for(root).stat(join(root, DCP_METADATA_FILE)).size != files.get(DCP_METADATA_FILE):
             return None  # replaced or damaged since the commit: let the checked path deal with it
-        sidecars = [read_sidecar(root, rank) for rank in range(world_size) if sidecar_name(rank) in files]
     except FileNotFoundError:
         return None
-    if len(sidecars) != world_size or any(s.save_id != record.get("save_id") for s in sidecars):
+    return world_size
+
+
+def _committed_sidecar(root: str, record: dict, rank: int) -> Optional[Sidecar]:
+    """The sidecar of ``rank``, if it is the one of the committed save."""
+    try:
+        sidecar = read_sidecar(root, rank)
+    except FileNotFoundError:
         return None
-    return sidecars
+    return sidecar if sidecar.save_id == record.get("save_id") else None
 
 
-def plan_direct_load(state_dict: dict, root: str, record: dict, *, strict: bool, verify: bool) -> Optional[DirectLoad]:
-    """The reads of a load that needs no resharding, or None if ``dcp.load`` must do it."""
-    sidecars = committed_sidecars(root, record)
-    if sidecars is None:
+def _sidecars_for(root: str, record: dict, world_size: int, rank: int,
+                  wanted: dict) -> Optional[tuple[list[Sidecar], set]]:
+    """The sidecars a load of the keys ``wanted`` reads, and the keys they hold: its own rank's alone where that
+    holds every key (a rank that saved its own keys, as a restart of rank-local state: the other ranks' sidecars are
+    not parsed), else every rank's, in rank order (replicated state: a key is where the save's dedup put it)."""
+    own = _committed_sidecar(root, record, rank) if rank < world_size else None
+    if own is not None:
+        saved = _keys(own)
+        if world_size == 1 or saved.issuperset(wanted):
+            return [own], saved
+    sidecars = [own if other == rank else _committed_sidecar(root, record, other) for other in range(world_size)]
+    if any(sidecar is None for sidecar in sidecars):
+        return None
+    return sidecars, set().union(*map(_keys, sidecars))
+
+
+def _keys(sidecar: Sidecar) -> set:
+    return set(chain(sidecar.tensors.fqn, sidecar.objects.fqn))
+
+
+def plan_direct_load(state_dict: dict, root: str, record: dict, *, rank: int, strict: bool,
+                     verify: bool) -> Optional[DirectLoad]:
+    """The reads of ``rank``'s load that needs no resharding, or None if ``dcp.load`` must do it."""
+    world_size = _committed_world(root, record)
+    if world_size is None:
         return None
     resolved = {}
     for key in sorted(state_dict):  # dcp.load's order
         value = state_dict[key]
         resolved[key] = value.state_dict() if isinstance(value, Stateful) else value
     flat, paths = flatten_state_dict(resolved)
-    saved: set = set()
-    for sidecar in sidecars:
-        saved.update(sidecar.tensors.fqn, sidecar.objects.fqn)
+    chosen = _sidecars_for(root, record, world_size, rank, flat)
+    if chosen is None:
+        return None
+    sidecars, saved = chosen
     if strict and not saved.issuperset(flat):
         return None  # dcp.load names every missing key
     files: list[FileSpans] = []

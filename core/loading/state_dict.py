@@ -23,7 +23,7 @@ from asyncckpt.core.storage import commit
 from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.loading.dcp_reader import AsyncCkptStorageReader
 from asyncckpt.core.loading.direct_load import paused_gc, plan_direct_load
-from asyncckpt.core.snapshot.dist_env import dist_ready
+from asyncckpt.core.snapshot.dist_env import dist_ready, rank_and_world
 from asyncckpt.core.errors import CheckpointError, CheckpointTimeoutError
 from asyncckpt.core.loading.metadata_io import load_dcp_metadata
 from asyncckpt.core.snapshot.planner import AsyncCkptLoadPlanner
@@ -37,7 +37,8 @@ def load_checkpoint(state_dict: dict, path: str, *, group: Optional[dist.Process
     planned: list = []
 
     def plan() -> bool:
-        planned.append(plan_direct_load(state_dict, path, record, strict=strict, verify=verify))
+        planned.append(plan_direct_load(state_dict, path, record, rank=rank_and_world(group)[0], strict=strict,
+                                         verify=verify))
         return planned[0] is not None
 
     try:
