@@ -15,7 +15,8 @@ new tmpfs pages once (with one warm-up save, the first measured one took 4-7 s t
 the page gives what those first two saves took.
 **Restarts** (a fresh two-rank job: ``latest_checkpoint`` + ``load``, checked bit for bit): from each node's own
 memory (a process restart; both nodes at once, and one node at a time, each load with the machine's cores to
-itself as on nodes of their own), with node 1's memory gone (a replaced node: it fetches its share from node 0's
+itself as on nodes of their own: a node's turn begins once the machine is quiet, the writer the node before
+started after its load done), with node 1's memory gone (a replaced node: it fetches its share from node 0's
 replica), from the disk with its pages evicted, from the S3 server; against a memcpy of the share.
 **Training**: both ranks compute (one thread each: every core busy), saving every few seconds with the memory
 tier (in memory only), against the same loop saving nothing, saving durably, with another process writing the same
@@ -541,7 +542,8 @@ def _saves_and_restarts_lines(result: dict) -> list[str]:
                   f"to itself, as on a node of its own; the slower rank's): `load` {fmt(load_s)} s against a memcpy of "
                   f"{fmt(memcpy_s)} s, **{fmt(load_s / memcpy_s, '.2f')}x**; both nodes at once (above) share this "
                   f"machine's two cores between two loads. Each node's writer starts during the restart too (before "
-                  f"its load up to 5aa1dd8, after it since), on the same cores here.", ""]
+                  f"its load up to 5aa1dd8, after it since), on the same cores here; one node at a time, the next "
+                  f"node's turn waits for it since 290d016.", ""]
     parts = figures.get("restart_parts", {}).get("own")
     if parts and "read_s" in parts[0]:
         part = {key: median([p[key] for p in parts]) for key in parts[0]}
