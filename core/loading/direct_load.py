@@ -6,7 +6,9 @@ alone say where each tensor's bytes are and what they hash to, so a load is: fla
 dict, walk the sidecars' columns in file order picking the keys asked for, and hand the reads to
 ``reader.read_spans``. This skips unpickling ``.metadata`` (two Python objects per chunk), DCP's
 load plan (a ReadItem per chunk) and its per-item lookups, which together cost many times the reading
-itself for thousands of tensors (docs/DESIGN.md, Measured).
+itself for thousands of tensors (docs/DESIGN.md, Measured). A rank whose own sidecar holds every key
+it loads (state each rank saved under keys of its own) walks that one alone: the other ranks'
+sidecars are not even parsed.
 
 Anything else (a DTensor, a key saved in several chunks, a shape or dtype mismatch or a missing
 key to report, a checkpoint without sidecars or whose ``.metadata`` is not the one committed)
