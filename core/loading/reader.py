@@ -12,7 +12,8 @@ contiguous CPU tensor or a writable buffer of exactly that size), with the xxh3 
   memory (unverified, they are read in ``PART_BYTES`` parts that both threads share).
 
 Two threads share the work: ``preadv`` releases the GIL, so one thread's copy from the page cache
-overlaps the other's Python bookkeeping and hashing (xxhash holds the GIL).
+overlaps the other's Python bookkeeping and hashing (xxhash releases it only for pieces of about
+``PIECE_BYTES`` and more: docs/DESIGN.md, Measured).
 
 A checkpoint in an object store (a ``remote`` backend) is read with ranged requests instead,
 ``concurrency`` of them in flight (``ObjectStoreOptions``), planned from the same ``FileSpans``:
