@@ -24,7 +24,6 @@ import gc
 import io
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import chain
 from typing import Iterator, Optional
 
 import torch
@@ -118,19 +117,19 @@ def _sidecars_for(root: str, record: dict, world_size: int, rank: int,
     """The sidecars a load of the keys ``wanted`` reads, and the keys they hold: its own rank's alone where that
     holds every key (a rank that saved its own keys, as a restart of rank-local state: the other ranks' sidecars are
     not parsed), else every rank's, in rank order (replicated state: a key is where the save's dedup put it)."""
+    saved: set = set()
     own = _committed_sidecar(root, record, rank) if rank < world_size else None
     if own is not None:
-        saved = _keys(own)
+        saved.update(own.tensors.fqn, own.objects.fqn)
         if world_size == 1 or saved.issuperset(wanted):
             return [own], saved
     sidecars = [own if other == rank else _committed_sidecar(root, record, other) for other in range(world_size)]
     if any(sidecar is None for sidecar in sidecars):
         return None
-    return sidecars, set().union(*map(_keys, sidecars))
-
-
-def _keys(sidecar: Sidecar) -> set:
-    return set(chain(sidecar.tensors.fqn, sidecar.objects.fqn))
+    for sidecar in sidecars:
+        if sidecar is not own:
+            saved.update(sidecar.tensors.fqn, sidecar.objects.fqn)
+    return sidecars, saved
 
 
 def plan_direct_load(state_dict: dict, root: str, record: dict, *, rank: int, strict: bool,
