@@ -3,7 +3,7 @@
 from asyncckpt.core.integration.versions import Copied, Support
 
 SUPPORT = Support(
-    package="accelerate", extra="accelerate", oldest="1.13.0", newest="1.15.0",
+    package="accelerate", extra="accelerate", oldest="1.13.0", newest="1.16.0",
     copied={
         "accelerate.accelerator:Accelerator.save_state": Copied(
             "adapters/accelerate/async_checkpointing.py", ("5a5c62cbfb58ea77",)),
@@ -14,7 +14,7 @@ SUPPORT = Support(
         "accelerate.utils.fsdp_utils:save_fsdp_model": Copied(
             "adapters/accelerate/capture.py", ("0ad60b659f961a60", "75a8de7f7825930c")),
         "accelerate.utils.fsdp_utils:save_fsdp_optimizer": Copied(
-            "adapters/accelerate/capture.py", ("bce300993fe7cb06", "68cfcfd2d36c59ff")),
+            "adapters/accelerate/capture.py", ("bce300993fe7cb06", "68cfcfd2d36c59ff", "d417249cd2ab952b")),
     },
     relied_on={
         "accelerate.accelerator:Accelerator.load_state": "(self, input_dir, load_kwargs, **load_model_func_kwargs)",

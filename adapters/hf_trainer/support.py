@@ -5,7 +5,7 @@ from asyncckpt.core.integration.versions import Copied, Support
 _FROM_PRETRAINED = "(cls, pretrained_model_name_or_path, ...)"  # the path must stay the first argument
 
 SUPPORT = Support(
-    package="transformers", extra="transformers", oldest="5.18.0", newest="5.24.0",
+    package="transformers", extra="transformers", oldest="5.18.0", newest="5.25.0",
     copied={
         "transformers.trainer:Trainer._save_checkpoint": Copied("adapters/hf_trainer/saver.py", ("a9111e30faa99339",)),
         "transformers.trainer_utils:rotate_checkpoints": Copied(
