@@ -54,19 +54,38 @@ def _pins(kind: str) -> list:
     return params
 
 
-@pytest.mark.parametrize("extra,target", _pins("copied"))
-def test_copied_framework_function_is_one_the_adapter_was_tested_with(extra, target):
-    copied = _support(extra).copied[target]
-    actual = versions.source_digest(versions.resolve(target))
-    assert actual in copied.digests, (
-        f"{target} changed in this {extra} version (source digest {actual}, pinned {copied.digests}): "
-        f"{copied.where} reproduces its behaviour; read the new version against it, update it, then the pin")
+@pytest.mark.parametrize("extra,target", _pins("copied") + _pins("relied_on"))
+def test_each_pinned_framework_function_is_as_the_adapter_was_tested_with(extra, target):
+    support = _support(extra)
+    alone = dataclasses.replace(support, copied={t: p for t, p in support.copied.items() if t == target},
+                                relied_on={t: p for t, p in support.relied_on.items() if t == target})
+    assert not versions.changes(alone), (
+        f"{target} changed in this {extra} release: {versions.changes(alone)}. Read the new version against the "
+        "adapter's copy or call (where the pin says), update the adapter, then the pin")
 
 
-@pytest.mark.parametrize("extra,target", _pins("relied_on"))
-def test_framework_function_the_adapters_call_keeps_its_parameters(extra, target):
-    assert not versions.changes(dataclasses.replace(_support(extra), copied={},
-                                                    relied_on={target: _support(extra).relied_on[target]})), target
+@pytest.mark.parametrize("extra", list(ADAPTERS))
+def test_the_release_check_reads_from_a_release_s_files_what_the_adapter_sees_installed(extra):
+    """.ci/new-releases judges a release from its files, without installing it: on the installed release's own
+    files it finds every pin it can read as the installed functions are (so the day a release ships, the
+    script's verdict is the adapter's)."""
+    import importlib.machinery
+    import importlib.util
+
+    support = _support(extra)
+    loader = importlib.machinery.SourceFileLoader("new_releases", str(REPO / ".ci" / "new-releases"))
+    script = importlib.util.module_from_spec(importlib.util.spec_from_loader("new_releases", loader))
+    loader.exec_module(script)
+    site = Path(importlib.util.find_spec(support.package).origin).parent.parent
+    files = script.ReleaseFiles.directory(site)
+    read = [t for t in [*support.copied, *support.relied_on] if files.lookup(t) is not None]
+    assert set(support.copied) <= set(read)  # every copied function is read from the files
+    for target in read:
+        source, parameters = files.lookup(target)
+        installed_source, installed_parameters = versions.installed_function(target)
+        assert versions.code_digest(source) == versions.code_digest(installed_source), target
+        assert parameters == installed_parameters, target
+    assert versions.changes(support, files.lookup) == {}
 
 
 def test_framework_attributes_the_adapters_read():
@@ -153,13 +172,39 @@ def test_a_newer_release_that_changed_a_pinned_function_is_refused_naming_it(mon
 
     copied_target, relied_target = next(iter(SUPPORT.copied)), next(iter(SUPPORT.relied_on))
     copied = {**SUPPORT.copied, copied_target: versions.Copied("somewhere.py", ("0000000000000000",))}
-    relied_on = {**SUPPORT.relied_on, relied_target: "(self, something_else)"}
+    relied_on = {**SUPPORT.relied_on, relied_target: versions.Called("(self, something_else)")}
     io = _lightning_adapter(monkeypatch, oldest="2.0.0", newest="2.0.0", copied=copied, relied_on=relied_on)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # refused, not warned
         with pytest.raises(UnsupportedVersionError) as refused:
             io.AsyncCkptIO()
     message = str(refused.value)
-    assert f"{copied_target} (source changed" in message and "reproduced in somewhere.py" in message
+    assert f"{copied_target} (code changed" in message and "reproduced in somewhere.py" in message
     assert f"{relied_target} (parameters (self), tested (self, something_else))" in message
-    assert message.count("(source changed") + message.count("(parameters") == 2  # only those two
+    assert message.count("(code changed") + message.count("(parameters") == 2  # only those two
+    assert f"{versions.ALLOW_CHANGED_ENV}=lightning" in message  # the way to go ahead at one's own risk
+
+
+def test_a_newer_release_is_judged_by_code_and_feature_and_can_be_allowed(tmp_path):
+    """An edited docstring or comment is accepted (one warning); a changed FSDP-only function refuses FSDP alone
+    (DDP saves stay asynchronous, FSDP saves are Accelerate's own, with one warning naming it), unless
+    ASYNCCKPT_ALLOW_CHANGED allows it (one warning naming it); a changed essential function refuses the adapter."""
+    pytest.importorskip("accelerate")
+    from dist_helper import run_on_ranks
+    from edited_release import EDITS, edited_release, save_with_the_edited_release
+
+    variants = list(EDITS)
+    for variant in variants:
+        edited_release(tmp_path / variant, EDITS[variant])
+    docstrings, fsdp, allowed, essential = run_on_ranks(save_with_the_edited_release, len(variants), variants,
+                                                        tmp_path, init_process_group=False, timeout=300)
+    assert docstrings["ddp"] and docstrings["fsdp"]
+    assert len(docstrings["warnings"]) == 1 and "unchanged in 1.99.0" in docstrings["warnings"][0]
+    assert fsdp["ddp"] and not fsdp["fsdp"]
+    assert len(fsdp["warnings"]) == 1 and "its FSDP support" in fsdp["warnings"][0]
+    assert "save_fsdp_optimizer (code changed" in fsdp["warnings"][0] and "synchronously" in fsdp["warnings"][0]
+    assert allowed["ddp"] and allowed["fsdp"]
+    assert len(allowed["warnings"]) == 1 and "at your own risk" in allowed["warnings"][0]
+    assert "save_fsdp_optimizer (code changed" in allowed["warnings"][0]
+    assert "Accelerator.save_state (code changed" in essential["refused"]
+    assert f"{versions.ALLOW_CHANGED_ENV}=accelerate" in essential["refused"]

@@ -45,7 +45,7 @@ from asyncckpt.core.integration import (SaveMetrics, capture, dist_env, normaliz
                                         resume, saving, taking_options, versions)
 
 from .capture import OPTIMIZER_FILE, Capture
-from .support import SUPPORT
+from .support import FSDP, SUPPORT
 
 logger = logging.getLogger("asyncckpt.accelerate")
 
@@ -89,7 +89,7 @@ class AsyncCheckpointing:
 
     def __init__(self, accelerator: Accelerator, options: CheckpointOptions, *, spread_writes: bool = True,
                  inline_bytes: int = 1 << 20, fix_iteration: bool = True) -> None:
-        versions.require(SUPPORT)
+        self.release = versions.require(SUPPORT)
         self.accelerator = accelerator
         self.spread_writes, self.inline_bytes, self.fix_iteration = spread_writes, inline_bytes, fix_iteration
         if options.export is not None and options.export.directory is None and accelerator.project_dir:
@@ -115,6 +115,7 @@ class AsyncCheckpointing:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.release = versions.require(SUPPORT)
         self.metrics = SaveMetrics(self.checkpointer)
         self.last_written = []
         self._attach()
@@ -149,6 +150,9 @@ class AsyncCheckpointing:
         if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
             warnings.warn(f"asyncckpt: {acc.distributed_type.value} writes its model and optimizer files itself, "
                           "synchronously; the checkpoint is still published only complete", RuntimeWarning, stacklevel=3)
+        if not self._asynchronous():
+            self.wait()
+            return original(acc, output_dir, safe_serialization=safe_serialization, **kwargs)
         started = time.perf_counter()
         self.checkpointer.wait_staged()  # the last save's overlapped snapshot first
         self.checkpointer.raise_failures()
@@ -178,6 +182,11 @@ class AsyncCheckpointing:
         self.metrics.saved(tx.handle, time.perf_counter() - started)
         self._log_metrics()
         return Path(final_dir)
+
+    def _asynchronous(self) -> bool:
+        """False where the installed Accelerate changed what this adapter relies on for the accelerator's
+        kind (``versions.require`` said so once): its own save_state and load_state then run."""
+        return self.accelerator.distributed_type != DistributedType.FSDP or self.release.allows(FSDP)
 
     def _log_metrics(self, *, final: bool = False) -> None:
         """The records of committed saves, to Accelerate's trackers (``accelerator.log``: the main process's)."""
@@ -224,6 +233,8 @@ class AsyncCheckpointing:
         mirrored); afterwards, ``iteration`` fixed (accelerate #3306)."""
         acc = self.accelerator
         root = os.path.join(acc.project_dir, "checkpoints") if acc.project_dir else None
+        if not self._asynchronous():
+            return original(acc, input_dir, *args, **kwargs)
 
         def load(path: Optional[str]) -> Any:
             return original(acc, input_dir if input_dir is not None else path, *args, **kwargs)

@@ -30,7 +30,7 @@ from asyncckpt.core import Checkpointer, CheckpointOptions
 from asyncckpt.core.integration import dist_env, lifecycle, patching, resolve_options, taking_options, versions
 
 from .saver import AsyncCheckpointSaver
-from .support import SUPPORT
+from .support import FROM_PRETRAINED, SUPPORT
 
 
 class AsyncCheckpointCallback(TrainerCallback):
@@ -58,15 +58,15 @@ class AsyncCheckpointCallback(TrainerCallback):
     @taking_options
     def __init__(self, options: Optional[CheckpointOptions] = None, *, checkpointer: Optional[Checkpointer] = None,
                  on_save_after_commit: bool = False, **kwargs: Any) -> None:
-        versions.require(SUPPORT)
+        release = versions.require(SUPPORT)
         if checkpointer is not None and (options is not None or kwargs):
             raise TypeError(f"{type(self).__name__}(checkpointer=...) takes its options from that Checkpointer: "
                             f"give it {', '.join(kwargs) or 'options'} instead")
         options, _ = resolve_options(type(self).__name__, options, kwargs)
-        # from_pretrained of a checkpoint-N being written waits for it (each auto class has its own copy)
-        patching.install_on_subclasses((PreTrainedModel, PreTrainedConfig, PreTrainedTokenizerBase, _BaseAutoModelClass,
-                                        AutoConfig, AutoTokenizer, AutoProcessor), "from_pretrained",
-                                       functools.partial(lifecycle.waiting_reader, path_at=1))
+        if release.allows(FROM_PRETRAINED):  # from_pretrained of a checkpoint-N being written waits for it
+            patching.install_on_subclasses(
+                (PreTrainedModel, PreTrainedConfig, PreTrainedTokenizerBase, _BaseAutoModelClass, AutoConfig,
+                 AutoTokenizer, AutoProcessor), "from_pretrained", functools.partial(lifecycle.waiting_reader, path_at=1))
         self.owns_checkpointer = checkpointer is None
         self.on_save_after_commit = on_save_after_commit
         self.checkpointer = checkpointer or Checkpointer(options)

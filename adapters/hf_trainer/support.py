@@ -1,33 +1,35 @@
 """The Transformers releases this adapter supports and the Trainer functions it relies on (see
 ``asyncckpt.core.integration.versions`` for the rule; ``tests/test_framework_contracts.py`` checks every pin)."""
-from asyncckpt.core.integration.versions import Copied, Support
+from asyncckpt.core.integration.versions import Called, Copied, Support
 
-_FROM_PRETRAINED = "(cls, pretrained_model_name_or_path, ...)"  # the path must stay the first argument
+FROM_PRETRAINED = "from_pretrained"
+# the path must stay the first argument
+_FROM_PRETRAINED = Called("(cls, pretrained_model_name_or_path, ...)", feature=FROM_PRETRAINED)
 
 SUPPORT = Support(
     package="transformers", extra="transformers", oldest="5.18.0", newest="5.25.0",
     copied={
-        "transformers.trainer:Trainer._save_checkpoint": Copied("adapters/hf_trainer/saver.py", ("a9111e30faa99339",)),
+        "transformers.trainer:Trainer._save_checkpoint": Copied("adapters/hf_trainer/saver.py", ("5d2ad2e0f2e5e5af",)),
         "transformers.trainer_utils:rotate_checkpoints": Copied(
-            "adapters/hf_trainer/saver.py (_rotation)", ("4aac03e039844595",)),
-        # wrapped, not copied: 8fdcb700... (5.18-5.2x) differs only in the train-loss metrics it reports
+            "adapters/hf_trainer/saver.py (_rotation)", ("c14ef64d3989cb9e",)),
+        # wrapped, not copied: 532e0576... (5.19-5.25) differs only in the train-loss metrics it reports
         "transformers.trainer:Trainer._finalize_training": Copied(
-            "adapters/hf_trainer/saver.py (_finalize)", ("6d6d83d6a2715f2a", "8fdcb7005e2b2d18")),
+            "adapters/hf_trainer/saver.py (_finalize)", ("17b7b20f1201358e", "532e05767538f522")),
     },
     relied_on={
         # a subclass's super()._save_checkpoint(model, trial) is ours while its override runs (hf_trainer/subclass.py)
-        "transformers.trainer:Trainer._save_checkpoint": "(self, model, trial)",
-        "transformers.trainer:Trainer._save_optimizer_and_scheduler": "(self, output_dir)",
-        "transformers.trainer:Trainer._save_scaler": "(self, output_dir)",
-        "transformers.trainer:Trainer._save_rng_state": "(self, output_dir)",
-        "transformers.trainer:Trainer._get_output_dir": "(self, trial)",
-        "transformers.trainer:Trainer.store_flos": "(self)",
-        "transformers.trainer:Trainer.train": "(self, resume_from_checkpoint, trial, ignore_keys_for_eval)",
-        "transformers.trainer:Trainer._push_from_checkpoint": "(self, checkpoint_folder)",
-        "transformers.trainer_utils:sort_checkpoints": "(output_dir, checkpoint_prefix, use_mtime, best_model_checkpoint)",
-        "transformers.modeling_utils:safe_save_file": "(tensors, filename, metadata)",
-        "safetensors.torch:save_file": "(tensors, filename, metadata)",
-        "peft.peft_model:safe_save_file": "(tensors, filename, metadata)",  # a PEFT model's adapter_model.safetensors
+        "transformers.trainer:Trainer._save_checkpoint": Called("(self, model, trial)"),
+        "transformers.trainer:Trainer._save_optimizer_and_scheduler": Called("(self, output_dir)"),
+        "transformers.trainer:Trainer._save_scaler": Called("(self, output_dir)"),
+        "transformers.trainer:Trainer._save_rng_state": Called("(self, output_dir)"),
+        "transformers.trainer:Trainer._get_output_dir": Called("(self, trial)"),
+        "transformers.trainer:Trainer.store_flos": Called("(self)"),
+        "transformers.trainer:Trainer.train": Called("(self, resume_from_checkpoint, trial, ignore_keys_for_eval)"),
+        "transformers.trainer:Trainer._push_from_checkpoint": Called("(self, checkpoint_folder)"),
+        "transformers.trainer_utils:sort_checkpoints": Called("(output_dir, checkpoint_prefix, use_mtime, best_model_checkpoint)"),
+        "transformers.modeling_utils:safe_save_file": Called("(tensors, filename, metadata)"),
+        "safetensors.torch:save_file": Called("(tensors, filename, metadata)"),
+        "peft.peft_model:safe_save_file": Called("(tensors, filename, metadata)"),  # a PEFT model's adapter_model.safetensors
         # made to wait for a checkpoint-N in flight (lifecycle.waiting_reader reads the path)
         "transformers.modeling_utils:PreTrainedModel.from_pretrained": _FROM_PRETRAINED,
         "transformers.configuration_utils:PreTrainedConfig.from_pretrained": _FROM_PRETRAINED,
@@ -39,4 +41,6 @@ SUPPORT = Support(
         "transformers.models.auto.tokenization_auto:AutoTokenizer.from_pretrained": _FROM_PRETRAINED,
         "transformers.models.auto.processing_auto:AutoProcessor.from_pretrained": _FROM_PRETRAINED,
     },
+    features={FROM_PRETRAINED: "from_pretrained of a checkpoint-N being written no longer waits for it (call "
+                               "callback.wait() before loading one)"},
 )

@@ -75,7 +75,7 @@ class AsyncCkptIO(CheckpointIO):
     @taking_options
     def __init__(self, options: Optional[CheckpointOptions] = None, *, sync_patterns: tuple[str, ...] = (),
                  sync_on_exception: bool = True, **kwargs: Any) -> None:
-        versions.require(SUPPORT)
+        release = versions.require(SUPPORT)
         super().__init__()
         self.sync_patterns, self.sync_on_exception = tuple(sync_patterns), sync_on_exception
         self.checkpointer = Checkpointer(resolve_options(type(self).__name__, options, kwargs)[0])
@@ -83,7 +83,7 @@ class AsyncCkptIO(CheckpointIO):
         self.picked_by_lightning: Optional[str] = None  # the path Lightning resolved "last"/"best"/"hpc" to
         self.trainer: Optional[Any] = None  # the Trainer whose strategy holds it (its loggers get the metrics)
         self._last_save: Optional[SaveHandle] = None  # removals wait for it
-        integration.install(AsyncCkptIO)
+        integration.install(AsyncCkptIO, release)
 
     def __getstate__(self) -> dict:  # the Checkpointer pickles as its options
         return {**self.__dict__, "_last_save": None, "picked_by_lightning": None, "trainer": None,
@@ -92,7 +92,7 @@ class AsyncCkptIO(CheckpointIO):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.metrics = SaveMetrics(self.checkpointer)
-        integration.install(AsyncCkptIO)
+        integration.install(AsyncCkptIO, versions.require(SUPPORT))
 
     @property
     def options(self) -> CheckpointOptions:

@@ -56,7 +56,9 @@ from lightning.pytorch.core import saving
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
-from asyncckpt.core.integration import dist_env, is_url, lifecycle, normalize_path, patching, resume
+from asyncckpt.core.integration import dist_env, is_url, lifecycle, normalize_path, patching, resume, versions
+
+from .support import FSDP, MODEL_PARALLEL
 
 
 _plugin_type: Optional[type] = None  # AsyncCkptIO, handed over by ``install`` (importing it here would be a cycle)
@@ -68,9 +70,10 @@ def plugin_of(strategy: Any) -> Optional[Any]:
     return io if _plugin_type is not None and isinstance(io, _plugin_type) else None
 
 
-def install(plugin_type: type) -> None:
+def install(plugin_type: type, release: versions.Release) -> None:
     """Replace the methods listed above (idempotent), for strategies whose ``checkpoint_io`` is a
-    ``plugin_type`` (the plugin installs them as its first instance is made or unpickled)."""
+    ``plugin_type`` (the plugin installs them as its first instance is made or unpickled); a strategy
+    whose feature the installed ``release`` refuses keeps its own sharded saves and loads."""
     global _plugin_type
     _plugin_type = plugin_type
     patching.install_on_subclasses((Strategy,), "setup_environment", _after_with_plugin(_start_writer))
@@ -80,11 +83,13 @@ def install(plugin_type: type) -> None:
     patching.install(_CheckpointConnector, "_parse_ckpt_path", _noting_the_pick)
     patching.install(ModelCheckpoint, "_find_last_checkpoints", _last_checkpoints)
     patching.install(ModelCheckpoint, "setup", _expecting_replicas)
-    for strategy, model_key, sharded in ((FSDPStrategy, "model", lambda s: s._state_dict_type == "sharded"),
-                                         (ModelParallelStrategy, "state_dict", lambda s: s._save_distributed_checkpoint)):
-        patching.install(strategy, "save_checkpoint", _sharded_save(model_key, sharded))
-        patching.install(strategy, "load_checkpoint", _sharded_load)
-        patching.install(strategy, "teardown", _teardown)
+    for strategy, feature, model_key, sharded in (
+            (FSDPStrategy, FSDP, "model", lambda s: s._state_dict_type == "sharded"),
+            (ModelParallelStrategy, MODEL_PARALLEL, "state_dict", lambda s: s._save_distributed_checkpoint)):
+        if release.allows(feature):
+            patching.install(strategy, "save_checkpoint", _sharded_save(model_key, sharded))
+            patching.install(strategy, "load_checkpoint", _sharded_load)
+        patching.install(strategy, "teardown", _teardown)  # they do not call checkpoint_io.teardown()
 
 
 def _after_with_plugin(after: Callable[[Any, Any], None]) -> Callable:
@@ -231,12 +236,12 @@ def _expecting_replicas(original: Callable) -> Callable:
 
 
 def _teardown(original: Callable) -> Callable:
-    def teardown(self) -> None:
+    def teardown(self, *args: Any, **kwargs: Any) -> None:
         io = plugin_of(self)
         try:
             if io is not None:
                 io.teardown()
         finally:
-            original(self)
+            original(self, *args, **kwargs)
 
     return teardown
