@@ -22,7 +22,7 @@ EDITS = {  # variant -> the edits applied to its copy: (file, function, "docstri
 
 def edited_release(root: Path, edits: list) -> Path:
     """A copy of the installed accelerate as release 1.99.0 under ``root``, with ``edits``: a function's docstring
-    rewritten and a comment added (``docstring``), or a statement added to its body (``code``)."""
+    rewritten (or added) and a comment added (``docstring``), or a statement added to its body (``code``)."""
     import importlib.util
 
     installed = Path(importlib.util.find_spec("accelerate").origin).parent
@@ -37,12 +37,12 @@ def edited_release(root: Path, edits: list) -> Path:
         node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
         first = node.body[0]
         indent = " " * first.col_offset
-        if edit == "docstring":
-            assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-            lines[first.lineno - 1:first.end_lineno] = [f'{indent}"""Reworded in this release."""',
-                                                        f"{indent}# a comment this release added"]
+        documented = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+        if edit == "docstring":  # reworded, or one where there was none, and a comment
+            lines[first.lineno - 1:first.end_lineno if documented else first.lineno - 1] = [
+                f'{indent}"""Reworded in this release."""', f"{indent}# a comment this release added"]
         else:
-            at = first.end_lineno if isinstance(first, ast.Expr) else first.lineno - 1
+            at = first.end_lineno if documented else first.lineno - 1
             lines.insert(at, f"{indent}_added_in_this_release = None")
         path.write_text("\n".join(lines) + "\n")
     return root
