@@ -3,18 +3,20 @@ serving the memory root of ``ASYNCCKPT_MEMORY_ROOT`` (``storage.tier.memory_root
 node's lowest local rank will.
 
 Prints its address (``host port``) once it listens, then serves until SIGTERM, which closes the receiver
-(ending every connection) before it exits. ``python replication_node.py [BIND]`` (default: every
-interface; its public host then comes from ``ASYNCCKPT_REPLICATION_ADDRESS``).
+(ending every connection) before it exits. ``python replication_node.py [BIND]`` (default: the job's address,
+``ASYNCCKPT_REPLICATION_ADDRESS``); the job's secret comes from the launcher's environment
+(``ASYNCCKPT_REPLICATION_SECRET``), its refusals go to stderr.
 """
 import signal
 import sys
 
 from asyncckpt.core.storage.tier import memory_root
-from asyncckpt.core.writer.replication import Receiver
+from asyncckpt.core.writer.replication import Receiver, job_secret
 
 if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # before the receiver's threads: they inherit it
-    with Receiver(memory_root(), bind=sys.argv[1] if len(sys.argv) > 1 else "", idle_timeout=5.0) as receiver:
+    with Receiver(memory_root(), secret=job_secret(None), bind=sys.argv[1] if len(sys.argv) > 1 else None,
+                  idle_timeout=5.0) as receiver:
         print(*receiver.address, flush=True)
         signal.sigwait({signal.SIGTERM})
     print("closed", flush=True)

@@ -8,9 +8,11 @@ dead one), a link taken down.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,11 +27,14 @@ from asyncckpt.core.errors import SnapshotCopyFailed
 from asyncckpt.core.formats.checksum import FileChecksum, checksum
 from asyncckpt.core.storage import spares
 from asyncckpt.core.writer.replication import (
+    ADDRESS_ENV,
+    SECRET_ENV,
     PeerConnection,
     Receiver,
     ReplicationError,
     Streaming,
     fetch,
+    job_secret,
     parse_address,
     peer_address,
     peers_for,
@@ -41,15 +46,17 @@ from programs import Program
 NODE_PROGRAM = os.path.join(os.path.dirname(__file__), "replication_node.py")
 CHECKPOINT = "run-abc/.checkpoint-20.asyncckpt-staging-s1"  # where a save's files lie in a memory root
 MARGIN_S = 10.0  # beyond a peer's timeout, what a failing call may take on a loaded machine: bounded, not exact
+JOB_SECRET = f"test-job-{os.getpid()}-{os.urandom(16).hex()}"  # the launcher's (``ASYNCCKPT_REPLICATION_SECRET``)
+SECRET = JOB_SECRET.encode()
 
 
 class Node:
     """A receiver process serving ``root``; ``address`` is where it listens."""
 
     def __init__(self, root: Path, logs: Path, argv_prefix: tuple[str, ...] = (), bind: str = "",
-                 public: Optional[str] = "127.0.0.1") -> None:
+                 public: Optional[str] = "127.0.0.1", secret: str = JOB_SECRET) -> None:
         self.root = root
-        env = {**os.environ, "ASYNCCKPT_MEMORY_ROOT": str(root)}
+        env = {**os.environ, "ASYNCCKPT_MEMORY_ROOT": str(root), SECRET_ENV: secret}
         env.pop("ASYNCCKPT_REPLICATION_ADDRESS", None)
         if public is not None:
             env["ASYNCCKPT_REPLICATION_ADDRESS"] = public
@@ -147,21 +154,21 @@ def test_files_arrive_whole_under_their_names_on_several_peers_and_come_back(tmp
     small = [path for path, data in files.items() if len(data) < (1 << 20)]
     a, b = start_node("node-a"), start_node("node-b")
     with ThreadPoolExecutor(3) as pool:  # two peers at once, and one of them from two senders at once
-        sends = [pool.submit(send, a.address, str(source), list(files), timeout=30),
-                 pool.submit(send, b.address, str(source), list(files), timeout=30),
-                 pool.submit(send, a.address, str(source), small, timeout=30)]
+        sends = [pool.submit(send, a.address, str(source), list(files), secret=SECRET, timeout=30),
+                 pool.submit(send, b.address, str(source), list(files), secret=SECRET, timeout=30),
+                 pool.submit(send, a.address, str(source), small, secret=SECRET, timeout=30)]
         outcomes = [s.result() for s in sends]
     assert [[(t.path, t.error) for t in o] for o in outcomes] == [[(p, None) for p in files]] * 2 + [[(p, None) for p in small]]
     assert files_under(a.root) == files and files_under(b.root) == files  # byte for byte, and nothing else
 
     restored = tmp_path / "replaced-node"  # a node that replaced a lost one fetches what it lacks
     record = {path: FileChecksum(len(data), checksum(data)) for path, data in files.items()}
-    assert all(t.ok for t in fetch(a.address, str(restored), list(files)[:2], timeout=30))
-    assert all(t.ok for t in fetch(b.address, str(restored), list(files)[2:], timeout=30, checksums=record))
+    assert all(t.ok for t in fetch(a.address, str(restored), list(files)[:2], secret=SECRET, timeout=30))
+    assert all(t.ok for t in fetch(b.address, str(restored), list(files)[2:], secret=SECRET, timeout=30, checksums=record))
     assert files_under(restored) == files
 
     missing = f"{CHECKPOINT}/not-there.bin"
-    [outcome] = fetch(a.address, str(restored), [missing], timeout=30)
+    [outcome] = fetch(a.address, str(restored), [missing], secret=SECRET, timeout=30)
     assert not outcome.ok and missing in outcome.error and not (restored / missing).exists()
 
 
@@ -206,7 +213,7 @@ def test_a_file_still_being_written_arrives_whole_and_only_with_the_checksum_sen
         writer.start()
         fd = os.open(path, os.O_RDONLY)
         try:
-            with PeerConnection(a.address, timeout=30) as peer:
+            with PeerConnection(a.address, secret=SECRET, timeout=30) as peer:
                 return peer.put(f"{CHECKPOINT}/{name}", fd, Streaming(len(payload), ready, lambda: checksum_of(payload)))
         finally:
             os.close(fd)
@@ -233,14 +240,14 @@ def test_a_file_damaged_since_its_checksum_was_recorded_is_refused_by_the_peer(t
         f.seek(12345)
         f.write(bytes([byte ^ 1]))
     a = start_node("node-a")
-    outcomes = send(a.address, str(source), list(files), timeout=30, checksums=record)
+    outcomes = send(a.address, str(source), list(files), secret=SECRET, timeout=30, checksums=record)
     assert {t.path: t.ok for t in outcomes} == {path: path != damaged for path in files}  # the others still went
     [refused] = [t for t in outcomes if not t.ok]
     assert damaged in refused.error and "damaged" in refused.error
     assert not (a.root / damaged).exists() and hidden_leftovers(a.root) == []
 
     grown = f"{CHECKPOINT}/config.json"  # a file whose size no longer matches its record is not even sent
-    [outcome] = send(a.address, str(source), [grown], timeout=30,
+    [outcome] = send(a.address, str(source), [grown], secret=SECRET, timeout=30,
                      checksums={grown: FileChecksum(record[grown].size + 1, record[grown].xxh3)})
     assert not outcome.ok and grown in outcome.error
 
@@ -263,14 +270,14 @@ def test_a_file_arrives_in_the_pages_of_a_spare_its_node_kept_and_a_damaged_one_
     spares.recycle([str(dropped)], str(run), "test")
     assert len(os.listdir(run / spares.SPARES_DIR)) == 2 and not dropped.exists()  # the small file freed
 
-    assert all(t.ok for t in send(a.address, str(source), list(files), timeout=30, checksums=record))
+    assert all(t.ok for t in send(a.address, str(source), list(files), secret=SECRET, timeout=30, checksums=record))
     assert files_under(a.root / CHECKPOINT) == {os.path.relpath(p, CHECKPOINT): d for p, d in files.items()}
     assert os.stat(a.root / big).st_ino == fits  # the smallest spare large enough, cut to size
     assert len(os.listdir(run / spares.SPARES_DIR)) == 1
 
     damaged = dict(record, **{big: FileChecksum(record[big].size, "0" * 16)})
     (a.root / big).unlink()
-    [outcome] = send(a.address, str(source), [big], timeout=30, checksums=damaged)
+    [outcome] = send(a.address, str(source), [big], secret=SECRET, timeout=30, checksums=damaged)
     assert not outcome.ok and "damaged" in outcome.error
     assert not (a.root / big).exists() and hidden_leftovers(a.root) == []
     assert os.listdir(run / spares.SPARES_DIR) == []  # the spare it went into went with it
@@ -281,12 +288,12 @@ def test_a_replica_damaged_at_rest_is_never_kept_by_the_node_that_fetches_it(tmp
     files = a_checkpoint(source)
     record = {path: FileChecksum(len(data), checksum(data)) for path, data in files.items()}
     a = start_node("node-a")
-    assert all(t.ok for t in send(a.address, str(source), list(files), timeout=30))
+    assert all(t.ok for t in send(a.address, str(source), list(files), secret=SECRET, timeout=30))
     replica = a.root / f"{CHECKPOINT}/optimizer.bin"
     replica.write_bytes(b"\0" + replica.read_bytes()[1:])
 
     restored = tmp_path / "replaced-node"
-    outcomes = fetch(a.address, str(restored), list(files), timeout=30, checksums=record)
+    outcomes = fetch(a.address, str(restored), list(files), secret=SECRET, timeout=30, checksums=record)
     assert {t.path: t.ok for t in outcomes} == {path: not path.endswith("optimizer.bin") for path in files}
     [refused] = [t for t in outcomes if not t.ok]
     assert "optimizer.bin" in refused.error and "damaged" in refused.error
@@ -311,12 +318,12 @@ def test_a_single_file_checkpoint_moves_with_its_checksum_and_time_and_its_copie
     attach_checksum(str(source / name), recorded)
     os.utime(source / name, ns=(1_700_000_000_123_456_789,) * 2)
     a, b = start_node("node-a"), start_node("node-b")
-    with PeerConnection(a.address, timeout=30) as peer, open(source / name, "rb") as f:  # no run directory there
+    with PeerConnection(a.address, secret=SECRET, timeout=30) as peer, open(source / name, "rb") as f:  # no run directory there
         assert "run-abc/last.ckpt: cannot be written here" in peer.put(name, f.fileno(), recorded, as_file=True)
     assert files_under(a.root) == {}
     for node in (a, b):
         (node.root / "run-abc").mkdir(parents=True)  # its ranks expect the run's files
-        with PeerConnection(node.address, timeout=30) as peer, open(source / name, "rb") as f:
+        with PeerConnection(node.address, secret=SECRET, timeout=30) as peer, open(source / name, "rb") as f:
             assert peer.put(name, f.fileno(), recorded, as_file=True) is None
         assert (node.root / name).read_bytes() == data and read_record(str(node.root / name)) == recorded
         assert os.stat(node.root / name).st_mtime_ns == 1_700_000_000_123_456_789
@@ -325,7 +332,7 @@ def test_a_single_file_checkpoint_moves_with_its_checksum_and_time_and_its_copie
     replaced = tmp_path / "replaced-node"
     (replaced / "run-abc").mkdir(parents=True)  # its restart opened the run (tiers.assemble)
     nodes = NodeMap(str(replaced), "node-c", (("node-a", f"{a.address[0]}:{a.address[1]}"),
-                                              ("node-b", f"{b.address[0]}:{b.address[1]}")), 30.0)
+                                              ("node-b", f"{b.address[0]}:{b.address[1]}")), 30.0, SECRET)
     with caplog.at_level("WARNING", logger="asyncckpt"):
         assert fetch_file(nodes, str(replaced / name), recorded, ["node-a", "node-b"])
     assert "run-abc/last.ckpt on node node-a" in caplog.text and "damaged" in caplog.text
@@ -333,7 +340,7 @@ def test_a_single_file_checkpoint_moves_with_its_checksum_and_time_and_its_copie
     assert os.stat(replaced / name).st_mtime_ns == 1_700_000_000_123_456_789
     assert hidden_leftovers(replaced) == []
 
-    with PeerConnection(b.address, timeout=30) as peer:
+    with PeerConnection(b.address, secret=SECRET, timeout=30) as peer:
         assert peer.remove(name) is None and peer.remove(name) is None  # gone already: done
         assert "not a file" in peer.remove("run-abc")
     assert not (b.root / name).exists() and (b.root / "run-abc").is_dir()
@@ -345,9 +352,9 @@ def test_a_path_leaving_the_memory_root_is_refused_on_both_sides(tmp_path, start
     a = start_node("node-a")
     for escaping in ("../outside.bin", "/etc/passwd", f"{CHECKPOINT}/../../../outside.bin"):
         with pytest.raises(ValueError, match="refused"):
-            send(a.address, str(source), [escaping], timeout=30)
+            send(a.address, str(source), [escaping], secret=SECRET, timeout=30)
         with pytest.raises(ValueError, match="refused"):
-            fetch(a.address, str(tmp_path / "fetched"), [escaping], timeout=30)
+            fetch(a.address, str(tmp_path / "fetched"), [escaping], secret=SECRET, timeout=30)
 
     (tmp_path / "elsewhere").mkdir()
     (a.root / "run-abc").mkdir(parents=True)
@@ -356,7 +363,7 @@ def test_a_path_leaving_the_memory_root_is_refused_on_both_sides(tmp_path, start
     data = files[path]
     fd = os.open(source / path, os.O_RDONLY)
     try:  # a peer that does not check its paths, as the receiver sees it: the lower-level connection
-        with PeerConnection(a.address, timeout=30) as peer:
+        with PeerConnection(a.address, secret=SECRET, timeout=30) as peer:
             for escaping in ("../outside.bin", "/tmp/outside.bin", "run-abc/link/inside.bin"):
                 error = peer.put(escaping, fd, FileChecksum(len(data), checksum(data)))
                 assert error is not None and repr(escaping) in error
@@ -387,7 +394,7 @@ def test_a_file_the_peer_has_no_room_for_is_refused_named_and_leaves_nothing(tmp
     source = tmp_path / "source"
     files = a_checkpoint(source)
     a = start_node("small-node/root")
-    outcomes = send(a.address, str(source), list(files), timeout=30)
+    outcomes = send(a.address, str(source), list(files), secret=SECRET, timeout=30)
     too_large = {path for path, data in files.items() if len(data) > (4 << 20)}
     assert {t.path for t in outcomes if not t.ok} == too_large
     assert all("No space left" in t.error and t.path in t.error for t in outcomes if not t.ok)
@@ -404,12 +411,12 @@ def test_a_stopped_peer_fails_the_send_within_its_timeout(tmp_path, start_node):
     a.signal(signal.SIGSTOP)  # hung before the send: it never answers
     started = time.monotonic()
     with pytest.raises(ReplicationError) as stopped:
-        send(a.address, str(source), [f"{CHECKPOINT}/config.json"], timeout=2)
+        send(a.address, str(source), [f"{CHECKPOINT}/config.json"], secret=SECRET, timeout=2)
     assert time.monotonic() - started < 2 + MARGIN_S
     assert f"{a.address[0]}:{a.address[1]}" in str(stopped.value) and stopped.value.file == f"{CHECKPOINT}/config.json"
     a.signal(signal.SIGCONT)
 
-    sending = Background(lambda: send(a.address, str(source), large, timeout=2))
+    sending = Background(lambda: send(a.address, str(source), large, secret=SECRET, timeout=2))
     wait_until(lambda: (a.root / large[0]).exists(), 60, "the first file never arrived")
     a.signal(signal.SIGSTOP)  # hung in the middle of the send
     stopped_at = time.monotonic()
@@ -423,14 +430,14 @@ def test_a_stopped_peer_fails_the_send_within_its_timeout(tmp_path, start_node):
     wait_until(lambda: hidden_leftovers(a.root) == [], 30, f"left {hidden_leftovers(a.root)}")
     for path, data in files_under(a.root).items():
         assert data == (source / path).read_bytes(), f"{path} is under its name but not whole"
-    assert all(t.ok for t in send(a.address, str(source), [f"{CHECKPOINT}/config.json"], timeout=30))  # still serving
+    assert all(t.ok for t in send(a.address, str(source), [f"{CHECKPOINT}/config.json"], secret=SECRET, timeout=30))  # still serving
 
 
 def test_a_dead_peer_fails_the_send_at_once(tmp_path, start_node):
     source = tmp_path / "source"
     large = many_large_files(source, 16)
     a = start_node("node-a")
-    sending = Background(lambda: send(a.address, str(source), large, timeout=60))
+    sending = Background(lambda: send(a.address, str(source), large, secret=SECRET, timeout=60))
     wait_until(lambda: (a.root / large[0]).exists(), 60, "the first file never arrived")
     a.signal(signal.SIGKILL)  # killed in the middle of the send: far sooner than the timeout
     error = sending.result(MARGIN_S)
@@ -441,7 +448,7 @@ def test_a_dead_peer_fails_the_send_at_once(tmp_path, start_node):
     a.stop()
     started = time.monotonic()
     with pytest.raises(ReplicationError, match="refused") as refused:  # nobody listening any more
-        send(a.address, str(source), large[:1], timeout=60)
+        send(a.address, str(source), large[:1], secret=SECRET, timeout=60)
     assert time.monotonic() - started < MARGIN_S and refused.value.file is None
 
 
@@ -449,14 +456,15 @@ def test_a_sender_that_stops_is_dropped_by_the_receiver_with_what_it_was_sending
     source = tmp_path / "source"
     large = many_large_files(source, 16)
     a = start_node("node-a")
-    sender = Program([sys.executable, "-c", "import sys; from asyncckpt.core.writer.replication import send; "
-                      "send((sys.argv[1], int(sys.argv[2])), sys.argv[3], sys.argv[4:], timeout=600)",
-                      a.address[0], str(a.address[1]), str(source), *large], tmp_path / "logs")
+    sender = Program([sys.executable, "-c", "import sys; from asyncckpt.core.writer.replication import job_secret, send; "
+                      "send((sys.argv[1], int(sys.argv[2])), sys.argv[3], sys.argv[4:], secret=job_secret(None), timeout=600)",
+                      a.address[0], str(a.address[1]), str(source), *large], tmp_path / "logs",
+                     env={**os.environ, SECRET_ENV: JOB_SECRET})
     try:
         wait_until(lambda: (a.root / large[0]).exists(), 60, "the first file never arrived")
         sender.send_signal(signal.SIGSTOP)
         wait_until(lambda: hidden_leftovers(a.root) == [], 30, "the receiver kept what a silent sender was sending")
-        assert all(t.ok for t in send(a.address, str(source), large[:1], timeout=30))  # still serving
+        assert all(t.ok for t in send(a.address, str(source), large[:1], secret=SECRET, timeout=30))  # still serving
     finally:
         sender.kill()
         sender.wait(30)
@@ -467,9 +475,9 @@ def test_a_sender_that_stops_is_dropped_by_the_receiver_with_what_it_was_sending
 def test_closing_a_receiver_ends_its_connections(tmp_path):
     source = tmp_path / "source"
     files = a_checkpoint(source)
-    receiver = Receiver(str(tmp_path / "node-a"), bind="127.0.0.1", idle_timeout=600)
+    receiver = Receiver(str(tmp_path / "node-a"), secret=SECRET, bind="127.0.0.1", idle_timeout=600)
     path = f"{CHECKPOINT}/config.json"
-    with PeerConnection(receiver.address, timeout=30) as peer:
+    with PeerConnection(receiver.address, secret=SECRET, timeout=30) as peer:
         fd = os.open(source / path, os.O_RDONLY)
         try:
             assert peer.put(path, fd, FileChecksum(len(files[path]), checksum(files[path]))) is None
@@ -480,26 +488,130 @@ def test_closing_a_receiver_ends_its_connections(tmp_path):
         finally:
             os.close(fd)
     with pytest.raises(ReplicationError, match="refused"):
-        send(receiver.address, str(source), [path], timeout=30)
+        send(receiver.address, str(source), [path], secret=SECRET, timeout=30)
 
 
 def test_a_receiver_at_its_connection_limit_holds_the_next_sender_until_one_ends(tmp_path):
     source = tmp_path / "source"
     files = a_checkpoint(source)
     path = f"{CHECKPOINT}/config.json"
-    with Receiver(str(tmp_path / "node-a"), bind="127.0.0.1", max_connections=1) as receiver:
-        first = PeerConnection(receiver.address, timeout=30)
+    with Receiver(str(tmp_path / "node-a"), secret=SECRET, bind="127.0.0.1", max_connections=1) as receiver:
+        first = PeerConnection(receiver.address, secret=SECRET, timeout=30)
         fd = os.open(source / path, os.O_RDONLY)
         try:
             assert first.put(path, fd, FileChecksum(len(files[path]), checksum(files[path]))) is None
         finally:
             os.close(fd)
         with pytest.raises(ReplicationError, match="no answer"):  # held, and its wait bounded by its timeout
-            send(receiver.address, str(source), [path], timeout=1)
-        waiting = Background(lambda: send(receiver.address, str(source), list(files), timeout=60))
+            send(receiver.address, str(source), [path], secret=SECRET, timeout=1)
+        waiting = Background(lambda: send(receiver.address, str(source), list(files), secret=SECRET, timeout=60))
         first.close()  # a connection ends: the one waiting is served
         assert [t.error for t in waiting.result(60)] == [None] * len(files)
     assert files_under(tmp_path / "node-a") == files
+
+
+# --------------------------------------------------------------------------------------- who gets in
+STRANGER = r"""
+import json, os, socket, struct, sys
+address, path = (sys.argv[1], int(sys.argv[2])), sys.argv[3]
+
+def message(obj):
+    body = json.dumps(obj).encode()
+    return struct.pack(">I", len(body)) + body
+
+hello, payload = {"protocol": "asyncckpt-replication", "version": 3}, os.urandom(1 << 20)
+attempts = {  # each at once, without waiting for an answer: the protocol as version 2 spoke it, a guessed proof, none
+    "fetch": [message({"protocol": "asyncckpt-replication", "version": 2}), message({"get": path, "hash": True})],
+    "push": [message({**hello, "nonce": "00" * 16, "proof": "11" * 32}),
+             message({"put": "run-abc/planted.bin", "size": len(payload), "xxh3": None}), payload, message({"xxh3": "0" * 16})],
+    "remove": [message({**hello, "nonce": "00" * 16}), message({"remove": path})],
+}
+for what, parts in attempts.items():
+    with socket.create_connection(address, timeout=30) as sock:
+        answers = b""
+        try:
+            sock.sendall(b"".join(parts))
+        except OSError:
+            pass  # refused before it took all of it
+        try:
+            while chunk := sock.recv(1 << 16):
+                answers += chunk
+        except ConnectionResetError:
+            pass
+        print(what, "%s:%d" % sock.getsockname()[:2], answers.hex() or "-", flush=True)
+"""
+
+
+def messages_in(raw: bytes) -> list[dict]:
+    """The messages (4-byte length, JSON) in what a receiver sent."""
+    found = []
+    while len(raw) >= 4:
+        length = int.from_bytes(raw[:4], "big")
+        found.append(json.loads(raw[4:4 + length]))
+        raw = raw[4 + length:]
+    return found
+
+
+def test_a_stranger_cannot_fetch_push_or_remove_and_is_named_in_the_log(tmp_path, start_node):
+    """A process that reaches the port without the job's secret is refused at its first message, whatever it asks
+    (a fetch, a push, a remove sent at once behind it): nothing answered, nothing written or removed, one warning
+    naming its address per connection."""
+    source = tmp_path / "source"
+    files = a_checkpoint(source)
+    a = start_node("node-a")
+    assert all(t.ok for t in send(a.address, str(source), list(files), secret=SECRET, timeout=30))
+    held = files_under(a.root)
+    wanted = f"{CHECKPOINT}/optimizer.bin"
+    stranger = Program([sys.executable, "-c", STRANGER, a.address[0], str(a.address[1]), wanted], tmp_path / "logs")
+    assert stranger.wait(60) == 0, stranger.error_output()
+    tried = {what: (peer, messages_in(bytes.fromhex(answers.strip("-"))))
+             for what, peer, answers in map(str.split, stranger.lines())}
+    assert set(tried) == {"fetch", "push", "remove"}
+    for what, (peer, answers) in tried.items():
+        assert all(set(m) <= {"protocol", "version", "nonce", "refused"} for m in answers), (what, answers)
+        wait_until(lambda: f"from {peer}:" in a.program.error_output(), 30, f"the {what} attempt of {peer} not logged")
+    assert files_under(a.root) == held and hidden_leftovers(a.root) == []
+    refusals = [line for line in a.program.error_output().splitlines() if "refused a connection" in line]
+    assert len(refusals) == 3 and all("nothing read or written" in line for line in refusals)
+
+
+def test_a_node_of_another_job_on_the_same_host_is_refused_both_ways(tmp_path, start_node):
+    """Two jobs' nodes on one host, each with its own secret: neither side's fetch, push or remove reaches the
+    other's memory; and a listener that answers the handshake without the secret gets no byte of a file."""
+    source = tmp_path / "source"
+    files = a_checkpoint(source)
+    other_secret = f"another-job-{os.urandom(16).hex()}"
+    ours, theirs = start_node("node-a"), start_node("other-job-node", secret=other_secret)
+    assert all(t.ok for t in send(ours.address, str(source), list(files), secret=SECRET, timeout=30))
+    held, path = files_under(ours.root), f"{CHECKPOINT}/config.json"
+    for node, secret in ((ours, other_secret.encode()), (theirs, SECRET)):
+        with pytest.raises(ReplicationError, match="did not prove it belongs to this job"):
+            fetch(node.address, str(tmp_path / "fetched"), [path], secret=secret, timeout=30)
+        with pytest.raises(ReplicationError, match="did not prove it belongs to this job"):
+            send(node.address, str(source), [path], secret=secret, timeout=30)
+        with pytest.raises(ReplicationError, match="did not prove it belongs to this job"):
+            with PeerConnection(node.address, secret=secret, timeout=30) as peer:
+                peer.remove(path)
+    assert files_under(ours.root) == held and files_under(theirs.root) == {} and files_under(tmp_path / "fetched") == {}
+    assert ours.program.error_output().count("refused a connection") == 3
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # a stranger that took a node's port
+        def pretend() -> bytes:
+            connection, _ = listener.accept()
+            with connection:
+                body = json.dumps({"protocol": "asyncckpt-replication", "version": 3, "nonce": "22" * 16}).encode()
+                connection.sendall(len(body).to_bytes(4, "big") + body)
+                body = json.dumps({"proof": "33" * 32}).encode()
+                connection.sendall(len(body).to_bytes(4, "big") + body)
+                received = b""
+                while chunk := connection.recv(1 << 16):
+                    received += chunk
+                return received
+        listening = Background(pretend)
+        with pytest.raises(ReplicationError, match="did not prove it belongs to this job"):
+            send(listener.getsockname(), str(source), [f"{CHECKPOINT}/model.safetensors"], secret=SECRET, timeout=30)
+        [hello] = messages_in(listening.result(30))  # only the sender's nonce and proof
+        assert set(hello) == {"protocol", "version", "nonce", "proof"}
 
 
 # --------------------------------------------------------------------------------------- a node's network gone
@@ -539,10 +651,10 @@ def test_a_node_whose_link_goes_down_fails_the_send_within_its_timeout(tmp_path,
     large = many_large_files(source, 16)
     a = start_node("node-a", argv_prefix=("ip", "netns", "exec", name), bind=address, public=None)
     assert a.address[0] == address  # its public address is the one it is bound to: reached over the veth pair
-    assert all(t.ok for t in send(a.address, str(source), list(files), timeout=30))
+    assert all(t.ok for t in send(a.address, str(source), list(files), secret=SECRET, timeout=30))
     assert {p: files_under(a.root)[p] for p in files} == files
 
-    sending = Background(lambda: send(a.address, str(source), large, timeout=2))
+    sending = Background(lambda: send(a.address, str(source), large, secret=SECRET, timeout=2))
     wait_until(lambda: (a.root / large[0]).exists(), 60, "the first file never arrived")
     assert _ip("-n", name, "link", "set", interface, "down").returncode == 0
     down_at = time.monotonic()
@@ -552,7 +664,7 @@ def test_a_node_whose_link_goes_down_fails_the_send_within_its_timeout(tmp_path,
 
     started = time.monotonic()  # and a new send to it fails as soon, the connection never made
     with pytest.raises(ReplicationError) as unreachable:
-        send(a.address, str(source), large[:1], timeout=2)
+        send(a.address, str(source), large[:1], secret=SECRET, timeout=2)
     assert time.monotonic() - started < 2 + MARGIN_S and unreachable.value.file is None
 
 
@@ -571,7 +683,22 @@ def test_every_share_survives_the_loss_of_any_one_node(nodes):
         peers_for(nodes, nodes, 1)
 
 
-def test_a_receiver_is_found_through_the_store(tmp_path, start_node):
+def test_a_receiver_listens_on_the_address_the_job_uses_only(tmp_path, monkeypatch):
+    monkeypatch.delenv(ADDRESS_ENV, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # the rendezvous host, reached over loopback here
+    with Receiver(str(tmp_path / "node-a"), secret=SECRET) as receiver:
+        assert receiver.address[0] == "127.0.0.1"
+    monkeypatch.setenv(ADDRESS_ENV, "127.0.0.3")
+    with Receiver(str(tmp_path / "node-a"), secret=SECRET) as receiver:
+        assert receiver.address[0] == "127.0.0.3"
+        with pytest.raises(ConnectionRefusedError):  # another address of this host: nobody listens there
+            socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=30).close()
+    monkeypatch.setenv(ADDRESS_ENV, "192.0.2.1")  # not an address of this host
+    with pytest.raises(ValueError, match=ADDRESS_ENV):
+        Receiver(str(tmp_path / "node-a"), secret=SECRET)
+
+
+def test_a_receiver_and_the_jobs_secret_are_found_through_the_store(tmp_path, start_node, monkeypatch):
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
@@ -579,8 +706,16 @@ def test_a_receiver_is_found_through_the_store(tmp_path, start_node):
     files = a_checkpoint(source)
     a = start_node("node-a")
     publish_address(store, "node-a", a.address)  # as node-a's training process will, for its writer
-    found = peer_address(TCPStore("127.0.0.1", store.port, is_master=False), "node-a")  # another node's client
+    client = TCPStore("127.0.0.1", store.port, is_master=False)  # another node's
+    found = peer_address(client, "node-a")
     assert found == a.address
-    assert all(t.ok for t in send(found, str(source), list(files), timeout=30))
+    drawn = job_secret(client)  # the first to ask draws it; every other rank of the job reads the same
+    assert drawn == job_secret(store) and len(drawn) == 64
+    monkeypatch.setenv(SECRET_ENV, JOB_SECRET)  # the launcher's, where it gives one
+    assert job_secret(store) == SECRET
+    monkeypatch.setenv(SECRET_ENV, "short")
+    with pytest.raises(ValueError, match=SECRET_ENV):
+        job_secret(store)
+    assert all(t.ok for t in send(found, str(source), list(files), secret=SECRET, timeout=30))
     with pytest.raises(ValueError):
         parse_address("no-port")

@@ -27,6 +27,7 @@ from harness.report import bars, fmt, table
 from harness.util import MiB, gbps, now, spread
 
 RUN = "run-bench/.checkpoint-1.asyncckpt-staging-bench"  # where the share lies in each memory root
+SECRET = b"the benchmark's job secret"  # every connection is proven with it, as a job's nodes prove theirs
 PIECE = 1 << 20
 ROWS = {  # row -> what it is, on the page
     "tmpfs write": "the files written into tmpfs from held memory (one process)",
@@ -43,7 +44,7 @@ def receiver(root: str) -> None:
     """A node's receiver serving ``root`` until killed; reports its address once it listens."""
     from asyncckpt.core.writer.replication import Receiver
 
-    with Receiver(root, bind="127.0.0.1") as serving:
+    with Receiver(root, secret=SECRET, bind="127.0.0.1") as serving:
         report_now({"address": list(serving.address)})
         while True:
             time.sleep(3600)
@@ -160,9 +161,9 @@ def transfers(receiver_address: list, reader_address: list, memory_dir: str, sin
         "tmpfs write": (tmpfs_write, (floor,)),
         "raw → discard": (lambda: raw(False), ()),
         "raw → tmpfs": (lambda: raw(True), (sink,)),
-        "send": (lambda: replicated(send(peer, source, paths, timeout=60, checksums=record)), (received,)),
-        "send, hashed first": (lambda: replicated(send(peer, source, paths, timeout=60)), (received,)),
-        "fetch": (lambda: replicated(fetch(peer, fetched, paths, timeout=60, checksums=record)), (fetched,)),
+        "send": (lambda: replicated(send(peer, source, paths, secret=SECRET, timeout=60, checksums=record)), (received,)),
+        "send, hashed first": (lambda: replicated(send(peer, source, paths, secret=SECRET, timeout=60)), (received,)),
+        "fetch": (lambda: replicated(fetch(peer, fetched, paths, secret=SECRET, timeout=60, checksums=record)), (fetched,)),
     }
     times: dict[str, list[float]] = {row: [] for row in rows}
     try:
@@ -170,7 +171,7 @@ def transfers(receiver_address: list, reader_address: list, memory_dir: str, sin
             for row, (call, destinations) in rows.items():
                 emptied(*destinations)
                 if row == "fetch":  # the peer holds the share: the last send's
-                    replicated(send(peer, source, paths, timeout=60, checksums=record))
+                    replicated(send(peer, source, paths, secret=SECRET, timeout=60, checksums=record))
                 t0 = now()
                 call()
                 seconds = now() - t0

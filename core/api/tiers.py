@@ -49,10 +49,10 @@ from asyncckpt.core.writer.mirror import CopyRequest
 from asyncckpt.core.writer.replicas import FileReplicas, NodeMap, Replicas, fetch_file, fetch_missing, missing_files
 from asyncckpt.core.writer.replication import (
     format_address,
+    job_secret,
     listening_socket,
     peer_address,
     peers_for,
-    public_host,
     publish_address,
 )
 from asyncckpt.core.writer.retention import MemoryRetentionRequest
@@ -153,15 +153,15 @@ class MemoryTiers:
         of_rank = tuple(_text(store.get(NODE_KEY.format(rank=other))) for other in range(world))
         if len(set(of_rank)) < 2:
             return None
+        secret = job_secret(store)
         if of_rank.index(node) == rank and self._listener is None:
             self._listener = listening_socket()
-            host, port = self._listener.getsockname()[:2]
-            publish_address(store, node, (public_host(host), port))
-            self._queue.serve_replicas(self._listener, self.root, now=serve)
+            publish_address(store, node, self._listener.getsockname()[:2])
+            self._queue.serve_replicas(self._listener, self.root, secret, now=serve)
             self._serve_later = not serve
         addresses = tuple((other, format_address(peer_address(store, other))) for other in sorted(set(of_rank))
                           if other != node)
-        return _Nodes(of_rank, NodeMap(self.root, node, addresses, self.options.peer_timeout))
+        return _Nodes(of_rank, NodeMap(self.root, node, addresses, self.options.peer_timeout, secret))
 
     @property
     def across_nodes(self) -> bool:

@@ -108,7 +108,7 @@ class WriterQueue:
         self._retiring: list[_Writer] = []  # stopped when idle, still exiting
         self._jobs: dict[int, SaveHandle] = {}
         self._job_ids = itertools.count()
-        self._receiver: Optional[tuple[socket.socket, str]] = None  # ``serve_replicas``: listener, memory root
+        self._receiver: Optional[tuple[socket.socket, str, bytes]] = None  # ``serve_replicas``: listener, root, secret
         self._lock = threading.RLock()  # held while sending: two senders cannot reorder or interleave messages
 
     @property
@@ -127,18 +127,19 @@ class WriterQueue:
             if not self.running:
                 self._writer = _Writer(self._read_replies, self.timeout)
             if self._receiver is not None and not self._writer.serving:
-                listener, root = self._receiver
-                self._writer.conn.send((protocol.RECEIVER, root))
+                listener, root, secret = self._receiver
+                self._writer.conn.send((protocol.RECEIVER, root, secret))
                 send_handle(self._writer.conn, listener.fileno(), self._writer.process.pid)
                 self._writer.serving = True
 
-    def serve_replicas(self, listener: socket.socket, root: str, *, now: bool = True) -> None:
-        """Have the writer serve this node's memory root ``root`` to the other nodes on ``listener`` (a listening
-        TCP socket whose address the caller published: ``writer.replication``): this writer (started now if none
+    def serve_replicas(self, listener: socket.socket, root: str, secret: bytes, *, now: bool = True) -> None:
+        """Have the writer serve this node's memory root ``root`` to the other nodes that prove they hold the job's
+        ``secret`` (over the writer's socket, as plain data) on ``listener`` (a listening TCP socket whose address
+        the caller published: ``writer.replication``): this writer (started now if none
         runs; with ``now=False`` at its next ``start``, the peers' connections waiting in the listener's backlog
         meanwhile) and every one started later, none of which stops when idle (the other nodes' saves need it)."""
         with self._lock:
-            self._receiver = (listener, root)
+            self._receiver = (listener, root, secret)
             if now or self.running:
                 self.start()
 

@@ -416,7 +416,7 @@ def serve(writer: "Writer") -> None:
         elif kind == protocol.RUN:
             writer.run_jobs(message[1])
         elif kind == protocol.RECEIVER:  # threads of its own until the process exits: nothing to stop
-            Receiver(message[1], listener=socket.socket(fileno=fd))
+            Receiver(message[1], secret=message[2], listener=socket.socket(fileno=fd))
         elif kind == protocol.STOP:
             if writer.terminated:
                 writer.persist_memory()

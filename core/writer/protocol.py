@@ -18,8 +18,8 @@ training → writer  fields                                            meaning
 ``DROP``           buffer id                                         forget it
 ``RUN``            [Job, ...]                                        run these, in order
 ``BARRIER_RESULT`` error or None                                     the answer to BARRIER_CALL
-``RECEIVER``       memory root  (then a listening socket, SCM_RIGHTS) serve the memory root to the
-                                                                     other nodes on it (the memory
+``RECEIVER``       memory root, the job's secret  (then a listening  serve the memory root to the
+                   socket, SCM_RIGHTS)                               other nodes on it (the memory
                                                                      tier: ``replication.Receiver``)
 ``STOP``                                                             exit after the queue
 =================  ================================================  ===========================

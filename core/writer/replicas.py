@@ -42,7 +42,7 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from asyncckpt.core.errors import CheckpointWriteError
@@ -82,6 +82,7 @@ class NodeMap:
     node: str  # this node's id (``tier.node_id``)
     addresses: tuple[tuple[str, str], ...]  # (node id, "host:port") of every other node's receiver
     timeout: float  # the longest wait for a peer, each wait (``replication``), before it is left out
+    secret: bytes = field(repr=False)  # what the job's nodes prove themselves with (``replication.job_secret``)
 
     def address(self, node: str) -> Address:
         return parse_address(dict(self.addresses)[node])
@@ -137,7 +138,8 @@ def _send(nodes: NodeMap, node: str, paths: Mapping[str, FileChecksum]) -> list[
     """Send ``paths`` (relative to the memory root, with their checksums) to ``node``: those it now holds."""
     address = dict(nodes.addresses)[node]
     try:
-        outcomes = send(parse_address(address), nodes.root, list(paths), timeout=nodes.timeout, checksums=paths)
+        outcomes = send(parse_address(address), nodes.root, list(paths), secret=nodes.secret,
+                        timeout=nodes.timeout, checksums=paths)
     except ReplicationError as e:
         PEERS.failed(node, address, e.reason)
         return [transfer.path for transfer in e.finished if transfer.ok]
@@ -176,7 +178,7 @@ def _to_each(nodes: NodeMap, peers: Sequence[str], exchange: Callable[[PeerConne
             continue
         address = dict(nodes.addresses)[peer]
         try:
-            with PeerConnection(parse_address(address), timeout=nodes.timeout) as connection:
+            with PeerConnection(parse_address(address), secret=nodes.secret, timeout=nodes.timeout) as connection:
                 refused = exchange(connection)
         except ReplicationError as e:
             PEERS.failed(peer, address, e.reason)
@@ -226,7 +228,8 @@ def to_coordinator(replicas: Replicas, staging_dir: str, rank: int, files: Mappi
     paths = {os.path.join(nodes.relative(staging_dir), name): checksum for name, checksum in files.items()}
     address = dict(nodes.addresses)[replicas.coordinator]
     try:
-        outcomes = send(parse_address(address), nodes.root, list(paths), timeout=nodes.timeout, checksums=paths)
+        outcomes = send(parse_address(address), nodes.root, list(paths), secret=nodes.secret,
+                        timeout=nodes.timeout, checksums=paths)
         refused = "; ".join(transfer.error for transfer in outcomes if not transfer.ok)
     except ReplicationError as e:
         refused = str(e)
@@ -289,7 +292,7 @@ def _fetched(nodes: NodeMap, node: str, paths: list[str], staging: str, final: s
     (both relative to the memory root); raises ``CheckpointWriteError`` for a file that did not come whole."""
     if not paths:
         return
-    outcomes = fetch(nodes.address(node), nodes.root, paths, timeout=nodes.timeout,
+    outcomes = fetch(nodes.address(node), nodes.root, paths, secret=nodes.secret, timeout=nodes.timeout,
                      checksums={path: checksums[os.path.relpath(path, final)] for path in paths
                                 if os.path.relpath(path, final) in checksums},
                      local_paths={path: os.path.join(staging, os.path.relpath(path, final)) for path in paths})
@@ -339,7 +342,7 @@ def fetch_missing(nodes: NodeMap, path: str, record: dict, holders: Mapping[str,
         for holder, batch in batches.items():
             sources = {os.path.join(nodes.relative(path), name): name for name in batch}
             try:
-                outcomes = fetch(nodes.address(holder), nodes.root, list(sources), timeout=nodes.timeout,
+                outcomes = fetch(nodes.address(holder), nodes.root, list(sources), secret=nodes.secret, timeout=nodes.timeout,
                                  checksums={source: committed[name] for source, name in sources.items()
                                             if name in committed},
                                  local_paths={source: os.path.join(nodes.relative(into), name)
@@ -402,7 +405,7 @@ def fetch_file(nodes: NodeMap, path: str, checksum: FileChecksum, holders: Seque
         if holder == nodes.node or holder not in known:
             continue
         try:
-            [transfer] = fetch(nodes.address(holder), nodes.root, [relative], timeout=nodes.timeout,
+            [transfer] = fetch(nodes.address(holder), nodes.root, [relative], secret=nodes.secret, timeout=nodes.timeout,
                                checksums={relative: checksum}, as_files=True)
         except ReplicationError as e:
             transfer = Transfer(relative, e.reason)

@@ -35,8 +35,21 @@ refused), stopped (SIGSTOP, a hung host) or cut off (its link down) ends ``send`
 goes silent for ``idle_timeout``, and discards the file it was receiving. Bytes are streamed through one
 fixed buffer per connection; no queue grows with the data.
 
-The receiver's address reaches the other nodes through a key-value store with ``set`` / ``get`` (the
-torch.distributed Store): ``publish_address`` / ``peer_address``, under ``asyncckpt/tier/peer/<node>``.
+Only the job's own nodes get in. Every connection begins with a mutual challenge-response: each side sends a fresh
+nonce and proves, by an HMAC-SHA256 over both nonces keyed with the job's secret (``job_secret``), that it holds
+the secret, which never crosses the connection; the peer proves itself first, so a receiver shows nothing to a
+process that cannot. A connection that cannot prove it (a stranger, a node of another job with another secret) is
+refused before any request is read, in one log line naming its address; a receiver that cannot prove it is left
+by the peer before a byte of a file goes out. From then on every message (each file's announcement and xxh3, each
+answer) carries an HMAC under keys of that connection, numbered: no one without the secret can splice a message in,
+so the checksum a replica is verified against comes from a node of the job. The file bytes themselves are checked
+by that xxh3, and nothing is encrypted: the transport keeps strangers out, it does not hide the bytes from a
+network path the job does not trust (the training's own collectives travel in the clear there too).
+
+The receiver listens on the address the job uses (``job_host``: ``ASYNCCKPT_REPLICATION_ADDRESS``, else this
+host's address on the route to the job's rendezvous host), not on every interface, and that address reaches
+the other nodes through a key-value store with ``set`` / ``get`` (the torch.distributed Store):
+``publish_address`` / ``peer_address``, under ``asyncckpt/tier/peer/<node>``.
 
 Nothing is fsynced: a memory root is tmpfs, which outlives processes, not the machine.
 
@@ -45,10 +58,13 @@ Kept free of torch: the background writer runs the receiver and the sends.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
+import logging
 import math
 import mmap
 import os
+import secrets
 import select
 import socket
 import stat
@@ -66,11 +82,18 @@ from asyncckpt.core.storage.local import attach_checksum
 
 Address = tuple[str, int]
 
-ADDRESS_ENV = "ASYNCCKPT_REPLICATION_ADDRESS"  # the host name or IP other nodes reach this node's receiver at
+ADDRESS_ENV = "ASYNCCKPT_REPLICATION_ADDRESS"  # this host's address (or name) the receiver listens on, others reach
+SECRET_ENV = "ASYNCCKPT_REPLICATION_SECRET"  # the job's secret from the launcher (else one is drawn through the Store)
+MIN_SECRET_CHARS = 16
 PEER_KEY = "asyncckpt/tier/peer/{node}"  # in the Store: a node's receiver address, "host:port"
+SECRET_KEY = "asyncckpt/tier/secret"  # in the Store: the secret drawn for the job, where the launcher gives none
 PIECE_BYTES = 1 << 20  # received bytes are hashed and written in pieces of this size (hashed while in cache)
 MAX_MESSAGE_BYTES = 64 << 10  # the largest header a peer may send: a path and a few numbers
-HELLO = {"protocol": "asyncckpt-replication", "version": 2}  # every connection's first message (2: ``Streaming``)
+HELLO = {"protocol": "asyncckpt-replication", "version": 3}  # both sides' first message (3: the job's secret proven)
+NONCE_BYTES = 16
+TAG_BYTES = 32  # an HMAC-SHA256, after every message once a connection is proven
+
+logger = logging.getLogger("asyncckpt")
 
 
 class ReplicationError(CheckpointError):
@@ -149,14 +172,13 @@ def peer_address(store: Any, node: str) -> Address:
     return parse_address(value.decode() if isinstance(value, bytes) else value)
 
 
-def public_host(bound: str) -> str:
-    """The host other nodes reach a receiver bound to ``bound`` at: ``ASYNCCKPT_REPLICATION_ADDRESS``; else
-    ``bound`` if it is one address; else this host's address on the route to the job's rendezvous host
-    (``MASTER_ADDR``, which every node reaches); else the address of the host's name."""
+def job_host() -> str:
+    """The address of this host that the job's nodes reach one another at, where its receiver listens:
+    ``ASYNCCKPT_REPLICATION_ADDRESS``; else this host's address on the route to the job's rendezvous host
+    (``MASTER_ADDR``, which every node reaches: torchrun, and the launchers of Lightning, Accelerate and the
+    Trainer, set it); else the address of the host's name."""
     if os.environ.get(ADDRESS_ENV):
         return os.environ[ADDRESS_ENV]
-    if bound not in ("", "0.0.0.0", "::"):
-        return bound
     rendezvous = os.environ.get("MASTER_ADDR")
     if rendezvous:
         with contextlib.suppress(OSError):
@@ -165,6 +187,46 @@ def public_host(bound: str) -> str:
                 probe.connect(destination)  # a datagram socket's connect sends nothing: it only picks the route
                 return probe.getsockname()[0]
     return socket.gethostbyname(socket.gethostname())
+
+
+# ------------------------------------------------------------------------------------- the job's secret
+def job_secret(store: Any) -> bytes:
+    """The secret a node proves it belongs to the job with: ``ASYNCCKPT_REPLICATION_SECRET`` from the launcher's
+    environment (the same for every incarnation of the job: a restart, a requeue, and the orphaned writers of the
+    one before), else one drawn for the job through ``store`` (the torch.distributed Store, ``compare_set``: the
+    first rank to ask draws it, every other reads it; as private as the Store, and one per Store)."""
+    given = os.environ.get(SECRET_ENV)
+    if given:
+        if len(given) < MIN_SECRET_CHARS:
+            raise ValueError(f"{SECRET_ENV} has {len(given)} characters: give the job a random secret of at least "
+                             f"{MIN_SECRET_CHARS} (`openssl rand -hex 32`, say)")
+        return given.encode()
+    if store is None:
+        raise ValueError(f"no secret for the memory tier's replication: {SECRET_ENV} is not set and there is no "
+                         "Store to draw one through")
+    drawn = store.compare_set(SECRET_KEY, "", secrets.token_hex(32))
+    return drawn if isinstance(drawn, bytes) else drawn.encode()
+
+
+def _keyed(secret: bytes, label: bytes, nonces: bytes) -> bytes:
+    """What a connection's two nonces give under the job's secret, for one use (``label``)."""
+    return hmac.digest(secret, label + nonces, "sha256")
+
+
+def _greeting(message: dict) -> Optional[bytes]:
+    """The nonce of a first message that is the protocol's, else None."""
+    nonce = message.get("nonce")
+    if any(message.get(key) != value for key, value in HELLO.items()) or not isinstance(nonce, str):
+        return None
+    try:
+        nonce_bytes = bytes.fromhex(nonce)
+    except ValueError:
+        return None
+    return nonce_bytes if len(nonce_bytes) == NONCE_BYTES else None
+
+
+def _proves(proof: Any, expected: bytes) -> bool:
+    return isinstance(proof, str) and hmac.compare_digest(proof.encode(), expected.hex().encode())
 
 
 # ------------------------------------------------------------------------------------- paths
@@ -218,7 +280,8 @@ class _Broken(Exception):
 class _Stream:
     """One connection, every wait bounded: each wait for the peer lasts at most ``timeout`` s, and none
     ends after ``deadline`` (``time.monotonic``). A message is a 4-byte length and a JSON object; a file's
-    bytes follow its message raw. Its one buffer (``PIECE_BYTES``) carries every file it receives."""
+    bytes follow its message raw; once the connection is proven (``authenticated``), each message is followed by
+    its HMAC. Its one buffer (``PIECE_BYTES``) carries every file it receives."""
 
     def __init__(self, sock: socket.socket, timeout: float, deadline: Optional[float] = None) -> None:
         sock.setblocking(False)
@@ -226,6 +289,18 @@ class _Stream:
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self.buffer = memoryview(bytearray(PIECE_BYTES))
+        self._keys: Optional[tuple[bytes, bytes]] = None  # sending, receiving
+        self._counts = [0, 0]  # messages sent, received under them
+
+    def authenticated(self, sending: bytes, receiving: bytes) -> None:
+        """From now on every message carries an HMAC under this connection's key for its direction, over its number
+        and its body: a message that does not (spliced in, replayed, reordered) breaks the connection."""
+        self._keys = (sending, receiving)
+
+    def _tag(self, direction: int, body: bytes) -> bytes:
+        number = self._counts[direction]
+        self._counts[direction] += 1
+        return hmac.digest(self._keys[direction], number.to_bytes(8, "big") + body, "sha256")
 
     def _wait(self, event: int) -> None:
         wait, what = self.timeout, f"no answer for {self.timeout:g} s"
@@ -247,7 +322,7 @@ class _Stream:
 
     def send_message(self, message: dict) -> None:
         body = json.dumps(message).encode()
-        self.send_all(struct.pack(">I", len(body)) + body)
+        self.send_all(struct.pack(">I", len(body)) + body + (self._tag(0, body) if self._keys else b""))
 
     def send_file(self, fd: int, size: int, ready: Optional[Callable[[float], float]] = None) -> None:
         """``size`` bytes of ``fd`` from its start, kernel to kernel (``os.sendfile``); with ``ready``
@@ -293,8 +368,11 @@ class _Stream:
             raise
         if length > MAX_MESSAGE_BYTES:
             raise _Broken(f"it sent a message of {length} B (at most {MAX_MESSAGE_BYTES} B)")
+        body = self._recv_exact(length)
+        if self._keys is not None and not hmac.compare_digest(self._recv_exact(TAG_BYTES), self._tag(1, body)):
+            raise _Broken("it sent a message without this connection's key (not from the node that proved itself)")
         try:
-            message = json.loads(self._recv_exact(length))
+            message = json.loads(body)
         except ValueError:
             message = None
         if not isinstance(message, dict):
@@ -418,11 +496,12 @@ def _reason(error: BaseException) -> str:
 # ------------------------------------------------------------------------------------- sending side
 class PeerConnection:
     """One connection to a peer's ``Receiver``, for a sequence of ``put`` and ``get`` (``send`` and ``fetch``
-    are these, over a list of files). A file the peer refuses or that fails its check is an answer (the
-    reason, naming it); a connection that fails raises ``ReplicationError``, and is then closed."""
+    are these, over a list of files), proven with the job's ``secret`` (``job_secret``) before the first. A file
+    the peer refuses or that fails its check is an answer (the reason, naming it); a connection that fails, or
+    whose receiver cannot prove it belongs to the job, raises ``ReplicationError``, and is then closed."""
 
-    def __init__(self, address: Address, *, timeout: float, time_limit: Optional[float] = None) -> None:
-        self.peer = format_address(address)
+    def __init__(self, address: Address, *, secret: bytes, timeout: float, time_limit: Optional[float] = None) -> None:
+        self.peer, self._secret, self._proven = format_address(address), secret, False
         deadline = None if time_limit is None else time.monotonic() + time_limit
         try:
             sock = socket.create_connection(address, timeout=timeout if time_limit is None else min(timeout, time_limit))
@@ -430,23 +509,44 @@ class PeerConnection:
             raise ReplicationError(self.peer, None, _reason(e)) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._stream: Optional[_Stream] = _Stream(sock, timeout, deadline)
-        with self._failing(None):
-            self._stream.send_message(HELLO)  # not answered: the first reply says if the peer refused
 
     @contextlib.contextmanager
     def _failing(self, file: Optional[str]) -> Iterator[_Stream]:
+        """The connection, proven (at its first use: a failure then names the file that would have gone first)."""
         if self._stream is None:
             raise ReplicationError(self.peer, file, "the connection failed before")
         try:
+            if not self._proven:
+                self._prove(self._stream)
             yield self._stream
         except (OSError, _Stalled, _Broken) as e:
             self.close()
             raise ReplicationError(self.peer, file, _reason(e)) from None
 
+    def _prove(self, stream: _Stream) -> None:
+        """The handshake, as the side that connects: the receiver's nonce, ours and our proof, then its proof."""
+        theirs = _greeting(self._answer(stream))
+        if theirs is None:
+            raise _Broken(f"not a {HELLO['protocol']} version {HELLO['version']} receiver")
+        nonces = theirs + secrets.token_bytes(NONCE_BYTES)
+        stream.send_message({**HELLO, "nonce": nonces[NONCE_BYTES:].hex(),
+                             "proof": _keyed(self._secret, b"proof:peer", nonces).hex()})
+        if not _proves(self._answer(stream).get("proof"), _keyed(self._secret, b"proof:receiver", nonces)):
+            raise _Broken("it did not prove it belongs to this job (a process of another job, or a stranger, "
+                          "listens there); nothing sent")
+        stream.authenticated(_keyed(self._secret, b"key:to-receiver", nonces),
+                             _keyed(self._secret, b"key:to-peer", nonces))
+        self._proven = True
+
+    @staticmethod
+    def _answer(stream: _Stream) -> dict:
+        answer = stream.read_message()
+        if "refused" in answer:
+            raise _Broken(f"it refused the connection: {answer['refused']}")
+        return answer
+
     def _reply(self, stream: _Stream, relative_path: str) -> dict:
-        reply = stream.read_message()
-        if "refused" in reply:
-            raise _Broken(f"it refused the connection: {reply['refused']}")
+        reply = self._answer(stream)
         if reply.get("path") != relative_path:
             raise _Broken(f"it answered for {reply.get('path')!r}")
         return reply
@@ -520,18 +620,18 @@ class PeerConnection:
         self.close()
 
 
-def send(address: Address, root: str, relative_paths: Iterable[str], *, timeout: float,
+def send(address: Address, root: str, relative_paths: Iterable[str], *, secret: bytes, timeout: float,
          time_limit: Optional[float] = None, checksums: Optional[Mapping[str, FileChecksum]] = None) -> list[Transfer]:
     """Copy the files ``relative_paths`` under ``root`` into the same paths under the memory root of the
     receiver at ``address``; what became of each, in order. A file's checksum is the one in ``checksums``
     (recorded when it was written: the peer then also refuses a file damaged since), else it is hashed here
     first. Raises ValueError for a path outside the root (before anything is sent), and
-    ``ReplicationError`` when the peer cannot be reached or fails (``timeout``: the longest wait for it;
-    ``time_limit``: for the whole call)."""
+    ``ReplicationError`` when the peer cannot be reached, fails, or does not prove it holds the job's ``secret``
+    (``timeout``: the longest wait for it; ``time_limit``: for the whole call)."""
     paths, checksums = [checked_path(path) for path in relative_paths], checksums or {}
     outcomes: list[Transfer] = []
     try:
-        with PeerConnection(address, timeout=timeout, time_limit=time_limit) as peer:
+        with PeerConnection(address, secret=secret, timeout=timeout, time_limit=time_limit) as peer:
             for path in paths:
                 try:
                     fd = os.open(os.path.join(root, path), os.O_RDONLY | os.O_CLOEXEC)
@@ -552,7 +652,7 @@ def send(address: Address, root: str, relative_paths: Iterable[str], *, timeout:
     return outcomes
 
 
-def fetch(address: Address, root: str, relative_paths: Iterable[str], *, timeout: float,
+def fetch(address: Address, root: str, relative_paths: Iterable[str], *, secret: bytes, timeout: float,
           time_limit: Optional[float] = None, checksums: Optional[Mapping[str, FileChecksum]] = None,
           local_paths: Optional[Mapping[str, str]] = None, as_files: bool = False) -> list[Transfer]:
     """Copy the files ``relative_paths`` from the memory root of the receiver at ``address`` into the same
@@ -564,7 +664,7 @@ def fetch(address: Address, root: str, relative_paths: Iterable[str], *, timeout
     paths, checksums, local_paths = [checked_path(path) for path in relative_paths], checksums or {}, local_paths or {}
     outcomes: list[Transfer] = []
     try:
-        with PeerConnection(address, timeout=timeout, time_limit=time_limit) as peer:
+        with PeerConnection(address, secret=secret, timeout=timeout, time_limit=time_limit) as peer:
             for path in paths:
                 outcomes.append(Transfer(path, peer.get(path, root, checksums.get(path), local_paths.get(path),
                                                     as_file=as_files)))
@@ -574,31 +674,40 @@ def fetch(address: Address, root: str, relative_paths: Iterable[str], *, timeout
 
 
 # ------------------------------------------------------------------------------------- receiving side
-def listening_socket(bind: str = "", port: int = 0) -> socket.socket:
-    """A TCP socket listening on ``bind`` (every interface when empty) and ``port`` (0: any free one), as a
-    ``Receiver`` serves: made by whoever publishes its address (a training process, which hands it to its
-    writer: ``client.writer_queue``), so that the address is known before the receiver runs."""
-    return socket.create_server((bind, port), family=socket.AF_INET6 if ":" in bind else socket.AF_INET, backlog=128)
+def listening_socket(bind: Optional[str] = None, port: int = 0) -> socket.socket:
+    """A TCP socket listening on ``bind`` (an address of this host; None: ``job_host``, the one the job's nodes
+    reach one another at) and ``port`` (0: any free one), as a ``Receiver`` serves: made by whoever publishes its
+    address (a training process, which hands it to its writer: ``client.writer_queue``), so that the address is
+    known before the receiver runs."""
+    host = job_host() if bind is None else bind
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        return socket.create_server(address[:2], family=family, backlog=128)
+    except OSError as e:
+        raise ValueError(f"the memory tier's receiver cannot listen on {host!r} ({e.strerror or e}): set {ADDRESS_ENV} "
+                         "to this host's address that the job's other nodes reach") from None
 
 
 class Receiver:
-    """Serves one node's memory root ``root`` to its peers on TCP (``bind``, ``port``; 0: any free port; or the
-    ``listener`` given, from ``listening_socket``), from construction until ``close``. ``address`` is where the
-    other nodes reach it (``public_host``).
+    """Serves one node's memory root ``root`` to the peers that prove they hold the job's ``secret`` on TCP
+    (``bind``, ``port``, as ``listening_socket``; or the ``listener`` given), from construction until ``close``.
+    ``address`` is where the other nodes reach it.
 
     Each connection gets a thread, up to ``max_connections`` at once; one more waits in the listening
     socket's backlog until one ends (its sender's ``timeout`` bounds that wait). A connection whose peer
-    sends nothing for ``idle_timeout`` seconds is dropped, with the file it was receiving. Every failure is reported to the peer that caused it, which reports it; the receiver
-    itself has nothing to log."""
+    sends nothing for ``idle_timeout`` seconds is dropped, with the file it was receiving. A connection that does
+    not prove it belongs to the job is refused before anything is read, with one warning naming its address; every
+    later failure is reported to the peer that caused it, which reports it."""
 
-    def __init__(self, root: str, *, bind: str = "", port: int = 0, idle_timeout: float = 60.0,
-                 max_connections: int = 64, listener: Optional[socket.socket] = None) -> None:
+    def __init__(self, root: str, *, secret: bytes, bind: Optional[str] = None, port: int = 0,
+                 idle_timeout: float = 60.0, max_connections: int = 64, listener: Optional[socket.socket] = None) -> None:
         self.root, self.idle_timeout, self.max_connections = os.path.abspath(root), idle_timeout, max_connections
+        self._secret = secret
         os.makedirs(self.root, exist_ok=True)
         if listener is None:
             listener = listening_socket(bind, port)
         self._listener = listener
-        self.address: Address = (public_host(listener.getsockname()[0]), listener.getsockname()[1])
+        self.address: Address = tuple(listener.getsockname()[:2])
         self._lock = threading.Lock()
         self._ended = threading.Condition(self._lock)  # a connection ended, or the receiver is closing
         self._connections: dict[socket.socket, threading.Thread] = {}
@@ -614,7 +723,7 @@ class Receiver:
                 if self._closing:
                     return
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except OSError:
                 if self._closing:
                     return
@@ -624,7 +733,8 @@ class Receiver:
                 if self._closing:
                     sock.close()
                     return
-                thread = threading.Thread(target=self._serve, args=(sock,), name="asyncckpt-replication-serve", daemon=True)
+                thread = threading.Thread(target=self._serve, args=(sock, format_address(peer[:2])),
+                                          name="asyncckpt-replication-serve", daemon=True)
                 self._connections[sock] = thread
             thread.start()
 
@@ -636,12 +746,15 @@ class Receiver:
             sock.send(struct.pack(">I", len(body)) + body)
         sock.close()
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             stream = _Stream(sock, self.idle_timeout)
-            if stream.read_message() != HELLO:
-                self._refuse(sock, f"not a {HELLO['protocol']} version {HELLO['version']} peer")
+            refusal = self._prove(stream)
+            if refusal is not None:
+                logger.warning("asyncckpt: the memory tier's receiver at %s refused a connection from %s: %s; nothing "
+                               "read or written", format_address(self.address), peer, refusal)
+                self._refuse(sock, refusal)
                 return
             while True:
                 request = stream.read_message(end_allowed=True)
@@ -662,6 +775,26 @@ class Receiver:
             with self._lock:
                 self._connections.pop(sock, None)
                 self._ended.notify()
+
+    def _prove(self, stream: _Stream) -> Optional[str]:
+        """The handshake, as the receiving side: our nonce, then the peer's nonce and proof, then ours. None once
+        the connection is proven, else why it is refused (nothing but its first message was read)."""
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        try:
+            stream.send_message({**HELLO, "nonce": nonce.hex()})
+            hello = stream.read_message()
+        except (OSError, _Stalled, _Broken) as e:
+            return f"{_reason(e)} before it proved it belongs to this job"
+        theirs = _greeting(hello)
+        if theirs is None:
+            return f"not a {HELLO['protocol']} version {HELLO['version']} peer"
+        nonces = nonce + theirs
+        if not _proves(hello.get("proof"), _keyed(self._secret, b"proof:peer", nonces)):
+            return "it did not prove it belongs to this job (no proof, or another job's secret)"
+        stream.send_message({"proof": _keyed(self._secret, b"proof:receiver", nonces).hex()})
+        stream.authenticated(_keyed(self._secret, b"key:to-peer", nonces),
+                             _keyed(self._secret, b"key:to-receiver", nonces))
+        return None
 
     def _receive(self, stream: _Stream, request: dict) -> None:
         path, size, xxh3 = _announced(request, "put")  # no xxh3: it follows the bytes (``Streaming``)
