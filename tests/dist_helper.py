@@ -2,7 +2,7 @@
 
 ``run_on_ranks(fn, world_size, *args)`` spawns one process per rank, initialises a gloo process
 group (unless ``init_process_group=False``: then only RANK/WORLD_SIZE are set, to prove a code
-path needs no communication), calls ``fn(rank, world_size, *args)`` and returns every rank's
+path needs no communication; ``backend="cuda:gloo"``: a group that refuses CPU tensors, as NCCL does), calls ``fn(rank, world_size, *args)`` and returns every rank's
 result. Any rank's exception, or a rank that does not finish within ``timeout``, fails the call
 with each rank's traceback.
 
@@ -32,7 +32,7 @@ def free_port() -> int:
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor", "asyncckpt.core"]
 
 
-def _entry(fn, rank, world_size, port, args, results, init_process_group, environ):
+def _entry(fn, rank, world_size, port, args, results, init_process_group, environ, backend):
     os.environ.clear()
     os.environ.update(environ)  # the fork server's environment is the one it started with
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -44,7 +44,7 @@ def _entry(fn, rank, world_size, port, args, results, init_process_group, enviro
     succeeded = False
     try:
         if init_process_group:
-            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
         results.put((rank, "ok", fn(rank, world_size, *args)))
         succeeded = True
     except BaseException:
@@ -53,20 +53,32 @@ def _entry(fn, rank, world_size, port, args, results, init_process_group, enviro
         if init_process_group and dist.is_initialized():
             try:
                 if succeeded:  # a rank done early must not close its connections while a peer still makes them
-                    dist.barrier()
+                    _store_barrier(world_size)
                 dist.destroy_process_group()
             except Exception:
                 pass
 
 
-def run_on_ranks(fn, world_size: int, *args, timeout: float = 180.0, init_process_group: bool = True) -> list:
+def _store_barrier(world_size: int) -> None:
+    """Every rank is done (through the Store: a group that carries no CPU tensors has no CPU barrier)."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.add("dist_helper/done", 1)
+    deadline = time.monotonic() + 60
+    while store.add("dist_helper/done", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 180.0, init_process_group: bool = True,
+                 backend: str = "gloo") -> list:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # used when the server starts (the first call of the session)
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(target=_entry, daemon=False,
-                    args=(fn, rank, world_size, port, args, results, init_process_group, dict(os.environ)))
+                    args=(fn, rank, world_size, port, args, results, init_process_group, dict(os.environ), backend))
         for rank in range(world_size)
     ]
     for p in procs:
