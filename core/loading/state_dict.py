@@ -32,7 +32,7 @@ from asyncckpt.core.snapshot.planner import AsyncCkptLoadPlanner
 def load_checkpoint(state_dict: dict, path: str, *, group: Optional[dist.ProcessGroup], collectives: bool,
                     strict: bool, verify: bool, io_threads: int, timeout: float, readers: cooperative.Readers) -> None:
     record = commit.require_complete(path)  # DCP would hide these errors behind a generic one: check first
-    use_dist = collectives and dist_ready()
+    use_dist = collectives and dist_ready() and rank_and_world(group)[1] > 1  # one rank talks to nobody
     ranks = dcp_ranks(over(group) if use_dist else None)  # DCP's collectives too, on a transport that carries CPU
     planned: list = []
 
