@@ -21,6 +21,7 @@ import shutil
 import torch
 
 from dist_helper import run_on_ranks
+from test_cooperative_load import _restore_together
 from writers import wait_until_gone
 
 GROUP = "cuda:gloo"
@@ -112,20 +113,6 @@ def _from_a_bucket(rank, world, url):
     return state["step"], all(torch.equal(a, b) for a, b in zip(state["model"].values(), _replicated(4)["model"].values()))
 
 
-def _restore_mirrored(rank, world, url_root, local_roots, memory):
-    """Each rank a node of its own, without a shared filesystem: the newest mirrored checkpoint restored into its
-    node's directory; the digests of what it restored."""
-    from asyncckpt.core import Checkpointer
-
-    _node(rank, memory)
-    os.environ["LOCAL_RANK"] = "0"
-    checkpointer = Checkpointer()
-    restored = checkpointer.restore_mirrored(url_root, local_roots[rank])
-    checkpointer.close()
-    return {name: hashlib.sha256(open(os.path.join(restored, name), "rb").read()).hexdigest()
-            for name in sorted(os.listdir(restored))}
-
-
 def test_a_bucket_on_one_node_and_a_mirror_restored_on_two(tmp_path, s3_server, s3_root):
     """A checkpoint saved into a bucket and loaded from it on one node, downloaded once per job; then a mirrored
     checkpoint (``mirror_to``'s) restored on two nodes: rank 0 picks it, each node gets it whole, downloaded once."""
@@ -143,7 +130,7 @@ def test_a_bucket_on_one_node_and_a_mirror_restored_on_two(tmp_path, s3_server, 
     want = {name: hashlib.sha256((local / name).read_bytes()).hexdigest() for name in sorted(os.listdir(local))}
     before = s3_server.get_bytes
     roots = [str(tmp_path / f"node{rank}" / "run") for rank in range(2)]
-    results = run_on_ranks(_restore_mirrored, 2, f"{s3_root}/run", roots, str(tmp_path / "memory"), backend=GROUP)
+    results = run_on_ranks(_restore_together, 2, f"{s3_root}/run", roots, str(tmp_path / "memory"), backend=GROUP)
     assert results == [want, want]
     assert s3_server.get_bytes - before <= 1.05 * sum(f.stat().st_size for f in local.iterdir())
 
