@@ -1,8 +1,11 @@
 """CUDA paths: pinned staging buffers, copies on a side stream, and the frameworks' own FSDP launch paths.
 
 Skipped where no GPU exists (the project's own machine has none; these run where one is lent or
-in a user's CI). The multi-GPU tests run each framework the way its users launch FSDP, which the
-CPU tests in ``tests/test_fsdp.py`` cannot (the launchers refuse FSDP without GPUs).
+in a user's CI: ``bash benchmarks/gpu_sitting.sh`` runs them with the GPU benchmark). The multi-GPU tests run each
+framework the way its users launch FSDP, which the CPU tests in ``tests/test_fsdp.py`` cannot (the launchers
+refuse FSDP without GPUs); each adapter also runs under NCCL with a world of one, its usual DDP launch on one GPU
+(NCCL carries no CPU tensors at any world size: what asyncckpt exchanges goes by its own transport,
+``snapshot.collectives``; ``tests/test_collectives.py`` runs the 2-rank cases on CPU with ``cuda:gloo``).
 """
 from __future__ import annotations
 
@@ -65,28 +68,34 @@ def test_native_file_from_cuda_tensors_is_what_torch_save_writes(tmp_path):
         assert loaded[key].device == value.device and loaded[key].dtype == value.dtype and torch.equal(loaded[key], value)
 
 
-def _torchrun(tmp_path: Path, program: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def _torchrun(tmp_path: Path, program: str, *args: str, timeout: float = 600, ranks: int = RANKS
+             ) -> subprocess.CompletedProcess:
     script = tmp_path / "program.py"
     script.write_text(textwrap.dedent(program))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     # --standalone: the launcher binds its rendezvous port itself (a port picked here and handed over can be taken
     # in between: a resume run once failed EADDRINUSE).
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
                            str(script), *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-ACCELERATE_FSDP = """
+ACCELERATE = """
     import os, sys, torch
+    import torch.distributed as dist
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
     from asyncckpt.adapters.accelerate import enable_async_checkpointing
+    from asyncckpt.core import MemoryTier
     root, kind = sys.argv[1], sys.argv[2]
-    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=kind))
+    # FSDP2 (kind: its state dict type), or DDP ("DDP") with the memory tier
+    sharding = {} if kind == "DDP" else {"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=kind)}
+    accelerator = Accelerator(**sharding)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
-    handle = enable_async_checkpointing(accelerator)
+    tier = {"memory_tier": MemoryTier(replicas=0, persist_every=1)} if kind == "DDP" else {}  # each durable too
+    handle = enable_async_checkpointing(accelerator, **tier)
     def steps(numbers):
         for n in numbers:
             x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1000 * n + accelerator.process_index)).cuda()
@@ -101,28 +110,33 @@ ACCELERATE_FSDP = """
     accelerator.load_state(os.path.join(root, "ckpt"))
     steps(range(3, 6))
     assert all(torch.equal(a, b) for a, b in zip(expected, snapshot())), "not bit for bit after resume"
+    assert dist.get_backend() in ("nccl", "cuda:nccl,cpu:gloo"), dist.get_backend()
+    accelerator.end_training()
     handle.remove()
     print("OK", flush=True)
 """
 
 
-@pytest.mark.parametrize("kind", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
-def test_accelerate_fsdp2_on_gpus_saves_asynchronously_and_resumes_bit_for_bit(tmp_path, kind):
+@pytest.mark.parametrize("kind, ranks", [("SHARDED_STATE_DICT", RANKS), ("FULL_STATE_DICT", RANKS), ("DDP", 1)])
+def test_accelerate_on_gpus_saves_asynchronously_and_resumes_bit_for_bit(tmp_path, monkeypatch, kind, ranks):
+    """FSDP2 on the GPUs there are; DDP under NCCL with a world of one, with the memory tier."""
     pytest.importorskip("accelerate")
     from asyncckpt.core.verify import integrity
 
-    result = _torchrun(tmp_path, ACCELERATE_FSDP, str(tmp_path), kind)
+    monkeypatch.setenv("ASYNCCKPT_MEMORY_ROOT", str(tmp_path / "memory"))  # the program's
+    result = _torchrun(tmp_path, ACCELERATE, str(tmp_path), kind, ranks=ranks)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-4000:]
     report = integrity.check(str(tmp_path / "ckpt"))
     assert report.intact and not report.unverified, report
 
 
-TRAINER_FSDP = """
+TRAINER = """
     import sys, torch
     from torch.utils.data import Dataset
     from transformers import Trainer, TrainingArguments
     from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
-    root, resume = sys.argv[1], sys.argv[2] == "resume"
+    import torch.distributed as dist
+    root, resume, fsdp = sys.argv[1], sys.argv[2] == "resume", sys.argv[3] == "fsdp"
     class Toy(Dataset):
         def __len__(self): return 256
         def __getitem__(self, i):
@@ -133,21 +147,24 @@ TRAINER_FSDP = """
             self.a, self.b = torch.nn.Linear(64, 256), torch.nn.Linear(256, 8)
         def forward(self, x, labels=None):
             out = self.b(torch.relu(self.a(x))); return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+    sharding = {"fsdp": "full_shard", "fsdp_config": {"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}} if fsdp else {}
     args = TrainingArguments(output_dir=root, per_device_train_batch_size=4, max_steps=8, save_steps=4, report_to=[],
-                             fsdp="full_shard", fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"},
-                             disable_tqdm=True, logging_strategy="no")
+                             disable_tqdm=True, logging_strategy="no", **sharding)
     callback = AsyncCheckpointCallback()
     Trainer(model=Net(), args=args, train_dataset=Toy(), callbacks=[callback]).train(resume_from_checkpoint=resume or None)
     assert [t["step"] for t in callback.metrics] == ([8] if resume else [4, 8]), callback.metrics
+    assert dist.get_backend() == "nccl", dist.get_backend()
     print("OK", flush=True)
 """
 
 
-def test_trainer_with_fsdp_on_gpus_saves_asynchronously_and_resumes(tmp_path):
+@pytest.mark.parametrize("sharding, ranks", [("fsdp", RANKS), ("ddp", 1)])
+def test_trainer_on_gpus_saves_asynchronously_and_resumes(tmp_path, sharding, ranks):
+    """FSDP on the GPUs there are; DDP under NCCL with a world of one."""
     pytest.importorskip("transformers")
     from asyncckpt.core.verify import integrity
 
-    first = _torchrun(tmp_path, TRAINER_FSDP, str(tmp_path / "run"), "fresh")
+    first = _torchrun(tmp_path, TRAINER, str(tmp_path / "run"), "fresh", sharding, ranks=ranks)
     assert first.returncode == 0 and "OK" in first.stdout, first.stderr[-4000:]
     for step in (4, 8):
         report = integrity.check(str(tmp_path / "run" / f"checkpoint-{step}"))
@@ -155,7 +172,7 @@ def test_trainer_with_fsdp_on_gpus_saves_asynchronously_and_resumes(tmp_path):
     import shutil
 
     shutil.rmtree(tmp_path / "run" / "checkpoint-8")
-    resumed = _torchrun(tmp_path, TRAINER_FSDP, str(tmp_path / "run"), "resume")
+    resumed = _torchrun(tmp_path, TRAINER, str(tmp_path / "run"), "resume", sharding, ranks=ranks)
     assert resumed.returncode == 0 and "OK" in resumed.stdout, resumed.stderr[-4000:]
 
 
@@ -193,6 +210,48 @@ def test_lightning_fsdp_on_gpus_saves_asynchronously_and_resumes_from_last(tmp_p
     assert report.intact and report.checked_files >= 1, report
     resumed = _torchrun(tmp_path, LIGHTNING_FSDP, str(tmp_path / "ckpts"), kind, "resume")
     assert resumed.returncode == 0 and f"OK {32 // RANKS}" in resumed.stdout, resumed.stderr[-4000:]
+
+
+LIGHTNING_DDP = """
+    import os, sys, torch
+    import torch.distributed as dist
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+    from asyncckpt.adapters.lightning import AsyncCkptIO
+    from asyncckpt.core import MemoryTier
+    root = sys.argv[1]
+    class Lit(L.LightningModule):
+        def __init__(self): super().__init__(); torch.manual_seed(0); self.net = torch.nn.Linear(64, 8)
+        def training_step(self, batch, batch_idx):
+            x, y = batch; return torch.nn.functional.mse_loss(self.net(x), y)
+        def configure_optimizers(self): return torch.optim.Adam(self.parameters())
+    class Begins(Callback):
+        def on_train_start(self, trainer, module):
+            print("BEGINS", trainer.global_step, dist.get_backend(), flush=True)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    def fit(epochs, resume, run="run"):
+        module = Lit()
+        trainer = L.Trainer(max_epochs=epochs, accelerator="cuda", devices=1, strategy="ddp", logger=False,
+                            plugins=[AsyncCkptIO(memory_tier=MemoryTier(replicas=0, persist_every=2))],
+                            enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[ModelCheckpoint(dirpath=os.path.join(root, run), save_last=True), Begins()])
+        trainer.fit(module, DataLoader(TensorDataset(x, x[:, :8]), batch_size=8), ckpt_path="last" if resume else None)
+        return [p.detach().cpu() for p in module.parameters()]
+    fit(2, False)  # epochs 0-1, then a resume from its last.ckpt to epoch 4: the same weights as 4 epochs at once
+    resumed = fit(4, True)
+    assert all(torch.equal(a, b) for a, b in zip(fit(4, False, "reference"), resumed)), "not bit for bit after resume"
+    print("OK", flush=True)
+"""
+
+
+def test_lightning_ddp_under_nccl_with_a_world_of_one_saves_to_memory_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+    pytest.importorskip("lightning")
+    monkeypatch.setenv("ASYNCCKPT_MEMORY_ROOT", str(tmp_path / "memory"))  # the program's
+    result = _torchrun(tmp_path, LIGHTNING_DDP, str(tmp_path / "run"), ranks=1)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-4000:]
+    begins = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("BEGINS")]
+    assert begins == [["0", "nccl"], ["16", "nccl"], ["0", "nccl"]], begins
 
 
 MEMORY_TIER_CUDA = """

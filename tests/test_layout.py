@@ -3,7 +3,8 @@ they only hide a cycle), no package importing one above it in the layering
 errors < formats < storage < writer < client < snapshot < loading < export < verify < api < cli / integration,
 and the background writer process loading only its own packages: ``writer``, ``storage``, ``formats``,
 ``errors``, and the half of ``export`` that reads without torch (stated here, checked statically and by
-running every kind of request through a real writer).
+running every kind of request through a real writer); and every torch.distributed collective the library runs
+in one module, ``snapshot.collectives``, which picks the transport that carries it.
 """
 from __future__ import annotations
 
@@ -125,6 +126,51 @@ def test_adapters_use_only_the_public_api_and_the_integration_interface():
                     offending += [f"{path}: {a.name}" for a in node.names if a.name.startswith("asyncckpt.core.")
                                   and not a.name.startswith("asyncckpt.core.integration")]
     assert offending == [], offending
+
+
+#: What runs a collective (or makes or destroys a group, itself one) in torch.distributed, and DCP's wrapper of them.
+COLLECTIVES = {"all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+               "all_to_all_single", "barrier", "monitored_barrier", "batch_isend_irecv", "broadcast",
+               "broadcast_object_list", "gather", "gather_object", "irecv", "isend", "recv", "recv_object_list",
+               "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
+               "send_object_list", "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
+               "destroy_process_group", "_DistWrapper"}
+THE_COLLECTIVES_MODULE = os.path.join(CORE, "snapshot", "collectives.py")
+
+
+def _collective_calls(path: str) -> list[str]:
+    """``path:line name`` of each use of a torch.distributed collective in ``path``: through a name bound to
+    torch.distributed (``import torch.distributed as dist``: ``dist.barrier``), torch itself
+    (``torch.distributed.barrier``), or imported from it (``from torch.distributed import barrier``)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    aliases, imported = {"torch.distributed"}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "torch":
+                aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+            if node.module.startswith("torch.distributed"):
+                imported |= {a.asname or a.name for a in node.names if a.name in COLLECTIVES}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and ast.unparse(node.value) in aliases:
+            found.append(f"{path}:{node.lineno} {node.attr}")
+        elif isinstance(node, ast.Name) and node.id in imported:
+            found.append(f"{path}:{node.lineno} {node.id}")
+    return found
+
+
+def test_every_collective_runs_in_the_collectives_module():
+    """Whatever the training's backend (NCCL carries no CPU tensors), the library's collectives run on the
+    transport ``snapshot.collectives`` picks: no torch.distributed collective anywhere else in the core or the
+    adapters (a framework's own, such as Lightning's ``strategy.broadcast``, is the framework's)."""
+    package = os.path.dirname(CORE)
+    paths = [os.path.join(d, name) for top in ("core", "adapters") for d, _s, files in os.walk(os.path.join(package, top))
+             for name in files if name.endswith(".py")]
+    assert len(_collective_calls(THE_COLLECTIVES_MODULE)) >= 8  # the check sees them where they are
+    assert [call for path in paths if path != THE_COLLECTIVES_MODULE for call in _collective_calls(path)] == []
 
 
 def test_the_export_halves_are_what_the_layout_says():

@@ -45,7 +45,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
 from asyncckpt.core import Checkpointer
-from asyncckpt.core.integration import SaveMetrics, capture, dist_env, patching, resume, saving
+from asyncckpt.core.integration import SaveMetrics, capture, collectives, patching, resume, saving
 
 _CHECKPOINT_STEP = resume.numbered(re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$"), directories=True)
 
@@ -297,4 +297,4 @@ def _safetensors_savers() -> list[tuple[Any, str]]:
 
 def _on_any_rank(flag: bool) -> bool:
     """``flag`` on this process or any other of the job (a collective: every process asks, at the same point)."""
-    return dist_env.any_rank(flag) or flag
+    return collectives.any_rank(flag) or flag

@@ -9,9 +9,9 @@ from typing import Any, Callable
 from .util import error_text, free_port, init_gloo
 
 
-def _entry(fn: Callable, rank: int, world: int, port: int, threads: int, args: tuple, queue) -> None:
+def _entry(fn: Callable, rank: int, world: int, port: int, threads: int, backend: str, args: tuple, queue) -> None:
     try:
-        init_gloo(rank, world, port, threads)
+        init_gloo(rank, world, port, threads, backend)
         queue.put((rank, fn(rank, world, *args)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         queue.put((rank, {"error": error_text(e), "traceback": traceback.format_exc()[-3000:]}))
@@ -22,12 +22,14 @@ def _entry(fn: Callable, rank: int, world: int, port: int, threads: int, args: t
             dist.destroy_process_group()
 
 
-def on_ranks(fn: Callable[..., Any], world: int, *args: Any, threads: int = 1, timeout: float = 1800) -> list:
+def on_ranks(fn: Callable[..., Any], world: int, *args: Any, threads: int = 1, timeout: float = 1800,
+             backend: str = "gloo") -> list:
     """``fn(rank, world, *args)`` on ``world`` spawned ranks (``threads`` intra-op threads each, as torchrun
-    gives ranks sharing the cores); their results by rank. ``fn`` must be importable (a module's function)."""
+    gives ranks sharing the cores) in a group of ``backend``; their results by rank. ``fn`` must be importable
+    (a module's function)."""
     context = multiprocessing.get_context("spawn")
     queue, port = context.Queue(), free_port()
-    procs = [context.Process(target=_entry, args=(fn, rank, world, port, threads, args, queue)) for rank in range(world)]
+    procs = [context.Process(target=_entry, args=(fn, rank, world, port, threads, backend, args, queue)) for rank in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -70,9 +70,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_gloo(rank: int, world: int, port: int, threads: Optional[int] = None) -> None:
+def init_gloo(rank: int, world: int, port: int, threads: Optional[int] = None, backend: str = "gloo") -> None:
     """Join a CPU process group of ``world`` ranks on localhost (``threads``: torch's intra-op threads,
-    as torchrun sets them for ranks sharing the machine's cores)."""
+    as torchrun sets them for ranks sharing the machine's cores; ``backend="cuda:gloo"``: a group that
+    refuses CPU tensors, as NCCL's)."""
     import torch
     import torch.distributed as dist
 
@@ -80,7 +81,7 @@ def init_gloo(rank: int, world: int, port: int, threads: Optional[int] = None) -
                       LOCAL_RANK=str(rank))
     if threads:
         torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
 
 
 PF_EXITING = 0x4  # /proc/PID/stat flags: the process is exiting

@@ -48,7 +48,8 @@ from asyncckpt.core.api.options import CheckpointOptions, resolve, taking_option
 from asyncckpt.core.api import interval
 from asyncckpt.core.api.tiers import MemoryTiers
 from asyncckpt.core.api.directory import DirectoryTransaction
-from asyncckpt.core.snapshot.dist_env import any_rank, default_store, dist_ready, rank_and_world
+from asyncckpt.core.snapshot.collectives import any_rank, over, release
+from asyncckpt.core.snapshot.dist_env import default_store, dist_ready, rank_and_world
 from asyncckpt.core.storage import commit, tier
 from asyncckpt.core.storage.commit import job_token
 from asyncckpt.core.errors import (
@@ -159,7 +160,7 @@ class Checkpointer:
         target = self.sharded.target(path, group, collectives, self._store, step=step, extra_files=extra_files,
                                      object_store=self.object_store, replicas=self._replicas(path, group),
                                      file_buffers=self._file_buffers(path))
-        world, agreement = target.world, target.group
+        world, agreement = target.world, target.agreement
         handle = self._admit("save", path, rank=target.rank, step=step, label=label)
         started = time.perf_counter()
 
@@ -177,7 +178,7 @@ class Checkpointer:
                                                        *self._follow_ups(handle)])
             self.stager.take_snapshot(handle, prepared.begin, prepared.request, submit, stream=stream)
 
-        if overlap and (agreement is not group or world == 1 or not collectives):
+        if overlap and (world == 1 or not collectives or agreement.own):
             # the whole snapshot (flatten, describe, agree on a group of our own, copy) runs in the
             # background: the caller waits for nothing but a thread start
             self.stager.run(lambda: self._in_background(handle, lambda: snapshot(prepare(False))))
@@ -364,11 +365,9 @@ class Checkpointer:
         Returns the local path, or None if the mirror holds none."""
         collective = dist_ready() and rank_and_world(self.process_group)[1] > 1
         with object_store_module.using(self.object_store):
-            picked = [mirror.mirrored(url_root, name) if rank_and_world(self.process_group)[0] == 0 else None]
+            latest = mirror.mirrored(url_root, name) if rank_and_world(self.process_group)[0] == 0 else None
             if collective:
-                dist.broadcast_object_list(picked, src=dist.get_global_rank(self.process_group, 0)
-                                           if self.process_group is not None else 0, group=self.process_group)
-            latest = picked[0]
+                latest = over(self.process_group).broadcast(latest)
             if latest is None:
                 return None
             local = os.path.join(local_root, posixpath.basename(latest))
@@ -381,7 +380,7 @@ class Checkpointer:
                     mirror.restore(latest, local, (lambda url, file: shutil.copyfile(copies[url], file))
                                    if copies is not None else None)
         if collective:
-            dist.barrier(group=self.process_group)
+            over(self.process_group).barrier()
         return local
 
     def export(self, path: str | os.PathLike, options: Optional[ExportOptions | str] = None, *,
@@ -693,6 +692,7 @@ class Checkpointer:
             self.ledger.queue.stop()
             self.copy_threads.stop()
             self.sharded.close()
+            release()  # the groups of the caller's collectives (made again where needed)
 
     # ------------------------------------------------------------------ internals
     def _placed(self, path: str, durable: Optional[bool], nbytes: Callable[[], int], step: Optional[int],

@@ -42,7 +42,8 @@ from asyncckpt.core.api.options import MemoryTier
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import FileChecksum
 from asyncckpt.core.snapshot.buffer_pool import FileBuffers
-from asyncckpt.core.snapshot.dist_env import any_rank, dist_ready, rank_and_world
+from asyncckpt.core.snapshot.collectives import any_rank, over
+from asyncckpt.core.snapshot.dist_env import dist_ready, rank_and_world
 from asyncckpt.core.storage import commit, tier
 from asyncckpt.core.storage.backend import is_url
 from asyncckpt.core.writer.mirror import CopyRequest
@@ -225,8 +226,7 @@ class MemoryTiers:
         else:
             held = [(c.name, c.record, sorted(set(c.record.get("files", {})) - set(c.missing)))
                     for c in here if c.record is not None]
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (nodes.map.node, held), group=group)
+        gathered = over(group).gather((nodes.map.node, held))
         if any(theirs != held for _node, theirs in gathered):  # a node lacks what another holds: it fetches
             self.serve()
         node_of = [node for node, _held in gathered]

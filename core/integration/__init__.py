@@ -14,7 +14,8 @@ adapter would otherwise write for itself is here, once:
 * reporting: ``SaveMetrics`` (each save's stall, time to durable and bytes, for the framework's logger);
 * the framework itself: ``patching`` (reversible, contract-checked replacements of its functions, against the
   releases ``versions`` names), ``lifecycle`` (waiting for saves in flight, the exit drain), ``dist_env``
-  (what the core asks torch.distributed), ``normalize_path`` and ``is_url`` (one rule for paths: the storage
+  (what the core asks torch.distributed), ``collectives`` (the collectives it runs, on a transport that carries
+  CPU tensors whatever the training's backend), ``normalize_path`` and ``is_url`` (one rule for paths: the storage
   seam's).
 
 Everything else under ``asyncckpt.core`` is private: its sub-packages (``api``, ``snapshot``, ``client``,
@@ -28,13 +29,13 @@ from asyncckpt.core.formats.checksum import checksum
 from asyncckpt.core.integration import capture, patching, resume, saving, versions
 from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves
 from asyncckpt.core.integration.metrics import SaveMetrics
-from asyncckpt.core.snapshot import dist_env
+from asyncckpt.core.snapshot import collectives, dist_env
 from asyncckpt.core.snapshot.file_snapshots import tensor_bytes
 from asyncckpt.core.storage.backend import is_url, normalize as normalize_path
 from asyncckpt.core.storage.orphans import wait_for_orphans
 
 __all__ = [
-    "SaveHandle", "SaveMetrics", "capture", "capturing_dcp_saves", "checksum", "dist_env", "is_url", "lifecycle",
-    "normalize_path", "patching", "resolve_options", "resume", "saving", "taking_options", "tensor_bytes", "versions",
-    "wait_for_orphans",
+    "SaveHandle", "SaveMetrics", "capture", "capturing_dcp_saves", "checksum", "collectives", "dist_env", "is_url",
+    "lifecycle", "normalize_path", "patching", "resolve_options", "resume", "saving", "taking_options", "tensor_bytes",
+    "versions", "wait_for_orphans",
 ]

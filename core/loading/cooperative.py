@@ -16,9 +16,10 @@ own load would have produced:
    storage). Each reader reads its part from storage (ranged GETs from a bucket, ``preadv`` from a file) straight
    into its node's copy, which the ranks of a node share (one file per checkpoint file under
    ``<memory root>-loads/``, mapped by each): ranks of one node exchange nothing.
-3. A part another node read arrives over the process group the framework set up (a broadcast from its reader,
-   in pieces of ``PIECE_BYTES``; each node's lowest rank writes it into the node's copy, the node's other ranks
-   take it into a buffer of that size they drop). On one node there is nothing to exchange.
+3. A part another node read arrives from that node's lowest rank (whose mapping of its node's copy holds what
+   the node's ranks read) by broadcast among the nodes' lowest ranks alone (``collectives``: a group of one rank
+   per node), in pieces of ``PIECE_BYTES``, straight into the node's copy. On one node there is nothing to
+   exchange.
 4. Each rank checks the whole copy against the file's checksum as the framework loads it (the copy is in memory:
    the check reads no storage), so a damaged byte read by any rank fails every rank's load, naming the file.
 
@@ -28,8 +29,7 @@ is removed when the load is over (the tensors a framework mapped from it keep th
 one left by a killed job is removed by the next load on that node.
 
 Memory: one copy of the files per node (a tmpfs file where the page cache held one before), mapped, not copied,
-by the ranks' loads where the loader maps (``torch.load(mmap=True)``, safetensors); plus ``PIECE_BYTES`` per rank
-on several nodes.
+by the ranks' loads where the loader maps (``torch.load(mmap=True)``, safetensors).
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from asyncckpt.core.errors import CheckpointError, CheckpointTimeoutError, CorruptCheckpointError
 from asyncckpt.core.loading.reader import FileSpans
+from asyncckpt.core.snapshot.collectives import Collectives, over
 from asyncckpt.core.snapshot.dist_env import dist_ready, rank_and_world
 from asyncckpt.core.storage import tier
 from asyncckpt.core.storage.backend import backend_for, basename, is_url
@@ -116,15 +117,14 @@ def shared_copy(paths: list[str], group: Optional[dist.ProcessGroup], *, timeout
     root = tier.loads_dir(tier.memory_root(memory_root))
     sizes = _sizes(paths)
     free = _free_bytes(root)
-    gathered: list = [None] * world
-    _within(timeout, "meet", lambda: _barrier(group, timeout))  # then the gather below finds every rank there
-    dist.all_gather_object(gathered, (tier.node_id(), paths, sizes, free, uuid.uuid4().hex[:12], os.getpid()),
-                           group=group)
+    ranks = over(group)
+    _within(timeout, "meet", lambda: ranks.barrier(timeout))  # then the gather below finds every rank there
+    gathered = ranks.gather((tier.node_id(), paths, sizes, free, uuid.uuid4().hex[:12], os.getpid()))
     nodes = _Node([entry[0] for entry in gathered])
     if nodes.count == 1 and not any(is_url(path) for path in paths):
         yield None  # files of one node: its page cache already reads each byte from storage once for all its ranks
         return
-    reason = _cannot_share(gathered, group, nodes)
+    reason = _cannot_share(gathered)
     if reason:
         logger.warning("asyncckpt: each rank loads %s by itself: %s", _named(paths), reason)
         yield None
@@ -146,14 +146,14 @@ def shared_copy(paths: list[str], group: Optional[dist.ProcessGroup], *, timeout
         with _Mapped([copies[path] for path in paths], sizes) as views:
             reading = [rank for rank in range(world) if readers == "job" or nodes.leader(rank) == rank]
             pieces = split(sizes, reading)
-            _read_parts(paths, pieces, views, group, rank, timeout)
+            _read_parts(paths, pieces, views, ranks, rank, timeout)
             if nodes.count > 1:
-                _exchange(paths, pieces, views, group, rank, nodes, timeout)
-            _within(timeout, "finish the copies", lambda: _barrier(group, timeout))
+                _exchange(paths, pieces, views, ranks, rank, nodes, timeout)
+            _within(timeout, "finish the copies", lambda: ranks.barrier(timeout))
         yield copies
     finally:
         with contextlib.suppress(Exception):  # every rank is done with the files (a rank that failed: the timeout)
-            _barrier(group, timeout)
+            ranks.barrier(timeout)
         if leader:
             shutil.rmtree(folder, ignore_errors=True)
             with contextlib.suppress(OSError):
@@ -182,7 +182,7 @@ def _free_bytes(root: str) -> int:
     return found.f_bavail * found.f_frsize if os.access(where, os.W_OK | os.X_OK) else 0
 
 
-def _cannot_share(gathered: list, group: Optional[dist.ProcessGroup], nodes: _Node) -> Optional[str]:
+def _cannot_share(gathered: list) -> Optional[str]:
     """Why the ranks cannot load these files together (None: they can)."""
     first = gathered[0]
     for rank, (_node, paths, sizes, _free, _token, _pid) in enumerate(gathered):
@@ -194,9 +194,6 @@ def _cannot_share(gathered: list, group: Optional[dist.ProcessGroup], nodes: _No
     short = sorted({entry[0] for entry in gathered if entry[3] < total})
     if short:
         return f"node {', '.join(short)} lacks the memory for a copy ({total} B)"
-    backend = str(dist.get_backend(group))
-    if nodes.count > 1 and "gloo" not in backend:
-        return f"the process group ({backend}) carries no CPU tensors between nodes"
     return None
 
 
@@ -233,7 +230,7 @@ class _Mapped:
                     mapping.close()
 
 
-def _read_parts(paths: list[str], pieces: list[Piece], views: list, group: Optional[dist.ProcessGroup], rank: int,
+def _read_parts(paths: list[str], pieces: list[Piece], views: list, ranks: Collectives, rank: int,
                 timeout: float) -> None:
     """This rank's part from storage into the node's copy; then every rank learns whether every part was read:
     one that was not fails the load on every rank, naming the rank and the file."""
@@ -245,23 +242,19 @@ def _read_parts(paths: list[str], pieces: list[Piece], views: list, group: Optio
             error = f"rank {rank} could not read bytes {piece.start}..{piece.start + piece.length} of " \
                     f"{paths[piece.file]}: {type(e).__name__}: {e}"
             break
-    failures = _failures(error, group, timeout)
+    failures = _failures(error, ranks, timeout)
     if failures:
         raise CheckpointError("; ".join(failures), path=paths[0])
 
 
-def _failures(failure: Optional[object], group: Optional[dist.ProcessGroup], timeout: float) -> list:
+def _failures(failure: Optional[object], ranks: Collectives, timeout: float) -> list:
     """Every rank's ``failure`` (None: it succeeded) that is not None, in rank order: each rank learns whether
     every rank succeeded (one small all_gather, waited on with ``timeout``), and only then what failed."""
-    failed = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
-    everyone = [torch.zeros(1, dtype=torch.int32) for _ in range(dist.get_world_size(group))]
-    _within(timeout, "read every rank's part", lambda: dist.all_gather(everyone, failed, group=group,
-                                                                       async_op=True).wait(timedelta(seconds=timeout)))
-    if not any(int(flag) for flag in everyone):
+    flags: list = []
+    _within(timeout, "read every rank's part", lambda: flags.extend(ranks.gather_ints([failure is not None], timeout)))
+    if not any(flag for flag, in flags):
         return []
-    gathered: list = [None] * len(everyone)
-    dist.all_gather_object(gathered, failure, group=group)
-    return [entry for entry in gathered if entry is not None]
+    return [entry for entry in ranks.gather(failure) if entry is not None]
 
 
 def _read(path: str, start: int, into: memoryview) -> None:
@@ -295,33 +288,28 @@ def _read(path: str, start: int, into: memoryview) -> None:
             done += read
 
 
-def _exchange(paths: list[str], pieces: list[Piece], views: list, group: Optional[dist.ProcessGroup], rank: int,
-              nodes: _Node, timeout: float) -> None:
-    """Every part to every other node: a broadcast from its reader per ``PIECE_BYTES``, received into the node's
-    copy by the node's lowest rank where the node lacks it, into a dropped buffer by the node's other ranks."""
-    relay = torch.empty(min(PIECE_BYTES, max((p.length for p in pieces), default=0)), dtype=torch.uint8)
-    mine = nodes.of_rank[rank]
+def _exchange(paths: list[str], pieces: list[Piece], views: list, ranks: Collectives, rank: int, nodes: _Node,
+              timeout: float) -> None:
+    """Every part to every other node: a broadcast per ``PIECE_BYTES`` among the nodes' lowest ranks alone (every
+    rank calls it: it makes their group), from the copy of the reader's node into the others'."""
+    leaders = sorted({nodes.leader(r) for r in range(ranks.world)})
+    among = ranks.among(leaders)
+    if among is None:  # this node's copy is its lowest rank's to complete
+        return
     sent: list[tuple[Piece, int, dist.Work]] = []
     for piece in pieces:
+        source = leaders.index(nodes.leader(piece.reader))
         for offset in range(0, piece.length, PIECE_BYTES):
             length = min(PIECE_BYTES, piece.length - offset)
             start = piece.start + offset
-            if rank == piece.reader or (nodes.leader(rank) == rank and nodes.of_rank[piece.reader] != mine):
-                tensor = torch.frombuffer(views[piece.file][start:start + length], dtype=torch.uint8)
-            else:
-                tensor = relay[:length]
-            source = dist.get_global_rank(group, piece.reader) if group is not None else piece.reader
-            sent.append((piece, start, dist.broadcast(tensor, src=source, group=group, async_op=True)))
+            tensor = torch.frombuffer(views[piece.file][start:start + length], dtype=torch.uint8)
+            sent.append((piece, start, among.broadcast_bytes(tensor, source)))
     for piece, start, work in sent:
         try:
             work.wait(timedelta(seconds=timeout))
         except Exception as e:  # noqa: BLE001 - which part, from which rank
             raise CheckpointError(f"bytes {start}.. of {paths[piece.file]}, read by rank {piece.reader}, did not "
                                   f"arrive: {e}", path=paths[piece.file], rank=piece.reader) from e
-
-
-def _barrier(group: Optional[dist.ProcessGroup], timeout: float) -> None:
-    dist.barrier(group=group, async_op=True).wait(timedelta(seconds=timeout))
 
 
 def _within(timeout: float, what: str, collective) -> None:
@@ -356,7 +344,7 @@ class SharedSpans:
 
     mine: list
     transfers: list[_Transfer]  # this rank's, in the job's order
-    group: Optional[dist.ProcessGroup]
+    ranks: Collectives
     rank: int
     timeout: float
 
@@ -370,7 +358,7 @@ class SharedSpans:
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             failure = e
         failures = _failures(None if failure is None else (type(failure).__name__, f"rank {self.rank}: {failure}"),
-                             self.group, self.timeout)
+                             self.ranks, self.timeout)
         if failure is not None:
             raise failure
         if failures:
@@ -398,14 +386,13 @@ class SharedSpans:
     def _transfer(self, tensor: torch.Tensor, transfer: _Transfer) -> None:
         if not tensor.numel():
             return
-        ranked = (lambda r: dist.get_global_rank(self.group, r)) if self.group is not None else (lambda r: r)
         try:
             if transfer.receivers is None:
-                works = [dist.broadcast(tensor, src=ranked(transfer.reader), group=self.group, async_op=True)]
+                works = [self.ranks.broadcast_bytes(tensor, transfer.reader)]
             elif self.rank == transfer.reader:
-                works = [dist.isend(tensor, dst=ranked(r), group=self.group) for r in transfer.receivers]
+                works = [self.ranks.send_bytes(tensor, r) for r in transfer.receivers]
             else:
-                works = [dist.irecv(tensor, src=ranked(transfer.reader), group=self.group)]
+                works = [self.ranks.receive_bytes(tensor, transfer.reader)]
             for work in works:
                 work.wait(timedelta(seconds=self.timeout))
         except Exception as e:  # noqa: BLE001 - which key, from which rank
@@ -427,10 +414,10 @@ def share_spans(files: list[FileSpans], group: Optional[dist.ProcessGroup], *, t
         return None
     flat = [(entry, span) for entry in files for span in entry.spans]
     listed = [(entry.relative_path, span.offset, span.nbytes) for entry, span in flat]
-    gathered: list = [None] * world
     digest = hashlib.blake2b(repr(listed).encode(), digest_size=16).hexdigest()
-    _within(timeout, "meet", lambda: _barrier(group, timeout))  # then the gathers below find every rank there
-    dist.all_gather_object(gathered, (tier.node_id(), digest), group=group)
+    ranks = over(group)
+    _within(timeout, "meet", lambda: ranks.barrier(timeout))  # then the gathers below find every rank there
+    gathered = ranks.gather((tier.node_id(), digest))
     nodes = _Node([entry[0] for entry in gathered])
     if nodes.count == 1 and not remote:
         return None  # files of one node: its page cache already reads each byte once for all its ranks
@@ -440,9 +427,7 @@ def share_spans(files: list[FileSpans], group: Optional[dist.ProcessGroup], *, t
         shared = [(span.nbytes, reader, None, index) for index, ((_entry, span), reader) in enumerate(zip(flat, owner))]
         of = flat  # refs: indices into it
     else:
-        every: list = [None] * world
-        dist.all_gather_object(every, listed, group=group)
-        shared = _shared_spans(every, nodes, readers)
+        shared = _shared_spans(ranks.gather(listed), nodes, readers)
         if not shared:
             return None
         of = dict(zip(listed, flat))
@@ -454,7 +439,7 @@ def share_spans(files: list[FileSpans], group: Optional[dist.ProcessGroup], *, t
         if id(span) not in received:
             mine.setdefault(entry.relative_path, (entry, []))[1].append(span)
     own = [FileSpans(entry.relative_path, spans, entry.needed_size, entry.needed_by) for entry, spans in mine.values()]
-    return SharedSpans(own, transfers, group, rank, timeout)
+    return SharedSpans(own, transfers, ranks, rank, timeout)
 
 
 def _shared_spans(every: list[list[tuple]], nodes: _Node, readers: Readers) -> list[tuple]:

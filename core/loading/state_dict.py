@@ -16,13 +16,13 @@ from typing import Optional
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.utils import _DistWrapper
 
 from asyncckpt.core.loading import cooperative
 from asyncckpt.core.storage import commit
 from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.loading.dcp_reader import AsyncCkptStorageReader
 from asyncckpt.core.loading.direct_load import paused_gc, plan_direct_load
+from asyncckpt.core.snapshot.collectives import dcp_ranks, over
 from asyncckpt.core.snapshot.dist_env import dist_ready, rank_and_world
 from asyncckpt.core.errors import CheckpointError, CheckpointTimeoutError
 from asyncckpt.core.loading.metadata_io import load_dcp_metadata
@@ -32,8 +32,8 @@ from asyncckpt.core.snapshot.planner import AsyncCkptLoadPlanner
 def load_checkpoint(state_dict: dict, path: str, *, group: Optional[dist.ProcessGroup], collectives: bool,
                     strict: bool, verify: bool, io_threads: int, timeout: float, readers: cooperative.Readers) -> None:
     record = commit.require_complete(path)  # DCP would hide these errors behind a generic one: check first
-    use_dist = collectives and dist_ready()
-    ranks = _DistWrapper(group, use_dist, 0)
+    use_dist = collectives and dist_ready() and rank_and_world(group)[1] > 1  # one rank talks to nobody
+    ranks = dcp_ranks(over(group) if use_dist else None)  # DCP's collectives too, on a transport that carries CPU
     planned: list = []
 
     def plan() -> bool:
@@ -58,7 +58,7 @@ def load_checkpoint(state_dict: dict, path: str, *, group: Optional[dist.Process
             with warnings.catch_warnings():  # DCP warns that a no-collectives load is "single process"
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(state_dict, storage_reader=reader, planner=AsyncCkptLoadPlanner(strict=strict),
-                         process_group=group, no_dist=not use_dist)
+                         process_group=ranks.group, no_dist=not use_dist)
     except CheckpointException as e:
         raise _unwrap(e) from None
 

@@ -1,12 +1,10 @@
-"""What the core asks of torch.distributed: ranks, the Store, and one agreement across ranks."""
+"""What the core asks of torch.distributed besides collectives (``collectives``): ranks, the Store."""
 from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 
 logger = logging.getLogger("asyncckpt.core")
@@ -42,19 +40,6 @@ def default_store() -> Optional[Any]:
             logger.warning("asyncckpt: cannot reach torch.distributed's Store (%s); ranks meet through marker "
                            "files on the checkpoint's filesystem instead", e)
         return None
-
-
-def any_rank(flag: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
-    """Whether ``flag`` is set on any rank (a collective: every rank calls it). False without
-    torch.distributed, and while an exception is being handled (the other ranks may never come)."""
-    if not dist_ready() or dist.get_world_size(group) < 2 or sys.exc_info()[1] is not None:
-        return False
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
 
 
 _warned_alone = False

@@ -12,10 +12,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
+from asyncckpt.core.snapshot.collectives import Collectives
 from asyncckpt.core.storage import commit
 from asyncckpt.core.formats.layout import RankLayout
 from asyncckpt.core.snapshot.structure import digest
@@ -72,7 +71,7 @@ class PlanCache:
         self._digests.clear()
 
 
-def agree_on_structure(local_hash: str, group, world_size: int, use_collectives: bool, counter: int,
+def agree_on_structure(local_hash: str, agreement: Optional[Collectives], world_size: int, use_collectives: bool, counter: int,
                        failed: bool = False) -> tuple[tuple, str, list[int]]:
     """(cache key, save id, ranks holding an unreported failure) agreed by all ranks, in one
     all-gather of 24 bytes per rank (or none). Sharing the failure flag lets every rank raise
@@ -80,11 +79,6 @@ def agree_on_structure(local_hash: str, group, world_size: int, use_collectives:
     if world_size == 1 or not use_collectives:
         save_id = secrets.token_hex(8) if world_size == 1 else f"n{counter}-{commit.job_token()}"
         return (local_hash, world_size), save_id, []
-    local = torch.tensor([int(local_hash[:15], 16), secrets.randbits(62), int(failed)], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        local = local.cuda()
-    gathered = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(gathered, local, group=group)
-    values = [t.cpu().tolist() for t in gathered]
+    values = agreement.gather_ints([int(local_hash[:15], 16), secrets.randbits(62), int(failed)])
     failed_ranks = [rank for rank, v in enumerate(values) if v[2]]
     return (tuple(v[0] for v in values), world_size), format(values[0][1], "016x"), failed_ranks

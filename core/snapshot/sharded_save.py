@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import io
 import pickle
 import time
@@ -21,12 +20,13 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.utils import _DistWrapper, find_state_dict_object, find_tensor_shard
+from torch.distributed.checkpoint.utils import find_state_dict_object, find_tensor_shard
 
 from asyncckpt.core.storage.backend import backend_for
 from asyncckpt.core.storage.staging import staging_dir_for
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.snapshot.buffer_pool import BufferPool, FileBuffers, Slot
+from asyncckpt.core.snapshot.collectives import Collectives, dcp_ranks, own
 from asyncckpt.core.snapshot.dist_env import rank_and_world
 from asyncckpt.core.errors import CheckpointWriteError
 from asyncckpt.core.snapshot.dcp_metadata import dcp_classes, metadata_command
@@ -59,7 +59,7 @@ class SaveTarget:
     """Where and how one sharded save goes."""
 
     path: str
-    group: Optional[dist.ProcessGroup]
+    agreement: Optional[Collectives]  # where its ranks agree on the structure and plan (None: they do not talk)
     collectives: bool
     rank: int
     world: int
@@ -93,32 +93,30 @@ class ShardedSaves:
         self._objects = _ObjectSnapshots()
         self._counter = 0
         self._last_key = None  # plan-cache key of the last save
-        self._side_group: Optional[dist.ProcessGroup] = None
+        self._agreements: dict[Any, Collectives] = {}  # per group
 
-    def agreement_group(self, group, world: int, collectives: bool):
-        """The group a save's structure agreement (and cold planning) runs on: a gloo group of our
-        own when saving on the whole world, created collectively at the first such save, so that
-        it can run on a background thread without interleaving with the training's collectives on
-        the default group (and never needs a CUDA tensor); the caller's group otherwise."""
-        if group is not None or world == 1 or not collectives:
-            return group
-        if self._side_group is None:
-            self._side_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
-        return self._side_group
+    def agreement(self, group: Optional[dist.ProcessGroup]) -> Collectives:
+        """Where a save's structure agreement (and cold planning) runs (``own``): on the whole world, a
+        group of our own, made at the first such save, so that it can run on the staging thread without
+        interleaving with the caller's collectives; on a part of it, the caller's."""
+        key = group if group is not None else dist.group.WORLD
+        if key not in self._agreements:
+            self._agreements[key] = own(group, self.timeout)
+        return self._agreements[key]
 
     def target(self, path: str, group: Optional[dist.ProcessGroup], collectives: bool, store: Callable[[], Any],
                **details: Any) -> SaveTarget:
         """Where and how a save of ``path`` on ``group`` goes (``details``: the other ``SaveTarget`` fields)."""
         rank, world = rank_and_world(group)
         collectives = collectives and world > 1
-        return SaveTarget(path, self.agreement_group(group, world, collectives), collectives, rank, world,
+        return SaveTarget(path, self.agreement(group) if collectives else None, collectives, rank, world,
                           store() if collectives else None, **details)
 
     def close(self) -> None:
-        """Give up the agreement group (its threads); the next save creates it again."""
-        if self._side_group is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group(self._side_group)
-        self._side_group = None
+        """Give up the agreement's group (its threads); the next save makes it again."""
+        for agreement in self._agreements.values():
+            agreement.close()
+        self._agreements.clear()
 
     def prepare(self, state_dict: dict, target: SaveTarget, user: Any, *, speculate: bool,
                 failed_here: Callable[[], bool], raise_failures: Callable[[], None],
@@ -132,7 +130,7 @@ class ShardedSaves:
         speculation = self._speculate(flat) if speculate else None
         try:
             description = describe(flat)
-            key, save_id, failed_ranks = agree_on_structure(self.plan_cache.digest(description), target.group,
+            key, save_id, failed_ranks = agree_on_structure(self.plan_cache.digest(description), target.agreement,
                                                             target.world, target.collectives, self._counter,
                                                             failed=failed_here())
             self._counter += 1
@@ -183,7 +181,7 @@ class ShardedSaves:
 
     def _plan(self, planner: AsyncCkptSavePlanner, target: SaveTarget, tied_to: dict[str, str]) -> CachedPlan:
         if target.collectives and target.world > 1 and dist.is_initialized():
-            final = _DistWrapper(target.group, True, 0).reduce_scatter(
+            final = dcp_ranks(target.agreement).reduce_scatter(
                 "plan", planner.create_local_plan, lambda plans: planner.create_global_plan(plans)[0])
         else:
             final = planner.create_global_plan([planner.create_local_plan()])[0][0]
