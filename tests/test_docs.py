@@ -1,4 +1,4 @@
-"""The code in README.md and docs/*.md runs, or the markdown says why it cannot.
+"""The code in README.md and docs/**/*.md runs, or the markdown says why it cannot.
 
 Users copy the docs' code blocks; a block that no longer works is a bug this test finds. Every
 fenced block (```python, ```bash / ```sh, unlabeled, any other) is one test:
@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUNNER = Path(__file__).resolve().parent / "doc_runner.py"
 
 FENCE = re.compile(r"^(?P<indent> {0,3})(?P<ticks>`{3,})\s*(?P<language>[^`\s]*)[^`]*$")
@@ -174,3 +174,13 @@ def test_block(block: Block, request):
     error = request.getfixturevalue("outcomes")[block.where]
     if error is not None:
         pytest.fail(f"{block.where} failed:\n{error}", pytrace=False)
+
+
+LINK = re.compile(r"\]\((?!https?://|mailto:|#)([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_links():
+    """Every relative link of the docs leads to a file of the repository (pages move: docs/benchmarks/)."""
+    broken = [f"{path.relative_to(ROOT)}: {target}" for path in DOCS for target in LINK.findall(path.read_text())
+              if not (path.parent / target).exists()]
+    assert not broken, "links to nothing:\n" + "\n".join(broken)
