@@ -5,10 +5,10 @@
                              [--before REV | --revisions BASE..HEAD] [--out DIR] [--name NAME]
     python benchmarks/run.py SCENARIO --render-only     # the page and plot again, from the JSON
     python benchmarks/run.py --list                     # the scenarios, their options
-    python benchmarks/run.py --index                    # docs/benchmarks.md, the list of pages
+    python benchmarks/run.py --index                    # docs/benchmarks/README.md, the list of pages
 
-Results go to benchmarks/results/NAME.json, the page to docs/benchmarks_NAME.md and the plot to
-docs/img/benchmarks_NAME.png (NAME: the scenario's, ``SCENARIO_before_after`` with a revision to
+Results go to benchmarks/results/NAME.json, the page to docs/benchmarks/NAME.md and the plot to
+docs/benchmarks/img/NAME.png (NAME: the scenario's, ``SCENARIO_before_after`` with a revision to
 compare; ``--out DIR`` puts all three under DIR). See benchmarks/README.md.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--wait-quiet", type=float, default=0.0, help="first wait up to this many s for an idle machine")
     parser.add_argument("--render-only", action="store_true", help="render the page and plot again from the JSON")
     parser.add_argument("--list", action="store_true", help="list the scenarios and their options")
-    parser.add_argument("--index", action="store_true", help="write docs/benchmarks.md, the index of the pages")
+    parser.add_argument("--index", action="store_true", help="write docs/benchmarks/README.md, the index of the pages")
     args = parser.parse_args(argv)
     args.argv = argv
     if args.list:

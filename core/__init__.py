@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from asyncckpt.core.api.checkpointer import Checkpointer, SaveHandle
     from asyncckpt.core.api.options import CheckpointOptions, MemoryTier
     from asyncckpt.core.export.options import ExportOptions
+    from asyncckpt.core.storage.object_store import ObjectStoreOptions
     from asyncckpt.core.api.dcp_writer import AsyncCkptStorageWriter
     from asyncckpt.core.loading.dcp_reader import AsyncCkptStorageReader
     from asyncckpt.core.api.manager import CheckpointManager
@@ -48,14 +49,15 @@ if TYPE_CHECKING:
 # (tests/test_layout.py lists what it loads).
 _LAZY = {
     "Checkpointer": "api.checkpointer", "CheckpointOptions": "api.options", "MemoryTier": "api.options", "SaveHandle": "client.handles",
-    "CheckpointManager": "api.manager", "ExportOptions": "export.options",
+    "CheckpointManager": "api.manager", "ExportOptions": "export.options", "ObjectStoreOptions": "storage.object_store",
     "AsyncCkptStorageReader": "loading.dcp_reader", "AsyncCkptStorageWriter": "api.dcp_writer",
     "AsyncCkptLoadPlanner": "snapshot.planner", "AsyncCkptSavePlanner": "snapshot.planner",
 }
 
 __all__ = [
     "save", "async_save", "load", "latest_checkpoint", "is_complete", "wait", "default_checkpointer",
-    "Checkpointer", "CheckpointOptions", "MemoryTier", "SaveHandle", "CheckpointManager", "ExportOptions",
+    "configure_object_store", "Checkpointer", "CheckpointOptions", "MemoryTier", "SaveHandle", "CheckpointManager",
+    "ExportOptions", "ObjectStoreOptions",
     "AsyncCkptStorageWriter", "AsyncCkptStorageReader", "AsyncCkptSavePlanner", "AsyncCkptLoadPlanner",
     "CheckpointError", "CheckpointCancelledError", "CheckpointTimeoutError", "CheckpointWriteError",
     "CorruptCheckpointError", "IncompleteCheckpointError", "StateDictMismatchError", "UnsafeMetadataError",
@@ -92,6 +94,14 @@ def async_save(state_dict: dict, path: str | os.PathLike, *, process_group=None,
 def load(state_dict: dict, path: str | os.PathLike, *, process_group=None, strict: bool = True, **options: Any) -> None:
     """Load a committed checkpoint into ``state_dict`` in place (SPMD), resharding as needed."""
     default_checkpointer().load(state_dict, path, process_group=process_group, strict=strict, **options)
+
+
+def configure_object_store(options: Optional[ObjectStoreOptions], prefix: str = "") -> None:
+    """Reach object-store URLs starting with ``prefix`` (all by default) with ``options`` in this process, where no
+    ``Checkpointer`` gives its own (``latest_checkpoint``, the module-level functions); None forgets them."""
+    from asyncckpt.core.storage import object_store
+
+    object_store.configure(options, prefix)
 
 
 def wait(timeout: Optional[float] = None) -> None:

@@ -18,7 +18,7 @@ ckdir = os.path.join("accrun", "checkpoints")
 if os.path.isdir(ckdir) and os.listdir(ckdir):
     acc.load_state()                                              # picks the highest checkpoint_N
     start_epoch = max(int(d.rsplit("_", 1)[1]) for d in os.listdir(ckdir)) + 1
-    acc.project_configuration.iteration = start_epoch             # load_state does NOT restore it (accelerate #3306)
+    acc.project_configuration.iteration = start_epoch             # natively needed (accelerate #3306); the adapter does it too
 for epoch in range(start_epoch, int(sys.argv[1]) if len(sys.argv) > 1 else 4):
     for xb, yb in dl:
         loss = torch.nn.functional.mse_loss(model(xb), yb)

@@ -1,4 +1,4 @@
-# python transformers_min.py 2 && python transformers_min.py 4   (2nd run resumes from newest hfrun/checkpoint-N)
+# python hf_trainer_min.py 2 && python hf_trainer_min.py 4   (2nd run resumes from newest hfrun/checkpoint-N)
 import os, sys, torch
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainingArguments

@@ -545,3 +545,41 @@ def test_the_writer_takes_only_idle_cpu_where_the_node_leaves_some(tmp_path):
                     stop(loops)
                 break
     assert core.is_complete(str(tmp_path / "busy")) and core.is_complete(str(tmp_path / "first"))
+
+
+def test_a_slow_commit_says_how_to_size_the_timeout_and_so_does_a_wait_that_gives_up(tmp_path, caplog):
+    """The writer stopped (SIGSTOP) for longer than half the timeout: a wait shorter than that gives up with a
+    ``CheckpointTimeoutError`` saying how to size ``timeout``; the checkpoint commits once the writer runs again, with
+    one warning giving the timeout checkpoints of this size need here."""
+    import logging
+
+    with core.Checkpointer(timeout=1.0) as checkpointer:
+        checkpointer.start()
+        writer = checkpointer.ledger.queue.writer_pid
+        os.kill(writer, signal.SIGSTOP)
+        try:
+            handle = checkpointer.async_save({"w": torch.ones(1 << 16)}, str(tmp_path / "step_1"), step=1)
+            with pytest.raises(core.CheckpointTimeoutError, match=r"step_1 \(step 1\): not done after 0s; 0\.00 GiB "
+                                                                  r"from this rank\. The timeout option bounds each wait"):
+                handle.result(timeout=0.2)
+            time.sleep(0.6)
+        finally:
+            os.kill(writer, signal.SIGCONT)
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+            handle.result()
+    slow = [r.getMessage() for r in caplog.records if "more than half of timeout=1 s" in r.getMessage()]
+    assert len(slow) == 1 and "step_1" in slow[0] and "set timeout to at least 3x that" in slow[0], slow
+
+
+def test_the_interval_advice_warns_where_the_run_saves_far_more_often_than_it_advises(tmp_path, caplog):
+    """At a failure every million days the least-loss interval is hours: a run saving every fraction of a second gets
+    the advice as a warning, once, with the interval it saves at."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="asyncckpt"):
+        with core.Checkpointer(failures_per_day=1e-6) as checkpointer:
+            for step in (1, 2, 3):
+                checkpointer.save({"w": torch.full((1 << 10,), float(step))}, str(tmp_path / f"step_{step}"), step=step)
+    advice = [r for r in caplog.records if "loses the least work" in r.getMessage()]
+    assert len(advice) == 1 and advice[0].levelno == logging.WARNING, advice
+    assert "this run saves every" in advice[0].getMessage() and " h " in advice[0].getMessage()

@@ -1,4 +1,4 @@
-"""The code in README.md and docs/*.md runs, or the markdown says why it cannot.
+"""The code in README.md and docs/**/*.md runs, or the markdown says why it cannot.
 
 Users copy the docs' code blocks; a block that no longer works is a bug this test finds. Every
 fenced block (```python, ```bash / ```sh, unlabeled, any other) is one test:
@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUNNER = Path(__file__).resolve().parent / "doc_runner.py"
 
 FENCE = re.compile(r"^(?P<indent> {0,3})(?P<ticks>`{3,})\s*(?P<language>[^`\s]*)[^`]*$")
@@ -174,3 +174,72 @@ def test_block(block: Block, request):
     error = request.getfixturevalue("outcomes")[block.where]
     if error is not None:
         pytest.fail(f"{block.where} failed:\n{error}", pytrace=False)
+
+
+LINK = re.compile(r"\]\((?!https?://|mailto:|#)([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_links():
+    """Every relative link of the docs leads to a file of the repository (pages move: docs/benchmarks/)."""
+    broken = [f"{path.relative_to(ROOT)}: {target}" for path in DOCS for target in LINK.findall(path.read_text())
+              if not (path.parent / target).exists()]
+    assert not broken, "links to nothing:\n" + "\n".join(broken)
+
+
+# ---------------------------------------------------------------------- docs/troubleshooting.md
+TROUBLESHOOTING = ROOT / "docs" / "troubleshooting.md"
+ENTRY = re.compile(r"^### `(?P<message>[^`]+)`\s*$", re.M)
+PRINTF = re.compile(r"%[-#0-9.]*[sdrfig]")
+LOGGERS = {"warning", "error"}  # logger.warning / logger.error, any logger: what a user sees without configuring logging
+
+
+def _rendered(node) -> str | None:
+    """A string of the code as a user reads it, its variable parts as ``…``: a literal, an f-string, a %-format."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return PRINTF.sub("…", node.value)
+    if isinstance(node, ast.JoinedStr):
+        return "".join(PRINTF.sub("…", part.value) if isinstance(part, ast.Constant) else "…" for part in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _rendered(node.left), _rendered(node.right)
+        return None if left is None or right is None else left + right
+    return None
+
+
+def _code_strings() -> tuple[list[str], list[tuple[str, str]]]:
+    """Every string of the library's code (core/, adapters/; .ci/'s scripts as text), and each warning it emits to the
+    user (``warnings.warn``, ``logger.warning``, ``logger.error``) with where: ``(message, "file:line")``."""
+    import ast
+
+    strings, warned = [], []
+    for path in sorted([*(ROOT / "core").rglob("*.py"), *(ROOT / "adapters").rglob("*.py")]):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            text = _rendered(node)
+            if text is not None:
+                strings.append(text)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args and (
+                    node.func.attr in LOGGERS and "log" in ast.unparse(node.func.value)
+                    or node.func.attr == "warn" and ast.unparse(node.func.value) == "warnings"):
+                message = _rendered(node.args[0])
+                if message is not None and message.strip("… "):  # not a relay of another message ("%s")
+                    warned.append((message, f"{path.relative_to(ROOT)}:{node.lineno}"))
+    strings += [path.read_text() for path in (ROOT / ".ci").iterdir() if path.is_file()]
+    return strings, warned
+
+
+def _pattern(message: str) -> re.Pattern:
+    return re.compile(".*?".join(re.escape(part) for part in message.split("…")), re.S)
+
+
+def test_troubleshooting_lists_every_warning_and_only_messages_the_code_still_has():
+    """docs/troubleshooting.md is keyed by the messages a user sees (``### `message` ``, its variable parts as ``…``):
+    each of them is still in the code, and every warning the library emits has its entry."""
+    entries = [_pattern(m) for m in ENTRY.findall(TROUBLESHOOTING.read_text())]
+    strings, warned = _code_strings()
+    assert entries and warned
+    gone = [p.pattern for p in entries if not any(p.search(text) for text in strings)]
+    assert not gone, "troubleshooting.md lists messages the code no longer has:\n" + "\n".join(gone)
+    missing = [f"{where}: {message}" for message, where in warned if not any(p.search(message) for p in entries)]
+    assert not missing, "warnings without an entry in docs/troubleshooting.md:\n" + "\n".join(missing)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -328,6 +329,31 @@ def test_trainer_push_to_hub_uploads_each_checkpoint_after_its_commit_in_order(t
     assert all(thread.startswith("asyncckpt-on-commit") for _name, _c, thread in uploads[:4])  # off the training loop
 
 
+def test_trainer_push_to_hub_failure_is_logged_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    """An upload that fails at the call (a token the Hub refuses, a repository it cannot make) is logged by the
+    Trainer's logger, as the Trainer's own failed uploads are, and neither the save nor training fails: every
+    checkpoint is committed locally."""
+    import logging
+
+    import huggingface_hub
+    from huggingface_hub import RepoUrl
+
+    from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
+
+    def upload_folder(self, **kwargs):
+        raise PermissionError("401 Client Error: Unauthorized (the Hub cannot be reached here)")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo",
+                        lambda self, name, **kwargs: RepoUrl(f"https://huggingface.co/{name}"))
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    trainer = _trainer(tmp_path / "run", [AsyncCheckpointCallback()], push_to_hub=True, hub_model_id="user/run")
+    with caplog.at_level(logging.ERROR, logger="transformers.trainer"):
+        trainer.train()
+    failures = sorted({r.getMessage() for r in caplog.records if "to the Hub failed (training goes on" in r.getMessage()})
+    assert len(failures) == 2 and "checkpoint-2" in failures[0] and "401 Client Error" in failures[0], failures
+    assert all(is_complete(str(tmp_path / "run" / name)) for name in ("checkpoint-2", "checkpoint-4"))
+
+
 @pytest.fixture
 def peft_run(tmp_path):
     """A LoRA fine-tune of a base model saved in ``base/``: (the trained PeftModel, the run's directory)."""
@@ -347,7 +373,7 @@ def peft_run(tmp_path):
     return trainer.model, tmp_path
 
 
-def test_a_peft_checkpoint_exports_the_adapter_alone_or_merged_as_chosen(peft_run):
+def test_a_peft_checkpoint_exports_the_adapter_alone_or_merged_as_chosen(peft_run, monkeypatch):
     import peft
     from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
@@ -366,6 +392,23 @@ def test_a_peft_checkpoint_exports_the_adapter_alone_or_merged_as_chosen(peft_ru
     reference = model.merge_and_unload().state_dict()
     assert reference.keys() == loaded.state_dict().keys()
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in reference.items())  # bit for bit
+
+    # the base model as a Hub id (what adapter configs hold): fetched as from_pretrained would, here from the Hub's
+    # cache (HF_HUB_OFFLINE: the Hub cannot be reached from here); one the Hub does not give is a clear error
+    repo = root / "hub" / "models--org--tiny-base"
+    shutil.copytree(root / "base", repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(root / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with Checkpointer() as checkpointer:
+        checkpointer.export(checkpoint, ExportOptions(directory=str(root / "from_hub"), peft="merged",
+                                                      base_model="org/tiny-base")).result()
+        assert same(exported(root / "from_hub" / "checkpoint-4"), exported(root / "merged" / "checkpoint-4"))
+        with pytest.raises(CheckpointWriteError, match="'org/missing' is neither a local directory nor a model the "
+                                                       "Hugging Face Hub gave"):
+            checkpointer.export(checkpoint, ExportOptions(directory=str(root / "missing"), peft="merged",
+                                                          base_model="org/missing")).result()
 
 
 # ----------------------------------------------------------------------------- Accelerate and Lightning, FSDP2

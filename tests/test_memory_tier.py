@@ -273,3 +273,21 @@ def test_the_pool_makes_the_buffers_a_tier_needs_beside_the_saves_and_never_hand
     os.link(first.buffer.path, checkpoint)
     pool.close()
     assert os.listdir(tmp_path / "buffers") == [] and checkpoint.read_bytes() == bytes([7]) * (1 << 20)
+
+
+def test_exports_and_on_commit_code_act_where_the_checkpoint_was_asked_for_after_its_durable_copy(tmp_path,
+                                                                                                   memory_root):
+    """Code acting on a committed checkpoint (on_commit, exports; the Trainer's push and after-commit on_save go the
+    same way) finds it where it was asked for: it runs after the checkpoint's durable copy, with the durable path,
+    and the export goes to that place's ``exports/``; a checkpoint in memory only runs none, unless the end of the run
+    writes it durably (the last), which runs them then."""
+    durable = tmp_path / "run"
+    seen = []
+    with core.Checkpointer(memory_tier=core.MemoryTier(persist_every=2, replicas=0), export="safetensors",
+                           on_commit=lambda path: seen.append((path, core.is_complete(path)))) as checkpointer:
+        for step in (1, 2, 3):
+            checkpointer.save(_state(step), str(durable / f"step_{step}"), step=step)
+    assert seen == [(str(durable / "step_2"), True), (str(durable / "step_3"), True)]
+    assert _names(durable / "exports") == ["step_2", "step_3"]
+    assert all(core.is_complete(str(durable / "exports" / name)) for name in ("step_2", "step_3"))
+    assert not os.listdir(memory_root)  # and nothing of it left in memory

@@ -1,6 +1,6 @@
 """Mirrors to object storage from the adapters, against a real S3 server: with ``mirror_to="s3://..."`` each
-committed checkpoint of Accelerate / the Trainer is copied to the bucket in the background, and a run on a machine
-without the local copy resumes from the bucket."""
+committed checkpoint of Accelerate / the Trainer is copied to the bucket in the background, removed from there when
+the framework's retention removes it locally, and a run on a machine without the local copy resumes from the bucket."""
 from __future__ import annotations
 
 import shutil
@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("accelerate")
 from asyncckpt.adapters.accelerate import enable_async_checkpointing  # noqa: E402
 from asyncckpt import core  # noqa: E402
+from asyncckpt.core.storage.backend import backend_for  # noqa: E402
 from test_accelerate import _fresh_accelerator, _train_objects, handles, listing  # noqa: E402,F401
 
 
@@ -24,6 +25,9 @@ def test_mirrored_checkpoints_resume_when_the_local_copy_is_gone(tmp_path, handl
         acc.save_state()
     handles[-1].wait()
     assert core.latest_checkpoint(mirror) == f"{mirror}/checkpoint_2"
+    # the mirror follows Accelerate's total_limit: checkpoint_0 went from the bucket with its local copy
+    assert sorted(backend_for(mirror).names(mirror)) == listing(tmp_path / "p" / "checkpoints") == \
+        ["checkpoint_1", "checkpoint_2"]
     saved = {k: v.clone() for k, v in model.state_dict().items()}
 
     shutil.rmtree(tmp_path / "p")  # a new machine: nothing local
@@ -66,7 +70,6 @@ def test_lightning_mirror_restores_last_ckpt_where_it_is_missing(tmp_path, s3_ro
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
     from asyncckpt.adapters.lightning import AsyncCkptIO
-    from asyncckpt.core.storage.backend import backend_for
     from test_lightning import QUIET, TinyModule, data
 
     mirror = f"{s3_root}/lightning"
@@ -86,7 +89,8 @@ def test_lightning_mirror_restores_last_ckpt_where_it_is_missing(tmp_path, s3_ro
 
     fit(tmp_path / "a", 8)
     mirrored = backend_for(mirror).names(mirror)
-    assert "last.ckpt" in mirrored and any(name.startswith("epoch=0-step=") for name in mirrored), mirrored
+    # the top-k rotation (save_top_k=1) removed step 4's file from the bucket too: the bucket holds what dirpath does
+    assert sorted(mirrored) == listing(tmp_path / "a" / "ckpts") and len(mirrored) == 2, mirrored
     straight, _ = fit(tmp_path / "b", 12, mirror_to=f"{s3_root}/other")
     resumed, started_at = fit(tmp_path / "c", 12, ckpt_path="last")  # nothing local: last.ckpt comes from the bucket
     assert started_at == 8

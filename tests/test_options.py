@@ -212,16 +212,64 @@ class _Net(torch.nn.Module):
         return {"loss": torch.nn.functional.mse_loss(y, labels), "logits": y}
 
 
-def test_the_trainers_log_receives_each_saves_metrics(tmp_path):
+def test_the_trainers_report_to_integrations_receive_each_saves_metrics_and_its_own_state_does_not(tmp_path,
+                                                                                                    monkeypatch):
+    """The metrics reach TensorBoard (a report_to integration, for real) as ``train/checkpoint_*``, but not the Trainer's
+    ``state.log_history`` (kept in every ``trainer_state.json``; a resumed run must reproduce it) nor the other
+    callbacks' ``on_log``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import TrainerCallback
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=6, save_steps=2, per_device_train_batch_size=8,
-                             report_to="none", use_cpu=True, logging_steps=100, save_total_limit=None)
-    callback = AsyncCheckpointCallback()
+                             report_to="tensorboard", use_cpu=True, logging_steps=100, save_total_limit=None)
+    callback, logged = AsyncCheckpointCallback(), []
+    listener = type("Listener", (TrainerCallback,), {"on_log": lambda self, a, s, c, logs=None, **k: logged.append(logs)})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = Trainer(model=_Net(), args=args, train_dataset=_Squares(), callbacks=[callback])
+        trainer = Trainer(model=_Net(), args=args, train_dataset=_Squares(), callbacks=[callback, listener()])
         trainer.train()
-    logged = [entry for entry in trainer.state.log_history if "checkpoint_stall_s" in entry]
-    _assert_records([{name: entry[f"checkpoint_{name}"] for name in METRICS} for entry in logged], saves=3)
-    assert [entry["checkpoint_step"] for entry in logged] == [2, 4, 6]
-    assert logged == [{**{f"checkpoint_{k}": v for k, v in record.items()}, "epoch": logged[i]["epoch"],
-                       "step": logged[i]["step"]} for i, record in enumerate(callback.metrics)]
+    _assert_records([{name: record[name] for name in METRICS} for record in callback.metrics], saves=3)
+    assert [record["step"] for record in callback.metrics] == [2, 4, 6]
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    for name in ("step", *METRICS):
+        values = [event.value for event in events.Scalars(f"train/checkpoint_{name}")]
+        assert values == pytest.approx([record[name] for record in callback.metrics], rel=1e-6), name
+    assert not any(key.startswith("checkpoint_") for entry in trainer.state.log_history + logged for key in entry)
+
+
+def test_every_adapter_speaks_one_handle_vocabulary_and_close_frees_the_staging_buffers(tmp_path):
+    """``wait()``, ``pending()``, ``metrics`` (a list) and ``close()`` on the three adapters' objects; ``close()`` frees
+    the staging buffers (pinned host memory the end of a run keeps) and a later save allocates them again; the old
+    spellings (``metrics.history``, Accelerate's ``pending`` as a property) still work, with a FutureWarning."""
+    io = AsyncCkptIO()
+    accelerator = _accelerator(tmp_path / "acc")
+    handle = enable_async_checkpointing(accelerator)
+    callback = AsyncCheckpointCallback()
+    model = torch.nn.Linear(1024, 512)  # 2 MiB: more than Accelerate's inline_bytes, so it is staged
+    accelerator.prepare(model)
+
+    def save(which, n):
+        if which is io:
+            io.save_checkpoint({"w": model.weight}, str(tmp_path / f"io{n}.ckpt"))
+        elif which is handle:
+            accelerator.save_state()
+        else:
+            callback.checkpointer.save_file({"w": model.weight}, str(tmp_path / f"cb{n}.pt"))
+
+    for adapter in (io, handle, callback):
+        save(adapter, 1)
+        assert isinstance(adapter.pending(), list) and isinstance(adapter.metrics, list)
+        adapter.wait()
+        assert adapter.pending() == [] and adapter.checkpointer.buffers.slots()
+        adapter.close()
+        assert adapter.checkpointer.buffers.slots() == []
+        save(adapter, 2)
+        adapter.wait()
+        assert adapter.checkpointer.buffers.slots()
+        adapter.close()
+    with pytest.warns(FutureWarning, match="metrics.history is deprecated"):
+        assert io.metrics.history == io.metrics
+    with pytest.warns(FutureWarning, match="pending is a method now"):
+        assert list(handle.pending) == []
+    handle.remove()

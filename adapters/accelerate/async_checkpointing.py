@@ -84,8 +84,9 @@ def enable_async_checkpointing(accelerator: Accelerator, options: Optional[Check
 
 
 class AsyncCheckpointing:
-    """Returned by ``enable_async_checkpointing``. ``wait()`` drains pending saves (raising the first
-    failure); ``remove()`` drains and restores Accelerate's native behaviour for this accelerator."""
+    """Returned by ``enable_async_checkpointing``: ``wait()`` drains pending saves (raising the first failure),
+    ``pending()`` names them, ``metrics`` holds each save's record, ``close()`` frees the staging buffers, ``remove()``
+    drains and restores Accelerate's native behaviour for this accelerator (the same words in every adapter)."""
 
     def __init__(self, accelerator: Accelerator, options: CheckpointOptions, *, spread_writes: bool = True,
                  inline_bytes: int = 1 << 20, fix_iteration: bool = True) -> None:
@@ -96,7 +97,7 @@ class AsyncCheckpointing:
             options = options.replace(export=replace(options.export, directory=os.path.join(
                 os.path.abspath(accelerator.project_dir), "exports")))  # beside checkpoints/, never in it
         self.checkpointer = Checkpointer(options)
-        self.metrics = SaveMetrics(self.checkpointer)
+        self._metrics = SaveMetrics(self.checkpointer)
         self.last_written: list[str] = []  # files this process staged in its latest save_state()
         self._attach()
         dist_env.warn_if_launched_as_many(accelerator.num_processes, "Accelerate", "Launch with `accelerate launch` "
@@ -116,7 +117,7 @@ class AsyncCheckpointing:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.release = versions.require(SUPPORT)
-        self.metrics = SaveMetrics(self.checkpointer)
+        self._metrics = SaveMetrics(self.checkpointer)
         self.last_written = []
         self._attach()
 
@@ -125,13 +126,26 @@ class AsyncCheckpointing:
         return self.checkpointer.options
 
     @property
-    def pending(self) -> list[str]:
-        """Final directories of the saves not committed yet (and of their pending deletions)."""
-        return [handle.path for handle in self.checkpointer.pending()]
+    def pending(self) -> "_Pending":
+        """``handle.pending()``: final directories of the saves not committed yet (and of their pending deletions),
+        oldest first. (Read without the call, the old spelling of a property, it is that list, with a warning.)"""
+        return _Pending(handle.path for handle in self.checkpointer.pending())
+
+    @property
+    def metrics(self) -> list[dict]:
+        """Every save's record (``step``, ``stall_s``, ``waited_s``, ``durable_s``, ``bytes``, ``staged_wait_s``), as
+        ``accelerator.log`` gets them (docs/options.md)."""
+        return self._metrics.history
 
     def wait(self) -> None:
         """Wait for every pending save (and its total_limit deletions); raise the first failure."""
         self.checkpointer.wait()
+
+    def close(self) -> None:
+        """After the last save: wait for every save, stop the writer and free the staging buffers (pinned host
+        memory, up to ``max_in_flight`` copies of the checkpoint; ``end_training()`` keeps them for a next run). The
+        accelerator still saves asynchronously: a later save allocates them again."""
+        self.checkpointer.teardown(free_buffers=True)
 
     def remove(self) -> None:
         """Drain, then undo everything for this accelerator: its saves are native again."""
@@ -179,7 +193,7 @@ class AsyncCheckpointing:
         # the optimizer snapshot, then the commit, while the next forward/backward runs
         saving.finish(self.checkpointer, tx, stage_later=files.stage_deferred if files.deferred else None,
                       removals=removals, hidden_parent=hidden_parent)
-        self.metrics.saved(tx.handle, time.perf_counter() - started)
+        self._metrics.saved(tx.handle, time.perf_counter() - started)
         self._log_metrics()
         return Path(final_dir)
 
@@ -190,7 +204,7 @@ class AsyncCheckpointing:
 
     def _log_metrics(self, *, final: bool = False) -> None:
         """The records of committed saves, to Accelerate's trackers (``accelerator.log``: the main process's)."""
-        for record in self.metrics.ready(final=final):
+        for record in self._metrics.ready(final=final):
             self.accelerator.log({f"checkpoint/{name}": value for name, value in record.items() if value is not None})
 
     def _automatic_target(self) -> tuple[str, list[str], Optional[str]]:
@@ -294,3 +308,42 @@ def _replaceable(final_dir: str) -> bool:
     if os.path.isdir(final_dir) and not os.path.islink(final_dir):
         return not os.listdir(final_dir) or is_complete(final_dir)
     return False
+
+
+class _Pending(list):
+    """What ``handle.pending`` returns: called (``handle.pending()``, the one spelling every adapter shares), the list
+    of paths; used as a list itself (the property it was before), the same list with a ``FutureWarning``."""
+
+    def __call__(self) -> list[str]:
+        return list.copy(self)
+
+    def _old_spelling(self) -> None:
+        warnings.warn("asyncckpt: AsyncCheckpointing.pending is a method now (handle.pending(), as in every adapter); "
+                      "reading it as a list is deprecated and will be removed in the next release", FutureWarning,
+                      stacklevel=3)
+
+    def __iter__(self):
+        self._old_spelling()
+        return list.__iter__(self)
+
+    def __len__(self) -> int:
+        self._old_spelling()
+        return list.__len__(self)
+
+    def __bool__(self) -> bool:
+        self._old_spelling()
+        return list.__len__(self) > 0
+
+    def __getitem__(self, index: Any) -> Any:
+        self._old_spelling()
+        return list.__getitem__(self, index)
+
+    def __contains__(self, item: Any) -> bool:
+        self._old_spelling()
+        return list.__contains__(self, item)
+
+    def __eq__(self, other: Any) -> bool:
+        self._old_spelling()
+        return list.__eq__(self, other)
+
+    __hash__ = None  # type: ignore[assignment]  # a list

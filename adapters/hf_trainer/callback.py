@@ -27,7 +27,8 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from asyncckpt.core import Checkpointer, CheckpointOptions
-from asyncckpt.core.integration import dist_env, lifecycle, patching, resolve_options, taking_options, versions
+from asyncckpt.core.integration import (Records, dist_env, lifecycle, patching, resolve_options, taking_options,
+                                        versions)
 
 from .saver import AsyncCheckpointSaver
 from .support import FROM_PRETRAINED, SUPPORT
@@ -41,8 +42,9 @@ class AsyncCheckpointCallback(TrainerCallback):
     ``verify`` (default), ``train(resume_from_checkpoint=...)`` and ``load_best_model_at_end`` check the
     checkpoint before anything is loaded from it (the callback must be given to the Trainer's constructor for
     this); ``export`` writes the model with its ``config.json`` and ``generation_config.json`` (a PEFT model's:
-    its adapter), by default to ``output_dir/exports/checkpoint-N``; ``log_metrics`` logs each save's cost
-    through ``Trainer.log``. And these of its own:
+    its adapter), by default to ``output_dir/exports/checkpoint-N``; ``log_metrics`` reports each save's cost to
+    the ``report_to`` integrations (not into ``state.log_history``). ``wait()``, ``pending()``, ``metrics`` and
+    ``close()`` are the words every adapter shares. And these of its own:
 
     Args:
         checkpointer: an ``asyncckpt.core.Checkpointer`` to use, with its own options (you close it): a Trainer
@@ -81,10 +83,27 @@ class AsyncCheckpointCallback(TrainerCallback):
 
     @property
     def metrics(self) -> list[dict]:
-        """Per save: ``step``, ``stall_s`` (seconds the training loop spent in it), ``durable_s`` (from its return
-        to committed on every rank), ``bytes`` and ``staged_wait_s`` (how long the next optimizer steps waited for
-        the overlapped ``optimizer.pt`` snapshot), as logged."""
-        return self.saver.metrics.history if self.saver is not None else []
+        """Per save: ``step``, ``stall_s`` (seconds the training loop spent in it), ``waited_s`` (of it, for an earlier
+        checkpoint), ``durable_s`` (from its return to committed on every rank), ``bytes`` and ``staged_wait_s`` (how
+        long the next optimizer steps waited for the overlapped ``optimizer.pt`` snapshot), as reported."""
+        return self.saver.metrics.history if self.saver is not None else Records()
+
+    def wait(self) -> None:
+        """Block until every checkpoint saved so far is committed (and rotated); raise the first failure."""
+        self.checkpointer.wait()
+
+    def pending(self) -> list[str]:
+        """Paths with a save, removal or upload not done yet, oldest first."""
+        return [handle.path for handle in self.checkpointer.pending()]
+
+    def close(self) -> None:
+        """After the last ``train()``: wait for every save, stop the writer and free the staging buffers (pinned host
+        memory, up to ``max_in_flight`` copies of the checkpoint, which the end of ``train()`` keeps for the next one;
+        a later save allocates them again). A ``checkpointer`` you gave is yours to close: it is only waited for."""
+        if self.owns_checkpointer:
+            self.checkpointer.teardown(free_buffers=True)
+        else:
+            self.checkpointer.wait()
 
     # ------------------------------------------------------------------ Trainer events
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -22,8 +22,9 @@ into ``checkpoint-N`` are committed with the checkpoint. Where it cannot work ag
 reads the checkpoint back when ``super()`` returns, before it is written; the folder exists already), it runs as
 it is, synchronously, with one warning.
 
-Each save's stall, time to durable and bytes go to the Trainer's own ``log`` (``checkpoint_stall_s``, ...: the
-report_to integrations show them as ``train/checkpoint_stall_s``), at the next save and at the end of training.
+Each save's stall, time to durable and bytes go to the Trainer's ``report_to`` integrations (``checkpoint_stall_s``,
+...: TensorBoard and W&B show them as ``train/checkpoint_stall_s``), at the next save and at the end of training, but
+not into ``state.log_history`` (``_log_metrics`` says why).
 """
 from __future__ import annotations
 
@@ -39,14 +40,18 @@ from typing import Any, Callable, Optional
 
 import safetensors.torch
 import transformers.modeling_utils as modeling_utils
+from transformers.integrations import INTEGRATION_TO_CALLBACK
 from transformers.trainer import OPTIMIZER_NAME, TRAINER_STATE_NAME, Trainer
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+from transformers.utils import logging as transformers_logging
 
 from asyncckpt.core import Checkpointer
 from asyncckpt.core.integration import SaveMetrics, capture, collectives, patching, resume, saving
 
+_trainer_logger = transformers_logging.get_logger("transformers.trainer")  # where the Trainer logs its own failures
+_INTEGRATIONS = tuple(INTEGRATION_TO_CALLBACK.values())  # the report_to callbacks: TensorBoard, W&B, MLflow, ...
 _CHECKPOINT_STEP = resume.numbered(re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$"), directories=True)
 
 
@@ -104,9 +109,20 @@ class AsyncCheckpointSaver:
         self._log_metrics()
 
     def _log_metrics(self, *, final: bool = False) -> None:
-        """The records of committed saves, into the Trainer's ``log`` (and so its report_to integrations)."""
-        for record in self.metrics.ready(final=final):
-            self.trainer.log({f"checkpoint_{name}": value for name, value in record.items() if value is not None})
+        """The records of committed saves, to the Trainer's ``report_to`` integrations (TensorBoard, W&B, MLflow, ...):
+        their ``on_log``, called as ``Trainer.log`` calls it. Not through ``Trainer.log`` itself: that would add them
+        to ``state.log_history``, which every ``trainer_state.json`` keeps and a resumed run must reproduce, with
+        values that differ from run to run, and to what the other callbacks (printers, the user's) see."""
+        records = self.metrics.ready(final=final)
+        handler = self.trainer.callback_handler
+        integrations = [callback for callback in handler.callbacks if isinstance(callback, _INTEGRATIONS)]
+        if not (records and integrations):
+            return
+        reporting = copy.copy(handler)
+        reporting.callbacks = integrations
+        for record in records:
+            reporting.on_log(self.trainer.args, self.trainer.state, copy.copy(self.trainer.control),
+                             {f"checkpoint_{name}": value for name, value in record.items() if value is not None})
 
     def _save(self, trial: Any) -> None:
         run_dir = self.trainer._get_output_dir(trial=trial)
@@ -223,7 +239,17 @@ class AsyncCheckpointSaver:
                                  ) if args.should_save else []
         saving.finish(self.checkpointer, tx, stage_later=files.stage_deferred if files.deferred else None, removals=doomed)
         if args.push_to_hub:  # async: the upload needs the files: it runs once this checkpoint committed, in order
-            self.checkpointer.after_commit(tx.handle, self.trainer._push_from_checkpoint)
+            self.checkpointer.after_commit(tx.handle, self._push)
+
+    def _push(self, checkpoint_folder: str) -> None:
+        """The Trainer's push of a committed checkpoint. A failure (the network, the token, the repository) is logged
+        by the Trainer's logger and training goes on, as when the Trainer's own upload (a future) fails: the
+        checkpoint is committed, only its upload is lost; the next save's push uploads the newest again."""
+        try:
+            self.trainer._push_from_checkpoint(checkpoint_folder)
+        except Exception as error:  # noqa: BLE001 - an upload never stops training
+            _trainer_logger.error("asyncckpt: uploading %s to the Hub failed (training goes on; the checkpoint is "
+                                  "saved locally): %s: %s", checkpoint_folder, type(error).__name__, error)
 
     def _on_save_after_commit(self, original: Callable) -> Callable:
         """The callbacks' ``on_save`` for a checkpoint saved asynchronously runs once it committed (on the

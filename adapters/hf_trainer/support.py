@@ -26,6 +26,8 @@ SUPPORT = Support(
         "transformers.trainer:Trainer.store_flos": Called("(self)"),
         "transformers.trainer:Trainer.train": Called("(self, resume_from_checkpoint, trial, ignore_keys_for_eval)"),
         "transformers.trainer:Trainer._push_from_checkpoint": Called("(self, checkpoint_folder)"),
+        # the save metrics go to the report_to integrations' on_log, as Trainer.log sends them (saver._log_metrics)
+        "transformers.trainer_callback:CallbackHandler.on_log": Called("(self, args, state, control, logs, **kwargs)"),
         "transformers.trainer_utils:sort_checkpoints": Called("(output_dir, checkpoint_prefix, use_mtime, best_model_checkpoint)"),
         "transformers.modeling_utils:safe_save_file": Called("(tensors, filename, metadata)"),
         "safetensors.torch:save_file": Called("(tensors, filename, metadata)"),

@@ -79,7 +79,7 @@ class AsyncCkptIO(CheckpointIO):
         super().__init__()
         self.sync_patterns, self.sync_on_exception = tuple(sync_patterns), sync_on_exception
         self.checkpointer = Checkpointer(resolve_options(type(self).__name__, options, kwargs)[0])
-        self.metrics = SaveMetrics(self.checkpointer)
+        self._metrics = SaveMetrics(self.checkpointer)
         self.picked_by_lightning: Optional[str] = None  # the path Lightning resolved "last"/"best"/"hpc" to
         self.trainer: Optional[Any] = None  # the Trainer whose strategy holds it (its loggers get the metrics)
         self._last_save: Optional[SaveHandle] = None  # removals wait for it
@@ -87,16 +87,22 @@ class AsyncCkptIO(CheckpointIO):
 
     def __getstate__(self) -> dict:  # the Checkpointer pickles as its options
         return {**self.__dict__, "_last_save": None, "picked_by_lightning": None, "trainer": None,
-                "metrics": None}
+                "_metrics": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.metrics = SaveMetrics(self.checkpointer)
+        self._metrics = SaveMetrics(self.checkpointer)
         integration.install(AsyncCkptIO, versions.require(SUPPORT))
 
     @property
     def options(self) -> CheckpointOptions:
         return self.checkpointer.options
+
+    @property
+    def metrics(self) -> list[dict]:
+        """Every save's record (``step``, ``stall_s``, ``waited_s``, ``durable_s``, ``bytes``, ``staged_wait_s``), as the
+        Trainer's loggers get them (docs/options.md); Fabric's user logs them from here."""
+        return self._metrics.history
 
     def __repr__(self) -> str:
         return f"AsyncCkptIO({self.options}, pending={len(self.pending())})"
@@ -161,6 +167,15 @@ class AsyncCkptIO(CheckpointIO):
         """Paths with a save, removal or link not done yet, oldest first."""
         return [handle.path for handle in self.checkpointer.pending()]
 
+    def close(self) -> None:
+        """After the last run: ``teardown()``, and free the staging buffers (pinned host memory, up to
+        ``max_in_flight`` copies of the checkpoint, which ``teardown`` keeps for the next run; a later save allocates
+        them again). On every process, as ``teardown``."""
+        try:
+            self.teardown()
+        finally:
+            self.checkpointer.teardown(free_buffers=True)
+
     def link(self, target: str, linkpath: str) -> None:
         """``save_last="link"``: point ``linkpath`` at ``target`` once the save of ``target``
         (queued last) committed."""
@@ -189,13 +204,13 @@ class AsyncCkptIO(CheckpointIO):
         if any(fnmatch.fnmatch(name, pattern) for pattern in self.sync_patterns) or (
                 self.sync_on_exception and sys.exc_info()[1] is not None):
             handle.result()
-        self.metrics.saved(handle, time.perf_counter() - started)
+        self._metrics.saved(handle, time.perf_counter() - started)
         self._log_metrics()
 
     def _log_metrics(self, *, final: bool = False) -> None:
         """The records of committed saves, to the Trainer's loggers (rank 0's, as Lightning logs)."""
-        records = self.metrics.ready(final=final)
-        if self.trainer is None:  # Fabric: its user logs them (``io.metrics.history``)
+        records = self._metrics.ready(final=final)
+        if self.trainer is None:  # Fabric: its user logs them (``io.metrics``)
             return
         for record in records:
             metrics = {f"checkpoint/{name}": float(value) for name, value in record.items()

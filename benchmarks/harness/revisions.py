@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[2]
+PAGES = REPO / "docs" / "benchmarks"  # the pages (NAME.md), their plots (img/NAME.png) and the index (README.md)
 SOURCE_ENV = "ASYNCCKPT_BENCH_SOURCE"  # the directory a child's asyncckpt modules must come from
 
 

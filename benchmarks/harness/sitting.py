@@ -24,7 +24,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from . import report
 from .machine import LoadMonitor, facts, measure_limits, wait_quiet
-from .revisions import REPO, SOURCE_ENV, Revision, check_source, cleanup, git, resolve
+from .revisions import PAGES, REPO, SOURCE_ENV, Revision, check_source, cleanup, git, resolve
 from .scenario import Scenario, parse_value
 from .util import log, now
 
@@ -202,10 +202,10 @@ def resolve_options(scenario: Scenario, quick: bool, settings: list[str], reps: 
 def paths(scenario: Scenario, name: str, out: Optional[str]) -> tuple[str, str, str]:
     """Where the JSON, the page and the plot go: the project's folders, or all under ``out``."""
     if out:
-        return (os.path.join(out, f"{name}.json"), os.path.join(out, f"benchmarks_{name}.md"),
-                os.path.join(out, "img", f"benchmarks_{name}.png"))
-    return (str(REPO / "benchmarks" / "results" / f"{name}.json"), str(REPO / "docs" / f"benchmarks_{name}.md"),
-            str(REPO / "docs" / "img" / f"benchmarks_{name}.png"))
+        return (os.path.join(out, f"{name}.json"), os.path.join(out, f"{name}.md"),
+                os.path.join(out, "img", f"{name}.png"))
+    return (str(REPO / "benchmarks" / "results" / f"{name}.json"), str(PAGES / f"{name}.md"),
+            str(PAGES / "img" / f"{name}.png"))
 
 
 def run(scenario: Scenario, args) -> int:

@@ -111,7 +111,12 @@ class Checkpointer:
                                     io_threads=options.io_threads, timeout=options.timeout)
         self.tiers = MemoryTiers(options.memory_tier, options.object_store, store=self._store,
                                  queue=self.ledger.queue) if options.memory_tier else None
-        self._advised = False  # the interval advice is logged once (``_committed``)
+        self._advice: Optional[interval.Advice] = None  # from the first durable save's costs (``_committed``)
+        self._advice_logged = False  # once, at the save after it (``_saving``)
+        self._saves: tuple[Optional[float], Optional[tuple[Optional[int], float]], int] = (None, None, 0)  # when the
+        # first checkpoint was saved, (step, when) of the latest, and how many (of different steps): ``_saving``
+        self._warned_slow = False  # a checkpoint took more than half the timeout (``_committed``), said once
+        self._deferred_hooks: dict[str, list[Callable[[SaveHandle], Any]]] = {}  # memory path -> its hooks (``_when_durable``)
         self.stats: Counter = Counter()  # requests by kind, and removals/links queued behind a pending save
         self.closed = False
         self._directories = 0
@@ -299,10 +304,14 @@ class Checkpointer:
         """Remove files or checkpoint directories in the background, after everything queued
         before; with ``after``, only if that save succeeded. A directory is renamed out of every
         name a framework looks at first (into ``hidden_parent`` if given, on the same filesystem),
-        then deleted once the writer has replied."""
+        then deleted once the writer has replied. With ``mirror_to``, their copies there go too (after the same
+        save): the mirror keeps what the framework's retention keeps."""
         paths = tuple(_normalize(p) for p in paths)
         if len({backend_for(p).remote for p in paths}) > 1:
             raise ValueError(f"remove() takes local paths or URLs, not both at once: {paths}")
+        mirror_root = self.options.mirror_to
+        if mirror_root and not backend_for(paths[0]).remote:  # the mirror follows the framework's retention
+            self.remove([posixpath.join(mirror_root, os.path.basename(path)) for path in paths], after=after)
         copies = [copy for copy in map(self.tiers.memory_path, paths) if self._will_exist(copy)] if self.tiers else []
         if copies and backend_for(paths[0]).remote:  # the memory copies of checkpoints in an object store
             self.remove(copies, after=after)
@@ -397,20 +406,51 @@ class Checkpointer:
     def after_commit(self, checkpoint: SaveHandle, action: OnCommit) -> SaveHandle:
         """Run ``action(path)`` once the checkpoint of ``checkpoint`` committed, on the commit-hooks
         thread (in commit order, off the training loop); returns its handle, which fails, like a
-        save, with what ``action`` raises, and is cancelled if the checkpoint does not commit."""
-        return self.hooks.on_commit(checkpoint, action)
+        save, with what ``action`` raises, and is cancelled if the checkpoint does not commit. With the memory
+        tier, ``path`` is where the checkpoint was asked for, once it is there (``_when_durable``)."""
+        path = self._asked_for(checkpoint)
+        return self._when_durable(checkpoint, "hook", lambda _handle: action(path))
+
+    def _asked_for(self, checkpoint: SaveHandle) -> str:
+        """Where ``checkpoint`` was asked for: its path, or, saved in the memory tier, its durable one."""
+        placed = self.tiers.placement(checkpoint.path) if self.tiers is not None else None
+        return placed.durable if placed is not None else checkpoint.path
+
+    def _when_durable(self, checkpoint: SaveHandle, kind: str, action: Callable[[SaveHandle], None], *,
+                      label: Optional[str] = None, done_by_action: bool = False) -> SaveHandle:
+        """``hooks.after(checkpoint, kind, action)``, once the checkpoint is where it was asked for: code acting on a
+        committed checkpoint (exporting it, uploading it, reading its files) finds it there. With the memory tier,
+        that is after its durable copy, on the rank that writes it (the other ranks, and checkpoints that stay in
+        memory only, run nothing); a checkpoint in memory only whose copy the end of the run writes runs it then
+        (``_finish_memory_tier``)."""
+        placed = self.tiers.placement(checkpoint.path) if self.tiers is not None else None
+        if placed is None:  # saved where it was asked for
+            return self.hooks.after(checkpoint, kind, action, label=label, done_by_action=done_by_action)
+
+        def run(handle: SaveHandle) -> None:
+            persist = next((d for d in checkpoint.dependents if d.kind == "persist"), None)
+            if persist is not None and persist.wait() and persist.exception() is None:
+                return action(handle)
+            if persist is None:  # in memory only, for now: if the end of the run writes it, then
+                self._deferred_hooks.setdefault(placed.memory, []).append(
+                    lambda durable: self.hooks.after(durable, kind, action, label=label, done_by_action=done_by_action))
+            if done_by_action:  # nothing to act on here (a failed copy raises through its own handle)
+                self.ledger.complete(handle, None)
+
+        return self.hooks.after(checkpoint, kind, run, label=label, done_by_action=done_by_action)
 
     def _queue_commit_work(self, checkpoint: SaveHandle) -> None:
         """What runs once a checkpoint being saved committed, off the training loop: the ``on_commit`` code, and
-        (rank 0's) its export."""
+        (rank 0's) its export; with the memory tier, where it was asked for, after its durable copy."""
         options = self.options
         if options.on_commit is not None:
-            self.hooks.on_commit(checkpoint, options.on_commit)
+            self.after_commit(checkpoint, options.on_commit)
         if options.export is not None and checkpoint.rank == 0:
-            target = options.export.target_for(checkpoint.path)
-            request = ExportRequest(checkpoint.path, target, options.export)
-            self.hooks.after(checkpoint, "export", lambda handle: self.ledger.queue.submit([(handle, request, None)]),
-                             label=f"to {target}", done_by_action=True)
+            source = self._asked_for(checkpoint)
+            target = options.export.target_for(source)
+            request = ExportRequest(source, target, options.export)
+            self._when_durable(checkpoint, "export", lambda handle: self.ledger.queue.submit([(handle, request, None)]),
+                               label=f"to {target}", done_by_action=True)
 
     def _follow_ups(self, checkpoint: SaveHandle) -> list[tuple]:
         """Writer jobs handed over together with a checkpoint's own request, so that they run right behind it and
@@ -633,19 +673,24 @@ class Checkpointer:
         if self.tiers is not None:
             self.tiers.connect()
 
-    def teardown(self) -> None:
+    def teardown(self, *, free_buffers: bool = False) -> None:
         """Drain, then stop the writer process and every thread of ours (a framework's run ended);
-        the staging buffers and plans are kept for the next run. Raises a failure nobody has seen. A directory
-        begun and never committed (an interrupt between its files and its commit) is aborted first: the writer
-        discards what it staged, and nothing of it is left beside the framework's checkpoints."""
+        the staging buffers and plans are kept for the next run, unless ``free_buffers``: then the buffers (shared,
+        pinned host memory, up to ``max_in_flight`` copies of the checkpoint) are freed, and a later save allocates
+        them again. Raises a failure nobody has seen. A directory begun and never committed (an interrupt between
+        its files and its commit) is aborted first: the writer discards what it staged, and nothing of it is left
+        beside the framework's checkpoints."""
         try:
             self.stager.wait()  # a commit left to the staging thread lands first
             for handle in self.ledger.uncommitted():
                 handle.transaction.abandon()
             self.wait()
             self._finish_memory_tier()
+            self._log_advice()  # if no save came after the first durable one
         finally:
             self._stop_threads()
+            if free_buffers:
+                self.buffers.close()
 
     def _finish_memory_tier(self) -> None:
         """The end of a run: the checkpoints only in memory are written durably (by rank 0, which publishes
@@ -656,8 +701,11 @@ class Checkpointer:
         rank, world = rank_and_world(self.process_group)
         for placed in self.tiers.unpersisted() if rank == 0 else []:
             if os.path.lexists(placed.memory):
-                self._queue_after("persist", placed.durable, self.tiers.copy_request(placed.memory, placed.durable),
-                                  None)
+                persist = self._queue_after("persist", placed.durable,
+                                            self.tiers.copy_request(placed.memory, placed.durable), None)
+                for schedule in self._deferred_hooks.pop(placed.memory, []):  # its on_commit code and export, now
+                    schedule(persist)
+        self._deferred_hooks.clear()
         self.wait(everywhere=True)
         self.tiers.clear(remove=int(os.environ.get("LOCAL_RANK", rank)) == 0)
 
@@ -715,20 +763,61 @@ class Checkpointer:
         return None if self.tiers is None else self.tiers.file_buffers(path)
 
     def _committed(self, handle: SaveHandle, seconds: float) -> None:
-        """A checkpoint (or its durable copy) is done: at the first that is durable, one log line with the
-        checkpoint interval this run's measured costs make the least lossy (``interval``)."""
+        """A checkpoint (or its durable copy) is done: one warning if it took more than half the ``timeout`` (a
+        larger checkpoint, or slower storage, would make the waits for it give up); at the first that is durable,
+        the checkpoint interval this run's measured costs make the least lossy (``interval``), logged at the next
+        save, which tells how often this run saves."""
         handle.timings["committed_s"] = seconds
-        if self._advised or handle.exception() is not None:
+        if handle.exception() is not None:
+            return
+        if seconds > self.timeout / 2 and not self._warned_slow:
+            self._warned_slow = True
+            logger.warning("asyncckpt: %s took %.0f s to be committed, more than half of timeout=%.0f s, which bounds "
+                           "each wait for it and a writer that finishes it after a crash: set timeout to at least 3x "
+                           "that (%.0f s) for checkpoints this size on this storage (docs/troubleshooting.md)",
+                           handle.describe().removeprefix("saving "), seconds, self.timeout, 3 * seconds)
+        if self._advice is not None:
             return
         memory = handle.after if handle.kind == "persist" else None
         if memory is None and self.tiers is not None and self.tiers.placement(handle.path) is not None:
             return  # in memory: its durable copy, if any, says it
-        self._advised = True
         saved = memory or handle
-        stall = sum(saved.timings.get(part, 0.0) for part in ("waited_s", "prepare_s", "copy_s"))
+        if "stall_s" in saved.timings:  # an adapter's framework call, timed whole (``SaveMetrics.saved``)
+            stall = saved.timings["stall_s"]
+        elif saved.kind == "directory":  # the framework's own code snapshots its files: its adapter times it
+            return
+        else:
+            stall = sum(saved.timings.get(part, 0.0) for part in ("waited_s", "prepare_s", "copy_s"))
         memory_commit = saved.timings.get("committed_s", seconds) - stall if memory is not None else None
-        logger.info("%s", interval.advice(stall, seconds - (0.0 if memory is not None else stall),
-                                          self.options.failures_per_day, memory_commit))
+        self._advice = interval.advice(stall, seconds - (0.0 if memory is not None else stall),
+                                       self.options.failures_per_day, memory_commit)
+
+    def _saving(self, step: Optional[int]) -> None:
+        """A checkpoint of ``step`` is being saved: the run's saves (of different steps) so far tell its interval;
+        once the interval advice is known, it is logged at the next save (``_log_advice``)."""
+        now = time.monotonic()
+        first, last, count = self._saves
+        if last is not None and step is not None and step == last[0]:
+            return  # another file of the same step (Lightning's last.ckpt beside its top-k file)
+        self._saves = (first if first is not None else now, (step, now), count + 1)
+        if self._advice is not None and count >= 1:
+            self._log_advice()
+
+    def _log_advice(self) -> None:
+        """The interval advice, once, with the interval this run saves at (from its saves so far): a warning where the
+        run saves more than twice or less than half as often as the least-loss interval (where users see it), else
+        at INFO (``logging.getLogger("asyncckpt")``)."""
+        if self._advice is None or self._advice_logged:
+            return
+        self._advice_logged = True
+        first, last, count = self._saves
+        if count < 2:
+            logger.info("%s", self._advice.line)
+            return
+        every = (last[1] - first) / (count - 1)
+        far = not self._advice.seconds / 2 <= every <= 2 * self._advice.seconds
+        logger.log(logging.WARNING if far else logging.INFO, "%s; this run saves every %s", self._advice.line,
+                   interval.human(every))
 
     def _check_open(self) -> None:
         if self.closed:
@@ -741,6 +830,8 @@ class Checkpointer:
         if kind in ("save", "file", "directory") and not backend_for(path).remote:
             orphans.wait_for_orphans(os.path.dirname(path), self.timeout)  # never save over what one commits
         self.stats[kind] += 1
+        if kind in ("save", "file", "directory"):
+            self._saving(details.get("step"))
         admitted = time.perf_counter()
         handle = self.ledger.admit(kind, path, **details)
         if handle.is_checkpoint or kind == "persist":  # seconds from the save call (or the persist's queueing) to commit

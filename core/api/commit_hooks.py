@@ -59,10 +59,6 @@ class CommitHooks:
         checkpoint.when_done(committed)
         return handle
 
-    def on_commit(self, checkpoint: "SaveHandle", hook: OnCommit) -> "SaveHandle":
-        """Run ``hook(path)`` once ``checkpoint`` committed; its handle fails with what it raises."""
-        return self.after(checkpoint, "hook", lambda _handle: hook(checkpoint.path))
-
     def _submit(self, run: Callable[[], None]) -> None:
         with self._lock:
             if self._executor is None:

@@ -39,21 +39,30 @@ def least_loss(stall_s: float, safe_after_s: float, restart_s: float, failures_p
     return Interval(seconds, safe_after_s, lost, DAY_S / seconds * stall_s + failures_per_day * lost)
 
 
+@dataclass(frozen=True)
+class Advice:
+    """The line a run logs, and the interval it recommends for that run (with the memory tier, the tier's)."""
+
+    line: str
+    seconds: float
+
+
 def advice(stall_s: float, durable_s: float, failures_per_day: float,
-           memory_commit_s: Optional[float] = None) -> str:
-    """One line: the least-loss interval from this run's costs, without the memory tier and with it (a restart
-    from storage takes about as long as the write did; from memory, as long as the memory commit did)."""
+           memory_commit_s: Optional[float] = None) -> Advice:
+    """The least-loss interval from this run's costs, without the memory tier and with it (a restart from storage
+    takes about as long as the write did; from memory, as long as the memory commit did)."""
     durable = least_loss(stall_s, durable_s, durable_s, failures_per_day)
     line = (f"asyncckpt: at {failures_per_day:g} failure(s) a day (failures_per_day), checkpointing every "
-            f"{_human(durable.seconds)} loses the least work (Young/Daly; this run: stall {stall_s:.3f} s, durable in "
-            f"{durable_s:.1f} s): {_human(durable.lost_per_failure_s)} lost per failure")
-    if memory_commit_s is not None:
-        memory = least_loss(stall_s, memory_commit_s, memory_commit_s, failures_per_day)
-        line += (f"; with the memory tier (committed in memory in {memory_commit_s:.2f} s) every "
-                 f"{_human(memory.seconds)}, {_human(memory.lost_per_failure_s)} lost per process restart")
-    return line
+            f"{human(durable.seconds)} loses the least work (Young/Daly; this run: stall {stall_s:.3f} s, durable in "
+            f"{durable_s:.1f} s): {human(durable.lost_per_failure_s)} lost per failure")
+    if memory_commit_s is None:
+        return Advice(line, durable.seconds)
+    memory = least_loss(stall_s, memory_commit_s, memory_commit_s, failures_per_day)
+    line += (f"; with the memory tier (committed in memory in {memory_commit_s:.2f} s) every "
+             f"{human(memory.seconds)}, {human(memory.lost_per_failure_s)} lost per process restart")
+    return Advice(line, memory.seconds)
 
 
-def _human(seconds: float) -> str:
+def human(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else \
         f"{seconds / 3600:.1f} h"

@@ -103,7 +103,7 @@ class CheckpointOptions:
             ``.ckpt`` under DDP, Accelerate's and the Trainer's model and optimizer files): ``"job"``, each byte once
             per job, split across the ranks, then shared over the process group; ``"node"``, split across one rank
             per node (where the network between nodes is slower than the storage); ``"off"``, every rank reads
-            everything (``loading.cooperative``; docs/benchmarks_resume.md).
+            everything (``loading.cooperative``; docs/benchmarks/resume.md).
         failures_per_day: how often the job fails (any cause), for the one log line at the first durable save
             that gives the checkpoint interval losing the least work at this run's measured costs (Young/Daly,
             ``api.interval``; docs/memory_tier.md). One a day by default.

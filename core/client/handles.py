@@ -102,10 +102,17 @@ class SaveHandle:
         try:
             self._future.exception(limit)
         except FutureTimeout:
-            raise CheckpointTimeoutError(f"asyncckpt: {self.describe()}: not done after {limit:.0f}s",
-                                         path=self.path, step=self.step, rank=self.rank) from None
+            raise self.timeout_error(limit) from None
         self.observed = True
         return self._future.result(0)
+
+    def timeout_error(self, limit: float) -> CheckpointTimeoutError:
+        """What a wait of ``limit`` seconds for this work raises: what it waited for, and how to size ``timeout``."""
+        size = f"; {self.nbytes / (1 << 30):.2f} GiB from this rank" if self.nbytes else ""
+        return CheckpointTimeoutError(
+            f"asyncckpt: {self.describe()}: not done after {limit:.0f}s{size}. The timeout option bounds each wait for "
+            "a checkpoint: set it to at least 3x the time your checkpoints take to be committed on this storage "
+            "(docs/troubleshooting.md)", path=self.path, step=self.step, rank=self.rank)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait (bounded) without taking the outcome; False if still not done."""

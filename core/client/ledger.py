@@ -132,9 +132,7 @@ class Ledger:
     def settle(self, handle: SaveHandle, timeout: Optional[float] = None) -> None:
         """Wait (bounded) for ``handle``; one still not done is reported as a timeout."""
         if not handle.wait(timeout):
-            error = CheckpointTimeoutError(f"asyncckpt: {handle.describe()}: not done after "
-                                           f"{handle.default_timeout if timeout is None else timeout:.0f}s",
-                                           path=handle.path, step=handle.step, rank=handle.rank)
+            error = handle.timeout_error(handle.default_timeout if timeout is None else timeout)
             timed_out = SaveHandle(handle.kind, handle.path, rank=handle.rank, timeout=0)
             timed_out.finish(error)
             with self._lock:

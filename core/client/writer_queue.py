@@ -11,7 +11,7 @@ the next submit starts a new one and registers the staging buffers with it again
 on first use and then left with nothing to do for ``idle_timeout`` seconds stops by itself (saves
 made outside a framework's run), so none idles until the interpreter exits; one started for a run
 (``start(hold=True)``: the adapters do at the run's start) stays until ``stop()``, so the saves of
-a run never pay for its restart (docs/benchmarks_survival.md).
+a run never pay for its restart (docs/benchmarks/survival.md).
 
 A reader thread takes the writer's replies and completes the handles (``on_outcome``). It also
 runs the writer's barrier calls against the torch.distributed Store (``barrier.StoreBarrier``):

@@ -37,8 +37,9 @@ class ExportOptions:
         peft: a PEFT LoRA checkpoint (``adapter_model.safetensors``) is exported as ``"adapter"`` (alone, for
             ``PeftModel.from_pretrained``) or ``"merged"`` (its base model with the adapter merged in, as
             ``merge_and_unload`` gives it, for ``AutoModel*.from_pretrained``; reads the base model from
-            ``base_model`` or the adapter config's ``base_model_name_or_path``, a local directory; needs torch).
-        base_model: the base model's directory, for ``peft="merged"``.
+            ``base_model`` or the adapter config's ``base_model_name_or_path``; needs torch).
+        base_model: for ``peft="merged"``: the base model's directory or its Hugging Face Hub id (fetched into the
+            Hub's cache, as ``from_pretrained`` would); default: the adapter config's.
     """
 
     directory: Optional[str] = None

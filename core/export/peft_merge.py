@@ -2,11 +2,11 @@
 
 A Trainer checkpoint of a PEFT model holds the adapter alone (``adapter_model.safetensors`` and
 ``adapter_config.json``); its base model is wherever ``base_model_name_or_path`` (or the export's
-``base_model``) says, a local directory of safetensors files. Each weight a LoRA adapter targets is
-exported as ``peft``'s ``merge_and_unload`` computes it (``LoraLayer.get_delta_weight`` and
-``merge``): ``W + transpose(B @ A, fan_in_fan_out) * scaling`` with ``scaling = lora_alpha / r``
-(``/ sqrt(r)`` with rsLoRA), in float32 for half-precision weights on the CPU, so the export equals
-the merged model bit for bit. Computed one weight at a time when the export reaches it. Adapters
+``base_model``) says: a local directory of safetensors files, or a Hugging Face Hub id fetched into the Hub's
+cache. Each weight a LoRA adapter targets is exported as ``peft``'s ``merge_and_unload`` computes it
+(``LoraLayer.get_delta_weight`` and ``merge``): ``W + transpose(B @ A, fan_in_fan_out) * scaling`` with
+``scaling = lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA), in float32 for half-precision weights on the CPU, so the
+export equals the merged model bit for bit. Computed one weight at a time when the export reaches it. Adapters
 ``merge_and_unload`` handles otherwise (DoRA, per-module ranks or alphas) are refused by name.
 """
 from __future__ import annotations
@@ -35,6 +35,23 @@ def _tensor(source: Source, key: str) -> torch.Tensor:
         torch.empty(tensor.shape, dtype=getattr(torch, tensor.dtype))
 
 
+def _base_model_dir(adapter: Source, name: str) -> str:
+    """The base model's directory: ``name`` itself, or a Hugging Face Hub id (``org/model``, what adapter configs
+    hold) fetched into the Hub's cache as ``from_pretrained`` would (its safetensors and JSON files; the environment's
+    token, ``HF_HUB_OFFLINE``, ``HF_HOME``)."""
+    if os.path.isdir(name):
+        return name
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, allow_patterns=["*.safetensors", "*.json"])
+    except Exception as error:  # noqa: BLE001 - said with the way out
+        raise CheckpointWriteError(f"{adapter.path}: its base model {name!r} is neither a local directory nor a model "
+                                   f"the Hugging Face Hub gave ({type(error).__name__}: {error}): give "
+                                   "ExportOptions(base_model=<the base model's directory>) to merge",
+                                   path=adapter.path) from error
+
+
 def merged(adapter: Source, base_model: str | None) -> Source:
     """The base model's tensors, with every LoRA-targeted weight merged (names as the base model's)."""
     with open(os.path.join(adapter.files_dir, "adapter_config.json")) as f:
@@ -46,10 +63,10 @@ def merged(adapter: Source, base_model: str | None) -> Source:
                                    f"{config.get('peft_type')}, use_dora={config.get('use_dora')}, rank_pattern="
                                    f"{config.get('rank_pattern')}, alpha_pattern={config.get('alpha_pattern')}); export "
                                    "the adapter alone (peft='adapter')", path=adapter.path)
-    base = sources.find(base_path) if base_path and os.path.isdir(base_path) else None
+    base = sources.find(_base_model_dir(adapter, base_path)) if base_path else None
     if base is None:
-        raise CheckpointWriteError(f"{adapter.path}: its base model {base_path!r} is not a local directory of "
-                                   "safetensors files: give ExportOptions(base_model=...) to merge", path=adapter.path)
+        raise CheckpointWriteError(f"{adapter.path}: its base model {base_path!r} is not a directory of safetensors "
+                                   "files: give ExportOptions(base_model=...) to merge", path=adapter.path)
     rank, alpha = config["r"], config["lora_alpha"]
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     tensors = dict(base.tensors)

@@ -40,11 +40,11 @@ class ExportRequest:
 
 def on_idle_cpu(work: Callable[[], object]) -> None:
     """Run ``work`` in a thread of its own scheduled ``SCHED_IDLE``: the export takes the CPU time the
-    training loop leaves, rather than competing with it (docs/benchmarks_export.md). A thread of its
+    training loop leaves, rather than competing with it (docs/benchmarks/export.md). A thread of its
     own, because an unprivileged thread cannot leave ``SCHED_IDLE`` again; where the policy is refused,
     it runs as usual (a child process it starts inherits the policy). The writer's scheduling group
     (``writer.priority``) is at the lowest priority meanwhile, whatever idle CPU the node has: an export is
-    never urgent (what it cost training without that: docs/benchmarks_export.md). What ``work`` raises is
+    never urgent (what it cost training without that: docs/benchmarks/export.md). What ``work`` raises is
     raised here."""
     failure: list[BaseException] = []
 

@@ -11,7 +11,8 @@ adapter would otherwise write for itself is here, once:
   be overlapped), ``tensor_bytes``, ``checksum``;
 * resuming: ``resume`` (the one resume sequence: wait, restore a mirrored checkpoint, candidates, the first
   intact one, checked as the framework reads it), ``wait_for_orphans``;
-* reporting: ``SaveMetrics`` (each save's stall, time to durable and bytes, for the framework's logger);
+* reporting: ``SaveMetrics`` (each save's stall, time to durable and bytes, for the framework's logger) and
+  ``Records`` (the list of them every adapter hands its user as ``metrics``);
 * the framework itself: ``patching`` (reversible, contract-checked replacements of its functions, against the
   releases ``versions`` names), ``lifecycle`` (waiting for saves in flight, the exit drain), ``dist_env``
   (what the core asks torch.distributed), ``collectives`` (the collectives it runs, on a transport that carries
@@ -28,14 +29,15 @@ from asyncckpt.core.client.handles import SaveHandle
 from asyncckpt.core.formats.checksum import checksum
 from asyncckpt.core.integration import capture, patching, resume, saving, versions
 from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves
-from asyncckpt.core.integration.metrics import SaveMetrics
+from asyncckpt.core.integration.metrics import Records, SaveMetrics
 from asyncckpt.core.snapshot import collectives, dist_env
 from asyncckpt.core.snapshot.file_snapshots import tensor_bytes
 from asyncckpt.core.storage.backend import is_url, normalize as normalize_path
 from asyncckpt.core.storage.orphans import wait_for_orphans
 
 __all__ = [
-    "SaveHandle", "SaveMetrics", "capture", "capturing_dcp_saves", "checksum", "collectives", "dist_env", "is_url",
+    "Records", "SaveHandle", "SaveMetrics", "capture", "capturing_dcp_saves", "checksum", "collectives", "dist_env",
+    "is_url",
     "lifecycle", "normalize_path", "patching", "resolve_options", "resume", "saving", "taking_options", "tensor_bytes",
     "versions", "wait_for_orphans",
 ]

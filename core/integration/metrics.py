@@ -12,14 +12,28 @@ Each record: ``step``, ``stall_s`` (how long the framework's save call blocked t
 waiting for an earlier checkpoint's write: ``max_in_flight``), ``durable_s``, ``bytes``, ``staged_wait_s`` (how
 long the optimizer steps after it waited for what ``overlap_optimizer`` left to the staging thread: the rest of
 its cost to training). The adapters name them in their framework's idiom (``checkpoint/stall_s`` for
-Lightning's and Accelerate's loggers, ``checkpoint_stall_s`` in the Trainer's ``log``).
+Lightning's and Accelerate's loggers, ``checkpoint_stall_s`` for the Trainer's report_to integrations), and every
+adapter hands the records to its user as ``metrics``, a list (``Records``).
 """
 from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import deque
 from typing import Any, Optional
+
+
+class Records(list):
+    """Every save's record, oldest first: an adapter's ``metrics``. ``.history`` is the old spelling (Lightning's and
+    Accelerate's ``metrics.history``), kept for one release with a ``FutureWarning``."""
+
+    @property
+    def history(self) -> "Records":
+        warnings.warn("asyncckpt: metrics.history is deprecated and will be removed in the next release: metrics is "
+                      "the list of records itself (the same in every adapter)", FutureWarning, stacklevel=2)
+        return self
+
 
 class SaveMetrics:
     """The records of one adapter's saves, handed out in save order once complete."""
@@ -27,15 +41,20 @@ class SaveMetrics:
     def __init__(self, checkpointer: Any) -> None:
         self.checkpointer = checkpointer
         self.enabled = checkpointer.options.log_metrics
-        self.history: list[dict] = []  # every record, as they are filled in
+        self.history = Records()  # every record, as they are filled in
         self._open: deque[tuple[Any, dict]] = deque()
         self._latest: Optional[dict] = None  # its staged_wait_s is known at the next save, or at the end
         self._staged_wait_mark = 0.0
         self._lock = threading.Lock()
 
     def saved(self, handle: Optional[Any], stall_s: float) -> None:
-        """The framework's save call that made ``handle`` (a checkpoint's) returned after ``stall_s``."""
-        if not self.enabled or handle is None:
+        """The framework's save call that made ``handle`` (a checkpoint's) returned after ``stall_s``: the stall the
+        core's interval advice uses (a directory's files are snapshot by the framework's own code, which the core
+        does not time)."""
+        if handle is None:
+            return
+        handle.timings["stall_s"] = stall_s
+        if not self.enabled:
             return
         returned = time.perf_counter()
         record = {"step": handle.step, "stall_s": stall_s, "waited_s": handle.timings.get("waited_s", 0.0),

@@ -42,7 +42,7 @@ Why not check first and then let the framework read: the two passes cannot overl
 builds tensors); a check that reads first leaves the disk idle during the load and the CPU idle
 during the check, so a cold resume cost the framework's own load plus a disk read; hashing beside the
 load, on the other core, over the pages the load brings in (or brings them in for it), costs neither
-(docs/benchmarks_resume.md). Files without a checksum (written without
+(docs/benchmarks/resume.md). Files without a checksum (written without
 asyncckpt) are loaded by the framework exactly as it would: there is nothing to check.
 """
 from __future__ import annotations

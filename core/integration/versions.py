@@ -68,7 +68,7 @@ class Support:
     package's extras, the docs and the dev pins are checked against it by the test suite)."""
 
     package: str  # the framework's distribution name
-    extra: str  # the adapter's pip extra (``pip install "asyncckpt[extra]"``)
+    extra: str  # the adapter's pip extra (``pip install ".[extra]"`` in a clone)
     oldest: str  # the oldest release tested: refused below
     newest: str  # the newest release tested: above it, the pins are checked
     copied: Mapping[str, Copied] = field(default_factory=dict)  # "module:Qualified.name" -> Copied
@@ -237,7 +237,7 @@ def _checked(support: Support) -> Release:
     except PackageNotFoundError:
         raise UnsupportedVersionError(
             f"asyncckpt's {support.extra} adapter needs {support.requirement}, which is not installed "
-            f"(pip install 'asyncckpt[{support.extra}]')") from None
+            f"(pip install '{support.requirement}')") from None
     release = Version(Version(installed).base_version)
     if release < Version(support.oldest):
         raise UnsupportedVersionError(

@@ -3,7 +3,7 @@
 A resume used to check a checkpoint file (one pass over its bytes) and then let the framework load it
 (a second pass). With a cold page cache the check read the file from the disk and the load read it
 again from the cache, one after the other, so a cold resume cost the framework's own load plus a disk
-read (docs/benchmarks_resume.md). Then the load read through a file object that hashed what it handed
+read (docs/benchmarks/resume.md). Then the load read through a file object that hashed what it handed
 out: one read, but the hash ran on the loader's thread, inside its reads, and the loader no longer read
 the path its own way.
 

@@ -184,7 +184,7 @@ class ObjectStore:
             self.fs, _ = fsspec.core.url_to_fs(url, **(options.storage_options or {}))
         except ImportError as e:
             raise ObjectStoreError(f"{url}: the fsspec filesystem for '{self.protocol}://' is not installed ({e}); "
-                                   "for s3:// install asyncckpt[s3]") from e
+                                   "for s3:// pip install s3fs (asyncckpt's s3 extra)") from e
         self.is_s3 = self.protocol in ("s3", "s3a")
         if not getattr(self.fs, "async_impl", False):
             raise ObjectStoreError(f"{url}: fsspec's '{self.protocol}' filesystem is not asynchronous; asyncckpt "
