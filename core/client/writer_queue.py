@@ -53,11 +53,12 @@ class _Writer:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
         env["OMP_NUM_THREADS"] = "1"  # the writer does I/O, not compute
-        # SIGINT and SIGTERM are blocked in the writer until it ignores them (``process.main``): one that
-        # comes while it starts (a preemption right after the save that started it) must not kill it. The
-        # child inherits this thread's mask; signals for the training process meanwhile stay pending
-        # (or reach its other threads) until the mask is restored, once the child runs.
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        # The signals that would end it are blocked in the writer until it has set its own action for each
+        # (``protocol.WRITER_SIGNALS``, ``process.main``): one that comes while it starts (a preemption right after
+        # the save that started it) must not kill it. The child inherits this thread's mask; signals for the
+        # training process meanwhile stay pending (or reach its other threads) until the mask is restored, once
+        # the child runs. The training process's own actions are left as they are.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, protocol.WRITER_SIGNALS)
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "asyncckpt.core.writer.process", str(child_sock.fileno()), str(os.getpid()),
