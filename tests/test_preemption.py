@@ -10,8 +10,10 @@ frameworks' own paths, each as its scheduler runs it: Lightning's SLURM auto-req
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from asyncckpt import core
+from dist_helper import free_port
 from programs import Program
 from survival_child import ELEMENTS, TENSORS, values
 from test_survival import CHILD, start, wait_until
@@ -152,3 +155,139 @@ def test_signals_to_every_process_of_the_job_lose_no_save_that_returned(tmp_path
                 proc.kill()
                 proc.wait(30)
     wait_until_gone(*(proc.pid for procs in started.values() for proc in procs))
+
+
+# ------------------------------------------------------------------------------------------ Lightning on SLURM
+GRACE_S = 30.0  # SLURM's KillWait and Kubernetes' terminationGracePeriodSeconds, by default
+JOB_ID = "4242"
+SCONTROL = """#!/bin/sh
+echo "$@" >> "$SCONTROL_CALLS"
+"""
+LIGHTNING_SLURM = """
+import os, sys, torch
+import lightning as L
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+from torch.utils.data import DataLoader, TensorDataset
+from asyncckpt.adapters.lightning import AsyncCkptIO
+root, width, plugin, references, signalled_after = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+torch.manual_seed(0)
+class Lit(L.LightningModule):
+    def __init__(self):
+        super().__init__(); self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 1))
+    def training_step(self, batch, batch_idx):
+        x, y = batch; return torch.nn.functional.mse_loss(self.net(x), y)
+    def configure_optimizers(self): return torch.optim.Adam(self.parameters())
+def state(trainer):
+    return {"state_dict": trainer.lightning_module.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
+            "global_step": trainer.global_step}
+class Report(Callback):
+    def on_train_start(self, trainer, module):
+        if trainer.global_step:  # the requeued job, resumed: what it holds, for the test to compare
+            torch.save(state(trainer), os.path.join(references, "resumed.pt"))
+            print(f"RESUMED {trainer.global_step}", flush=True); trainer.should_stop = True
+class Saved(ModelCheckpoint):
+    def _save_checkpoint(self, trainer, filepath):
+        name = os.path.basename(filepath)
+        if name == signalled_after: torch.save(state(trainer), os.path.join(references, name))
+        super()._save_checkpoint(trainer, filepath); print(f"SAVED {name}", flush=True)
+class ReferenceIO(AsyncCkptIO):  # what Lightning's requeue handler saves, also kept by torch.save
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        if os.path.basename(path).startswith("hpc_ckpt"):
+            torch.save({"state_dict": checkpoint["state_dict"], "optimizer": checkpoint["optimizer_states"][0],
+                        "global_step": checkpoint["global_step"]}, os.path.join(references, os.path.basename(path)))
+        super().save_checkpoint(checkpoint, path, storage_options)
+x = torch.randn(4096, 8)
+trainer = L.Trainer(max_steps=100000, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, default_root_dir=root,
+                    plugins=[SLURMEnvironment(auto_requeue=True)] + ([ReferenceIO()] if plugin == "async" else []),
+                    callbacks=[Report(), Saved(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")])
+trainer.fit(Lit(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=2))
+"""
+
+
+def slurm_environment(tmp_path, restarts: int = 0) -> dict:
+    """A SLURM job step of one task, as ``srun`` starts it, with a stand-in ``scontrol`` that records its calls."""
+    bin = tmp_path / "bin"
+    if not bin.exists():
+        bin.mkdir()
+        (bin / "scontrol").write_text(SCONTROL)
+        (bin / "scontrol").chmod(0o755)
+    return {**os.environ, "PATH": f"{bin}:{os.environ['PATH']}", "SCONTROL_CALLS": str(tmp_path / "scontrol-calls"),
+            "SLURM_JOB_ID": JOB_ID, "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1",
+            "SLURM_NNODES": "1", "SLURM_NODELIST": "127.0.0.1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+            "SLURM_NODEID": "0", "SLURM_RESTART_COUNT": str(restarts), "MASTER_PORT": str(free_port()),
+            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def lightning_requeue(tmp_path, width: int, plugin: str = "async") -> dict:
+    """Lightning's SLURM auto-requeue as SLURM runs it: SIGUSR1 to every process of the job right after a save
+    returned (``step=3.ckpt``); Lightning's handler saves ``hpc_ckpt_1.ckpt`` and calls ``scontrol requeue``; the
+    requeue ends the job: SIGTERM to every process, SIGKILL to what is left after the grace period. Returns the
+    figures (seconds from the SIGUSR1 to the hpc checkpoint on disk, from the SIGTERM to the training process's exit)
+    and what is on disk; ``plugin="native"``: Lightning's own synchronous save, for comparison."""
+    root, references = tmp_path / "run", tmp_path / "references"
+    references.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING_SLURM)
+    argv = [sys.executable, str(script), str(root), str(width), plugin, str(references), "step=3.ckpt"]
+    job = Program(argv, tmp_path / "logs", env=slurm_environment(tmp_path))
+    calls, hpc = tmp_path / "scontrol-calls", root / "hpc_ckpt_1.ckpt"
+    try:
+        job.wait_for_line("SAVED step=3.ckpt", timeout=600)
+        everyone = [job.pid, *writers_of(job.pid)]
+        in_flight = in_flight_signal(everyone, signal.SIGUSR1, str(root / "step=3.ckpt"))
+        signalled = time.monotonic()
+        wait_until(lambda: calls.exists() and hpc.exists(), 120, "no requeue and hpc checkpoint after SIGUSR1")
+        hpc_s, requeued = time.monotonic() - signalled, calls.read_text()
+        killed = time.monotonic()  # the requeue ends the job
+        for pid in [job.pid, *writers_of(job.pid)]:
+            os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            job.wait(GRACE_S)
+        exited_s = time.monotonic() - killed
+    finally:
+        for pid in [job.pid, *writers_of(job.pid)]:  # the end of the grace period
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        job.wait(30)
+    wait_until_gone(job.pid)
+    requeued_job = Program(argv, tmp_path / "logs", env=slurm_environment(tmp_path, restarts=1))
+    line = requeued_job.next_line(timeout=600)
+    requeued_job.wait(120)
+    return {"hpc_s": hpc_s, "exited_s": exited_s, "in_flight": in_flight, "requeued": requeued, "resumed": line,
+            "returncode": job.returncode, "error_output": job.error_output(), "references": references, "root": root}
+
+
+def same(reference: dict, found: dict) -> bool:
+    """Whether two states (nested dicts and lists of tensors and values) are equal, bit for bit."""
+    if isinstance(reference, torch.Tensor):
+        return isinstance(found, torch.Tensor) and reference.dtype == found.dtype and torch.equal(reference, found)
+    if isinstance(reference, dict):
+        return isinstance(found, dict) and reference.keys() == found.keys() and all(
+            same(value, found[key]) for key, value in reference.items())
+    if isinstance(reference, (list, tuple)):
+        return len(reference) == len(found) and all(same(a, b) for a, b in zip(reference, found))
+    return reference == found
+
+
+def test_lightning_slurm_auto_requeue_saves_requeues_and_resumes_bit_for_bit(tmp_path):
+    """``SLURMEnvironment(auto_requeue=True)``, SIGUSR1 to every process right after ``step=3.ckpt``'s save returned:
+    Lightning's handler saves ``hpc_ckpt_1.ckpt`` through the plugin and calls ``scontrol requeue`` with the job's id;
+    the requeue's SIGTERM ends the run through Lightning's own path within the grace period, every save committed
+    (``step=3.ckpt`` holding what it was given); the requeued job resumes from ``hpc_ckpt_1.ckpt``, bit for bit."""
+    found = lightning_requeue(tmp_path, width=1 << 20)
+    print({key: found[key] for key in ("hpc_s", "exited_s", "in_flight", "returncode")})
+    assert found["in_flight"], "step=3.ckpt was on disk before the SIGUSR1: it proves nothing"
+    assert found["requeued"].split() == ["requeue", JOB_ID]
+    assert found["exited_s"] < GRACE_S, "the run did not end within the grace period"
+    assert "asyncckpt: " not in found["error_output"], found["error_output"][-3000:]
+    root, references = found["root"], found["references"]
+    for name in ("step=3.ckpt", "hpc_ckpt_1.ckpt"):
+        saved = torch.load(root / name, weights_only=False)
+        kept = {"state_dict": saved["state_dict"], "optimizer": saved["optimizer_states"][0],
+                "global_step": saved["global_step"]}
+        assert same(torch.load(references / name, weights_only=False), kept), name
+    hpc = torch.load(references / "hpc_ckpt_1.ckpt", weights_only=False)
+    assert found["resumed"] == f"RESUMED {hpc['global_step']}"
+    assert same(hpc, torch.load(references / "resumed.pt", weights_only=False))
