@@ -227,7 +227,7 @@ def lightning_requeue(tmp_path, width: int, plugin: str = "async") -> dict:
     figures (seconds from the SIGUSR1 to the hpc checkpoint on disk, from the SIGTERM to the training process's exit)
     and what is on disk; ``plugin="native"``: Lightning's own synchronous save, for comparison."""
     root, references = tmp_path / "run", tmp_path / "references"
-    references.mkdir()
+    references.mkdir(parents=True)
     script = tmp_path / "train.py"
     script.write_text(LIGHTNING_SLURM)
     argv = [sys.executable, str(script), str(root), str(width), plugin, str(references), "step=3.ckpt"]
@@ -291,3 +291,108 @@ def test_lightning_slurm_auto_requeue_saves_requeues_and_resumes_bit_for_bit(tmp
     hpc = torch.load(references / "hpc_ckpt_1.ckpt", weights_only=False)
     assert found["resumed"] == f"RESUMED {hpc['global_step']}"
     assert same(hpc, torch.load(references / "resumed.pt", weights_only=False))
+
+
+# ------------------------------------------------------------------------------------------ the Trainer's JIT checkpoint
+TRAINER_JIT = """
+import os, sys, torch
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
+root, width, plugin, references, mode, kind = sys.argv[1:7]
+torch.manual_seed(0)
+class Toy(Dataset):
+    def __len__(self): return 100000
+    def __getitem__(self, i):
+        x = torch.randn(8, generator=torch.Generator().manual_seed(i)); return {"x": x, "labels": x.sum(0, keepdim=True)}
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__(); self.body = torch.nn.Sequential(torch.nn.Linear(8, int(width)), torch.nn.Linear(int(width), 1))
+    def forward(self, x, labels=None):
+        out = self.body(x); return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+def keep(name, state, model, optimizer):
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "global_step": state.global_step},
+               os.path.join(references, name))
+class Report(TrainerCallback):  # after the Trainer's JIT callback: it sees the JIT save just made
+    saved = False
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if mode == "resume":
+            keep("resumed.pt", state, model, optimizer); print(f"RESUMED {state.global_step}", flush=True)
+            control.should_training_stop = True
+    def _after_jit_save(self, state, control, model, optimizer):
+        if mode == "run" and control.should_training_stop and not self.saved:
+            self.saved = True; keep("jit.pt", state, model, optimizer); print(f"JIT checkpoint-{state.global_step}", flush=True)
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._after_jit_save(state, control, model, optimizer)
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._after_jit_save(state, control, model, optimizer)
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._after_jit_save(state, control, model, optimizer)
+        if state.global_step == 3: print("TRAINING", flush=True)
+class OwnSave(Trainer):  # as TRL's trainers: a _save_checkpoint of its own, calling the Trainer's
+    def _save_checkpoint(self, model, trial): super()._save_checkpoint(model, trial)
+args = TrainingArguments(output_dir=root, per_device_train_batch_size=2, max_steps=100000, save_strategy="no",
+                         enable_jit_checkpoint=True, report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no")
+callbacks = ([AsyncCheckpointCallback()] if plugin == "async" else []) + [Report()]
+trainer = (OwnSave if kind == "subclass" else Trainer)(model=Net(), args=args, train_dataset=Toy(), callbacks=callbacks)
+trainer.train(resume_from_checkpoint=mode == "resume")
+"""
+
+
+def trainer_jit(tmp_path, width: int, plugin: str = "async", kind: str = "trainer", resume: bool = True) -> dict:
+    """``TrainingArguments(enable_jit_checkpoint=True)``: SIGTERM to every process of the job while it trains
+    (SLURM's ``--signal=TERM@<s>`` and ``scancel``; under Kubernetes the training process alone, the first of its
+    container); the Trainer saves ``checkpoint-N`` at its next step (3 s after the signal, its ``kill_wait``) and
+    stops; SIGKILL to what is left after the grace period. Then (``resume``) ``train(resume_from_checkpoint=True)``.
+    Returns the figures (seconds from the SIGTERM to the checkpoint on disk and to the exit) and what is on disk."""
+    root, references = tmp_path / "run", tmp_path / "references"
+    references.mkdir(parents=True)
+    script = tmp_path / "train.py"
+    script.write_text(TRAINER_JIT)
+    argv = [sys.executable, str(script), str(root), str(width), plugin, str(references)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default"}
+    job = Program([*argv, "run", kind], tmp_path / "logs", env=env)
+    try:
+        job.wait_for_line("TRAINING", timeout=600)
+        terminated = time.monotonic()
+        for pid in [job.pid, *writers_of(job.pid)]:
+            os.kill(pid, signal.SIGTERM)
+        saved = job.next_line(timeout=GRACE_S)  # "JIT checkpoint-N", once its save returned
+        path = root / saved.split()[-1]
+        wait_until(lambda: path.exists() or job.poll() is not None, GRACE_S, "no JIT checkpoint within the grace period")
+        committed_s = time.monotonic() - terminated if path.exists() else None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            job.wait(max(0.0, terminated + GRACE_S - time.monotonic()))
+        exited_s = time.monotonic() - terminated
+    finally:
+        for pid in [job.pid, *writers_of(job.pid)]:  # the end of the grace period
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        job.wait(30)
+    wait_until_gone(job.pid)
+    found = {"committed_s": committed_s, "exited_s": exited_s, "path": path, "returncode": job.returncode,
+             "error_output": job.error_output(), "references": references, "lines": job.lines()}
+    if resume:
+        resumed = Program([*argv, "resume", kind], tmp_path / "logs", env=env)
+        resumed.wait(600)
+        found["resumed"] = resumed.lines()[0] if resumed.lines() else resumed.error_output()[-3000:]
+    return found
+
+
+def test_trainer_jit_checkpoint_on_sigterm_commits_within_the_grace_period_and_resumes_bit_for_bit(tmp_path):
+    """``enable_jit_checkpoint=True`` with the callback, SIGTERM to every process: the JIT save is asynchronous (an
+    asyncckpt checkpoint, committed), also where the Trainer's class has its own ``_save_checkpoint`` (TRL's); the
+    run ends within the grace period with it committed, and resumes from it bit for bit."""
+    found = {kind: trainer_jit(tmp_path / kind, 65536, kind=kind, resume=kind == "trainer")
+             for kind in ("trainer", "subclass")}
+    for kind, run in found.items():
+        print(kind, {key: run[key] for key in ("committed_s", "exited_s", "returncode")})
+        assert run["returncode"] == 0 and run["exited_s"] < GRACE_S, (kind, run["error_output"][-3000:])
+        assert "asyncckpt" not in run["error_output"], (kind, run["error_output"][-3000:])  # no failure, no fallback
+        assert core.is_complete(str(run["path"])), kind  # committed by asyncckpt: not Transformers' own save
+        assert os.listdir(run["path"]) and "checkpoint-is-incomplete.txt" not in os.listdir(run["path"])
+        assert any(line.startswith("{'checkpoint_step'") for line in run["lines"]), kind  # the callback's metrics
+    trainer = found["trainer"]
+    saved = torch.load(trainer["references"] / "jit.pt", weights_only=False)
+    assert trainer["resumed"] == f"RESUMED {saved['global_step']}" == f"RESUMED {trainer['path'].name.split('-')[1]}"
+    assert same(saved, torch.load(trainer["references"] / "resumed.pt", weights_only=False))
