@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -396,3 +397,105 @@ def test_trainer_jit_checkpoint_on_sigterm_commits_within_the_grace_period_and_r
     saved = torch.load(trainer["references"] / "jit.pt", weights_only=False)
     assert trainer["resumed"] == f"RESUMED {saved['global_step']}" == f"RESUMED {trainer['path'].name.split('-')[1]}"
     assert same(saved, torch.load(trainer["references"] / "resumed.pt", weights_only=False))
+
+
+# ------------------------------------------------------------------------------------------ Accelerate on Kubernetes
+ACCELERATE_PREEMPTED = """
+import os, signal, sys, torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from asyncckpt.adapters.accelerate import enable_async_checkpointing
+root, width, plugin, references, mode = sys.argv[1:6]
+accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=root, automatic_checkpoint_naming=True))
+if plugin == "async":
+    enable_async_checkpointing(accelerator, memory_tier=True)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, int(width)), torch.nn.Linear(int(width), 1))
+optimizer = torch.optim.Adam(model.parameters())
+model, optimizer = accelerator.prepare(model, optimizer)
+def keep(name):
+    if accelerator.is_main_process:
+        torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict()},
+                   os.path.join(references, name))
+if mode == "resume":
+    accelerator.load_state(); keep("resumed.pt")
+    print(f"RESUMED checkpoint_{accelerator.project_configuration.iteration - 1}", flush=True); sys.exit()
+if mode == "handler":  # docs/accelerate.md, Preemption
+    signal.signal(signal.SIGTERM, lambda *_: accelerator.set_trigger())
+for step in range(1, 100000):
+    accelerator.backward(model(torch.randn(4, 8)).square().mean()); optimizer.step(); optimizer.zero_grad()
+    if mode == "handler" and accelerator.check_trigger():
+        keep("preempted.pt"); name = os.path.basename(accelerator.save_state())
+        print(f"PREEMPTED {name}", flush=True)
+        break
+    if step % 2 == 0:
+        name = os.path.basename(accelerator.save_state())
+        if accelerator.is_main_process: print(f"SAVED {name}", flush=True)
+accelerator.end_training()
+"""
+
+
+def descendants(pid: int) -> list[int]:
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    return []
+
+
+def accelerate_in_a_pod(tmp_path, width: int, plugin: str = "async", mode: str = "handler") -> dict:
+    """A Kubernetes pod, as its runtime stops it: torchrun (2 processes) is the first process of a PID namespace of
+    its own (its exit ends every process of the pod); SIGTERM goes to torchrun alone, which passes it to its workers'
+    process groups (not to their writers); SIGKILL to every process after the grace period. The pod is then replaced:
+    its memory root (``/dev/shm``) is gone, and the new one (torchrun again) resumes with ``load_state()``. ``mode``:
+    "handler", the program does what docs/accelerate.md says (``set_trigger`` on SIGTERM, ``save_state`` and
+    ``end_training``); "none", it keeps the default action. Returns the figures (seconds from the SIGTERM to the
+    pod's end) and what is on disk."""
+    root, references, memory = tmp_path / "run", tmp_path / "references", tmp_path / "shm"
+    references.mkdir(parents=True)
+    script = tmp_path / "train.py"
+    script.write_text(ACCELERATE_PREEMPTED)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "ASYNCCKPT_MEMORY_ROOT": str(memory)}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+    argv = [str(script), str(root), str(width), plugin, str(references)]
+    pod = Program(["unshare", "--pid", "--fork", "--kill-child", *torchrun, str(free_port()), *argv, mode],
+                  tmp_path / "logs", env=env)
+    try:
+        for _ in range(3):  # three saves, the last two in memory only (every fifth is written durably)
+            line = pod.next_line(timeout=600)
+            assert line.startswith("SAVED"), (line, pod.error_output()[-3000:])
+        first = descendants(pod.pid)[0]  # torchrun: PID 1 of the pod
+        terminated = time.monotonic()
+        os.kill(first, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            pod.wait(GRACE_S)
+        ended_s = time.monotonic() - terminated
+    finally:
+        for pid in [*descendants(pod.pid), pod.pid]:  # the end of the grace period
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        pod.wait(30)
+    lines = pod.lines()
+    durable = sorted((name for name in os.listdir(root / "checkpoints") if core.is_complete(str(root / "checkpoints" / name))),
+                     key=lambda name: int(name.split("_")[1]))
+    shutil.rmtree(memory, ignore_errors=True)  # the new pod's /dev/shm
+    resumed = Program([*torchrun, str(free_port()), *argv, "resume"], tmp_path / "logs", env=env)
+    resumed.wait(600)
+    return {"ended_s": ended_s, "lines": lines, "durable": durable, "error_output": pod.error_output(),
+            "resumed": [line for line in resumed.lines() if line.startswith("RESUMED")] or resumed.error_output()[-3000:],
+            "references": references}
+
+
+def test_accelerate_under_torchrun_in_a_pod_keeps_its_newest_checkpoint_through_the_pods_replacement(tmp_path):
+    """Kubernetes, with the memory tier: SIGTERM to the pod's first process (torchrun) alone; the program does what
+    docs/accelerate.md says, so its last checkpoint, saved at the signal, is durable when the pod ends, within the
+    grace period; the replaced pod, without the old one's memory, resumes from it bit for bit."""
+    found = accelerate_in_a_pod(tmp_path, 65536)
+    print({key: found[key] for key in ("ended_s", "durable", "resumed", "lines")})
+    assert found["ended_s"] < GRACE_S, found["error_output"][-3000:]
+    preempted = [line.split()[1] for line in found["lines"] if line.startswith("PREEMPTED")]
+    assert len(set(preempted)) == 1, (found["lines"], found["error_output"][-3000:])  # both ranks, the same save
+    assert found["durable"][-1] == preempted[0], found["durable"]
+    assert set(found["resumed"]) == {f"RESUMED {preempted[0]}"}, found["resumed"]
+    assert same(torch.load(found["references"] / "preempted.pt", weights_only=False),
+                torch.load(found["references"] / "resumed.pt", weights_only=False))
