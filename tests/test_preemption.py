@@ -187,9 +187,10 @@ class Report(Callback):
         if trainer.global_step:  # the requeued job, resumed: what it holds, for the test to compare
             torch.save(state(trainer), os.path.join(references, "resumed.pt"))
             print(f"RESUMED {trainer.global_step}", flush=True); trainer.should_stop = True
-class Saved(ModelCheckpoint):
+class Saved(ModelCheckpoint):  # every step up to the one the signal follows
     def _save_checkpoint(self, trainer, filepath):
         name = os.path.basename(filepath)
+        if trainer.global_step > int(signalled_after[len("step="):-len(".ckpt")]): return
         if name == signalled_after: torch.save(state(trainer), os.path.join(references, name))
         super()._save_checkpoint(trainer, filepath); print(f"SAVED {name}", flush=True)
 class ReferenceIO(AsyncCkptIO):  # what Lightning's requeue handler saves, also kept by torch.save
