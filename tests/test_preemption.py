@@ -10,6 +10,7 @@ frameworks' own paths, each as its scheduler runs it: Lightning's SLURM auto-req
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -24,13 +25,14 @@ import torch
 from asyncckpt import core
 from dist_helper import free_port
 from programs import Program
-from survival_child import ELEMENTS, TENSORS, values
-from test_survival import CHILD, start, wait_until
+from survival_child import TENSORS, values
+from test_survival import start, wait_until
 from writers import wait_until_gone, writers_of
 
 SIGNALS = [signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGCONT, signal.SIGTERM, signal.SIGINT,
            signal.SIGPIPE]
 DEFAULT_KILLS = {signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGTERM}  # a Python process's default action
+ELEMENTS = 2 << 20  # 64 MiB a rank (8 tensors): a save still in flight when its processes are stopped
 
 
 def signal_status(pid: int) -> tuple[int, int]:
@@ -63,14 +65,14 @@ def in_flight_signal(pids: list[int], signum: int, path: str) -> bool:
 
 
 def test_signals_to_the_writer_alone_lose_no_save_from_its_spawn_on(tmp_path):
-    """Each signal, sent to the writer alone, during a large save: the same writer commits every save, each
+    """Each signal, sent to the writer alone, during a save in flight: the same writer commits every save, each
     loading bit for bit. And at its spawn: every signal sent as soon as the writer's process runs (before its
     interpreter has set its actions, where they are still blocked and pending), and the save that started it
     commits."""
     logs = tmp_path / "logs"
     for attempt in range(3):  # an attempt whose signals came after the writer set its actions proves nothing
         root = str(tmp_path / f"spawn{attempt}")
-        child = start(logs, root, 20 + attempt, "returned", writer="none")[0]
+        child = start(logs, root, 20 + attempt, "returned", env={"SURVIVAL_ELEMENTS": str(ELEMENTS)}, writer="none")[0]
         try:
             deadline = time.monotonic() + 120
             while not writers_of(child.pid):
@@ -87,14 +89,15 @@ def test_signals_to_the_writer_alone_lose_no_save_from_its_spawn_on(tmp_path):
         finally:
             child.kill()
             child.wait(30)
+        wait_until_gone(child.pid)
         if in_window:
             break
     else:
         pytest.fail("no attempt signalled the writer before it had set its actions")
 
     root = str(tmp_path / "rounds")
-    rounds = 2 * len(SIGNALS)
-    child = start(logs, root, 40, "rounds", env={"SURVIVAL_ROUNDS": str(rounds)})[0]
+    rounds = len(SIGNALS) + 3
+    child = start(logs, root, 40, "rounds", env={"SURVIVAL_ROUNDS": str(rounds), "SURVIVAL_ELEMENTS": str(ELEMENTS)})[0]
     waiting = list(SIGNALS)  # each until it landed during a save in flight
     try:
         child.wait_for_line("returned 0")
@@ -120,11 +123,11 @@ def test_signals_to_every_process_of_the_job_lose_no_save_that_returned(tmp_path
     """Each signal to every process of the job, the training process included, during a large save that returned
     (SIGUSR1 also on 2 ranks): where the signal's default action kills the training process, its orphaned writer
     commits the save and exits; elsewhere the save commits as usual. Each loads bit for bit."""
-    logs, elements = tmp_path / "logs", 2 << 20  # 64 MiB a rank: in flight while the processes are stopped
+    logs = tmp_path / "logs"
     jobs = [(signum, 1) for signum in SIGNALS] + [(signal.SIGUSR1, 2)]
     started = {(signum, world): start(logs, str(tmp_path / f"{signum.name}-{world}"), 60 + index, "returned", world,
                                       {"SURVIVAL_GO": str(tmp_path / f"go-{signum.name}-{world}"),
-                                       "SURVIVAL_ELEMENTS": str(elements)})
+                                       "SURVIVAL_ELEMENTS": str(ELEMENTS)})
                for index, (signum, world) in enumerate(jobs)}
     try:
         for (signum, world), procs in started.items():  # started at once, saving one after the other
@@ -140,7 +143,7 @@ def test_signals_to_every_process_of_the_job_lose_no_save_that_returned(tmp_path
         for (signum, world), procs in started.items():
             root = str(tmp_path / f"{signum.name}-{world}")
             wait_until(lambda: core.is_complete(os.path.join(root, "next")), 120, f"{signum.name}: not committed")
-            assert holds(os.path.join(root, "next"), 60 + jobs.index((signum, world)), world, elements), signum.name
+            assert holds(os.path.join(root, "next"), 60 + jobs.index((signum, world)), world), signum.name
             if signum in DEFAULT_KILLS:  # killed by its default action: the orphan finished the save
                 for proc in procs:
                     proc.wait(60)
@@ -388,8 +391,10 @@ def test_trainer_jit_checkpoint_on_sigterm_commits_within_the_grace_period_and_r
     """``enable_jit_checkpoint=True`` with the callback, SIGTERM to every process: the JIT save is asynchronous (an
     asyncckpt checkpoint, committed), also where the Trainer's class has its own ``_save_checkpoint`` (TRL's); the
     run ends within the grace period with it committed, and resumes from it bit for bit."""
-    found = {kind: trainer_jit(tmp_path / kind, 65536, kind=kind, resume=kind == "trainer")
-             for kind in ("trainer", "subclass")}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both jobs at once
+        runs = {kind: pool.submit(trainer_jit, tmp_path / kind, 65536, kind=kind, resume=kind == "trainer")
+                for kind in ("trainer", "subclass")}
+        found = {kind: run.result() for kind, run in runs.items()}
     for kind, run in found.items():
         print(kind, {key: run[key] for key in ("committed_s", "exited_s", "returncode")})
         assert run["returncode"] == 0 and run["exited_s"] < GRACE_S, (kind, run["error_output"][-3000:])

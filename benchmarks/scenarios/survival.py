@@ -287,6 +287,8 @@ def render(result: dict) -> str:
     f, o = result["figures"], result["options"]
     lines: list[str] = []
     for workload, res in f["workloads"].items():
+        if not res:
+            continue
         lines += [f"## {o['gib']:g} GiB in {workload}", ""]
         timing = res.get("timing", {})
         if timing:
