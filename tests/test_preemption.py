@@ -119,6 +119,37 @@ def test_signals_to_the_writer_alone_lose_no_save_from_its_spawn_on(tmp_path):
         assert holds(os.path.join(root, f"next{round}"), 40 + round), f"next{round}"
 
 
+def test_a_handler_that_saves_while_a_save_hands_its_buffer_to_the_writer_loses_neither(tmp_path, monkeypatch):
+    """Lightning's SLURM requeue handler saves wherever SIGUSR1 lands, in the middle of another save too: here between
+    the message that hands a staging buffer to the writer and that buffer's descriptors. Both saves commit."""
+    from asyncckpt.core.client import writer_queue
+
+    nested, sent = [], writer_queue.send_handle
+    checkpointer = core.Checkpointer()
+
+    def send_handle(conn, fd, pid):  # the signal comes as the first descriptor goes
+        sent(conn, fd, pid)
+        if not nested:
+            nested.append(None)
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, lambda *_: nested.append(
+        checkpointer.async_save({"w": torch.ones(1000)}, str(tmp_path / "hpc"))))
+    monkeypatch.setattr(writer_queue, "send_handle", send_handle)
+    try:
+        outer = checkpointer.async_save({"w": torch.arange(1000.0)}, str(tmp_path / "outer"))
+        outer.result()
+        assert len(nested) == 2, "the handler did not run"
+        nested[1].result()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        checkpointer.close()
+    for name, value in (("outer", torch.arange(1000.0)), ("hpc", torch.ones(1000))):
+        state = {"w": torch.zeros(1000)}
+        core.load(state, str(tmp_path / name))
+        assert torch.equal(state["w"], value), name
+
+
 def test_signals_to_every_process_of_the_job_lose_no_save_that_returned(tmp_path):
     """Each signal to every process of the job, the training process included, during a large save that returned
     (SIGUSR1 also on 2 ranks): where the signal's default action kills the training process, its orphaned writer

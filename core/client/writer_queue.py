@@ -71,7 +71,8 @@ class _Writer:
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
         self.registered: set[int] = set()
-        self.serving = False  # it was handed the memory tier's listening socket (``WriterQueue.serve_replicas``)
+        self.outbox: list[Any] = []  # what ``send`` has still to send
+        self.sending = False  # it was handed the memory tier's listening socket (``WriterQueue.serve_replicas``)
         self.stopping = False
         self.thread = threading.Thread(target=reader, args=(self,), name="asyncckpt-writer-replies", daemon=True)
         self.thread.start()
@@ -79,6 +80,25 @@ class _Writer:
     @property
     def alive(self) -> bool:
         return self.process.poll() is None and self.thread.is_alive()
+
+    def send(self, *items: Any) -> None:
+        """Send ``items`` in order: messages (tuples) and the descriptors (ints) that follow one. Called under the
+        queue's lock, so only this thread can call in while they go out: a signal handler that saves (Lightning's
+        SLURM requeue handler does, wherever the signal lands). Its items then go after these, never between a
+        message and its descriptors. Raises what sending raises; what was not sent yet goes with the next call."""
+        self.outbox += items
+        if self.sending:
+            return
+        self.sending = True
+        try:
+            while self.outbox:
+                item = self.outbox.pop(0)
+                if isinstance(item, int):
+                    send_handle(self.conn, item, self.process.pid)
+                else:
+                    self.conn.send(item)
+        finally:
+            self.sending = False
 
     def retire(self, timeout: float) -> None:
         """Wait until the process and the reader thread are gone (killing the process after ``timeout``)."""
@@ -129,8 +149,7 @@ class WriterQueue:
                 self._writer = _Writer(self._read_replies, self.timeout)
             if self._receiver is not None and not self._writer.serving:
                 listener, root, secret = self._receiver
-                self._writer.conn.send((protocol.RECEIVER, root, secret))
-                send_handle(self._writer.conn, listener.fileno(), self._writer.process.pid)
+                self._writer.send((protocol.RECEIVER, root, secret), listener.fileno())
                 self._writer.serving = True
 
     def serve_replicas(self, listener: socket.socket, root: str, secret: bytes, *, now: bool = True) -> None:
@@ -169,13 +188,12 @@ class WriterQueue:
             try:
                 self.start()
                 writer = self._writer
+                messages: list[Any] = []
                 for buffer in buffers:
                     if buffer is not None and buffer.id not in writer.registered:
-                        writer.conn.send((protocol.BUFFER, buffer.id, buffer.layout))
-                        for fd in (buffer.fd, buffer.progress_fd):
-                            send_handle(writer.conn, fd, writer.process.pid)
+                        messages += [(protocol.BUFFER, buffer.id, buffer.layout), buffer.fd, buffer.progress_fd]
                         writer.registered.add(buffer.id)
-                writer.conn.send((protocol.RUN, jobs))
+                writer.send(*messages, (protocol.RUN, jobs))
             except (OSError, ValueError) as e:
                 self._fail_jobs([job.job_id for job in jobs], f"could not reach the background writer: {e}")
 
@@ -185,7 +203,7 @@ class WriterQueue:
             if writer is not None and buffer_id in writer.registered:
                 writer.registered.discard(buffer_id)
                 try:
-                    writer.conn.send((protocol.DROP, buffer_id))
+                    writer.send((protocol.DROP, buffer_id))
                 except OSError:
                     pass
 
@@ -199,7 +217,7 @@ class WriterQueue:
             if writer is not None and not writer.stopping:
                 writer.stopping = True
                 try:
-                    writer.conn.send((protocol.STOP,))
+                    writer.send((protocol.STOP,))
                 except OSError:
                     pass
         for old in retiring + ([writer] if writer is not None else []):
@@ -215,7 +233,7 @@ class WriterQueue:
             self._writer = None
             self._retiring.append(writer)
             try:
-                writer.conn.send((protocol.STOP,))
+                writer.send((protocol.STOP,))
             except OSError:
                 pass
 
@@ -270,7 +288,7 @@ class WriterQueue:
             error = protocol.error_text(e)
         try:
             with self._lock:  # never between a BUFFER message and its file descriptor (``submit``)
-                writer.conn.send((protocol.BARRIER_RESULT, error))
+                writer.send((protocol.BARRIER_RESULT, error))
         except OSError:
             pass  # the writer is gone; the loop sees EOF next
 
