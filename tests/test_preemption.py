@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -492,17 +493,18 @@ def accelerate_in_a_pod(tmp_path, width: int, plugin: str = "async", mode: str =
     "handler", the program does what docs/accelerate.md says (``set_trigger`` on SIGTERM, ``save_state`` and
     ``end_training``); "none", it keeps the default action. Returns the figures (seconds from the SIGTERM to the
     pod's end) and what is on disk."""
-    root, references, memory = tmp_path / "run", tmp_path / "references", tmp_path / "shm"
+    root, references = tmp_path / "run", tmp_path / "references"
     references.mkdir(parents=True)
+    memory = tempfile.mkdtemp(prefix="pod-", dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp_path)
     script = tmp_path / "train.py"
     script.write_text(ACCELERATE_PREEMPTED)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "ASYNCCKPT_MEMORY_ROOT": str(memory)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "ASYNCCKPT_MEMORY_ROOT": memory}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
     argv = [str(script), str(root), str(width), plugin, str(references)]
     pod = Program(["unshare", "--pid", "--fork", "--kill-child", *torchrun, str(free_port()), *argv, mode],
                   tmp_path / "logs", env=env)
     try:
-        for _ in range(3):  # three saves, the last two in memory only (every fifth is written durably)
+        for _ in range(3):  # three saves, in memory only (every fifth is written durably)
             line = pod.next_line(timeout=600)
             assert line.startswith("SAVED"), (line, pod.error_output()[-3000:])
         first = descendants(pod.pid)[0]  # torchrun: PID 1 of the pod
@@ -522,10 +524,14 @@ def accelerate_in_a_pod(tmp_path, width: int, plugin: str = "async", mode: str =
                      key=lambda name: int(name.split("_")[1]))
     found = {"ended_s": ended_s, "lines": lines, "durable": durable, "error_output": pod.error_output(),
              "references": references}
-    shutil.rmtree(memory, ignore_errors=True)  # the new pod's /dev/shm
+    shutil.rmtree(memory)  # the new pod's /dev/shm
     if resume:
-        resumed = Program([*torchrun, str(free_port()), *argv, "resume"], tmp_path / "logs", env=env)
-        resumed.wait(600)
+        os.mkdir(memory)
+        try:
+            resumed = Program([*torchrun, str(free_port()), *argv, "resume"], tmp_path / "logs", env=env)
+            resumed.wait(600)
+        finally:
+            shutil.rmtree(memory)
         found["resumed"] = [line for line in resumed.lines() if line.startswith("RESUMED")] or \
             resumed.error_output()[-3000:]
     return found
