@@ -243,6 +243,28 @@ trainer.fit(Lit(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_si
 """
 
 
+def signal_job(job: Program, signum: int) -> None:
+    """``signum`` to every process of the job: its training process and the writers (as SLURM signals a step)."""
+    for pid in [job.pid, *writers_of(job.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def gone_within_grace(job: Program, since: float) -> float:
+    """Seconds from ``since`` until the training process exited, waiting at most until the grace period ends."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        job.wait(max(0.0, since + GRACE_S - time.monotonic()))
+    return time.monotonic() - since
+
+
+def end_of_grace(job: Program) -> None:
+    """SIGKILL to every process of the job left (the end of the grace period: the writers, which must have committed
+    by then, too), and wait until none is left."""
+    signal_job(job, signal.SIGKILL)
+    job.wait(30)
+    wait_until_gone(job.pid)
+
+
 def slurm_environment(tmp_path, restarts: int = 0) -> dict:
     """A SLURM job step of one task, as ``srun`` starts it, with a stand-in ``scontrol`` that records its calls."""
     bin = tmp_path / "bin"
@@ -279,17 +301,10 @@ def lightning_requeue(tmp_path, width: int, plugin: str = "async", resume: bool 
         wait_until(lambda: calls.exists() and hpc.exists(), 120, "no requeue and hpc checkpoint after SIGUSR1")
         hpc_s, requeued = time.monotonic() - signalled, calls.read_text()
         killed = time.monotonic()  # the requeue ends the job
-        for pid in [job.pid, *writers_of(job.pid)]:
-            os.kill(pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            job.wait(GRACE_S)
-        exited_s = time.monotonic() - killed
+        signal_job(job, signal.SIGTERM)
+        exited_s = gone_within_grace(job, killed)
     finally:
-        for pid in [job.pid, *writers_of(job.pid)]:  # the end of the grace period
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        job.wait(30)
-    wait_until_gone(job.pid)
+        end_of_grace(job)
     found = {"hpc_s": hpc_s, "exited_s": exited_s, "in_flight": in_flight, "requeued": requeued,
              "returncode": job.returncode, "error_output": job.error_output(), "references": references, "root": root}
     if resume:
@@ -395,21 +410,14 @@ def trainer_jit(tmp_path, width: int, plugin: str = "async", kind: str = "traine
     try:
         job.wait_for_line("TRAINING", timeout=600)
         terminated = time.monotonic()
-        for pid in [job.pid, *writers_of(job.pid)]:
-            os.kill(pid, signal.SIGTERM)
+        signal_job(job, signal.SIGTERM)
         saved = job.next_line(timeout=GRACE_S)  # "JIT checkpoint-N", once its save returned
         path = root / saved.split()[-1]
         wait_until(lambda: path.exists() or job.poll() is not None, GRACE_S, "no JIT checkpoint within the grace period")
         committed_s = time.monotonic() - terminated if path.exists() else None
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            job.wait(max(0.0, terminated + GRACE_S - time.monotonic()))
-        exited_s = time.monotonic() - terminated
+        exited_s = gone_within_grace(job, terminated)
     finally:
-        for pid in [job.pid, *writers_of(job.pid)]:  # the end of the grace period
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        job.wait(30)
-    wait_until_gone(job.pid)
+        end_of_grace(job)
     found = {"committed_s": committed_s, "exited_s": exited_s, "path": path, "returncode": job.returncode,
              "error_output": job.error_output(), "references": references, "lines": job.lines()}
     if resume:
