@@ -314,6 +314,12 @@ def lightning_requeue(tmp_path, width: int, plugin: str = "async", resume: bool 
     return found
 
 
+def complaints(error_output: str) -> list[str]:
+    """asyncckpt's failures and warnings in a program's stderr (its INFO lines aside)."""
+    return [line for line in error_output.splitlines() if "asyncckpt" in line and any(
+        word in line for word in ("failed", "Error", "Warning", "synchronously"))]
+
+
 def same(reference: dict, found: dict) -> bool:
     """Whether two states (nested dicts and lists of tensors and values) are equal, bit for bit."""
     if isinstance(reference, torch.Tensor):
@@ -336,7 +342,7 @@ def test_lightning_slurm_auto_requeue_saves_requeues_and_resumes_bit_for_bit(tmp
     assert found["in_flight"], "step=3.ckpt was on disk before the SIGUSR1: it proves nothing"
     assert found["requeued"].split() == ["requeue", JOB_ID]
     assert found["exited_s"] < GRACE_S, "the run did not end within the grace period"
-    assert "asyncckpt: " not in found["error_output"], found["error_output"][-3000:]
+    assert not complaints(found["error_output"]), found["error_output"][-3000:]
     root, references = found["root"], found["references"]
     for name in ("step=3.ckpt", "hpc_ckpt_1.ckpt"):
         saved = torch.load(root / name, weights_only=False)
@@ -419,7 +425,7 @@ def trainer_jit(tmp_path, width: int, plugin: str = "async", kind: str = "traine
     finally:
         end_of_grace(job)
     found = {"committed_s": committed_s, "exited_s": exited_s, "path": path, "returncode": job.returncode,
-             "error_output": job.error_output(), "references": references, "lines": job.lines()}
+             "error_output": job.error_output(), "references": references}
     if resume:
         resumed = Program([*argv, "resume", kind], tmp_path / "logs", env=env)
         resumed.wait(600)
@@ -438,10 +444,9 @@ def test_trainer_jit_checkpoint_on_sigterm_commits_within_the_grace_period_and_r
     for kind, run in found.items():
         print(kind, {key: run[key] for key in ("committed_s", "exited_s", "returncode")})
         assert run["returncode"] == 0 and run["exited_s"] < GRACE_S, (kind, run["error_output"][-3000:])
-        assert "asyncckpt" not in run["error_output"], (kind, run["error_output"][-3000:])  # no failure, no fallback
+        assert not complaints(run["error_output"]), (kind, run["error_output"][-3000:])  # no failure, no fallback
         assert core.is_complete(str(run["path"])), kind  # committed by asyncckpt: not Transformers' own save
         assert os.listdir(run["path"]) and "checkpoint-is-incomplete.txt" not in os.listdir(run["path"])
-        assert any(line.startswith("{'checkpoint_step'") for line in run["lines"]), kind  # the callback's metrics
     trainer = found["trainer"]
     saved = torch.load(trainer["references"] / "jit.pt", weights_only=False)
     assert trainer["resumed"] == f"RESUMED {saved['global_step']}" == f"RESUMED {trainer['path'].name.split('-')[1]}"
