@@ -72,7 +72,8 @@ class _Writer:
         self.conn = Connection(parent_sock.detach())
         self.registered: set[int] = set()
         self.outbox: list[Any] = []  # what ``send`` has still to send
-        self.sending = False  # it was handed the memory tier's listening socket (``WriterQueue.serve_replicas``)
+        self.sending = False
+        self.serving = False  # it was handed the memory tier's listening socket (``WriterQueue.serve_replicas``)
         self.stopping = False
         self.thread = threading.Thread(target=reader, args=(self,), name="asyncckpt-writer-replies", daemon=True)
         self.thread.start()
