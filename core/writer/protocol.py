@@ -40,6 +40,7 @@ Kept free of torch: the writer imports it.
 """
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, runtime_checkable
 
@@ -51,6 +52,13 @@ if TYPE_CHECKING:
 
 BUFFER, DROP, RUN, BARRIER_RESULT, RECEIVER, STOP = "buffer", "drop", "run", "barrier-result", "receiver", "stop"
 DONE, FAILED, CANCELLED, BARRIER_CALL, STOPPED = "done", "failed", "cancelled", "barrier-call", "stopped"
+
+# The signals a scheduler or a shell sends whose default action would end the writer: SLURM's ``--signal`` and
+# ``scancel --signal`` reach every process of the job step, a closed terminal sends SIGHUP, and SIGPIPE ends a process
+# until its interpreter ignores it. Blocked from the writer's spawn (``client.writer_queue``) until it has set its
+# own action for each (``process.main``); SIGCONT and SIGWINCH leave a process running by default.
+WRITER_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE, signal.SIGUSR1,
+                            signal.SIGUSR2})
 
 
 class RequestContext(Protocol):
