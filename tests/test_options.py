@@ -86,7 +86,8 @@ def test_every_entry_point_applies_every_option_the_same(entry_points, tmp_path)
     changed = dict(max_in_flight=3, timeout=123.0, direct_io=False, io_threads=3, verify=False, resume_from_intact=True,
                    overlap_optimizer=False, mirror_to="s3://bucket/run", export="safetensors", on_commit=print,
                    log_metrics=False, writer_idle_timeout=7.0)
-    changed.update(memory_tier=core.MemoryTier(replicas=0, keep=3), failures_per_day=4.0, cooperative_load="node")
+    changed.update(memory_tier=core.MemoryTier(replicas=0, keep=3), failures_per_day=4.0, cooperative_load="node",
+                   share_unchanged=False)
     assert set(changed) | {"object_store"} == {field.name for field in FIELDS}  # every option but one is tried here
     for name, (_function, make) in entry_points.items():
         assert make().options == CheckpointOptions(), name

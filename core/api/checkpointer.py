@@ -108,7 +108,8 @@ class Checkpointer:
         self.stager = Stager(self.ledger, self._store, options.timeout)
         self.files = FileSnapshots(self.buffers, self.copy_threads)
         self.sharded = ShardedSaves(self.buffers, self.copy_threads, direct_io=options.direct_io,
-                                    io_threads=options.io_threads, timeout=options.timeout)
+                                    io_threads=options.io_threads, timeout=options.timeout,
+                                    share_unchanged=options.share_unchanged)
         self.tiers = MemoryTiers(options.memory_tier, options.object_store, store=self._store,
                                  queue=self.ledger.queue) if options.memory_tier else None
         self._advice: Optional[interval.Advice] = None  # from the first durable save's costs (``_committed``)

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from asyncckpt.core.verify import checkpoint_kinds
 from asyncckpt.core.verify import integrity
-from asyncckpt.core.storage import leftovers, orphans, spares, tier
+from asyncckpt.core.storage import leftovers, orphans, sharing, spares, tier
 from asyncckpt.core.formats import names
 from asyncckpt.core.cli import export as export_cli
 from asyncckpt.core.errors import CheckpointError
@@ -80,8 +80,10 @@ def cmd_ls(root: str, memory_root: Optional[str] = None) -> int:
         if hidden is not None and hidden.name in finishing:  # its training process died after the save returned
             entry.note = f"being finished by the writer {finishing[hidden.name]} of a training process that died"
         size = entry.size if entry.size is not None else used_bytes(entry.path)
+        shared = sharing.shared_bytes(entry.path) if entry.status == "COMPLETE" and os.path.isdir(entry.path) else 0
         note = ", ".join(part for part in (
             entry.kind if entry.kind != "hidden" else "", entry.note, f"epoch {entry.epoch}" if entry.epoch is not None else "",
+            f"shares {human_bytes(shared)} with other checkpoints" if shared else "",
             "no checksums" if entry.status in ("COMPLETE", "NATIVE") and not entry.checksums else "") if part)
         rows.append(((entry.step if entry.step is not None else -1, entry.modified, name), name, entry.step, size,
                      entry.status, note))

@@ -259,6 +259,8 @@ class WriterQueue:
             if kind == protocol.FAILED and message[2] == SnapshotCopyFailed.__name__:
                 continue  # the training process fails the handle with the copy's own error
             if kind == protocol.DONE:
+                if len(message) > 2 and message[2]:
+                    handle.add_written(**message[2])
                 self._on_outcome(handle, None)
             elif kind == protocol.CANCELLED:
                 self._on_outcome(handle, CheckpointCancelledError(handle.cancelled_message()))

@@ -19,6 +19,19 @@ RECORD_VERSION = 1
 checksum = xxhash.xxh3_64_hexdigest
 
 
+# content_id(data) -> str: hex xxh3-128, what a save compares to tell an item unchanged since the previous checkpoint
+# (``storage.sharing``). The xxh3-64 above checks integrity, where a collision costs a missed detection of damage
+# that is already unlikely; an unchanged item is decided by equality alone, across every item of every save of
+# every job: 2^-64 per comparison is too close for that, 2^-128 is not. Hashed from the same pieces while they are
+# in the core's cache (docs/DESIGN.md, Measured).
+content_id = xxhash.xxh3_128_hexdigest
+
+
+def content_id_stream():
+    """An incremental xxh3-128: the same value as ``content_id`` of the pieces joined."""
+    return xxhash.xxh3_128()
+
+
 def checksum_stream():
     """An incremental xxh3-64 (``update(piece)`` …, then ``hexdigest()``): the same value as
     ``checksum`` of all the pieces joined, for items hashed piece by piece as they are read."""

@@ -242,7 +242,7 @@ class Writer:
                 self.announce(job)
             try:
                 job.request.run(context)
-                self.channel.send(protocol.DONE, job.job_id)
+                self.channel.send(protocol.DONE, job.job_id, context.counts or None)
                 self.log_outcome(job, None)
                 self._note_memory_save(job.request)
             except BaseException as e:  # report everything; the training process decides what to raise
@@ -336,6 +336,7 @@ class _Context:
         self.layout = buffer.layout if buffer is not None else None
         self.image = memoryview(buffer.image) if buffer is not None else None
         self.progress = CopyProgress(buffer.progress) if buffer is not None else None
+        self.counts: dict[str, int] = {}
 
     def link_image(self, path: str) -> bool:
         if self.buffer is None or self.buffer.file is None:
@@ -377,6 +378,10 @@ class _Context:
 
     def after_reply(self, action: Callable[[], None]) -> None:
         self.writer.after_replies.append(action)
+
+    def report(self, **counts: int) -> None:
+        for name, count in counts.items():
+            self.counts[name] = self.counts.get(name, 0) + count
 
     def record_failure(self, save_key: str, reason: str) -> None:
         failures = self.writer.failures

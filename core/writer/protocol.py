@@ -27,7 +27,8 @@ training → writer  fields                                            meaning
 =================  ================================================  ===========================
 writer → training  fields                                            meaning
 =================  ================================================  ===========================
-``DONE``           job id                                            the request ran
+``DONE``           job id, counts or None                            the request ran (counts: what
+                                                                     it ``report``ed)
 ``FAILED``         job id, error type, message, traceback            it raised
 ``CANCELLED``      job id                                            not run: its ``after`` job
                                                                      did not succeed
@@ -87,6 +88,10 @@ class RequestContext(Protocol):
 
     def after_reply(self, action: Callable[[], None]) -> None:
         """Run ``action`` once the request's outcome is reported (deletions nobody waits for)."""
+
+    def report(self, **counts: int) -> None:
+        """Counts the request's reply carries to the training process (a share's bytes ``written`` and ``shared``:
+        each save's metrics)."""
 
     def record_failure(self, save_key: str, reason: str) -> None:
         """Remember that a request of save ``save_key`` failed on this rank (a later request of

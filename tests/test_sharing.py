@@ -1,0 +1,169 @@
+"""Checkpoints share the bytes of what did not change since the one before, and each stays complete on its own:
+it loads alone (``core.load`` and stock ``dcp.load``) after every other was deleted, holds new bytes however they
+were written, and damage in a file it shares is found in every checkpoint that uses it."""
+from __future__ import annotations
+
+import copy
+import ctypes
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from asyncckpt import core
+from asyncckpt.core.cli.main import main as cli
+
+FROZEN, TRAINED = (256, 1024), (64, 256)  # 1 MiB frozen, 64 KiB trained (and its Adam state)
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = torch.nn.Linear(*FROZEN[::-1])
+        self.trained = torch.nn.Linear(*TRAINED[::-1])
+        self.frozen.requires_grad_(False)
+
+
+def _state(model: Model, optimizer: torch.optim.Optimizer, step: int) -> dict:
+    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
+
+
+def _train(model: Model, optimizer: torch.optim.Optimizer) -> None:
+    model.trained(model.frozen(torch.randn(4, FROZEN[1]))).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _flat(state: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{name}."))
+        elif isinstance(value, torch.Tensor):
+            flat[name] = value.clone()
+    return flat
+
+
+def _blank(model: Model, optimizer: torch.optim.Optimizer) -> dict:
+    """A state dict of the same structure, every tensor a zeroed copy."""
+    state = copy.deepcopy(_state(model, optimizer, -1))
+    _zero(state)
+    return state
+
+
+def _zero(state: dict) -> None:
+    for value in state.values():
+        if isinstance(value, dict):
+            _zero(value)
+        elif isinstance(value, torch.Tensor):
+            value.zero_()
+
+
+def _stored(root: str) -> int:
+    """The bytes the file system stores for everything under ``root`` (each file once, holes not counted)."""
+    return int(subprocess.run(["du", "-s", "--block-size=1", root], capture_output=True, text=True,
+                              check=True).stdout.split()[0])
+
+
+def _alone(root: str, name: str, scratch: str) -> str:
+    """A copy of ``root`` (hard links kept as links: what the checkpoints share stays shared) in which every other
+    checkpoint was deleted: ``name``'s path there."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    subprocess.run(["cp", "-a", root, scratch], check=True)
+    for other in os.listdir(scratch):
+        if other != name:
+            shutil.rmtree(os.path.join(scratch, other))
+    return os.path.join(scratch, name)
+
+
+def test_frozen_part_is_written_once_and_every_checkpoint_loads_alone(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = Model()
+    optimizer = torch.optim.Adam(model.trained.parameters())
+    root = str(tmp_path / "ckpts")
+    saved, written = {}, []
+    frozen = model.frozen.weight
+    with core.Checkpointer() as checkpointer:
+        for step in range(5):
+            _train(model, optimizer)
+            if step == 2:  # writes autograd's version counter never sees: each must reach the next checkpoint
+                frozen.data[0, 0] += 1.0
+                frozen.numpy()[1, 1] += 1.0
+                ctypes.memmove(frozen.data_ptr() + 8, (ctypes.c_float * 1)(7.5), 4)
+            state = _state(model, optimizer, step)
+            handle = checkpointer.async_save(state, f"{root}/step_{step}", step=step)
+            handle.result()
+            saved[step] = _flat(state)
+            written.append((handle.written, handle.shared))
+    frozen_bytes = FROZEN[0] * FROZEN[1] * 4
+    trained_bytes = 3 * (TRAINED[0] * TRAINED[1] + TRAINED[0]) * 4  # weights and Adam's two moments
+    assert written[0][1] == 0 and written[0][0] > frozen_bytes  # the first save writes everything
+    for step in (1, 4):  # after it, about what changed: the trained part and its state (and framing, pages)
+        assert trained_bytes <= written[step][0] < 1.05 * trained_bytes + 64 * 1024, written
+        assert written[step][1] >= frozen_bytes
+    # the frozen weight written through .data, numpy and memmove is written again, and once more by the save
+    # after (its content id is recorded only where its xxh3-64 did not change: docs/FORMAT.md)
+    assert written[2][0] > frozen_bytes and written[3][0] > frozen_bytes
+    for step in range(5):
+        path = _alone(root, f"step_{step}", str(tmp_path / "alone"))
+        for load in (lambda sd, p: core.load(sd, p), lambda sd, p: dcp.load(sd, checkpoint_id=p)):
+            target = _blank(model, optimizer)
+            load(target, path)
+            loaded = _flat(target)
+            assert loaded.keys() == saved[step].keys()
+            for key, tensor in saved[step].items():
+                assert torch.equal(loaded[key], tensor), (step, key)
+    # `ls` says what each checkpoint shares; the five use about one frozen part and five trained ones
+    assert cli(["ls", root]) == 0
+    assert capsys.readouterr().out.count("shares ") == 5
+    # stored: the frozen part three times (the first save, and the two after the writes above), the trained one five
+    used = _stored(root)
+    assert used < 3 * frozen_bytes + 5 * trained_bytes * 1.3 < 0.75 * 5 * (frozen_bytes + trained_bytes), used
+
+
+def test_damage_in_a_shared_file_is_found_in_every_checkpoint_that_uses_it(tmp_path, capsys):
+    root = str(tmp_path / "ckpts")
+    frozen = torch.randn(512, 512)
+    with core.Checkpointer() as checkpointer:
+        for step in range(3):
+            checkpointer.save({"frozen": frozen, "trained": torch.full((1024,), float(step))}, f"{root}/s{step}")
+    shared = [name for name in os.listdir(f"{root}/s2") if name.startswith("__0_0.") and name.count(".") == 2]
+    assert len(shared) == 1 and os.stat(f"{root}/s2/{shared[0]}").st_nlink == 3
+    with open(f"{root}/s0/__0_0.distcp", "r+b") as f:  # the file every checkpoint links, under its names
+        data = bytearray(f.read())
+        at = data.index(frozen.numpy().tobytes()[:64]) + 1000
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0xFF]))
+    assert cli(["verify", root]) == 1
+    out = capsys.readouterr().out
+    for step in range(3):
+        assert f"s{step}: DAMAGED" in out or f"s{step}" in out.split("DAMAGED")[0], out
+    assert out.count("key 'frozen'") == 3, out
+    for step in range(3):
+        with pytest.raises(core.CorruptCheckpointError, match=r"__0_0(\.[0-9a-z-]+)?\.distcp.*'frozen'"):
+            core.load({"frozen": torch.zeros(512, 512), "trained": torch.zeros(1024)}, f"{root}/s{step}")
+
+
+def test_retention_gives_back_what_no_checkpoint_needs_and_sharing_can_be_turned_off(tmp_path):
+    frozen = torch.randn(1024, 1024)  # 4 MiB
+    root, plain = str(tmp_path / "shared"), str(tmp_path / "plain")
+    with core.Checkpointer() as checkpointer:
+        manager = core.CheckpointManager(root, keep_last=2, checkpointer=checkpointer)
+        for step in range(5):
+            manager.save(step, {"frozen": frozen, "trained": torch.full((256, 1024), float(step))})
+        checkpointer.wait()
+    with core.Checkpointer(share_unchanged=False) as checkpointer:
+        checkpointer.save({"frozen": frozen, "trained": torch.zeros(256, 1024)}, f"{plain}/a")
+        checkpointer.save({"frozen": frozen, "trained": torch.ones(256, 1024)}, f"{plain}/b")
+    assert all(entry.count(".") == 1 for entry in os.listdir(f"{plain}/b") if entry.endswith(".distcp"))
+    used = _stored(root)
+    # two checkpoints left: one frozen part (the ranges only removed checkpoints used, punched out) and two trained
+    assert used < (4 + 2 * 1 + 0.5) * 2 ** 20, used
+    for name in os.listdir(root):
+        target = {"frozen": torch.zeros(1024, 1024), "trained": torch.zeros(256, 1024)}
+        core.load(target, os.path.join(root, name))
+        assert torch.equal(target["frozen"], frozen)
