@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from asyncckpt import core
 from asyncckpt.core.cli.main import main as cli
+from s3_server import s3_root, s3_server  # noqa: F401 - fixtures
 
 FROZEN, TRAINED = (256, 1024), (64, 256)  # 1 MiB frozen, 64 KiB trained (and its Adam state)
 
@@ -167,3 +168,28 @@ def test_retention_gives_back_what_no_checkpoint_needs_and_sharing_can_be_turned
         target = {"frozen": torch.zeros(1024, 1024), "trained": torch.zeros(256, 1024)}
         core.load(target, os.path.join(root, name))
         assert torch.equal(target["frozen"], frozen)
+
+
+def test_an_object_store_copies_what_did_not_change_on_the_server(s3_server, s3_root):
+    import s3fs
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    frozen = torch.randn(4, 2 ** 20)  # 16 MiB: above S3's smallest part, so it can be a part copied by the server
+    received, saved = [], {}
+    with core.Checkpointer() as checkpointer:
+        for step in range(3):
+            state = {"frozen": frozen, "trained": torch.full((2 ** 16,), float(step)), "step": step}
+            before = s3_server.received_bytes
+            checkpointer.save(state, f"{s3_root}/s{step}")
+            received.append(s3_server.received_bytes - before)
+            saved[step] = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+    assert received[0] > frozen.numel() * 4
+    assert received[1] < 8 << 20 and received[2] < 8 << 20, received  # the frozen part: copied, not sent
+    fs = s3fs.S3FileSystem()
+    for step in (1, 2):  # each after every checkpoint before it is deleted: the newest, alone
+        fs.rm(f"{s3_root}/s{step - 1}", recursive=True)
+        for load in (lambda sd, p: core.load(sd, p), lambda sd, p: dcp.load(sd, storage_reader=FsspecReader(p))):
+            target = {"frozen": torch.zeros(4, 2 ** 20), "trained": torch.zeros(2 ** 16), "step": -1}
+            load(target, f"{s3_root}/s{step}")
+            assert torch.equal(target["frozen"], frozen) and torch.equal(target["trained"], saved[step]["trained"])
+            assert target["step"] == step

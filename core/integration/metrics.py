@@ -11,7 +11,7 @@ A failed save reports nothing here: its error is raised at the next sync point.
 Each record: ``step``, ``stall_s`` (how long the framework's save call blocked training), ``waited_s`` (of it,
 waiting for an earlier checkpoint's write: ``max_in_flight``), ``durable_s``, ``bytes``, ``bytes_written`` and
 ``bytes_shared`` (of this rank's, those its writer wrote, and those it shared with the checkpoint before instead:
-``storage.sharing``), ``staged_wait_s`` (how
+``storage.sharing``; where the writer said), ``staged_wait_s`` (how
 long the optimizer steps after it waited for what ``overlap_optimizer`` left to the staging thread: the rest of
 its cost to training). The adapters name them in their framework's idiom (``checkpoint/stall_s`` for
 Lightning's and Accelerate's loggers, ``checkpoint_stall_s`` for the Trainer's report_to integrations), and every
@@ -60,7 +60,7 @@ class SaveMetrics:
             return
         returned = time.perf_counter()
         record = {"step": handle.step, "stall_s": stall_s, "waited_s": handle.timings.get("waited_s", 0.0),
-                  "durable_s": None, "bytes": None, "bytes_written": None, "bytes_shared": None, "staged_wait_s": 0.0}
+                  "durable_s": None, "bytes": None, "staged_wait_s": 0.0}
         self._close_latest()
         with self._lock:
             self.history.append(record)

@@ -98,6 +98,16 @@ class ObjectBackend:
         else:
             self.store(path).put(path, data)
 
+    def compose(self, path: str, image: memoryview, size: int, copied: list[tuple[int, int]], source: str) -> int:
+        """``write`` of a staging buffer's image whose ranges ``copied`` the store copies from the same ranges of the
+        object ``source`` rather than receive them (``ObjectStore.compose``; a store without server-side copies:
+        all of it uploaded). Returns the bytes uploaded."""
+        store = self.store(path)
+        if not store.is_s3:
+            self.write(path, image, size)
+            return size
+        return store.compose(path, image, size, copied, source)
+
     def write_marker(self, path: str, data: bytes, *, exclusive: bool = False, append: bool = False) -> None:
         """``append``: an object is written whole; each such marker has one writer here (a rank's)."""
         with contextlib.suppress(FileExistsError):

@@ -34,6 +34,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import posixpath
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -42,6 +43,7 @@ from asyncckpt.core.formats import names
 from asyncckpt.core.formats.layout import IO_ALIGNMENT, Slot
 from asyncckpt.core.formats.sidecar import Sidecar
 from asyncckpt.core.storage import commit
+from asyncckpt.core.storage.backend import is_url, join, normalize
 from asyncckpt.core.storage.sidecars import read_sidecar
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -114,7 +116,7 @@ class Base:
 
 def _newest_committed(root: str, exclude: str) -> Optional[tuple[str, dict]]:
     """The most recently committed checkpoint directly under ``root`` (its path and commit record), other than
-    ``exclude``'s staging."""
+    ``exclude`` (the save's staging: in an object store, the checkpoint being written in place)."""
     best = None
     for path, record in commit.committed_under(root):
         if record is None or path == exclude:
@@ -125,14 +127,16 @@ def _newest_committed(root: str, exclude: str) -> Optional[tuple[str, dict]]:
 
 
 def find_base(final_path: str, staging_dir: str, rank: int, part: str = "") -> Optional[Base]:
-    """What the newest committed checkpoint beside ``final_path`` (on the local file system) offers ``rank``'s share
-    of the save being written in ``staging_dir``: in that checkpoint's ``part`` (a DCP subdirectory of a directory
-    checkpoint, ``""``: the checkpoint itself). None where there is none, or it recorded no content ids."""
-    found = _newest_committed(os.path.dirname(os.path.abspath(final_path)), staging_dir)
+    """What the newest committed checkpoint beside ``final_path`` offers ``rank``'s share of the save being written
+    in ``staging_dir``: in that checkpoint's ``part`` (a DCP subdirectory of a directory checkpoint, ``""``: the
+    checkpoint itself). None where there is none, or it recorded no content ids. (In an object store, where a save
+    is written in place, listing the root and reading its commit records is a few requests per save.)"""
+    parent = posixpath.dirname(final_path) if is_url(final_path) else os.path.dirname(os.path.abspath(final_path))
+    found = _newest_committed(parent, normalize(staging_dir))
     if found is None:
         return None
     path, record = found
-    directory = os.path.join(path, part) if part else path
+    directory = join(path, part) if part else path
     try:
         sidecar = read_sidecar(directory, rank)
     except (OSError, CheckpointError):

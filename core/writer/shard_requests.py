@@ -26,6 +26,7 @@ from asyncckpt.core.formats.dcp_pickle import DcpClasses, metadata_bytes
 from asyncckpt.core.errors import CheckpointWriteError, SnapshotCopyFailed
 from asyncckpt.core.writer.file_requests import fail_save
 from asyncckpt.core.formats.layout import RankLayout
+from asyncckpt.core.storage.backend import join
 from asyncckpt.core.storage.sharing import Base, find_base
 from asyncckpt.core.storage.sidecars import read_sidecar, take_files_records
 from asyncckpt.core.storage.staging import Staging, remove_coordination_files
@@ -141,8 +142,8 @@ class ShareRequest:
 
     def _sharing(self, place: Staging) -> Optional[Callable[[], Optional[Base]]]:
         """How this share shares what did not change (None: it writes everything, as a memory-tier save on several
-        nodes, whose files go to the peers whole, and an object store's, which has no links)."""
-        if not self.share_unchanged or self.replicas is not None or place.backend.remote:
+        nodes, whose files go to the peers whole)."""
+        if not self.share_unchanged or self.replicas is not None:
             return None
         outer = self.directory_barrier  # a DCP part of a directory checkpoint: its counterpart in the one before
         if outer is None:
@@ -192,7 +193,9 @@ def write_share(
     base = sharing() if sharing is not None else None
     if layout.slots:
         path = os.path.join(place.directory, layout.file_name)
-        if base is not None and not place.backend.remote and not link_image(path):
+        if base is not None and place.backend.remote:
+            _upload_changed(place, layout, image, base, wait_ready, items)
+        elif base is not None and not link_image(path):
             _write_changed(place, layout, image, base, wait_ready, items)
         else:
             # Checksums are computed on another thread while the image streams to disk (the writes
@@ -266,13 +269,46 @@ def _write_changed(place: Staging, layout: RankLayout, image: memoryview, base: 
     items.tensor_files = [file for _digest, _id, file in found]
 
 
+def _upload_changed(place: Staging, layout: RankLayout, image: memoryview, base: Base,
+                    wait_ready: Optional[Callable[[float], float]], items: ShareItems) -> None:
+    """An object store's data file (whole: an object store has no links), the containers of the tensor items the
+    base's data file holds unchanged at the same places copied by the store from it, the rest uploaded. Fills
+    ``items``'s tensor columns and counts."""
+    _wait_for_copy(wait_ready)
+    by_start: dict[int, tuple[str, str]] = {}
+    copied: list[tuple[int, int]] = []
+    joined = False  # the slot before was copied: the zeros between the two containers are the same in both files
+    for position in layout.unique_slots():
+        slot = layout.slots[position]
+        data = image[slot.data_start:slot.data_start + slot.nbytes]
+        digest = checksum(data)
+        held = base.tensor(slot, digest)
+        identity = content_id(data) if held is not None else ""
+        by_start[slot.start] = (digest, identity)
+        if held is None or held.content_id != identity or held.file != layout.file_name:
+            joined = False
+            continue
+        if joined:
+            copied[-1] = (copied[-1][0], slot.start + slot.length)
+        else:
+            copied.append((slot.start, slot.start + slot.length))
+        joined = True
+    uploaded = place.backend.compose(join(place.directory, layout.file_name), image, layout.size, copied,
+                                     join(base.directory, layout.file_name))
+    items.written += uploaded
+    items.shared += layout.size - uploaded
+    found = [by_start[slot.start] for slot in layout.slots]
+    items.tensor_digests = [digest for digest, _id in found]
+    items.tensor_ids = [identity for _digest, identity in found]
+
+
 def _write_objects(place: Staging, items: ShareItems, byte_items: list, base: Optional[Base], *, with_ids: bool) -> None:
     """The pickled objects that the base does not hold unchanged, concatenated into this rank's objects file; the
     others shared."""
     blob, files, ids = bytearray(), [], []
     for fqn, data in byte_items:
         digest = checksum(data)
-        held = base.object(fqn, data, digest) if base is not None else None
+        held = base.object(fqn, data, digest) if base is not None and not place.backend.remote else None
         identity = content_id(data) if with_ids and (held is not None or base is None) else ""
         file = base.link_unchanged(held, identity, place.directory) if held is not None else None
         if file is None:
