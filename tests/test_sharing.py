@@ -193,3 +193,41 @@ def test_an_object_store_copies_what_did_not_change_on_the_server(s3_server, s3_
             load(target, f"{s3_root}/s{step}")
             assert torch.equal(target["frozen"], frozen) and torch.equal(target["trained"], saved[step]["trained"])
             assert target["step"] == step
+
+
+def test_accelerate_shares_the_file_of_a_frozen_model_and_every_checkpoint_loads_alone(tmp_path):
+    from accelerate.utils import set_seed
+    from test_accelerate import _fresh_accelerator
+
+    from asyncckpt.adapters.accelerate import enable_async_checkpointing
+
+    def objects(acc):
+        set_seed(0)
+        trained, frozen = torch.nn.Linear(64, 64), torch.nn.Linear(512, 512)  # a frozen encoder: 1 MiB
+        frozen.requires_grad_(False)
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2)
+        return acc.prepare(trained, frozen, optimizer)
+
+    acc = _fresh_accelerator(tmp_path / "run")
+    handle = enable_async_checkpointing(acc)
+    trained, frozen, optimizer = objects(acc)
+    saved = []
+    for _ in range(5):
+        trained(frozen(torch.randn(4, 512))[:, :64]).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        saved.append((str(acc.save_state()), {k: v.clone() for k, v in trained.state_dict().items()}))
+    handle.remove()
+    records = handle.metrics.history[:-1]  # each as the logger got it (the last one's at the end of a run)
+    assert records[0]["bytes_shared"] == 0 and all(r["bytes_shared"] >= 512 * 512 * 4 for r in records[1:]), records
+    assert all(r["bytes_written"] < r["bytes"] - 512 * 512 * 4 for r in records[1:]), records
+    root = str(tmp_path / "run" / "checkpoints")
+    assert os.stat(os.path.join(saved[-1][0], "model_1.safetensors")).st_nlink == 5
+    for path, expected in saved:
+        alone = _alone(root, os.path.basename(path), str(tmp_path / "alone"))
+        plain = _fresh_accelerator(tmp_path / "plain")  # no asyncckpt: Accelerate's own load_state
+        trained2, frozen2, _ = objects(plain)
+        torch.nn.init.zeros_(trained2.weight)
+        plain.load_state(alone)
+        assert all(torch.equal(trained2.state_dict()[k], v) for k, v in expected.items())
+        assert torch.equal(frozen2.weight, frozen.weight)

@@ -283,8 +283,8 @@ class Checkpointer:
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
                                     ledger=self.ledger, stager=self.stager, files=self.files,
                                     sharded=self.sharded, sharded_target=sharded_target, follow_ups=self._follow_ups,
-                                    direct_io=self.options.direct_io,
-                                    io_threads=self.options.io_threads, replicas=replicas)
+                                    direct_io=self.options.direct_io, io_threads=self.options.io_threads,
+                                    share_unchanged=self.options.share_unchanged, replicas=replicas)
 
     def _directory_id(self, final_dir: str, rank: int, world: int, store: Any) -> str:
         """The same id on every rank without a collective: on one rank, an owner token (random, and

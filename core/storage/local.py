@@ -26,6 +26,7 @@ Kept free of torch: the background writer imports it.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -196,13 +197,13 @@ class LocalBackend:
 
     def write_file(self, path: str, image: memoryview, size: int, token: str, *,
                    checksum: Optional[Callable[[], Optional[FileChecksum]]], direct_io: bool = True,
-                   io_threads: int = 2) -> None:
+                   io_threads: int = 2, wait_ready: Optional[Callable[[float], float]] = None) -> None:
         """Hidden temporary name, fsync (with the checksum attribute), rename, fsync the directory."""
         directory = os.path.dirname(os.path.abspath(path))
         temporary = names.hidden_path(path, "tmp", token)
         try:
             os.makedirs(directory, exist_ok=True)
-            diskio.write_image(temporary, image, size, direct=direct_io, threads=io_threads)
+            diskio.write_image(temporary, image, size, direct=direct_io, threads=io_threads, wait_ready=wait_ready)
             found = checksum() if checksum is not None else None
             if found is not None:
                 attach_checksum(temporary, found)
@@ -212,6 +213,15 @@ class LocalBackend:
             if os.path.lexists(temporary):
                 os.unlink(temporary)
             raise
+
+    def share_file(self, source: str, path: str) -> bool:
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            os.link(source, path)
+        except OSError:
+            return False
+        return True
 
     def publish(self, staging_dir: str, final_path: str, record: bytes) -> Optional[str]:
         """The entries of files written into subdirectories made durable, the commit record written

@@ -115,9 +115,12 @@ class ObjectBackend:
 
     def write_file(self, path: str, image: memoryview, size: int, token: str, *,
                    checksum: Optional[Callable[[], Optional[FileChecksum]]], direct_io: bool = True,
-                   io_threads: int = 2) -> None:
+                   io_threads: int = 2, wait_ready: Optional[Callable[[float], float]] = None) -> None:
         """One object, with its checksum record in the object's metadata (S3 takes metadata up front:
         hashed before the upload), and a hidden marker beside it naming its writer while it uploads."""
+        ready = 0.0 if wait_ready is not None else float("inf")
+        while ready < float("inf"):  # an object's metadata goes first: it is sent once all of it is ready
+            ready = wait_ready(ready)
         store = self.store(path)
         found = checksum() if checksum is not None else None
         parent, name = posixpath.split(path)
@@ -127,6 +130,10 @@ class ObjectBackend:
             store.upload(path, image, size, metadata={CHECKSUM_METADATA: record_body(found)} if found else None)
         finally:
             store.delete([marker])
+
+    def share_file(self, source: str, path: str) -> bool:
+        store = self.store(path)
+        return store.is_s3 and store.copy(source, path)
 
     def publish(self, staging_dir: str, final_path: str, record: bytes) -> Optional[str]:
         """The commit object, created once (the checkpoint was written under its final name)."""

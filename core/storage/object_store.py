@@ -367,6 +367,20 @@ class ObjectStore:
         self._run("upload to", url, run)
         return sum(end - start for start, end, copy in parts if not copy)
 
+    def copy(self, source: str, url: str) -> bool:
+        """The object ``source`` copied as ``url`` by the server (S3 CopyObject, up to 5 GiB); False where it is not
+        there or too large."""
+        bucket, key = self.bucket_and_key(url)
+        source_bucket, source_key = self.bucket_and_key(source)
+        try:
+            self._run("copy to", url, lambda: self.fs._call_s3("copy_object", Bucket=bucket, Key=key,
+                                                                CopySource={"Bucket": source_bucket, "Key": source_key}))
+        except ObjectStoreError:
+            return False
+        finally:
+            self.fs.invalidate_cache(self.path(url))
+        return True
+
     def put(self, url: str, data: bytes, *, exclusive: bool = False, metadata: Optional[dict[str, str]] = None) -> None:
         """Write a small object in one request; ``exclusive``: only if it does not exist yet
         (FileExistsError otherwise)."""

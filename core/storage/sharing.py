@@ -114,7 +114,12 @@ class Base:
         return name
 
 
-def _newest_committed(root: str, exclude: str) -> Optional[tuple[str, dict]]:
+def parent_of(path: str) -> str:
+    """The root a checkpoint at ``path`` (a local path or a URL) is under."""
+    return posixpath.dirname(path) if is_url(path) else os.path.dirname(os.path.abspath(path))
+
+
+def newest_committed(root: str, exclude: str) -> Optional[tuple[str, dict]]:
     """The most recently committed checkpoint directly under ``root`` (its path and commit record), other than
     ``exclude`` (the save's staging: in an object store, the checkpoint being written in place)."""
     best = None
@@ -131,8 +136,7 @@ def find_base(final_path: str, staging_dir: str, rank: int, part: str = "") -> O
     in ``staging_dir``: in that checkpoint's ``part`` (a DCP subdirectory of a directory checkpoint, ``""``: the
     checkpoint itself). None where there is none, or it recorded no content ids. (In an object store, where a save
     is written in place, listing the root and reading its commit records is a few requests per save.)"""
-    parent = posixpath.dirname(final_path) if is_url(final_path) else os.path.dirname(os.path.abspath(final_path))
-    found = _newest_committed(parent, normalize(staging_dir))
+    found = newest_committed(parent_of(final_path), normalize(staging_dir))
     if found is None:
         return None
     path, record = found

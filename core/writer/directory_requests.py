@@ -82,7 +82,8 @@ class CommitDirRequest:
         """The commit record: every rank's file checksums (the ranks' lists of them go), and on several nodes
         which node holds which file (``replicas.commit_entries``)."""
         gathered = take_files_records(self.staging_dir, self.barrier.world_size)
-        checksums = {name: {"size": c.size, "xxh3": c.xxh3} for name, (c, _holders) in gathered.items()}
+        checksums = {name: {"size": c.size, "xxh3": c.xxh3, **({"xxh3_128": c.content_id} if c.content_id else {})}
+                     for name, (c, _holders) in gathered.items()}
         record = {"save_id": self.save_id, "world_size": self.barrier.world_size, "step": self.step,
                   "checksums": checksums}
         if self.replicas is not None:

@@ -21,7 +21,8 @@ from typing import Any, Callable, Iterator, Optional
 from asyncckpt.core.storage import diskio
 from asyncckpt.core.formats import names
 from asyncckpt.core.writer.barrier import BarrierSpec
-from asyncckpt.core.formats.checksum import FileChecksum, checksum, checksum_stream, content_id, content_id_stream
+from asyncckpt.core.formats.checksum import (PIECE_BYTES, FileChecksum, checksum, checksum_stream, content_id,
+                                             content_id_stream)
 from asyncckpt.core.formats.dcp_pickle import DcpClasses, metadata_bytes
 from asyncckpt.core.errors import CheckpointWriteError, SnapshotCopyFailed
 from asyncckpt.core.writer.file_requests import fail_save
@@ -327,7 +328,6 @@ def _write_objects(place: Staging, items: ShareItems, byte_items: list, base: Op
     items.object_files = files if base is not None else None
 
 
-PIECE_BYTES = 512 << 10  # half of a core's L2 here: a piece hashed twice is still cached the second time
 
 
 def _digests(data: memoryview, with_id: bool) -> tuple[str, Optional[str]]:
