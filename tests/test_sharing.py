@@ -231,3 +231,58 @@ def test_accelerate_shares_the_file_of_a_frozen_model_and_every_checkpoint_loads
         plain.load_state(alone)
         assert all(torch.equal(trained2.state_dict()[k], v) for k, v in expected.items())
         assert torch.equal(frozen2.weight, frozen.weight)
+
+
+def _fsdp_saves(rank, world, root):
+    """Accelerate's FSDP2 sharded save (its DCP parts) of a model whose first layer is frozen, three times; then the
+    newest alone (the others deleted) through Accelerate's own load_state."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from test_fsdp import local_state, train
+    from torch.distributed.fsdp import fully_shard
+
+    from asyncckpt.adapters.accelerate import enable_async_checkpointing
+
+    def build():
+        accelerator = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        model[0].requires_grad_(False)
+        for layer in (model[0], model[2], model):
+            fully_shard(layer)
+        optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        accelerator._models.append(model)
+        accelerator._optimizers.append(AcceleratedOptimizer(optimizer, device_placement=False))
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+        return accelerator, model, optimizer
+
+    accelerator, model, optimizer = build()
+    handle = enable_async_checkpointing(accelerator, inline_bytes=0)
+    for index in range(3):
+        train(model, optimizer, [index], rank)
+        accelerator.save_state(os.path.join(root, f"ckpt_{index}"))
+    expected = local_state(model, optimizer)
+    handle.remove()
+    newest = os.path.join(root, "ckpt_2", "pytorch_model_fsdp_0")
+    shared = sorted(name for name in os.listdir(newest) if name.count(".") == 2 and name.endswith(".distcp"))
+    dist.barrier()
+    if rank == 0:
+        for index in range(2):
+            shutil.rmtree(os.path.join(root, f"ckpt_{index}"))
+    dist.barrier()
+    train(model, optimizer, [7], rank)  # moved away from what was saved
+    accelerator.load_state(os.path.join(root, "ckpt_2"))  # Accelerate's own: load_fsdp_model / optimizer (dcp.load)
+    loaded = local_state(model, optimizer)
+    return {"shared": shared, "same": len(loaded) == len(expected) and all(map(torch.equal, loaded, expected))}
+
+
+def test_fsdp_parts_share_the_frozen_layers_shards_and_the_newest_loads_alone(tmp_path):
+    from dist_helper import run_on_ranks
+
+    results = run_on_ranks(_fsdp_saves, 2, str(tmp_path), timeout=300)
+    for rank, result in enumerate(results):
+        assert result["same"], rank
+        assert any(name.startswith(f"__{rank}_0.") for name in result["shared"]), result  # its frozen shard, linked

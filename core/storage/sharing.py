@@ -145,7 +145,9 @@ def find_base(final_path: str, staging_dir: str, rank: int, part: str = "") -> O
         sidecar = read_sidecar(directory, rank)
     except (OSError, CheckpointError):
         return None
-    if sidecar.save_id != record.get("save_id") or sidecar.tensors.xxh3_128 is None and sidecar.tensors.fqn:
+    if not part and sidecar.save_id != record.get("save_id"):  # (a DCP part's sidecars carry the part's save id)
+        return None
+    if sidecar.tensors.xxh3_128 is None and sidecar.tensors.fqn:
         return None
     return _base_of(directory, sidecar)
 
