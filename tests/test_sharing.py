@@ -286,3 +286,33 @@ def test_fsdp_parts_share_the_frozen_layers_shards_and_the_newest_loads_alone(tm
     for rank, result in enumerate(results):
         assert result["same"], rank
         assert any(name.startswith(f"__{rank}_0.") for name in result["shared"]), result  # its frozen shard, linked
+
+
+class _FrozenNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Linear(8, 512)  # frozen
+        self.encoder.requires_grad_(False)
+        self.head = torch.nn.Linear(512, 1)
+
+    def forward(self, x, labels=None):
+        out = self.head(self.encoder(x))
+        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+
+def test_trainer_checkpoints_each_load_alone_as_the_trainers_own(tmp_path):
+    from test_hf_trainer import Toy, _args, _assert_same_training_state, _checkpoints
+    from transformers import Trainer
+
+    from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
+
+    for name, callbacks in (("native", []), ("async", [AsyncCheckpointCallback()])):
+        torch.manual_seed(0)
+        trainer = Trainer(model=_FrozenNet(), train_dataset=Toy(), callbacks=callbacks,
+                          args=_args(tmp_path / name, max_steps=10, save_steps=2, save_total_limit=None))
+        trainer.train()
+    names = _checkpoints(tmp_path / "async")
+    assert len(names) == 5 and names == _checkpoints(tmp_path / "native")
+    for name in names:  # the Trainer's files of each, alone, as its own save wrote them
+        alone = _alone(str(tmp_path / "async"), name, str(tmp_path / "alone"))
+        _assert_same_training_state(alone, str(tmp_path / "native" / name))

@@ -191,12 +191,14 @@ def write_share(
     ``slot_digests``. With ``sharing`` (it finds the base, ``storage.sharing``) every item's content id is recorded,
     and the items the base holds unchanged are shared rather than written."""
     items = ShareItems(layout if layout.slots else None, [], names.objects_file_name(rank) if byte_items else None, [])
+    linked = layout.slots and not place.backend.remote and link_image(os.path.join(place.directory, layout.file_name))
+    if linked:  # a memory-tier buffer, already the file: nothing to write, nothing to share
+        sharing = None
     base = sharing() if sharing is not None else None
     if layout.slots:
-        path = os.path.join(place.directory, layout.file_name)
         if base is not None and place.backend.remote:
             _upload_changed(place, layout, image, base, wait_ready, items)
-        elif base is not None and not link_image(path):
+        elif base is not None:
             _write_changed(place, layout, image, base, wait_ready, items)
         else:
             # Checksums are computed on another thread while the image streams to disk (the writes
@@ -206,7 +208,7 @@ def write_share(
                 return slot_digests(image, layout, whole_file, with_ids=sharing is not None)
 
             pending = diskio.submit_background(checksum_slots)
-            if place.backend.remote or not link_image(path):
+            if not linked:
                 place.write_image(layout.file_name, image, layout.size, wait_ready)
                 items.written += layout.size
             if on_placed is not None:
