@@ -33,6 +33,7 @@ def _stored(root: str, endpoint: str) -> int:
         import boto3
 
         bucket, _, prefix = root[5:].partition("/")
+        prefix += "/"  # not the warm-up save's run-warm/
         pages = boto3.client("s3", endpoint_url=endpoint).get_paginator("list_objects_v2")
         return sum(o["Size"] for page in pages.paginate(Bucket=bucket, Prefix=prefix) for o in page.get("Contents", []))
     return int(subprocess.run(["du", "-s", "--block-size=1", root], capture_output=True, text=True,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import ctypes.util
 import errno
 import os
@@ -41,7 +42,7 @@ from typing import Optional
 from asyncckpt.core.errors import CheckpointError
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.layout import IO_ALIGNMENT, Slot
-from asyncckpt.core.formats.sidecar import Sidecar
+from asyncckpt.core.formats.sidecar import ShareItems, Sidecar
 from asyncckpt.core.storage import commit
 from asyncckpt.core.storage.backend import is_url, join, normalize
 from asyncckpt.core.storage.sidecars import read_sidecar
@@ -131,11 +132,55 @@ def newest_committed(root: str, exclude: str) -> Optional[tuple[str, dict]]:
     return best
 
 
+_remembered: dict[tuple[str, int], tuple[str, str, Base]] = {}  # (root, rank) -> this process's last committed share
+
+
+def remember(final_path: str, save_id: str, rank: int, items: ShareItems) -> None:
+    """``rank``'s share of the save ``save_id``, committed at ``final_path``: the base of this writer's next save
+    beside it, without listing the root and parsing the sidecar again (a few requests per save in an object store).
+    A share that recorded no content ids (sharing off, a memory-tier buffer) offers nothing: it is not kept."""
+    if items.layout is not None and items.tensor_ids is None:
+        return
+    tensors: dict[tuple, BaseItem] = {}
+    used: dict[str, list[tuple[int, int]]] = {}
+    if items.layout is not None and items.tensor_ids is not None:
+        files = items.tensor_files or [items.layout.file_name] * len(items.layout.slots)
+        for slot, file, xxh3, content_id in zip(items.layout.slots, files, items.tensor_digests, items.tensor_ids):
+            tensors[tensor_key(slot)] = BaseItem(file, slot.start, slot.length, xxh3, content_id or "")
+            used.setdefault(file, []).append((slot.start, slot.start + slot.length))
+    objects: dict[str, BaseItem] = {}
+    files = items.object_files or [items.objects_file] * len(items.objects)
+    for (fqn, start, length, xxh3), file, content_id in zip(items.objects, files, items.object_ids or []):
+        objects[fqn] = BaseItem(file, start, length, xxh3, content_id)
+        used.setdefault(file, []).append((start, start + length))
+    root = parent_of(final_path)
+    _remembered[root, rank] = (normalize(final_path), save_id, Base(normalize(final_path), save_id, tensors, objects,
+                                                                    used))
+    while len(_remembered) > 4:  # a writer saves under a root or two
+        _remembered.pop(next(iter(_remembered)))
+
+
+def _remembered_base(root: str, rank: int, exclude: str) -> Optional[Base]:
+    """The share this process committed last beside it, if that checkpoint is still there, committed by that save."""
+    found = _remembered.get((root, rank))
+    if found is None or found[0] == exclude:
+        return None
+    path, save_id, base = found
+    record = commit.read_commit_record(path)
+    if record is None or record.get("save_id") != save_id:
+        return None
+    return dataclasses.replace(base, linked={})
+
+
 def find_base(final_path: str, staging_dir: str, rank: int, part: str = "") -> Optional[Base]:
     """What the newest committed checkpoint beside ``final_path`` offers ``rank``'s share of the save being written
     in ``staging_dir``: in that checkpoint's ``part`` (a DCP subdirectory of a directory checkpoint, ``""``: the
-    checkpoint itself). None where there is none, or it recorded no content ids. (In an object store, where a save
-    is written in place, listing the root and reading its commit records is a few requests per save.)"""
+    checkpoint itself). None where there is none, or it recorded no content ids. The share this process committed
+    last there stands for the newest (``remember``): another process's newer one is not looked for."""
+    if not part:
+        remembered = _remembered_base(parent_of(final_path), rank, normalize(staging_dir))
+        if remembered is not None:
+            return remembered
     found = newest_committed(parent_of(final_path), normalize(staging_dir))
     if found is None:
         return None

@@ -28,7 +28,7 @@ from asyncckpt.core.errors import CheckpointWriteError, SnapshotCopyFailed
 from asyncckpt.core.writer.file_requests import fail_save
 from asyncckpt.core.formats.layout import RankLayout
 from asyncckpt.core.storage.backend import join
-from asyncckpt.core.storage.sharing import Base, find_base
+from asyncckpt.core.storage.sharing import Base, find_base, remember
 from asyncckpt.core.storage.sidecars import read_sidecar, take_files_records
 from asyncckpt.core.storage.staging import Staging, remove_coordination_files
 from asyncckpt.core.writer.protocol import RequestContext
@@ -120,6 +120,7 @@ class ShareRequest:
         if not self.coordinator:
             if self.directory_barrier is None:
                 barrier.wait_commit()
+                remember(self.final_path, self.save_id, self.rank, items)
                 if self.replicas is not None and self.replicas.publishes:
                     publish_copy(self.replicas, self.staging_dir, self.final_path, context.token())
             return
@@ -134,6 +135,7 @@ class ShareRequest:
                 return
             replaced = commit_share(self, place)
             barrier.committed()
+            remember(self.final_path, self.save_id, self.rank, items)
         except BaseException as e:
             barrier.fail(self.rank, f"{type(e).__name__}: {e}")
             fail_save(context, self.directory_barrier, self.rank, e)
@@ -263,7 +265,7 @@ def _write_changed(place: Staging, layout: RankLayout, image: memoryview, base: 
     hashing = diskio.submit_background(hash_slots)
     try:
         _size, items.written = diskio.write_ranges(os.path.join(place.directory, layout.file_name), image, changed(),
-                                                   direct=place.direct_io, threads=place.io_threads)
+                                                   layout.size, direct=place.direct_io, threads=place.io_threads)
     finally:
         hashing.exception()  # never leave the hashing thread behind on the image
     found = [by_start[slot.start] for slot in layout.slots]
