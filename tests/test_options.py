@@ -31,7 +31,7 @@ from asyncckpt.core import CheckpointOptions  # noqa: E402
 
 FIELDS = dataclasses.fields(CheckpointOptions)
 HINTS = typing.get_type_hints(CheckpointOptions)
-METRICS = ("stall_s", "waited_s", "durable_s", "bytes", "staged_wait_s")
+METRICS = ("stall_s", "waited_s", "durable_s", "bytes", "bytes_written", "bytes_shared", "staged_wait_s")
 
 
 def _accelerator(project: Path, **kwargs) -> Accelerator:
@@ -125,6 +125,7 @@ def _assert_records(records, saves):
     for record in records:
         assert record["stall_s"] > 0 and record["durable_s"] > 0 and record["bytes"] > 1 << 20, record
         assert record["waited_s"] >= 0 and record["staged_wait_s"] >= 0, record
+        assert record["bytes_written"] > 0 and record["bytes_shared"] >= 0, record  # this rank's writer's, shared
 
 
 class _Module(L.LightningModule):

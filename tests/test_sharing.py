@@ -168,6 +168,12 @@ def test_retention_gives_back_what_no_checkpoint_needs_and_sharing_can_be_turned
         target = {"frozen": torch.zeros(1024, 1024), "trained": torch.zeros(256, 1024)}
         core.load(target, os.path.join(root, name))
         assert torch.equal(target["frozen"], frozen)
+    shutil.rmtree(os.path.join(root, sorted(os.listdir(root))[0]))  # by hand: `asyncckpt clean` gives back the rest
+    assert cli(["clean", root]) == 0
+    assert _stored(root) < (4 + 1 + 0.5) * 2 ** 20, _stored(root)
+    target = {"frozen": torch.zeros(1024, 1024), "trained": torch.zeros(256, 1024)}
+    core.load(target, os.path.join(root, os.listdir(root)[0]))
+    assert torch.equal(target["frozen"], frozen) and bool((target["trained"] == 4).all())
 
 
 def test_an_object_store_copies_what_did_not_change_on_the_server(s3_server, s3_root):

@@ -122,10 +122,12 @@ def measure(sitting) -> dict:
     if server is not None:
         server.moto._server.app = received = _Received(server.moto._server.app)
     try:
-        places = ["local"] + (["s3"] if server else [])
+        places = ["local"] + (["s3"] if server else [])  # (``only``: one of them and one workload)
         for place in places:
             scale = 1 if place == "local" else o.s3_scale
             for workload in WORKLOADS:
+                if o.only and f"{place}/{workload}" != o.only:
+                    continue
                 rows: dict[str, list] = {}
                 with sitting.phase(f"{place} {workload}"):
                     for rep, run in sitting.abba(sitting.runs(["asyncckpt"], {"asyncckpt"}), o.reps):
@@ -211,7 +213,8 @@ SCENARIO = Scenario(
              "local disk and on an S3 server, against the base revision.",
     measure=measure, render=render, plot=plot,
     options={"frozen_mib": Option(256, 32), "trained_mib": Option(64, 16), "saves": Option(10, 3),
-             "s3": Option(True), "s3_scale": Option(0.5, 1.0)},
+             "s3": Option(True), "s3_scale": Option(0.5, 1.0),
+             "only": Option("", help="one place/workload (s3/changing, say): a sitting of that alone")},
     reps=(2, 1),
     revisioned=True,
 )

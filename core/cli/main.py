@@ -335,7 +335,8 @@ def cmd_clean(root: Optional[str], min_age_s: float, dry_run: bool, memory_root:
     a process that is gone left on this host; what was made on another host (whose writer this
     host cannot see) only once untouched for ``min_age_s``. Never anything a live writer still uses.
     Then the same in ROOT's memory tier on this node, and the tier itself if no live process owns
-    it and nothing changed in it for ``older_than_s`` (``tier.Run.orphaned``). Without ROOT: every
+    it and nothing changed in it for ``older_than_s`` (``tier.Run.orphaned``). The checkpoints' shared files give back
+    what none of them uses (``sharing.compact``: after checkpoints were deleted by hand). Without ROOT: every
     memory tier of this node that is orphaned so (and what dead cleaners left beside them), and the node copies
     that killed cooperative loads and the scratch folders that killed saves left beside the memory root
     (``tier.dead_loads``, ``tier.dead_captures``), and the folders holding them once empty."""
@@ -344,6 +345,8 @@ def cmd_clean(root: Optional[str], min_age_s: float, dry_run: bool, memory_root:
         if root is not None:
             root = normalize(root)
             freed, count = _clean_leftovers(root, "", min_age_s, dry_run)
+            if not dry_run and not backend_for(root).remote:  # what the checkpoints' shared files hold for none of them
+                sharing.compact(root)
             run = os.path.join(memory_root, tier.run_name(root))
             selected = [found for found in tier.runs(memory_root) if found.path == run]
             if selected:

@@ -193,7 +193,8 @@ def write_share(
     ``slot_digests``. With ``sharing`` (it finds the base, ``storage.sharing``) every item's content id is recorded,
     and the items the base holds unchanged are shared rather than written."""
     items = ShareItems(layout if layout.slots else None, [], names.objects_file_name(rank) if byte_items else None, [])
-    linked = layout.slots and not place.backend.remote and link_image(os.path.join(place.directory, layout.file_name))
+    linked = bool(layout.slots) and not place.backend.remote and link_image(os.path.join(place.directory,
+                                                                                        layout.file_name))
     if linked:  # a memory-tier buffer, already the file: nothing to write, nothing to share
         sharing = None
     base = sharing() if sharing is not None else None
