@@ -323,3 +323,45 @@ def test_trainer_checkpoints_each_load_alone_as_the_trainers_own(tmp_path):
     for name in names:  # the Trainer's files of each, alone, as its own save wrote them
         alone = _alone(str(tmp_path / "async"), name, str(tmp_path / "alone"))
         _assert_same_training_state(alone, str(tmp_path / "native" / name))
+
+
+def test_lightning_checkpoints_each_load_alone(tmp_path):
+    """Lightning's ``.ckpt`` is one file holding the step: written whole (FORMAT.md §5b); each loads alone."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from asyncckpt.adapters.lightning import AsyncCkptIO
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.frozen, self.trained = torch.nn.Linear(64, 256), torch.nn.Linear(256, 1)
+            self.frozen.requires_grad_(False)
+            self.seen = {}
+
+        def training_step(self, batch, batch_idx):
+            return self.trained(self.frozen(batch[0])).pow(2).mean()
+
+        def on_save_checkpoint(self, checkpoint):
+            self.seen[self.global_step] = {k: v.clone() for k, v in self.state_dict().items()}
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.trained.parameters())
+
+    torch.manual_seed(0)
+    module = Module()
+    trainer = L.Trainer(max_steps=5, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[AsyncCkptIO()],
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)])
+    trainer.fit(module, DataLoader(TensorDataset(torch.randn(40, 64)), batch_size=8))
+    names = sorted(os.listdir(tmp_path / "ckpt"))
+    assert len(names) == 5
+    for name in names:
+        alone = tmp_path / "alone"
+        shutil.rmtree(alone, ignore_errors=True)
+        alone.mkdir()
+        shutil.copy2(tmp_path / "ckpt" / name, alone / name)  # the others deleted
+        loaded = torch.load(alone / name, weights_only=False)  # what Lightning's own load reads
+        expected = module.seen[loaded["global_step"]]
+        assert all(torch.equal(loaded["state_dict"][k], v) for k, v in expected.items()), name
