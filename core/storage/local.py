@@ -31,6 +31,7 @@ import errno
 import os
 import shutil
 import stat
+import uuid
 import warnings
 from typing import Callable, Iterator, Optional, Union
 
@@ -184,16 +185,29 @@ class LocalBackend:
             diskio.write_small_file(path, data)
 
     def write_marker(self, path: str, data: bytes, *, exclusive: bool = False, append: bool = False) -> None:
+        """A marker appears whole (written under a hidden name, then linked or renamed into place: a reader
+        that lists it reads all of it); ``append`` adds one line in one write."""
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC) | (os.O_EXCL if exclusive else 0)
-        try:
-            fd = os.open(path, flags, 0o644)
-        except FileExistsError:
+        if append:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, data)  # one write: two writers appending never interleave a line
+            finally:
+                os.close(fd)
             return
+        temporary = names.hidden_path(path, "tmp", uuid.uuid4().hex[:12])
+        with open(temporary, "wb") as f:
+            f.write(data)
         try:
-            os.write(fd, data)  # one write: two writers appending never interleave a line
+            if exclusive:
+                os.link(temporary, path)  # fails where the marker exists: the first one stays
+            else:
+                os.replace(temporary, path)
+        except FileExistsError:
+            pass
         finally:
-            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
 
     def write_file(self, path: str, image: memoryview, size: int, token: str, *,
                    checksum: Optional[Callable[[], Optional[FileChecksum]]], direct_io: bool = True,
