@@ -24,6 +24,7 @@ save of ``next``, so that several programs started at once save one after the ot
                           before ``next``, which starts another. Prints ``idle`` once it stopped.
 """
 import os
+import signal
 import socket
 import sys
 import threading
@@ -35,6 +36,10 @@ import torch.distributed as dist
 from asyncckpt import core
 from asyncckpt.core.snapshot import shared_buffer
 from writers import writers_of
+
+# A training process started from a shell: SIGHUP's default action, also where the tests run under nohup (which
+# leaves it ignored in every process they start).
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 TENSORS = 8
 # 256 MiB: the write outlasts the moment the call returns (the benchmark's kill trials grow it where it does not)
