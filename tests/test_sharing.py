@@ -15,7 +15,6 @@ import torch.distributed.checkpoint as dcp
 
 from asyncckpt import core
 from asyncckpt.core.cli.main import main as cli
-from s3_server import s3_root, s3_server  # noqa: F401 - fixtures
 
 FROZEN, TRAINED = (256, 1024), (64, 256)  # 1 MiB frozen, 64 KiB trained (and its Adam state)
 
