@@ -109,8 +109,7 @@ class Checkpointer:
         self.files = FileSnapshots(self.buffers, self.copy_threads)
         self.sharded = ShardedSaves(self.buffers, self.copy_threads, direct_io=options.direct_io,
                                     io_threads=options.io_threads, timeout=options.timeout)
-        self.tiers = MemoryTiers(options.memory_tier, options.object_store, store=self._store,
-                                 queue=self.ledger.queue) if options.memory_tier else None
+        self.tiers = MemoryTiers(options, store=self._store, queue=self.ledger.queue) if options.memory_tier else None
         self._advice: Optional[interval.Advice] = None  # from the first durable save's costs (``_committed``)
         self._advice_logged = False  # once, at the save after it (``_saving``)
         self._saves: tuple[Optional[float], Optional[tuple[Optional[int], float]], int] = (None, None, 0)  # when the
@@ -163,7 +162,7 @@ class Checkpointer:
         overlap = self.overlap_staging if overlap_staging is None else overlap_staging
         self.stager.wait()  # one snapshot at a time: saves agree on their structures in call order
         target = self.sharded.target(path, group, collectives, self._store, step=step, extra_files=extra_files,
-                                     object_store=self.object_store, replicas=self._replicas(path, group),
+                                     object_store=self.object_store, tier=self._save_tier(path, group),
                                      file_buffers=self._file_buffers(path))
         world, agreement = target.world, target.agreement
         handle = self._admit("save", path, rank=target.rank, step=step, label=label)
@@ -180,7 +179,7 @@ class Checkpointer:
 
         def snapshot(prepared) -> None:
             submit = lambda: self.ledger.queue.submit([(handle, prepared.request, prepared.slot.buffer),  # noqa: E731
-                                                       *self._follow_ups(handle)])
+                                                       *self._follow_ups(handle, prepared.request.barrier)])
             self.stager.take_snapshot(handle, prepared.begin, prepared.request, submit, stream=stream)
 
         if overlap and (world == 1 or not collectives or agreement.own):
@@ -273,17 +272,17 @@ class Checkpointer:
         staging_dir = names.staging_dir_for(final_dir, save_id, os.fspath(staging_parent) if staging_parent else None)
         barrier = BarrierSpec("store" if store is not None else "files", save_id, world, staging_dir, final_dir, self.timeout)
         collectives = self.use_collectives and dist_ready()
-        replicas, file_buffers = self._replicas(final_dir, self.process_group), self._file_buffers(final_dir)
+        save_tier, file_buffers = self._save_tier(final_dir, self.process_group), self._file_buffers(final_dir)
 
         def sharded_target(path: str, group: Optional[dist.ProcessGroup], **details: Any):
             return self.sharded.target(path, group if group is not None else self.process_group, collectives,
-                                       self._store, replicas=replicas, file_buffers=file_buffers, **details)
+                                       self._store, tier=save_tier, file_buffers=file_buffers, **details)
 
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
                                     ledger=self.ledger, stager=self.stager, files=self.files,
                                     sharded=self.sharded, sharded_target=sharded_target, follow_ups=self._follow_ups,
                                     direct_io=self.options.direct_io,
-                                    io_threads=self.options.io_threads, replicas=replicas)
+                                    io_threads=self.options.io_threads, tier=save_tier)
 
     def _directory_id(self, final_dir: str, rank: int, world: int, store: Any) -> str:
         """The same id on every rank without a collective: on one rank, an owner token (random, and
@@ -452,16 +451,15 @@ class Checkpointer:
             self._when_durable(checkpoint, "export", lambda handle: self.ledger.queue.submit([(handle, request, None)]),
                                label=f"to {target}", done_by_action=True)
 
-    def _follow_ups(self, checkpoint: SaveHandle) -> list[tuple]:
+    def _follow_ups(self, checkpoint: SaveHandle, save: Optional[BarrierSpec] = None) -> list[tuple]:
         """Writer jobs handed over together with a checkpoint's own request, so that they run right behind it and
         before anything queued later (a rotation's removal of that very checkpoint), and only if it committed:
-        with the memory tier, its durable copy when due, a single file's replicas and the tier's retention (``tiers``);
-        rank 0's copy of it to ``mirror_to``."""
+        with the memory tier, its durable copy when due, a single file's replicas and the tier's retention (``tiers``;
+        ``save``: the meeting point of the save's ranks, None for a single file); rank 0's copy of it to
+        ``mirror_to``."""
         jobs = []
-        publishes = checkpoint.rank == 0 or checkpoint.kind == "file"
         if self.tiers is not None:
-            jobs += self.tiers.follow_ups(checkpoint.path, checkpoint.nbytes, publishes=publishes,
-                                          single_file=checkpoint.kind == "file")
+            jobs += self.tiers.follow_ups(checkpoint.path, checkpoint.nbytes, rank=checkpoint.rank, save=save)
         root = self.options.mirror_to
         if root and checkpoint.rank == 0 and not backend_for(checkpoint.path).remote:
             url = posixpath.join(root, os.path.basename(checkpoint.path))
@@ -693,16 +691,18 @@ class Checkpointer:
                 self.buffers.close()
 
     def _finish_memory_tier(self) -> None:
-        """The end of a run: the checkpoints only in memory are written durably (by rank 0, which publishes
-        them), then, once every rank is there, this node's memory copies go: the tier holds nothing after a run
-        that ended normally (a killed run leaves it for its restart)."""
+        """The end of a run: the checkpoints only in memory are written durably (each rank's files by its own
+        writer; a single file by the rank that saved it), then, once every rank is there, this node's memory copies
+        go: the tier holds nothing after a run that ended normally (a killed run leaves it for its restart)."""
         if self.tiers is None:
             return
-        rank, world = rank_and_world(self.process_group)
-        for placed in self.tiers.unpersisted() if rank == 0 else []:
-            if os.path.lexists(placed.memory):
-                persist = self._queue_after("persist", placed.durable,
-                                            self.tiers.copy_request(placed.memory, placed.durable), None)
+        rank = rank_and_world(self.process_group)[0]
+        for placed in self.tiers.unpersisted():
+            here = os.path.lexists(placed.memory)
+            if here if placed.save is None else not any_rank(not here, self.process_group):  # (a save of every rank:
+                persist = self._queue_after("persist", placed.durable,  # written where every node still holds its copy)
+                                            self.tiers.persist_request(placed.memory, placed.durable, placed.save, rank),
+                                            None)
                 for schedule in self._deferred_hooks.pop(placed.memory, []):  # its on_commit code and export, now
                     schedule(persist)
         self._deferred_hooks.clear()
@@ -754,9 +754,9 @@ class Checkpointer:
         self.tiers.connect()
         return self.tiers.place(path, nbytes(), step, durable_too=durable, agree_over=agree_over)
 
-    def _replicas(self, path: str, group: Optional[dist.ProcessGroup]) -> Any:
-        """What this rank's request of the save at ``path`` needs to reach the other nodes (``tiers.replicas``)."""
-        return None if self.tiers is None else self.tiers.replicas(path, group)
+    def _save_tier(self, path: str, group: Optional[dist.ProcessGroup]) -> Any:
+        """What this rank's request of the save at ``path`` carries of the memory tier (``tiers.save_tier``)."""
+        return None if self.tiers is None else self.tiers.save_tier(path, group)
 
     def _file_buffers(self, path: str) -> Optional[FileBuffers]:
         """The staging buffers of the save at ``path`` as files of the memory tier (``tiers.file_buffers``)."""

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from asyncckpt.core.api.options import MemoryTier
+from asyncckpt.core.api.options import CheckpointOptions
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import FileChecksum
 from asyncckpt.core.snapshot.buffer_pool import FileBuffers
@@ -47,7 +47,17 @@ from asyncckpt.core.snapshot.dist_env import dist_ready, rank_and_world
 from asyncckpt.core.storage import commit, tier
 from asyncckpt.core.storage.backend import is_url
 from asyncckpt.core.writer.mirror import CopyRequest
-from asyncckpt.core.writer.replicas import FileReplicas, NodeMap, Replicas, fetch_file, fetch_missing, missing_files
+from asyncckpt.core.writer.barrier import BarrierSpec
+from asyncckpt.core.writer.persist import PersistRequest
+from asyncckpt.core.writer.replicas import (
+    FileReplicas,
+    NodeMap,
+    Replicas,
+    TierSave,
+    fetch_file,
+    fetch_missing,
+    missing_files,
+)
 from asyncckpt.core.writer.replication import (
     format_address,
     job_secret,
@@ -97,15 +107,18 @@ class Placement:
     durable: str
     persist: bool
     run: _Run = field(repr=False)
+    save: Optional[BarrierSpec] = None  # where its ranks met (``follow_ups``; None: a single file, one rank's)
 
 
 class MemoryTiers:
-    """``store()``: the torch.distributed Store (None without one: the tier is then one node's); ``queue``: the
+    """The memory tier of a Checkpointer whose options are ``checkpoint_options`` (``memory_tier`` set).
+    ``store()``: the torch.distributed Store (None without one: the tier is then one node's); ``queue``: the
     Checkpointer's ``WriterQueue``, whose writer serves this node's memory to the others."""
 
-    def __init__(self, options: MemoryTier, object_store: Any, *, store: Callable[[], Any], queue: Any) -> None:
-        self.options, self.object_store = options, object_store
-        self.root = tier.memory_root(options.root)
+    def __init__(self, checkpoint_options: CheckpointOptions, *, store: Callable[[], Any], queue: Any) -> None:
+        self.options, self.checkpoint_options = checkpoint_options.memory_tier, checkpoint_options
+        self.object_store = checkpoint_options.object_store
+        self.root = tier.memory_root(self.options.root)
         self._store, self._queue = store, queue
         self._runs: dict[str, _Run] = {}
         self._placed: dict[str, Placement] = {}  # by memory path
@@ -169,22 +182,25 @@ class MemoryTiers:
         """The job runs on several nodes (``connect``): each node's memory holds its own copy of a checkpoint."""
         return self._nodes is not None
 
-    def replicas(self, path: str, group: Any) -> Optional[Replicas]:
-        """What the request of this rank's part of the save at ``path`` (a memory path ``place`` gave) over
-        ``group`` needs to reach the other nodes; None where the save's ranks are all on one node (or it is not in
-        memory): the save is then one node's, as without other nodes."""
-        nodes = self._nodes
-        if nodes is None or path not in self._placed:
+    def save_tier(self, path: str, group: Any) -> Optional[TierSave]:
+        """What the requests of this rank's part of the save at ``path`` (a memory path ``place`` gave) over
+        ``group`` carry: the job's topology, and where the save's ranks are on several nodes, how this rank's part
+        reaches the others; None where it is not in memory."""
+        if path not in self._placed:
             return None
         rank, world = rank_and_world(group)
+        nodes = self._nodes
+        if nodes is None:
+            return TierSave((world,))
         node_of = [nodes.of_rank[dist.get_global_rank(group, r) if group is not None else r] for r in range(world)]
+        ranks_per_node = tuple(node_of.count(node) for node in dict.fromkeys(node_of))
         members = tuple(sorted(set(node_of)))
         if len(members) < 2:
-            return None
+            return TierSave(ranks_per_node)
         node = node_of[rank]
         peers = self._peers(node, members)
         publishes = node_of.index(node) == rank and node != node_of[0]
-        return Replicas(nodes.map, peers, node_of[0], members, publishes)
+        return TierSave(ranks_per_node, Replicas(nodes.map, peers, node_of[0], members, publishes))
 
     def _peers(self, node: str, members: tuple[str, ...]) -> tuple[str, ...]:
         """The nodes of ``members`` (sorted) that hold ``node``'s replicas (``peers_for``)."""
@@ -195,10 +211,15 @@ class MemoryTiers:
         sends)."""
         return 0 if self._nodes is None else min(self.options.replicas, self._nodes.count - 1)
 
-    def copy_request(self, memory: str, durable: str) -> CopyRequest:
-        """The request that writes the memory checkpoint ``memory`` durably at ``durable`` (on several nodes, with
-        what this node lacks of it fetched from the others first)."""
-        return CopyRequest(memory, durable, self.object_store, self._nodes.map if self._nodes is not None else None)
+    def persist_request(self, memory: str, durable: str, save: Optional[BarrierSpec], rank: int) -> Any:
+        """The request that writes this rank's part of the memory checkpoint ``memory`` durably at ``durable``: its
+        own files, the ranks meeting as those of the ``save`` did (its meeting point: its ranks, its id, the
+        Store or markers; ``writer.persist``). ``save`` None: a single file, which its one rank copies whole."""
+        if save is None:
+            return CopyRequest(memory, durable, self.object_store)
+        options = self.checkpoint_options
+        return PersistRequest(memory, durable, rank, save.world_size, save.key, save.kind, options.timeout,
+                              options.direct_io, options.io_threads, self.object_store)
 
     # ------------------------------------------------------------------ a restart on several nodes
     def assemble(self, durable_root: str, group: Any, *, single_files: Optional[Callable[[str], bool]] = None
@@ -340,20 +361,20 @@ class MemoryTiers:
                                                                                          capacity))
         return False
 
-    def follow_ups(self, memory: str, nbytes: int, *, publishes: bool, single_file: bool) -> list[tuple[str, str, Any]]:
-        """The writer jobs behind the commit of the checkpoint saved at ``memory`` (``nbytes`` on this rank), as
-        ``(kind, path, request)``: its persistence when due, by the rank that publishes it (``publishes``); a
-        ``single_file`` of a root every rank ``expect``s, its replicas (a directory's go with its files); then, by
-        one rank per node, the tier's retention on this node."""
+    def follow_ups(self, memory: str, nbytes: int, *, rank: int, save: Optional[BarrierSpec]) -> list[tuple[str, str, Any]]:
+        """The writer jobs behind the commit of the checkpoint saved at ``memory`` (``nbytes`` on this ``rank``),
+        as ``(kind, path, request)``: its persistence when due, by every rank of the ``save`` (its meeting point;
+        None: a single file, by its one rank); a single file of a root every rank ``expect``s, its replicas (a
+        directory's go with its files); then, by one rank per node, the tier's retention on this node."""
         placed = self._placed.get(memory)
         if placed is None:
             return []
         placed.run.unpersisted = None if placed.persist else memory
-        placed.run.last_bytes = nbytes
+        placed.run.last_bytes, placed.save = nbytes, save
         jobs = []
-        if placed.persist and publishes:
-            jobs.append(("persist", placed.durable, self.copy_request(memory, placed.durable)))
-        if single_file and placed.run.expected and self._nodes is not None:
+        if placed.persist:
+            jobs.append(("persist", placed.durable, self.persist_request(memory, placed.durable, save, rank)))
+        if save is None and placed.run.expected and self._nodes is not None:
             peers = self._peers(self._nodes.map.node, tuple(sorted(set(self._nodes.of_rank))))
             jobs.append(("replicate", memory, FileReplicas(memory, self._nodes.map, peers, self.options.keep)))
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:

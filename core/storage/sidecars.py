@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from asyncckpt.core.formats.checksum import FileChecksum
@@ -46,15 +47,24 @@ def write_files_record(directory: str, rank: int, files: Mapping[str, FileChecks
     return name
 
 
-def take_files_records(directory: str, world_size: int) -> dict[str, tuple[FileChecksum, tuple[str, ...]]]:
+@dataclass(frozen=True)
+class RecordedFile:
+    """A file of a save, as its rank's files record left it: its checksum, the nodes that hold it (none recorded on
+    one node), the rank that wrote it."""
+
+    checksum: FileChecksum
+    holders: tuple[str, ...]
+    rank: int
+
+
+def take_files_records(directory: str, world_size: int) -> dict[str, RecordedFile]:
     """Every rank's files record in the staging ``directory`` (``write_files_record``), which then go (they are
-    the coordination of the writers, not the checkpoint's): file -> (its checksum, the nodes that hold it; none
-    recorded on one node)."""
-    files: dict[str, tuple[FileChecksum, tuple[str, ...]]] = {}
+    the coordination of the writers, not the checkpoint's), by file name."""
+    files: dict[str, RecordedFile] = {}
     for rank in range(world_size):
         path = os.path.join(directory, files_record_name(rank))
         with open(path) as f:
             for file, (size, xxh3, *holders) in json.load(f).items():
-                files[file] = (FileChecksum(size, xxh3), tuple(holders[0]) if holders else ())
+                files[file] = RecordedFile(FileChecksum(size, xxh3), tuple(holders[0]) if holders else (), rank)
         os.unlink(path)
     return files

@@ -191,6 +191,18 @@ def record_checksums(record: dict) -> dict[str, FileChecksum]:
     return {name: FileChecksum(entry["size"], entry["xxh3"]) for name, entry in entries.items()}
 
 
+def writer_of(record: dict, name: str) -> int:
+    """The rank that wrote the file ``name`` of the memory checkpoint whose commit record is ``record``: as the record's
+    ``TIER_ENTRY`` says (a directory checkpoint's files, those of a save on several nodes), else the rank a sharded
+    save's file is named after (its data files, its sidecar), else rank 0 (what the commit added: DCP's ``.metadata``,
+    a save's extra files)."""
+    ranks = record.get(TIER_ENTRY, {}).get("ranks", {})
+    if name in ranks:
+        return ranks[name]
+    match = names.DATA_FILE_PATTERN.match(name) or names.SIDECAR_PATTERN.match(name)
+    return int(match[1]) if match else 0
+
+
 def holders(record: dict) -> dict[str, list[str]]:
     """The nodes that hold each file of the checkpoint whose commit record is ``record``, as its save left them
     (none recorded: a save on one node)."""

@@ -38,7 +38,7 @@ from asyncckpt.core.writer.replicas import NodeMap, fetch_missing
 
 
 @contextlib.contextmanager
-def _mapped(path: str) -> Iterator[tuple[memoryview, int]]:
+def mapped(path: str) -> Iterator[tuple[memoryview, int]]:
     """The bytes of a local file, memory-mapped (an empty file cannot be mapped), and its size; the view is
     released before the mapping is closed."""
     with open(path, "rb") as f:
@@ -75,7 +75,7 @@ def copy(source: str, target: str, token: str, options: Optional[ObjectStoreOpti
     backend = backend_for(target, options)
     if os.path.isfile(source):
         checksum = file_checksums.read_record(source)
-        with _mapped(source) as (view, size):
+        with mapped(source) as (view, size):
             backend.write_file(target, view, size, token, checksum=lambda: checksum)
         return
     record = commit.read_commit_record(source)
@@ -90,7 +90,7 @@ def copy(source: str, target: str, token: str, options: Optional[ObjectStoreOpti
     place = Staging(staging_dir_for(target, token), target, options, coordinator=True)
     place.claim(0, token)
     for name in sorted(record.get("files", {})):
-        with _mapped(os.path.join(source, name)) as (view, size):
+        with mapped(os.path.join(source, name)) as (view, size):
             place.write_image(name, view, size, None)
     replaced = place.publish(record)  # the source's record as it is: files, sizes, checksums, step, commit time
     if replaced is not None:

@@ -59,9 +59,14 @@ from asyncckpt.core.writer.barrier import (
 from asyncckpt.core.writer.copy_progress import PROGRESS_BYTES, CopyProgress
 from asyncckpt.core.writer.mirror import copy
 from asyncckpt.core.writer.priority import CpuShare
+from asyncckpt.core.writer.replicas import CoordinatorMarkers, Replicas
 from asyncckpt.core.writer.replication import Receiver
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
 
+#: An orphaned writer that serves its node's memory (``Receiver``) exits only once no other node's writer has been
+#: connected for this long: they finish the same saves (a save's commit record fetched from rank 0's node), and their
+#: training processes, which would tell them the job's state, died with this one's.
+RECEIVER_QUIET_S = 5.0
 _REMEMBERED_FAILURES = 256  # saves whose failure (or files) on this rank a later request of theirs may ask about
 
 
@@ -199,6 +204,7 @@ class Writer:
         self.terminated = False  # a SIGTERM reached this writer: its node may go away
         self.memory_saves: dict[str, str] = {}  # memory run directory -> the newest checkpoint this writer published
         self.cpu_share = CpuShare()  # the training's priority, or only idle CPU where the node leaves some
+        self.receiver: Optional[Receiver] = None  # it serves its node's memory to the other nodes (RECEIVER)
 
     def _note_memory_save(self, request: Any) -> None:
         """Remember the newest memory-tier checkpoint this writer published (a rank's directory or sharded share by
@@ -362,16 +368,21 @@ class _Context:
             self.writer.tidying.add(parent)
             self.after_reply(lambda: leftovers.clean(parent))
 
-    def barrier(self, spec: BarrierSpec):
+    def barrier(self, spec: BarrierSpec, replicas: Optional[Replicas] = None):
         writer = self.writer
         if spec.kind == "solo":
             return SoloBarrier(spec)
+
+        def markers(judge_silence: Callable[[], bool]) -> MarkerBarrier:  # on several nodes: met on rank 0's
+            if replicas is not None and replicas.coordinator != replicas.nodes.node:
+                return CoordinatorMarkers(spec, replicas, writer.heartbeats, judge_silence)
+            return MarkerBarrier(spec, writer.heartbeats, judge_silence)
+
         if spec.kind == "files":  # a rank that is late while this training process lives is waited for
-            return MarkerBarrier(spec, writer.heartbeats, judge_silence=self.trainer_gone)
+            return markers(self.trainer_gone)
         # kind "store": the markers decide only once the Store cannot be reached, when every rank still
         # at work on the save is at work in its writer
-        return SurvivingBarrier(RemoteBarrier(spec, writer.channel), MarkerBarrier(spec, writer.heartbeats, lambda: True),
-                                lambda: writer.trainer.alive)
+        return SurvivingBarrier(RemoteBarrier(spec, writer.channel), markers(lambda: True), lambda: writer.trainer.alive)
 
     def after_reply(self, action: Callable[[], None]) -> None:
         self.writer.after_replies.append(action)
@@ -405,6 +416,8 @@ def serve(writer: "Writer") -> None:
             message, fd = channel.next_message()
         except (EOFError, OSError):  # the training process closed the socket, or died: all it sent was run
             message, fd = (protocol.STOP,), None
+            if writer.receiver is not None:  # (no STOP: it died) the other nodes' writers may still need this
+                writer.receiver.wait_quiet(RECEIVER_QUIET_S)  # node's memory to finish the same saves
         kind = message[0]
         if kind == protocol.BUFFER:
             _, buffer_id, layout = message
@@ -416,7 +429,7 @@ def serve(writer: "Writer") -> None:
         elif kind == protocol.RUN:
             writer.run_jobs(message[1])
         elif kind == protocol.RECEIVER:  # threads of its own until the process exits: nothing to stop
-            Receiver(message[1], secret=message[2], listener=socket.socket(fileno=fd))
+            writer.receiver = Receiver(message[1], secret=message[2], listener=socket.socket(fileno=fd))
         elif kind == protocol.STOP:
             if writer.terminated:
                 writer.persist_memory()

@@ -41,7 +41,7 @@ Kept free of torch: the writer imports it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from asyncckpt.core.writer.barrier import Barrier, BarrierSpec
@@ -74,8 +74,9 @@ class RequestContext(Protocol):
     def tidy(self, parent: str) -> None:
         """Remove our leftovers in ``parent`` whose owner is gone (after the reply)."""
 
-    def barrier(self, spec: "BarrierSpec") -> "Barrier":
-        """Where this request meets the other ranks of its save."""
+    def barrier(self, spec: "BarrierSpec", replicas: Any = None) -> "Barrier":
+        """Where this request meets the other ranks of its save (``replicas``: a memory-tier save on several nodes,
+        whose ranks' staging places are each on its own node: ``writer.replicas.Replicas``)."""
 
     def after_reply(self, action: Callable[[], None]) -> None:
         """Run ``action`` once the request's outcome is reported (deletions nobody waits for)."""
