@@ -63,8 +63,8 @@ PROGRAM = textwrap.dedent('''
         before = written(checkpointer)
         checkpointer.async_save(state(2), f"{root}/step_2", step=2)  # durable too
         checkpointer.wait_for(f"{root}/step_2")
-        copy = tier.memory_path(f"{root}/step_2")  # this node's: its share, and the replicas it received (tmpfs
-        record = commit.read_commit_record(copy)    # counts as written too)
+        copy = tier.memory_path(f"{root}/step_2")  # this node's: its share, and the replicas it received (here
+        record = commit.read_commit_record(copy)    # on the disk, they count as written too; in tmpfs they would not)
         received = sum(os.path.getsize(os.path.join(copy, name)) for name in record["files"]
                        if tier.writer_of(record, name) != rank and os.path.exists(os.path.join(copy, name)))
         print(f"WROTE {written(checkpointer) - before - received}", flush=True)

@@ -109,7 +109,8 @@ class Checkpointer:
         self.files = FileSnapshots(self.buffers, self.copy_threads)
         self.sharded = ShardedSaves(self.buffers, self.copy_threads, direct_io=options.direct_io,
                                     io_threads=options.io_threads, timeout=options.timeout)
-        self.tiers = MemoryTiers(options, store=self._store, queue=self.ledger.queue) if options.memory_tier else None
+        self.tiers = MemoryTiers(options, store=self._store, queue=self.ledger.queue,
+                                 process_group=process_group) if options.memory_tier else None
         self._advice: Optional[interval.Advice] = None  # from the first durable save's costs (``_committed``)
         self._advice_logged = False  # once, at the save after it (``_saving``)
         self._saves: tuple[Optional[float], Optional[tuple[Optional[int], float]], int] = (None, None, 0)  # when the
@@ -505,15 +506,14 @@ class Checkpointer:
         """The newest committed checkpoint of ``root`` to resume from, in any tier of this node (as
         ``asyncckpt.core.latest_checkpoint``). With the memory tier on several nodes, a collective (every rank
         calls it): the nodes agree on the newest checkpoint some of them hold in memory whole between them, and
-        each completes its copy from the others (``tiers.assemble``); else the newest on storage."""
+        each completes its copy from the others (``tiers.assemble``); else the newest on storage. A memory
+        checkpoint that a job of another shape saved (world size, ranks per node) is not resumed from, with one
+        warning (``MemoryTiers.latest_checkpoint``)."""
         root = _normalize(root)
         self.wait()
         if self.tiers is not None:
-            assembled = self.tiers.assemble(root, self.process_group)
-            if self.tiers.across_nodes:
-                return assembled or commit.latest_checkpoint(root, orphan_timeout=self.timeout)
-        return tier.latest_checkpoint(root, orphan_timeout=self.timeout,
-                                      memory_root=self.tiers.options.root if self.tiers is not None else None)
+            return self.tiers.latest_checkpoint(root, self.process_group, self.timeout)
+        return tier.latest_checkpoint(root, orphan_timeout=self.timeout)
 
     def wait_for(self, path: str | os.PathLike) -> None:
         """Wait for pending work on ``path`` (a read must never see a checkpoint being written);

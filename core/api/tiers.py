@@ -115,11 +115,13 @@ class MemoryTiers:
     ``store()``: the torch.distributed Store (None without one: the tier is then one node's); ``queue``: the
     Checkpointer's ``WriterQueue``, whose writer serves this node's memory to the others."""
 
-    def __init__(self, checkpoint_options: CheckpointOptions, *, store: Callable[[], Any], queue: Any) -> None:
+    def __init__(self, checkpoint_options: CheckpointOptions, *, store: Callable[[], Any], queue: Any,
+                 process_group: Any = None) -> None:
         self.options, self.checkpoint_options = checkpoint_options.memory_tier, checkpoint_options
         self.object_store = checkpoint_options.object_store
         self.root = tier.memory_root(self.options.root)
-        self._store, self._queue = store, queue
+        self._store, self._queue, self._group = store, queue, process_group
+        self._foreign: dict[str, set[str]] = {}  # run directory -> its memory checkpoints of another job's shape
         self._runs: dict[str, _Run] = {}
         self._placed: dict[str, Placement] = {}  # by memory path
         self._lock = threading.Lock()
@@ -188,19 +190,56 @@ class MemoryTiers:
         reaches the others; None where it is not in memory."""
         if path not in self._placed:
             return None
-        rank, world = rank_and_world(group)
-        nodes = self._nodes
-        if nodes is None:
-            return TierSave((world,))
-        node_of = [nodes.of_rank[dist.get_global_rank(group, r) if group is not None else r] for r in range(world)]
+        rank = rank_and_world(group)[0]
+        node_of = self._node_of(group)
         ranks_per_node = tuple(node_of.count(node) for node in dict.fromkeys(node_of))
         members = tuple(sorted(set(node_of)))
         if len(members) < 2:
             return TierSave(ranks_per_node)
+        nodes = self._nodes
         node = node_of[rank]
         peers = self._peers(node, members)
         publishes = node_of.index(node) == rank and node != node_of[0]
         return TierSave(ranks_per_node, Replicas(nodes.map, peers, node_of[0], members, publishes))
+
+    def _node_of(self, group: Any) -> list[str]:
+        """The node of each rank of ``group`` (``connect``; on one node, this one's)."""
+        world = rank_and_world(group)[1]
+        if self._nodes is None:
+            return [tier.node_id()] * world
+        return [self._nodes.of_rank[dist.get_global_rank(group, r) if group is not None else r] for r in range(world)]
+
+    def _foreign_to_job(self, run_directory: str, checkpoints: list[tier.MemoryCheckpoint]) -> set[str]:
+        """The memory checkpoints of ``checkpoints`` (in ``run_directory``) that a job of another shape saved (its
+        world size, its ranks per node: ``TierSave.topology`` in their commit records): this job does not resume
+        from them, whose shares are not its ranks' (their durable copies, if any, load as from storage, resharded);
+        said in one line per run directory, by one process of the node. A single file has no shape: it is the
+        whole state."""
+        node_of = self._node_of(self._group)
+        job = TierSave(tuple(node_of.count(node) for node in dict.fromkeys(node_of))).topology
+        foreign = {c.name for c in checkpoints if c.record is not None
+                   and c.record.get(tier.TIER_ENTRY, {}).get("topology", job) != job}
+        said = self._foreign.setdefault(run_directory, set())
+        if foreign - said and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            logger.warning("asyncckpt: not resuming from the memory checkpoint(s) %s of %s: saved by a job of another "
+                           "shape (%s), this job has %d rank(s), %s a node; their durable copies, if any, load as from "
+                           "storage", ", ".join(sorted(foreign - said)), tier.durable_root_of(run_directory),
+                           "; ".join(sorted({_shape(c.record) for c in checkpoints if c.name in foreign - said})),
+                           job["world_size"], "/".join(map(str, job["ranks_per_node"])))
+        said |= foreign
+        return foreign
+
+    def latest_checkpoint(self, root: str, group: Any, orphan_timeout: float) -> Optional[str]:
+        """The newest committed checkpoint of the durable ``root`` this job resumes from, in any tier (a collective on
+        several nodes: ``assemble``; the newest on storage where the nodes hold none in memory); of the memory
+        checkpoints, those of this job's shape only (``_foreign_to_job``)."""
+        assembled = self.assemble(root, group)
+        if self.across_nodes:
+            return assembled or commit.latest_checkpoint(root, orphan_timeout=orphan_timeout)
+        run_directory = self.run_dir(root)
+        foreign = self._foreign_to_job(run_directory, tier.memory_checkpoints(run_directory))
+        return tier.latest_checkpoint(root, orphan_timeout=orphan_timeout, memory_root=self.options.root,
+                                      skipped=foreign)
 
     def _peers(self, node: str, members: tuple[str, ...]) -> tuple[str, ...]:
         """The nodes of ``members`` (sorted) that hold ``node``'s replicas (``peers_for``)."""
@@ -241,6 +280,8 @@ class MemoryTiers:
             return None
         run_directory = tier.open_run(durable_root, self.options.root)  # a replaced node's is made (to fetch into)
         here = tier.memory_checkpoints(run_directory)
+        foreign = self._foreign_to_job(run_directory, here)
+        here = [c for c in here if c.name not in foreign]
         if single_files:
             held = [(c.name, _file_record(c), [c.name]) for c in here
                     if c.checksum is not None and c.complete and single_files(c.name)]
@@ -271,12 +312,15 @@ class MemoryTiers:
             self.serve()
         return None if agreed is None else os.path.join(run_directory, agreed)
 
-    def usable(self, run_directory: str) -> Optional[set[str]]:
+    def usable(self, run_directory: str) -> set[str]:
         """The memory checkpoints in ``run_directory`` a resume on this node may load (names): on several nodes, the
         one they agreed on (``assemble``; none before it, nor before the nodes are known on a job the launcher says
-        spans several); None on one node: any (each is whole there)."""
+        spans several); on one node, each of this job's shape (``_foreign_to_job``; each is whole there)."""
         if self._nodes is None:
-            return set() if not self._connected and _spans_nodes() else None
+            if not self._connected and _spans_nodes():
+                return set()
+            here = tier.memory_checkpoints(run_directory)
+            return {c.name for c in here} - self._foreign_to_job(run_directory, here)
         return {self._agreed[run_directory]} if self._agreed.get(run_directory) else set()
 
     def expect(self, durable_root: str) -> None:
@@ -397,6 +441,12 @@ class MemoryTiers:
             tier.release_run(run.directory, run.owner)
             if remove:
                 tier.remove_run(run.directory)
+
+
+def _shape(record: dict) -> str:
+    """A memory checkpoint's job shape, as its commit record binds it: ``4 rank(s), 2/2 a node``."""
+    topology = record[tier.TIER_ENTRY]["topology"]
+    return f"{topology['world_size']} rank(s), {'/'.join(map(str, topology['ranks_per_node']))} a node"
 
 
 def _spans_nodes() -> bool:

@@ -35,7 +35,7 @@ import socket
 import stat
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import FileChecksum
@@ -493,10 +493,12 @@ def remove_orphans(root: str, older_than_s: float = ORPHAN_AFTER_S) -> list[str]
     return [path for path in orphaned_runs(root, older_than_s) if remove_orphan(path)]
 
 
-def latest_checkpoint(root: str, *, orphan_timeout: float = 600.0, memory_root: Optional[str] = None) -> Optional[str]:
+def latest_checkpoint(root: str, *, orphan_timeout: float = 600.0, memory_root: Optional[str] = None,
+                      skipped: Collection[str] = ()) -> Optional[str]:
     """The newest complete checkpoint of ``root`` in any tier of this node (by step, then commit time), or None:
     directly under ``root`` (``commit.latest_checkpoint``), or in its memory run directory (under ``memory_root``,
-    else the environment's or the default), whose copy is the nearer where both hold the same step. A writer of a
+    else the environment's or the default; but those named in ``skipped``), whose copy is the nearer where both hold
+    the same step. A writer of a
     previous run still finishing a checkpoint in either is waited for first, up to ``orphan_timeout`` seconds. This
     node's view only: on several nodes, ``Checkpointer.latest_checkpoint`` (the nodes agree, and complete their
     copies from each other)."""
@@ -507,7 +509,7 @@ def latest_checkpoint(root: str, *, orphan_timeout: float = 600.0, memory_root: 
         if not backend_for(place).remote:
             orphans.wait_for_orphans(place, orphan_timeout)
         for path, record in commit.committed_under(place):
-            if record is None:
+            if record is None or (nearness and os.path.basename(path) in skipped):
                 continue
             step = record.get("step")
             key = (step if step is not None else -1, nearness, record.get("committed_at_ns", 0))

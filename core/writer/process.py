@@ -7,8 +7,9 @@ outside the training process's GIL. It runs in a session of its own and is not s
 first instruction on): a Ctrl-C or a preemption signal reaches the training process, which drains what it handed
 over, and the writer keeps writing through the grace period instead of dropping the save in flight. A SIGTERM that
 reaches the writer itself (a preemption signals every process of the job) means its node may go away: once the
-work at hand is done, it writes durably the newest checkpoint of the memory tier that it published and that is in
-memory only (``persist_memory``), so that the node's memory takes nothing with it that the job needs.
+work at hand is done, it writes durably its own files of the newest checkpoint of the memory tier that it took part
+in and that is in memory only (``persist_memory``; the other ranks' writers theirs, meeting by markers on the
+durable storage), so that the node's memory takes nothing with it that the job needs.
 
 A save handed over survives the training process. If the training process dies (kill -9, the OOM
 killer, a crash) the writer finishes every request it was given before (they are in its socket,
@@ -57,11 +58,12 @@ from asyncckpt.core.writer.barrier import (
     SurvivingBarrier,
 )
 from asyncckpt.core.writer.copy_progress import PROGRESS_BYTES, CopyProgress
-from asyncckpt.core.writer.mirror import copy
+from asyncckpt.core.writer.mirror import CopyRequest
+from asyncckpt.core.writer.persist import PersistRequest
 from asyncckpt.core.writer.priority import CpuShare
 from asyncckpt.core.writer.replicas import CoordinatorMarkers, Replicas
 from asyncckpt.core.writer.replication import Receiver
-from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
+from asyncckpt.core.errors import CheckpointError, CheckpointTimeoutError, CheckpointWriteError
 
 #: An orphaned writer that serves its node's memory (``Receiver``) exits only once no other node's writer has been
 #: connected for this long: they finish the same saves (a save's commit record fetched from rank 0's node), and their
@@ -202,34 +204,43 @@ class Writer:
         self.after_replies: list[Callable[[], None]] = []
         self.heartbeats = Heartbeats(self.token)  # liveness markers of the saves at work (``barrier``)
         self.terminated = False  # a SIGTERM reached this writer: its node may go away
-        self.memory_saves: dict[str, str] = {}  # memory run directory -> the newest checkpoint this writer published
+        self.memory_saves: dict[str, Any] = {}  # memory run directory -> how its newest checkpoint is written durably
         self.cpu_share = CpuShare()  # the training's priority, or only idle CPU where the node leaves some
         self.receiver: Optional[Receiver] = None  # it serves its node's memory to the other nodes (RECEIVER)
 
     def _note_memory_save(self, request: Any) -> None:
-        """Remember the newest memory-tier checkpoint this writer published (a rank's directory or sharded share by
-        rank 0's writer, a single file by its own), and forget one once it was written durably."""
+        """Remember how to write durably the newest memory-tier checkpoint this writer took part in (this rank's files
+        of a directory or sharded save, ``PersistRequest``; a single file it saved, ``CopyRequest``), and forget one
+        once it was written durably."""
         source = getattr(request, "source", None)
-        if source is not None and source in self.memory_saves.values():  # its durable copy (``CopyRequest``)
-            self.memory_saves = {run: path for run, path in self.memory_saves.items() if path != source}
+        if source is not None:  # a durable copy (``PersistRequest``, ``CopyRequest``)
+            self.memory_saves = {run: persist for run, persist in self.memory_saves.items() if persist.source != source}
             return
-        path = getattr(request, "final_path", None) if getattr(request, "rank", None) == 0 else None
-        if path is None and getattr(request, "barrier", "absent") is None:
-            path = getattr(request, "path", None)  # a single file
-        if isinstance(path, str) and tier.durable_root_of(os.path.dirname(path)) is not None:
-            self.memory_saves[os.path.dirname(path)] = path
+        barrier, path = getattr(request, "barrier", "absent"), getattr(request, "final_path", None)
+        if isinstance(barrier, BarrierSpec) and isinstance(path, str) and not getattr(request, "directory_barrier", None):
+            durable_root = tier.durable_root_of(os.path.dirname(path))
+            if durable_root is not None:
+                self.memory_saves[os.path.dirname(path)] = PersistRequest(
+                    path, join(durable_root, os.path.basename(path)), request.rank, barrier.world_size, barrier.key,
+                    "files", barrier.timeout)
+        elif barrier is None and isinstance(getattr(request, "path", None), str):  # a single file
+            durable_root = tier.durable_root_of(os.path.dirname(request.path))
+            if durable_root is not None:
+                self.memory_saves[os.path.dirname(request.path)] = CopyRequest(
+                    request.path, join(durable_root, os.path.basename(request.path)))
 
     def persist_memory(self) -> None:
-        """Write durably, and commit there, the newest checkpoint of each memory run this writer published that is
-        in memory only (its durable copy missing, or of another save); then forget them."""
+        """Write durably, and commit there, the newest checkpoint of each memory run this writer took part in that
+        is in memory only (its durable copy missing, or of another save): each rank's writer its own files, the
+        ranks meeting by markers on the durable storage; then forget them."""
         saves, self.memory_saves = self.memory_saves, {}
-        for run, path in saves.items():
-            durable = join(tier.durable_root_of(run), os.path.basename(path))
+        for persist in saves.values():
+            durable = persist.target
             try:
-                if not commit.same_save(path, durable):
-                    copy(path, durable, self.token)
+                if not commit.same_save(persist.source, durable):
+                    persist.run(_Context(self, None))
                     orphans.note(os.path.dirname(durable), self.token, f"wrote {durable} from memory (SIGTERM)")
-            except (OSError, CheckpointWriteError) as e:
+            except (OSError, CheckpointError) as e:
                 orphans.note(os.path.dirname(durable), self.token,
                              f"could not write {durable} from memory (SIGTERM): {type(e).__name__}: {e}")
 
