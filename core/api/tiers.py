@@ -188,19 +188,21 @@ class MemoryTiers:
         """What the requests of this rank's part of the save at ``path`` (a memory path ``place`` gave) over
         ``group`` carry: the job's topology, and where the save's ranks are on several nodes, how this rank's part
         reaches the others; None where it is not in memory."""
-        if path not in self._placed:
+        placed = self._placed.get(path)
+        if placed is None:
             return None
         rank = rank_and_world(group)[0]
         node_of = self._node_of(group)
         ranks_per_node = tuple(node_of.count(node) for node in dict.fromkeys(node_of))
+        persist_to = placed.durable if placed.persist and not is_url(placed.durable) else None
         members = tuple(sorted(set(node_of)))
         if len(members) < 2:
-            return TierSave(ranks_per_node)
+            return TierSave(ranks_per_node, persist_to=persist_to)
         nodes = self._nodes
         node = node_of[rank]
         peers = self._peers(node, members)
         publishes = node_of.index(node) == rank and node != node_of[0]
-        return TierSave(ranks_per_node, Replicas(nodes.map, peers, node_of[0], members, publishes))
+        return TierSave(ranks_per_node, Replicas(nodes.map, peers, node_of[0], members, publishes), persist_to)
 
     def _node_of(self, group: Any) -> list[str]:
         """The node of each rank of ``group`` (``connect``; on one node, this one's)."""

@@ -8,14 +8,18 @@ and the ranks meet as the ranks of any save do (``barrier``: in the Store while 
 markers on the durable storage, which every node reaches). Rank 0 then publishes the copy with the memory
 checkpoint's commit record, less what only the tier needs: the same save (``commit.same_save``). No file crosses
 from one node to another, and every node writes at once: the durable copy takes as long as one rank's share takes
-to write, as a durable save does.
+to write, as a durable save does. A sharded save (the core's) whose durable place is a local one is saved there
+beside its save in memory, from the same snapshot (``save_beside``), rather than behind its memory commit (an object
+store is written in place: nothing of it before the memory commit).
 
 Kept free of torch: the background writer runs it.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
@@ -29,6 +33,38 @@ from asyncckpt.core.writer.protocol import RequestContext
 #: The durable copy's meeting point is named after its save's id with this after it: the Store keys of the memory
 #: save's own meeting (``barrier.StoreBarrier``) are not the copy's.
 DURABLE_SUFFIX = ".durable"
+
+#: Durable copies saved beside their memory save (``save_beside``), by save id: their outcome.
+_BESIDE: dict[str, "Future[None]"] = {}
+_BESIDE_LOCK = threading.Lock()
+_BESIDE_KEPT = 8  # saves whose memory commit failed leave theirs (nobody asks): the oldest beyond these are forgotten
+_BESIDE_SAVES = ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-persist")  # starts no thread until used
+
+
+def save_beside(save: Any, context: RequestContext) -> None:
+    """Save this rank's part of the sharded memory-tier save ``save`` (a ``ShareRequest`` whose ``tier.persist_to``
+    is a local durable path) there too, from the same snapshot, on a thread of its own beside the save in memory:
+    its data file, objects and sidecar written as a durable save writes them, the ranks meeting by markers in its
+    staging directory (``BarrierSpec`` of kind ``"files"``, the durable storage every node reaches; the Store's
+    channel is the memory save's meanwhile), rank 0 committing it with the same save id. The durable copy is then
+    committed about when a durable save would be, rather than after the memory commit and its replicas: on this
+    project's machine, a replica took longer than the disk (docs/memory_tier.md). Its ``PersistRequest`` waits for
+    the outcome."""
+    target = save.tier.persist_to
+    key = save.save_id + DURABLE_SUFFIX
+    staging = staging_dir_for(target, key)
+    durable = replace(save, final_path=target, staging_dir=staging, coordinator=save.rank == 0, tier=None,
+                      object_store=None, barrier=BarrierSpec("files", key, save.world_size, staging, target,
+                                                             save.barrier.timeout, None, save.save_id))
+    with _BESIDE_LOCK:
+        while len(_BESIDE) >= _BESIDE_KEPT:
+            _BESIDE.pop(next(iter(_BESIDE)))
+        _BESIDE[save.save_id] = _BESIDE_SAVES.submit(durable.run, context)
+
+
+def _saved_beside(save_id: str) -> Optional["Future[None]"]:
+    with _BESIDE_LOCK:
+        return _BESIDE.pop(save_id, None)
 
 
 @dataclass(frozen=True)
@@ -53,6 +89,10 @@ class PersistRequest:
                         self.direct_io, self.io_threads)
         barrier = context.barrier(BarrierSpec(self.barrier_kind, key, self.world_size, place.directory, self.target,
                                               self.timeout, self.object_store, self.save_id))
+        beside = _saved_beside(self.save_id)
+        if beside is not None:  # saved durably beside the memory save, from its snapshot
+            beside.result()
+            return
         try:
             record = node_copy(self.source, self.save_id, self.timeout)
             if place.tidy_parent() is not None:

@@ -120,6 +120,8 @@ class TierSave:
 
     ranks_per_node: tuple[int, ...]  # the save's ranks on each of its nodes, in the order of their lowest ranks
     replicas: Optional[Replicas] = None  # on several nodes
+    persist_to: Optional[str] = None  # its durable path where its cadence writes it there too, a local one: a sharded
+    # save is saved there from the same snapshot beside its save in memory (``persist.save_beside``)
 
     @property
     def topology(self) -> dict:

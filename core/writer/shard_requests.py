@@ -27,6 +27,7 @@ from asyncckpt.core.writer.file_requests import fail_save
 from asyncckpt.core.formats.layout import RankLayout
 from asyncckpt.core.storage.sidecars import read_sidecar, take_files_records
 from asyncckpt.core.storage.staging import Staging, remove_coordination_files
+from asyncckpt.core.writer.persist import save_beside
 from asyncckpt.core.writer.protocol import RequestContext
 from asyncckpt.core.formats.sidecar import ShareItems, ShareRecord, encode_sidecar
 from asyncckpt.core.writer.replicas import Replicas, TierSave, commit_entries, publish_copy, spread, stream_file, to_coordinator
@@ -87,6 +88,8 @@ class ShareRequest:
                 context.layout.size, wait_ready, lambda: (hashing.result()[1] or file_checksum(path)).xxh3)))
 
         try:
+            if self.tier is not None and self.tier.persist_to is not None and self.directory_barrier is None:
+                save_beside(self, context)  # its durable copy is due: saved there from the same snapshot meanwhile
             if self.directory_barrier is None:
                 if place.tidy_parent() is not None:
                     context.tidy(place.tidy_parent())
@@ -95,7 +98,8 @@ class ShareRequest:
                 os.makedirs(self.staging_dir, exist_ok=True)
             barrier.begin(self.rank)
             items = write_share(place, self.rank, context.layout, image, self.byte_items, wait_ready=wait_ready,
-                                whole_file=self.replicas is not None, link_image=context.link_image,
+                                whole_file=self.replicas is not None,
+                                link_image=context.link_image if self.tier is not None else lambda _path: False,
                                 on_placed=stream if self.replicas is not None and self.directory_barrier is None
                                 else None)  # a directory's commit spreads the files of its parts
             place.write_bytes(names.sidecar_name(self.rank), encode_sidecar(ShareRecord(
