@@ -420,8 +420,8 @@ class Checkpointer:
                       label: Optional[str] = None, done_by_action: bool = False) -> SaveHandle:
         """``hooks.after(checkpoint, kind, action)``, once the checkpoint is where it was asked for: code acting on a
         committed checkpoint (exporting it, uploading it, reading its files) finds it there. With the memory tier,
-        that is after its durable copy, on the rank that writes it (the other ranks, and checkpoints that stay in
-        memory only, run nothing); a checkpoint in memory only whose copy the end of the run writes runs it then
+        that is after its durable copy, of which every rank writes its own files (a checkpoint that stays in memory
+        only runs nothing); a checkpoint in memory only whose copy the end of the run writes runs it then
         (``_finish_memory_tier``)."""
         placed = self.tiers.placement(checkpoint.path) if self.tiers is not None else None
         if placed is None:  # saved where it was asked for
