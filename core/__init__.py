@@ -21,7 +21,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Optional
 
 from asyncckpt.core.storage.commit import is_complete
-from asyncckpt.core.storage.tier import latest_checkpoint
+from asyncckpt.core.tier import latest_checkpoint
 from asyncckpt.core.errors import (
     CheckpointCancelledError,
     CheckpointError,

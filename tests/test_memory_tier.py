@@ -14,7 +14,7 @@ import torch
 
 from asyncckpt import core
 from asyncckpt.core.formats import names
-from asyncckpt.core.storage import tier
+from asyncckpt.core import tier
 from programs import Program
 from writers import wait_until_gone, writers_of
 
@@ -334,7 +334,7 @@ def test_a_memory_checkpoint_is_resumed_only_by_a_job_of_its_shape(tmp_path, mem
     with caplog.at_level(logging.WARNING, logger="asyncckpt"), \
             core.Checkpointer(memory_tier=core.MemoryTier(replicas=0)) as checkpointer:
         assert checkpointer.latest_checkpoint(durable) == os.path.join(durable, "step_3")
-        assert checkpointer.tiers.usable(tier.run_dir(durable)) == set()
+        assert checkpointer.tier.usable(tier.run_dir(durable)) == set()
     said = [record.getMessage() for record in caplog.records if "another shape" in record.getMessage()]
     assert len(said) == 1 and "step_2, step_3" in said[0] and "2 rank(s), 2 a node" in said[0] \
         and "1 rank(s), 1 a node" in said[0], said

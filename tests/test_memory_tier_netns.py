@@ -35,7 +35,8 @@ PROGRAM = textwrap.dedent('''
     import json, os, signal, sys, time, torch, torch.distributed as dist
     from datetime import timedelta
     from asyncckpt import core
-    from asyncckpt.core.storage import commit, tier
+    from asyncckpt.core.storage import commit
+    from asyncckpt.core import tier
 
     mode, root, control = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))

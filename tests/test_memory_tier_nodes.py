@@ -118,7 +118,8 @@ CORE = textwrap.dedent('''
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from asyncckpt import core
-    from asyncckpt.core.storage import commit, tier
+    from asyncckpt.core.storage import commit
+    from asyncckpt.core import tier
 
     mode, root, replicas = sys.argv[1], sys.argv[2], int(sys.argv[3])
     dist.init_process_group("gloo")

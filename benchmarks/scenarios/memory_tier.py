@@ -171,7 +171,8 @@ def _durable_rank(rank: int, world: int, arm: str, size_mib: int, reps: int, roo
     _node(rank, memory_root)
     from asyncckpt.core import Checkpointer, MemoryTier
     from asyncckpt.core.formats.names import COMMIT_RECORD
-    from asyncckpt.core.storage import commit, tier
+    from asyncckpt.core.storage import commit
+    from asyncckpt.core import tier
 
     def written(checkpointer) -> int:
         with open(f"/proc/{checkpointer.ledger.queue.writer_pid}/io") as f:

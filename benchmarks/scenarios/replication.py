@@ -1,7 +1,7 @@
 """Replicating a rank's share to a peer node's memory, against moving the same bytes any other way.
 
 A rank's share (``total_mib`` in ``files`` large files, in tmpfs as the memory tier holds it) goes to another
-node's receiver over loopback with ``writer.replication.send`` (checksums known, as the writer has them from
+node's receiver over loopback with ``tier.transport.send`` (checksums known, as the writer has them from
 writing the files; and hashed first, without them), and comes back with ``fetch`` (a restart from a peer,
 checked against the record). Against: the same files written into tmpfs from held memory by one process (the
 memcpy-class floor of putting these bytes into memory at all); and a raw socket transfer of the same bytes to
@@ -42,7 +42,7 @@ ROWS = {  # row -> what it is, on the page
 # ------------------------------------------------------------------------------------------ the servers
 def receiver(root: str) -> None:
     """A node's receiver serving ``root`` until killed; reports its address once it listens."""
-    from asyncckpt.core.writer.replication import Receiver
+    from asyncckpt.core.tier.transport import Receiver
 
     with Receiver(root, secret=SECRET, bind="127.0.0.1") as serving:
         report_now({"address": list(serving.address)})
@@ -133,7 +133,7 @@ def transfers(receiver_address: list, reader_address: list, memory_dir: str, sin
               total_mib: int, files: int, reps: int) -> dict:
     """Every row's seconds, ``reps`` times in rotation (rep 0 warms, dropped)."""
     from asyncckpt.core.formats.checksum import FileChecksum, checksum
-    from asyncckpt.core.writer.replication import fetch, send
+    from asyncckpt.core.tier.transport import fetch, send
 
     total = total_mib * MiB
     sizes = [total // files + (1 if i < total % files else 0) for i in range(files)]

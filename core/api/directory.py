@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
     from asyncckpt.core.snapshot.handoff import Stager
     from asyncckpt.core.snapshot.sharded_save import SaveTarget, ShardedSaves
-    from asyncckpt.core.writer.replicas import TierSave
+    from asyncckpt.core.tier.nodes import TierSave
 
 
 class DirectoryTransaction:
@@ -53,7 +53,7 @@ class DirectoryTransaction:
         self._ledger, self._stager, self._files = ledger, stager, files
         self._sharded, self._sharded_target, self._follow_ups = sharded, sharded_target, follow_ups
         self._direct_io, self._io_threads = direct_io, io_threads
-        self._tier = tier  # a memory-tier save (``writer.replicas.TierSave``)
+        self._tier = tier  # a memory-tier save (``tier.nodes.TierSave``)
         self._held: list[tuple["SaveHandle", Any, Any]] = []
         self._committing = False
         self._failed: Optional[str] = None

@@ -39,7 +39,7 @@ from asyncckpt.core.snapshot.planner import (
     tensor_items,
 )
 from asyncckpt.core.snapshot.shared_buffer import CopyInProgress, begin_copy, start_copy
-from asyncckpt.core.writer.replicas import TierSave
+from asyncckpt.core.tier.nodes import TierSave
 from asyncckpt.core.writer.shard_requests import ShareRequest
 from asyncckpt.core.snapshot.structure import describe, tied_keys
 from asyncckpt.core.snapshot.tensor_copy import CopyThreads

@@ -38,7 +38,7 @@ def write_rank_sidecar(directory: str, record: ShareRecord) -> None:
 def write_files_record(directory: str, rank: int, files: Mapping[str, FileChecksum],
                        holders: Optional[Mapping[str, Sequence[str]]] = None) -> str:
     """Leave in the staging ``directory`` the files ``rank`` wrote into a save, each with its size and xxh3 and,
-    on several nodes (the memory tier), the nodes that hold it (``writer.replicas``): the commit gathers every
+    on several nodes (the memory tier), the nodes that hold it (``tier.nodes``): the commit gathers every
     rank's (``take_files_records``). Returns the record's name."""
     name = files_record_name(rank)
     with open(os.path.join(directory, name), "w") as f:  # not fsynced: it lives only until the commit gathers it

@@ -71,7 +71,7 @@ class BarrierSpec:
     timeout: float
     object_store: Any = None  # ObjectStoreOptions where ``final_path`` is a URL
     save_id: Optional[str] = None  # the save its commit record names, where that is not ``key`` (a memory checkpoint's
-    # durable copy keeps its save's: ``writer.persist``)
+    # durable copy keeps its save's: ``tier.requests``)
 
 
 class Barrier(Protocol):

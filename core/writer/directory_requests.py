@@ -20,7 +20,7 @@ from asyncckpt.core.storage.sidecars import take_files_records, write_files_reco
 from asyncckpt.core.storage.staging import publish_checkpoint
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.writer.protocol import RequestContext
-from asyncckpt.core.writer.replicas import Replicas, TierSave, commit_entries, publish_copy, spread
+from asyncckpt.core.tier.nodes import Replicas, TierSave, commit_entries, publish_copy, spread
 
 
 @dataclass
@@ -85,7 +85,7 @@ class CommitDirRequest:
     def _record(self) -> dict:
         """The commit record: every rank's file checksums (the ranks' lists of them go), and in the memory tier what
         binds the checkpoint to its job, which rank wrote which file and on several nodes which node holds it
-        (``replicas.commit_entries``)."""
+        (``nodes.commit_entries``)."""
         gathered = take_files_records(self.staging_dir, self.barrier.world_size)
         checksums = {name: {"size": file.checksum.size, "xxh3": file.checksum.xxh3} for name, file in gathered.items()}
         record = {"save_id": self.save_id, "world_size": self.barrier.world_size, "step": self.step,

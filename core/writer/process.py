@@ -21,7 +21,7 @@ or objects on an object store) when the Store died with the training processes
 does in a log beside the checkpoint (``storage.orphans``).
 
 With the memory tier on several nodes, the writer of each node's lowest rank also serves that node's memory to
-the others (``replication.Receiver``, on a listening socket its training process made and published: RECEIVER).
+the others (``transport.Receiver``, on a listening socket its training process made and published: RECEIVER).
 
 It never imports torch, nor anything of asyncckpt outside ``writer``, ``storage``, ``formats``,
 ``errors`` and the torch-free half of ``export`` (tests/test_layout.py runs every kind of request
@@ -46,7 +46,9 @@ from multiprocessing.reduction import recv_handle
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from asyncckpt.core.storage import commit, leftovers, orphans, owners, tier
+from asyncckpt.core.storage import commit, leftovers, orphans, owners
+
+from asyncckpt.core import tier
 from asyncckpt.core.storage.backend import backend_for, join
 from asyncckpt.core.writer import protocol
 from asyncckpt.core.writer.barrier import (
@@ -59,10 +61,10 @@ from asyncckpt.core.writer.barrier import (
 )
 from asyncckpt.core.writer.copy_progress import PROGRESS_BYTES, CopyProgress
 from asyncckpt.core.writer.mirror import CopyRequest
-from asyncckpt.core.writer.persist import PersistRequest
+from asyncckpt.core.tier.requests import PersistRequest
 from asyncckpt.core.writer.priority import CpuShare
-from asyncckpt.core.writer.replicas import CoordinatorMarkers, Replicas
-from asyncckpt.core.writer.replication import Receiver
+from asyncckpt.core.tier.nodes import CoordinatorMarkers, Replicas
+from asyncckpt.core.tier.transport import Receiver
 from asyncckpt.core.errors import CheckpointError, CheckpointTimeoutError, CheckpointWriteError
 
 #: An orphaned writer that serves its node's memory (``Receiver``) exits only once no other node's writer has been

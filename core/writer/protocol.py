@@ -20,7 +20,7 @@ training → writer  fields                                            meaning
 ``BARRIER_RESULT`` error or None                                     the answer to BARRIER_CALL
 ``RECEIVER``       memory root, the job's secret  (then a listening  serve the memory root to the
                    socket, SCM_RIGHTS)                               other nodes on it (the memory
-                                                                     tier: ``replication.Receiver``)
+                                                                     tier: ``transport.Receiver``)
 ``STOP``                                                             exit after the queue
 =================  ================================================  ===========================
 
@@ -76,7 +76,7 @@ class RequestContext(Protocol):
 
     def barrier(self, spec: "BarrierSpec", replicas: Any = None) -> "Barrier":
         """Where this request meets the other ranks of its save (``replicas``: a memory-tier save on several nodes,
-        whose ranks' staging places are each on its own node: ``writer.replicas.Replicas``)."""
+        whose ranks' staging places are each on its own node: ``tier.nodes.Replicas``)."""
 
     def after_reply(self, action: Callable[[], None]) -> None:
         """Run ``action`` once the request's outcome is reported (deletions nobody waits for)."""

@@ -27,11 +27,11 @@ from asyncckpt.core.writer.file_requests import fail_save
 from asyncckpt.core.formats.layout import RankLayout
 from asyncckpt.core.storage.sidecars import read_sidecar, take_files_records
 from asyncckpt.core.storage.staging import Staging, remove_coordination_files
-from asyncckpt.core.writer.persist import save_beside
+from asyncckpt.core.tier.requests import save_beside
 from asyncckpt.core.writer.protocol import RequestContext
 from asyncckpt.core.formats.sidecar import ShareItems, ShareRecord, encode_sidecar
-from asyncckpt.core.writer.replicas import Replicas, TierSave, commit_entries, publish_copy, spread, stream_file, to_coordinator
-from asyncckpt.core.writer.replication import Streaming, file_checksum
+from asyncckpt.core.tier.nodes import Replicas, TierSave, commit_entries, publish_copy, spread, stream_file, to_coordinator
+from asyncckpt.core.tier.transport import Streaming, file_checksum
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """A memory-tier save on several nodes: how every node ends with a committed copy of the checkpoint, of the files
 written on it and the replicas it took.
 
-Each node's memory (``storage.tier``) is its own, so the ranks of a save on several nodes cannot meet in one
+Each node's memory (``tier``) is its own, so the ranks of a save on several nodes cannot meet in one
 staging directory, as those of one node do. Every node stages the save at the same relative path under its memory
 root (the run directory is named after the durable root, the staging directory after the save id: the same on
 every node), and the writers of the ranks, given ``Replicas`` in their requests, do the rest:
 
 1. ``spread`` (every rank, once its files are written on its node, before it arrives at the save's barrier): its
-   files go to its node's replica peers (``replication.peers_for``); each peer that took a file holds it. Its
-   data file goes first, as the snapshot is copied into it and hashed (``stream_file``: ``replication.Streaming``). Its
+   files go to its node's replica peers (``transport.peers_for``); each peer that took a file holds it. Its
+   data file goes first, as the snapshot is copied into it and hashed (``stream_file``: ``transport.Streaming``). Its
    files record (``storage.sidecars``: each file's size, xxh3 and holders) and what else rank 0 needs to commit
    (a sharded save's sidecar) go to rank 0's node. A peer that does not answer within the wait allowed is left
    out (``Peers``: one warning per peer and writer process, tried again ``RETRY_AFTER_S`` later): the save commits
@@ -48,7 +48,8 @@ from typing import Callable, Mapping, Optional, Sequence
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
 from asyncckpt.core.formats import commit_record, names
 from asyncckpt.core.formats.checksum import FileChecksum
-from asyncckpt.core.storage import owners, tier
+from asyncckpt.core.storage import owners
+from asyncckpt.core import tier
 from asyncckpt.core.storage.backend import Backend, at_once, backend_for
 from asyncckpt.core.storage.contents import published_files
 from asyncckpt.core.storage.sidecars import RecordedFile, write_files_record
@@ -64,7 +65,7 @@ from asyncckpt.core.writer.barrier import (
     silence_limit,
 )
 from asyncckpt.core.writer.protocol import RequestContext
-from asyncckpt.core.writer.replication import (
+from asyncckpt.core.tier.transport import (
     Address,
     PeerConnection,
     ReplicationError,
@@ -91,7 +92,7 @@ class NodeMap:
     node: str  # this node's id (``tier.node_id``)
     addresses: tuple[tuple[str, str], ...]  # (node id, "host:port") of every other node's receiver
     timeout: float  # the longest wait for a peer, each wait (``replication``), before it is left out
-    secret: bytes = field(repr=False)  # what the job's nodes prove themselves with (``replication.job_secret``)
+    secret: bytes = field(repr=False)  # what the job's nodes prove themselves with (``transport.job_secret``)
 
     def address(self, node: str) -> Address:
         return parse_address(dict(self.addresses)[node])
@@ -106,7 +107,7 @@ class Replicas:
     """How one rank's part of a memory-tier save on several nodes reaches the others (plain data, in its request)."""
 
     nodes: NodeMap
-    peers: tuple[str, ...]  # the nodes that hold this node's replicas (``replication.peers_for``)
+    peers: tuple[str, ...]  # the nodes that hold this node's replicas (``transport.peers_for``)
     coordinator: str  # rank 0's node: where the save is committed first
     members: tuple[str, ...]  # every node a rank of the save is on
     publishes: bool  # this rank publishes its node's copy (the save's lowest rank on a node not rank 0's)
@@ -121,7 +122,7 @@ class TierSave:
     ranks_per_node: tuple[int, ...]  # the save's ranks on each of its nodes, in the order of their lowest ranks
     replicas: Optional[Replicas] = None  # on several nodes
     persist_to: Optional[str] = None  # its durable path where its cadence writes it there too, a local one: a sharded
-    # save is saved there from the same snapshot beside its save in memory (``persist.save_beside``)
+    # save is saved there from the same snapshot beside its save in memory (``requests.save_beside``)
 
     @property
     def topology(self) -> dict:

@@ -1,7 +1,7 @@
 """The memory tier of one ``Checkpointer``: where each checkpoint goes, and what follows its commit.
 
 With ``memory_tier`` on, a checkpoint asked for at its durable path (``run/checkpoint-20``) is saved at its memory
-path on this node (``storage.tier.memory_path``) by the usual save machinery, so it is committed there exactly as a
+path on this node (``tier.memory_path``) by the usual save machinery, so it is committed there exactly as a
 checkpoint is anywhere (staging, commit record, checksums), at the speed of a copy into shared memory. Behind its
 commit, in the writer's queue, come:
 
@@ -15,9 +15,9 @@ A root whose checkpoints do not fit in the memory the tier may use is saved dura
 what would fit. A run that ends normally (``finish``) persists its last checkpoint and leaves nothing in memory.
 
 On several nodes (``connect``: every rank leaves its node's id in the torch.distributed Store, ``NODE_KEY``), each
-node's memory is its own: the saves' requests carry ``writer.replicas.Replicas`` (which peers hold this node's
+node's memory is its own: the saves' requests carry ``tier.nodes.Replicas`` (which peers hold this node's
 replicas, rank 0's node, whether this rank publishes its node's copy), and the lowest rank of each node has its
-writer serve the node's memory to the others (``writer.replication.Receiver``, on a socket made and published here:
+writer serve the node's memory to the others (``tier.transport.Receiver``, on a socket made and published here:
 the address is in the Store before any peer needs it, and the same for every writer this Checkpointer starts; a
 restart's writer starts after its load from memory where no peer needs it sooner, ``assemble``). A
 single file saved by one rank (Lightning's ``.ckpt``) goes to its node's peers behind its commit (``FileReplicas``);
@@ -44,12 +44,13 @@ from asyncckpt.core.formats.checksum import FileChecksum
 from asyncckpt.core.snapshot.buffer_pool import FileBuffers
 from asyncckpt.core.snapshot.collectives import any_rank, over
 from asyncckpt.core.snapshot.dist_env import dist_ready, rank_and_world
-from asyncckpt.core.storage import commit, tier
+from asyncckpt.core.storage import commit
+from asyncckpt.core import tier
 from asyncckpt.core.storage.backend import is_url
 from asyncckpt.core.writer.mirror import CopyRequest
 from asyncckpt.core.writer.barrier import BarrierSpec
-from asyncckpt.core.writer.persist import PersistRequest
-from asyncckpt.core.writer.replicas import (
+from asyncckpt.core.tier.requests import MemoryRetentionRequest, PersistRequest
+from asyncckpt.core.tier.nodes import (
     FileReplicas,
     NodeMap,
     Replicas,
@@ -58,7 +59,7 @@ from asyncckpt.core.writer.replicas import (
     fetch_missing,
     missing_files,
 )
-from asyncckpt.core.writer.replication import (
+from asyncckpt.core.tier.transport import (
     format_address,
     job_secret,
     listening_socket,
@@ -66,7 +67,6 @@ from asyncckpt.core.writer.replication import (
     peers_for,
     publish_address,
 )
-from asyncckpt.core.writer.retention import MemoryRetentionRequest
 
 NODE_KEY = "asyncckpt/tier/node/{rank}"  # in the Store: the node id of each (global) rank
 
@@ -89,7 +89,7 @@ class _Run:
 
 @dataclass(frozen=True)
 class _Nodes:
-    """The job's nodes, as ``MemoryTiers.connect`` found them (two or more)."""
+    """The job's nodes, as ``Tier.connect`` found them (two or more)."""
 
     of_rank: tuple[str, ...]  # the node id of each global rank
     map: NodeMap  # what a writer needs to reach the other nodes
@@ -110,10 +110,13 @@ class Placement:
     save: Optional[BarrierSpec] = None  # where its ranks met (``follow_ups``; None: a single file, one rank's)
 
 
-class MemoryTiers:
-    """The memory tier of a Checkpointer whose options are ``checkpoint_options`` (``memory_tier`` set).
+class Tier:
+    """The memory tier of a Checkpointer whose options are ``checkpoint_options`` (``memory_tier`` set): the one
+    thing the Checkpointer and the adapter kit call about it (``NoTier`` where it is off).
     ``store()``: the torch.distributed Store (None without one: the tier is then one node's); ``queue``: the
     Checkpointer's ``WriterQueue``, whose writer serves this node's memory to the others."""
+
+    active = True
 
     def __init__(self, checkpoint_options: CheckpointOptions, *, store: Callable[[], Any], queue: Any,
                  process_group: Any = None) -> None:
@@ -137,7 +140,7 @@ class MemoryTiers:
         """Find this rank's node among the job's nodes: at ``Checkpointer.start``, the first save and a resume (not
         a collective, but it waits in the Store until every rank has left its node there: every rank starts, or
         saves). On several nodes, the lowest rank of each node publishes where its writer serves the node's memory
-        (``replication.publish_address``) and hands it the listening socket (``serve=False``: the writer serves
+        (``transport.publish_address``) and hands it the listening socket (``serve=False``: the writer serves
         from its next start, ``serve``). Once per Checkpointer; nothing without a Store or with one rank; not yet
         on a rank of several whose process group is not up (Lightning starts its plugin before it): at the next
         call then."""
@@ -255,7 +258,7 @@ class MemoryTiers:
     def persist_request(self, memory: str, durable: str, save: Optional[BarrierSpec], rank: int) -> Any:
         """The request that writes this rank's part of the memory checkpoint ``memory`` durably at ``durable``: its
         own files, the ranks meeting as those of the ``save`` did (its meeting point: its ranks, its id, the
-        Store or markers; ``writer.persist``). ``save`` None: a single file, which its one rank copies whole."""
+        Store or markers; ``tier.requests``). ``save`` None: a single file, which its one rank copies whole."""
         if save is None:
             return CopyRequest(memory, durable, self.object_store)
         options = self.checkpoint_options
@@ -268,10 +271,10 @@ class MemoryTiers:
         """Before a resume from ``durable_root`` on several nodes (a collective over ``group``: every rank calls
         it): the ranks agree on the newest memory checkpoint whose every file some node holds, not older than the
         newest durable one; each node's lowest rank fetches what its node lacks of it from the nodes that hold it
-        (``replicas.fetch_missing``: checked against the record, a damaged copy named and the next holder tried);
+        (``nodes.fetch_missing``: checked against the record, a damaged copy named and the next holder tried);
         if a node cannot complete it, the next one is tried. With ``single_files`` (which names a framework picks
         from, as Lightning's ``last.ckpt``), of the single-file checkpoints so named, the newest by modification
-        time (as the framework picks), fetched whole where missing (``replicas.fetch_file``). Returns its path on
+        time (as the framework picks), fetched whole where missing (``nodes.fetch_file``). Returns its path on
         this node, None if there is none (or one node: nothing is asked): storage then. What a resume on this node
         may load from memory is then that checkpoint only (``usable``): every rank tries the same copies in the
         same order. This node's writer starts serving here where another node may fetch from it, or nothing is
@@ -384,6 +387,11 @@ class MemoryTiers:
         """The memory run directory of ``durable_root`` on this node (whether or not it exists)."""
         return tier.run_dir(durable_root, self.options.root)
 
+    def places(self, durable_root: str) -> list[str]:
+        """Where the checkpoints of ``durable_root`` may be on this node, the durable root first: it, and its memory
+        run directory (for an adapter that lists a framework's checkpoints itself)."""
+        return [durable_root, self.run_dir(durable_root)]
+
     def memory_path(self, durable: str) -> str:
         """Where the memory copy of the checkpoint at ``durable`` lives on this node (whether or not it is there)."""
         return tier.memory_path(durable, self.options.root)
@@ -443,6 +451,75 @@ class MemoryTiers:
             tier.release_run(run.directory, run.owner)
             if remove:
                 tier.remove_run(run.directory)
+
+
+class NoTier:
+    """No memory tier: every checkpoint is saved where it was asked for, and resumed from there (the ``Tier`` that
+    the Checkpointer and the adapter kit call, where ``memory_tier`` is off)."""
+
+    active = False
+    across_nodes = False
+
+    def connect(self, *, serve: bool = True) -> None:
+        pass
+
+    def serve(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def place(self, durable: str, nbytes: int, step: Optional[int], *, durable_too: Optional[bool] = None,
+              agree_over: Any = False) -> str:
+        return durable
+
+    def placement(self, memory: str) -> Optional[Placement]:
+        return None
+
+    def save_tier(self, path: str, group: Any) -> Optional[TierSave]:
+        return None
+
+    def file_buffers(self, memory: str) -> Optional[FileBuffers]:
+        return None
+
+    def follow_ups(self, memory: str, nbytes: int, *, rank: int, save: Optional[BarrierSpec]) -> list:
+        return []
+
+    def memory_path(self, durable: str) -> Optional[str]:
+        return None
+
+    def places(self, durable_root: str) -> list[str]:
+        return [durable_root]
+
+    def latest_checkpoint(self, root: str, group: Any, orphan_timeout: float) -> Optional[str]:
+        """The newest checkpoint of ``root`` in any tier of this node (``tier.latest_checkpoint``: a memory copy a
+        run with the tier left too)."""
+        return tier.latest_checkpoint(root, orphan_timeout=orphan_timeout)
+
+    def assemble(self, durable_root: str, group: Any, *, single_files: Optional[Callable[[str], bool]] = None
+                 ) -> Optional[str]:
+        return None
+
+    def usable(self, run_directory: str) -> set[str]:
+        return set()
+
+    def expect(self, durable_root: str) -> None:
+        pass
+
+    def unpersisted(self) -> list[Placement]:
+        return []
+
+    def clear(self, *, remove: bool) -> None:
+        pass
+
+
+def tier_of(checkpoint_options: CheckpointOptions, *, store: Callable[[], Any], queue: Any,
+            process_group: Any = None) -> "Tier | NoTier":
+    """The memory tier of a Checkpointer with ``checkpoint_options`` (``Tier``'s arguments): ``NoTier`` where
+    ``memory_tier`` is off."""
+    if not checkpoint_options.memory_tier:
+        return NoTier()
+    return Tier(checkpoint_options, store=store, queue=queue, process_group=process_group)
 
 
 def _shape(record: dict) -> str:

@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
 from asyncckpt.core.formats import names
-from asyncckpt.core.storage import commit, tier
+from asyncckpt.core import tier
+from asyncckpt.core.storage import commit, spares
 from asyncckpt.core.storage.staging import Staging, staging_dir_for
 from asyncckpt.core.writer.barrier import BarrierSpec, poll
 from asyncckpt.core.writer.mirror import mapped
@@ -129,7 +130,7 @@ def own_files(record: dict, rank: int) -> list[str]:
 
 def node_copy(source: str, save_id: str, timeout: float) -> dict:
     """The commit record of this node's copy of the memory checkpoint ``source`` of the save ``save_id``, once it is
-    committed here (another rank of this node may still be publishing it, ``replicas.publish_copy``).
+    committed here (another rank of this node may still be publishing it, ``nodes.publish_copy``).
     ``CheckpointWriteError`` if this node has no copy of it (its staging directory gone: the copy was given up),
     ``CheckpointTimeoutError`` after ``timeout``."""
     staging = names.staging_dir_for(source, save_id)
@@ -145,3 +146,16 @@ def node_copy(source: str, save_id: str, timeout: float) -> dict:
 
     return poll(committed, timeout, lambda: CheckpointTimeoutError(
         f"this node's copy of {source} was not committed within {timeout:.0f}s"))
+
+
+@dataclass
+class MemoryRetentionRequest:
+    """The memory tier's retention on this node, right after a checkpoint was published there, and only if it
+    committed: the memory checkpoints of ``run_directory`` beyond the newest ``keep`` go (``tier.stale``), their
+    large files kept for the next save to write over (``spares``)."""
+
+    run_directory: str
+    keep: int
+
+    def run(self, context: RequestContext) -> None:
+        spares.recycle(tier.stale(self.run_directory, self.keep), self.run_directory, context.token())

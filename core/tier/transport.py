@@ -1,6 +1,6 @@
 """Moving memory-tier files between nodes: a receiver per node, and ``send`` / ``fetch`` to and from a peer's.
 
-With the memory tier (``storage.tier``), each node's shares of a checkpoint are copied into the memory of
+With the memory tier (``tier``), each node's shares of a checkpoint are copied into the memory of
 ``replicas`` other nodes (``peers_for``), so that the loss of a node loses no checkpoint, and a node that
 replaced a lost one fetches back what it lacks. Both directions move whole files between two memory roots
 under the same relative path (``run-abc/.checkpoint-20.asyncckpt-staging-<id>/model.safetensors``): which

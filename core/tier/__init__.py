@@ -1,4 +1,12 @@
-"""The memory tier's place on a node: where a checkpoint lives in node-local memory, and whose it is.
+"""The memory tier (docs/memory_tier.md), in one package; this module is its place on a node: where a checkpoint lives
+in node-local memory, and whose it is.
+
+The package's halves: what the background writer runs, without torch (this module; ``transport``, moving files
+between the nodes' memory; ``nodes``, a save on several nodes and a restart's fetches; ``requests``, the writer's
+jobs behind a memory save: its durable copy, the tier's retention, a single file's replicas), and the training
+process's (``job``: ``Tier``, the one thing the Checkpointer and the adapter kit call about the tier, ``NoTier``
+where it is off). The writer's save requests carry a memory save's ``nodes.TierSave``. Its spare files are
+``storage.spares`` (the storage's writes take them).
 
 With the ``memory_tier`` option, a checkpoint is first committed to memory on its node (tmpfs, by default under
 ``/dev/shm``, so that it outlives the training process and its writer, not the machine), and only every
@@ -177,7 +185,7 @@ def durable_root_of(directory: str) -> Optional[str]:
 
 
 # ------------------------------------------------------------------------------------- what a run holds
-#: In the commit record of a memory checkpoint saved on several nodes (``writer.replicas``): ``{"holders": {file:
+#: In the commit record of a memory checkpoint saved on several nodes (``tier.nodes``): ``{"holders": {file:
 #: [node, ...]}, "checksums": {file: {"size": ..., "xxh3": ...}}}``: which nodes hold each file (its own and the
 #: peers that took a replica, as the save left them), and the whole-file checksums the record does not carry
 #: otherwise (a sharded save's data files, sidecars, ``.metadata``), which a copy from another node is checked by.
