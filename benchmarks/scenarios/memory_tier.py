@@ -90,8 +90,8 @@ def node_cpus(node: int, node_cores: int) -> set[int]:
     """The cores of node ``node`` where each node has ``node_cores`` of its own (``--set node_cores=N``): the
     ``N``-th block of the machine's (a lent GPU machine's 16)."""
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2 * node_cores:
-        raise SystemExit(f"node_cores={node_cores}: this machine has {len(cpus)} cores, not two nodes' worth")
+    if len(cpus) < (node + 1) * node_cores:
+        raise SystemExit(f"node_cores={node_cores}: this machine has {len(cpus)} cores, not {node + 1} nodes' worth")
     return set(cpus[node * node_cores:(node + 1) * node_cores])
 
 
@@ -154,6 +154,7 @@ def _saves_rank(rank: int, world: int, arm: str, size_mib: int, reps: int, root:
                 _drop(previous)
             previous = path
         if keep_to:  # this node's memory as a run killed now would leave it: the restarts' source
+            checkpointer.wait()  # the tier's retention behind the last save too
             dist.barrier()
             shutil.copytree(os.environ["ASYNCCKPT_MEMORY_ROOT"], os.path.join(keep_to, f"n{rank}"), symlinks=True)
             dist.barrier()
@@ -161,14 +162,15 @@ def _saves_rank(rank: int, world: int, arm: str, size_mib: int, reps: int, root:
             "warmup_s": warmup_s, "kept": previous}
 
 
-def _durable_rank(rank: int, world: int, arm: str, size_mib: int, reps: int, root: str, memory_root: str) -> dict:
+def _durable_rank(rank: int, world: int, arm: str, size_mib: int, reps: int, root: str, memory_root: str,
+                  node_cores: int) -> dict:
     """``reps`` saves of this rank's share, each waited for until durable: the seconds from the call to its commit
     record on the disk, to its handle done (committed in memory, or durable), and what this rank's writer wrote
     meanwhile to storage (``/proc/<pid>/io``'s ``write_bytes``, which writes into tmpfs, the
     memory tier's, do not count in), against the bytes of the files this rank saved (``tier.writer_of``)."""
     import torch.distributed as dist
 
-    _node(rank, memory_root)
+    _node(rank, memory_root, node_cores)
     from asyncckpt.core import Checkpointer, MemoryTier
     from asyncckpt.core.formats.names import COMMIT_RECORD
     from asyncckpt.core.storage import commit
@@ -405,10 +407,10 @@ def job_saves(arm: str, size_mib: int, reps: int, root: str, memory_root: str, k
             "warmup_s": [max(a, b) for a, b in zip(r0["warmup_s"], r1["warmup_s"])]}
 
 
-def job_durable(arm: str, nodes: int, size_mib: int, reps: int, root: str, memory_root: str) -> dict:
+def job_durable(arm: str, nodes: int, size_mib: int, reps: int, root: str, memory_root: str, node_cores: int) -> dict:
     """``reps`` saves on ``nodes`` nodes, each waited for until durable: per save the slowest rank's seconds, and
     every rank's bytes written against its own files'."""
-    ranks = on_ranks(_durable_rank, nodes, arm, size_mib, reps, root, memory_root)
+    ranks = on_ranks(_durable_rank, nodes, arm, size_mib, reps, root, memory_root, node_cores)
     return {"durable_s": [max(seconds) for seconds in zip(*(r["durable_s"] for r in ranks))],
             "committed_s": [max(seconds) for seconds in zip(*(r["committed_s"] for r in ranks))],
             "wrote": [r["wrote"] for r in ranks], "own": [r["own"] for r in ranks]}
@@ -500,7 +502,7 @@ def _durable(sitting, memory_root: str, out: dict) -> None:
             root = sitting.directory(f"durable_{nodes}_{run.label}")
             with sitting.phase(f"durable {nodes} nodes {run.label}"):
                 found = sitting.child("job_durable", arm=run.arm, nodes=nodes, size_mib=o.durable_mib, reps=o.reps,
-                                      root=root, memory_root=memory_root)
+                                      root=root, memory_root=memory_root, node_cores=o.node_cores)
             entry = out["durable"].setdefault(str(nodes), {}).setdefault(run.arm, {"durable_s": [], "committed_s": [],
                                                                                   "wrote": [], "own": []})
             for key in entry:
@@ -671,11 +673,12 @@ def _saves_and_restarts_lines(result: dict) -> list[str]:
     lines = [f"{first['state_bytes'] / 2**30:.2f} GiB in {first['tensors']} tensors per rank, 2 ranks, each a node; "
              f"medians in seconds over {result['options']['reps']} saves per arm and sitting half (ABBA), each the "
              f"slower rank's.", "",
-             *table(["", "stall", "committed (memory + replica, or durable)", "durable", "committed / floor"],
+             *table(["", "stall", "committed (memory + replica, or durable)", "durable (the time to durable on disk: "
+                     "above)", "committed / floor"],
                     [[name, fmt(median(saves[arm]["reps"]["stall_s"])), fmt(median(saves[arm]["reps"]["committed_s"])),
-                      fmt(median(saves[arm]["reps"]["durable_s"])),
+                      fmt(median(saves[arm]["reps"]["durable_s"])) if arm != "memory" else "—",
                       fmt(median(saves[arm]["reps"]["committed_s"]) / floor_s, ".2f") + "x"]
-                     for arm, name in SAVES.items()]), "",
+                     for arm, name in SAVES.items() if arm in saves]), "",
              f"Floor of the memory commit with a replica: the snapshot (a held memcpy of the share, {fmt(snapshot_s)} s) "
              f"+ a raw socket transfer of the share, hashed once (xxh3) as it arrives ({fmt(raw_s)} s, both shares at "
              f"once, right after each job of the memory arm; the faster of into fresh "
