@@ -31,9 +31,15 @@ class S3Server:
         self.port = port
         self._lock = threading.Lock()
         self.get_bytes = 0  # the bytes of every GET's response body so far (what readers downloaded)
+        self.received_bytes = 0  # the bytes of every request's body so far (what writers uploaded)
         served = self.server._server.app  # moto keeps its werkzeug server private; the WSGI app on it is public
         self.server._server.app = lambda environ, start_response: self._counted(
-            served(environ, start_response), environ["REQUEST_METHOD"] == "GET")
+            served(self._received(environ), start_response), environ["REQUEST_METHOD"] == "GET")
+
+    def _received(self, environ: dict) -> dict:
+        with self._lock:
+            self.received_bytes += int(environ.get("CONTENT_LENGTH") or 0)
+        return environ
 
     def _counted(self, body, counting: bool):
         for chunk in body:

@@ -5,6 +5,9 @@ Usage: survival_child.py ROOT SEED MODE [RANK WORLD PORT]
                    ``returned`` once the call returned, then trains on (sleeps) until killed.
   MODE "snapshot": the same, but the snapshot copy of ``next`` stops halfway and prints ``copying``:
                    the process is killed in the middle of its snapshot.
+  MODE "rounds":   ``async_save`` of ``next0``, ``next1``, ... (``SURVIVAL_ROUNDS`` of them, each holding
+                   ``values(SEED + round, i)``), one after the other: prints ``returned <round>`` once its call
+                   returned and ``committed <round>`` once it committed, then trains on (sleeps) until killed.
   MODE "closed":   ``async_save`` of ``next`` and the removal of ``base`` after it, then closes its end of
                    the writer's socket and prints ``closed``, as a dying process does before its exit is
                    known (the writer's replies then fail).
@@ -12,6 +15,8 @@ Every tensor of ``next`` is ``values(SEED, i)``; ``base`` holds zeros. ``SURVIVA
 environment sets each tensor's length. With RANK/WORLD/PORT the
 ranks meet in a gloo process group (a TCPStore served by rank 0's process) and each saves its shard.
 
+``SURVIVAL_GO`` in the environment: a file whose existence the process waits for (printing ``ready``) before the
+save of ``next``, so that several programs started at once save one after the other.
 ``SURVIVAL_WRITER`` in the environment says what the save of ``next`` finds:
   "running" (the default) the writer that saved ``base``;
   "none"                  no writer: ``next`` is the process's first save (no ``base``), and starts it;
@@ -19,6 +24,7 @@ ranks meet in a gloo process group (a TCPStore served by rank 0's process) and e
                           before ``next``, which starts another. Prints ``idle`` once it stopped.
 """
 import os
+import signal
 import socket
 import sys
 import threading
@@ -30,6 +36,10 @@ import torch.distributed as dist
 from asyncckpt import core
 from asyncckpt.core.snapshot import shared_buffer
 from writers import writers_of
+
+# A training process started from a shell: SIGHUP's default action, also where the tests run under nohup (which
+# leaves it ignored in every process they start).
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 TENSORS = 8
 # 256 MiB: the write outlasts the moment the call returns (the benchmark's kill trials grow it where it does not)
@@ -61,6 +71,15 @@ def main() -> None:
             assert time.monotonic() < deadline, "the writer did not stop when idle"
             time.sleep(0.05)
         print("idle", flush=True)
+    if mode == "rounds":
+        for round in range(int(os.environ["SURVIVAL_ROUNDS"])):
+            for i, key in enumerate(state):
+                state[key].copy_(values(seed + round, i, rank))
+            handle = checkpointer.async_save(state, os.path.join(root, f"next{round}"))
+            print(f"returned {round}", flush=True)
+            handle.result()
+            print(f"committed {round}", flush=True)
+        time.sleep(3600)
     for i, key in enumerate(state):
         state[key].copy_(values(seed, i, rank))
     if mode == "snapshot":
@@ -77,6 +96,10 @@ def main() -> None:
             real_copy(views, sources)
 
         shared_buffer._copy_group = stopping_copy
+    if os.environ.get("SURVIVAL_GO"):
+        print("ready", flush=True)
+        while not os.path.exists(os.environ["SURVIVAL_GO"]):
+            time.sleep(0.01)
     handle = checkpointer.async_save(state, os.path.join(root, "next"))
     if mode == "closed":
         checkpointer.remove([os.path.join(root, "base")], after=handle)

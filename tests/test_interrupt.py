@@ -157,8 +157,10 @@ def test_ctrl_c_keeps_every_save_that_returned_and_resume_continues(tmp_path, ad
         assert run.returncode == NATIVE_EXIT[adapter], err[-3000:]
         assert "KeyboardInterrupt" in err or adapter == "lightning"
         # No failed save (every message of ours starts "asyncckpt: ", a writer's failure included: the training
-        # process reports it) and no traceback of a writer (it runs as ``python -m``: runpy would be in its frames).
-        assert "asyncckpt: " not in err and "runpy" not in err, err[-3000:]
+        # process reports it; the one advice line aside: this toy run saves far more often than it need) and no
+        # traceback of a writer (it runs as ``python -m``: runpy would be in its frames).
+        ours = [line for line in err.splitlines() if "asyncckpt: " in line and "loses the least work" not in line]
+        assert not ours and "runpy" not in err, err[-3000:]
         for name in saved:  # every save that returned before the interrupt is committed
             assert _complete(adapter, _checkpoint(adapter, root, name)), (name, saved)
         parents = [root, root / "checkpoints"]  # where staging directories and temporary files are

@@ -206,9 +206,11 @@ TERMINATED = textwrap.dedent('''
 ''')
 
 
-def test_a_preemption_sigterm_writes_the_newest_memory_checkpoint_durably(tmp_path, memory_root):
-    """A preemption signals every process of the job: the writer then writes the newest checkpoint it published
-    that is in memory only to the durable place before it exits (the node and its memory may go next)."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_preemption_sigterm_writes_the_newest_memory_checkpoint_durably(tmp_path, memory_root, signum):
+    """A preemption signals every process of the job (SLURM: SIGTERM, or SIGUSR1 with ``--signal=USR1@<s>``): the
+    writer then writes the newest checkpoint it published that is in memory only to the durable place before it
+    exits (the node and its memory may go next)."""
     durable = str(tmp_path / "run")
     program = tmp_path / "terminated.py"
     program.write_text(TERMINATED)
@@ -217,8 +219,8 @@ def test_a_preemption_sigterm_writes_the_newest_memory_checkpoint_durably(tmp_pa
         process.wait_for_line("saved 3", timeout=180)
         writers = writers_of(process.pid)
         assert len(writers) == 1 and _names(durable) == []  # all three in memory only
-        os.kill(writers[0], signal.SIGTERM)
-        process.send_signal(signal.SIGTERM)
+        os.kill(writers[0], signum)
+        process.send_signal(signum)
         process.wait(30)
     finally:
         process.kill()

@@ -73,7 +73,7 @@ def test_ls_and_inspect_read_a_bucket_as_a_directory(s3_root, tmp_path, capsys):
         state = {"w": reference("w", (64, 32)), "step": 4}
         with core.Checkpointer() as checkpointer:
             checkpointer.save(state, f"{root}/step_000004", step=4)
-            checkpointer.save(state, f"{root}/step_000006", step=6)
+            checkpointer.save({"w": state["w"] + 1, "step": 6}, f"{root}/step_000006", step=6)  # shares nothing
             remote = backend_for(root).remote
             directory = tmp_path / "local" / "checkpoint_5" if remote else f"{root}/checkpoint_5"
             with checkpointer.begin_directory(directory, step=5) as tx:

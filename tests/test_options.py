@@ -31,7 +31,7 @@ from asyncckpt.core import CheckpointOptions  # noqa: E402
 
 FIELDS = dataclasses.fields(CheckpointOptions)
 HINTS = typing.get_type_hints(CheckpointOptions)
-METRICS = ("stall_s", "waited_s", "durable_s", "bytes", "staged_wait_s")
+METRICS = ("stall_s", "waited_s", "durable_s", "bytes", "bytes_written", "bytes_shared", "staged_wait_s")
 
 
 def _accelerator(project: Path, **kwargs) -> Accelerator:
@@ -86,7 +86,8 @@ def test_every_entry_point_applies_every_option_the_same(entry_points, tmp_path)
     changed = dict(max_in_flight=3, timeout=123.0, direct_io=False, io_threads=3, verify=False, resume_from_intact=True,
                    overlap_optimizer=False, mirror_to="s3://bucket/run", export="safetensors", on_commit=print,
                    log_metrics=False, writer_idle_timeout=7.0)
-    changed.update(memory_tier=core.MemoryTier(replicas=0, keep=3), failures_per_day=4.0, cooperative_load="node")
+    changed.update(memory_tier=core.MemoryTier(replicas=0, keep=3), failures_per_day=4.0, cooperative_load="node",
+                   share_unchanged=False)
     assert set(changed) | {"object_store"} == {field.name for field in FIELDS}  # every option but one is tried here
     for name, (_function, make) in entry_points.items():
         assert make().options == CheckpointOptions(), name
@@ -124,6 +125,7 @@ def _assert_records(records, saves):
     for record in records:
         assert record["stall_s"] > 0 and record["durable_s"] > 0 and record["bytes"] > 1 << 20, record
         assert record["waited_s"] >= 0 and record["staged_wait_s"] >= 0, record
+        assert record["bytes_written"] > 0 and record["bytes_shared"] >= 0, record  # this rank's writer's, shared
 
 
 class _Module(L.LightningModule):

@@ -53,6 +53,9 @@ from asyncckpt.core.integration import SaveMetrics, capture, collectives, patchi
 _trainer_logger = transformers_logging.get_logger("transformers.trainer")  # where the Trainer logs its own failures
 _INTEGRATIONS = tuple(INTEGRATION_TO_CALLBACK.values())  # the report_to callbacks: TensorBoard, W&B, MLflow, ...
 _CHECKPOINT_STEP = resume.numbered(re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$"), directories=True)
+# Transformers' JIT checkpoint (``enable_jit_checkpoint``) makes ``checkpoint-N`` with this file in it before it saves,
+# and removes the file once the save returned (``trainer_jit_checkpoint``).
+_JIT_SENTINEL = "checkpoint-is-incomplete.txt"
 
 
 def checkpoints_on_disk(run_dir: str) -> list[str]:
@@ -139,7 +142,10 @@ class AsyncCheckpointSaver:
         trainer, args = self.trainer, self.trainer.args
         run_dir = trainer._get_output_dir(trial=trial)
         final_dir = self._checkpoint_dir(run_dir)
-        if _on_any_rank(os.path.lexists(final_dir)):  # the override may write into it, and must find it as it is
+        with contextlib.suppress(FileNotFoundError):  # what it stands for, the commit does: the checkpoint is whole
+            os.remove(os.path.join(final_dir, _JIT_SENTINEL))
+        begun = os.path.lexists(final_dir) and not (os.path.isdir(final_dir) and not os.listdir(final_dir))
+        if _on_any_rank(begun):  # the override may write into it, and must find it as it is
             warned, self._warned_existing = self._warned_existing, True
             return self._save_synchronously(model, trial, None if warned else (
                 f"{os.path.basename(final_dir)} exists already and it may write into it; in a fresh output_dir its "

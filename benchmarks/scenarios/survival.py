@@ -14,12 +14,18 @@ trainer has ``durable - stall``; one whose writer finishes and commits what it w
   first_save  a process's first ``async_save`` (it starts the writer) and its second, each rep a fresh process;
               and the process killed at the first save's return
   stress      the kill trials of ``scenarios/_kill_trials.py``, many kinds, many times
+  preemption  each framework's own preemption path, as its scheduler runs it, with asyncckpt and with the
+              framework's own synchronous save of the same state (``tests/test_preemption.py`` drives each):
+              Lightning's SLURM auto-requeue (SIGUSR1, then the requeue's SIGTERM), the Trainer's JIT checkpoint
+              (SIGTERM), Accelerate's documented handler under torchrun in a pod (SIGTERM to torchrun alone)
 """
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from harness import Option, Scenario, report_now
@@ -29,6 +35,17 @@ from harness.workloads import make_adam, make_large, same_state, zeros_like_stat
 
 GRACE_S = 30.0
 RESTART_GAP_S, IDLE_TIMEOUT_S = 1.5, 0.5
+PREEMPTIONS = {  # path: how its scheduler stops it, and what the trial's two figures time
+    "lightning": "Lightning's SLURM auto-requeue: SIGUSR1 to every process right after a save returned; the save: "
+                 "until `hpc_ckpt_1.ckpt` is complete; then the requeue's SIGTERM to every process; the end: from "
+                 "that SIGTERM until the job's last process is gone",
+    "hf_trainer": "the Trainer's `enable_jit_checkpoint=True`: SIGTERM to every process; the save: until the JIT "
+                  "`checkpoint-N` is complete (the Trainer waits 3 s before it saves); the end: until the job's last "
+                  "process is gone",
+    "accelerate": "Accelerate with the handler docs/accelerate.md shows, 2 processes under torchrun, the first process "
+                  "of a pod (a PID namespace): SIGTERM to torchrun alone; the save and the end: until the pod ended "
+                  "(its last checkpoint durable then; asyncckpt's with the memory tier on)",
+}
 
 
 def make(workload: str, gib: float) -> dict:
@@ -146,6 +163,28 @@ def first_save(gib: float, root: str) -> dict:
     return out
 
 
+def preemption(path: str, plugin: str, gib: float, root: str) -> dict:
+    """One preemption through ``path``'s own handler (``PREEMPTIONS``), its state (a model and Adam) of ``gib`` GiB,
+    saved by asyncckpt (``plugin="async"``, with the memory tier for Accelerate) or by the framework itself."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    import test_preemption as trial
+
+    width, tmp = max(1024, int(gib * GiB / 120)), Path(root)  # Linear(8, w) + Linear(w, 1), Adam: 3 x 4 B x 10 w
+    if path == "lightning":
+        found = trial.lightning_requeue(tmp, width, plugin, resume=False)
+        saved_s, gone_s = found["hpc_s"], found["exited_s"]
+        ok = found["requeued"].split() == ["requeue", trial.JOB_ID] and (tmp / "run" / "step=3.ckpt").exists()
+    elif path == "hf_trainer":
+        found = trial.trainer_jit(tmp, width, plugin, resume=False)
+        saved_s, gone_s, ok = found["committed_s"], found["exited_s"], found["returncode"] == 0
+    else:
+        found = trial.accelerate_in_a_pod(tmp, width, plugin, resume=False)
+        preempted = [line.split()[1] for line in found["lines"] if line.startswith("PREEMPTED")]
+        saved_s = gone_s = found["ended_s"]
+        ok = bool(preempted) and found["durable"][-1:] == preempted[:1]
+    return {"saved_s": saved_s, "gone_s": gone_s, "ok": bool(ok and gone_s < trial.GRACE_S)}
+
+
 def stress(seed: int, scale: float, only: str, root: str) -> dict:
     from scenarios import _kill_trials
 
@@ -229,6 +268,13 @@ def measure(sitting) -> dict:
             for _, run in sitting.abba(runs, o.kills):
                 first["kills"][run.label].append(kill_trial(sitting, run.revision, "16 tensors", o.gib, expected, True))
                 time.sleep(1)
+    if "preemption" in parts:
+        out["preemption"] = found = {path: {"native": [], "async": []} for path in o.preemptions.split(",")}
+        with sitting.phase("preemption"):
+            for _, (path, plugin) in sitting.abba([(p, a) for p in found for a in ("native", "async")], o.reps):
+                found[path][plugin].append(sitting.child("preemption", path=path, plugin=plugin, gib=o.gib,
+                                                         root=sitting.directory(f"preempt{time.monotonic_ns()}")))
+                log(f"  {path} {plugin}: {found[path][plugin][-1]}")
     if "stress" in parts:
         with sitting.phase("kill trials"):
             out["stress"] = sitting.child("stress", seed=o.seed, scale=o.stress_scale, only=o.stress_kinds,
@@ -241,6 +287,8 @@ def render(result: dict) -> str:
     f, o = result["figures"], result["options"]
     lines: list[str] = []
     for workload, res in f["workloads"].items():
+        if not res:
+            continue
         lines += [f"## {o['gib']:g} GiB in {workload}", ""]
         timing = res.get("timing", {})
         if timing:
@@ -298,6 +346,22 @@ def render(result: dict) -> str:
                                                                       "second_durable_s")),
                            f"{sum(bool(k['committed'] and k['loads_equal']) for k in first['kills'][label])} / "
                            f"{len(first['kills'][label])}"] for label, rows in first["timing"].items()])]
+    preempted = f.get("preemption")
+    if preempted:
+        lines += ["## Preemption through each framework's own path", "",
+                  f"{o['gib']:g} GiB of state (a model and Adam), a {GRACE_S:.0f} s grace period; the framework's "
+                  "own synchronous save of the same state against asyncckpt's; `tests/test_preemption.py` drives each "
+                  "trial. Seconds from the signal: medians (each trial). Every trial had its checkpoint complete and "
+                  "the job gone within the grace period, unless said.", "",
+                  *(f"- {path}: {how}" for path, how in PREEMPTIONS.items() if path in preempted), "",
+                  *table(["path", "save", "the save s", "the end s"],
+                         [[path, "native (synchronous)" if plugin == "native" else "asyncckpt",
+                           f"{fmt(median(t['saved_s'] for t in trials), '.1f')} "
+                           f"({each([t['saved_s'] for t in trials], '.1f')})",
+                           f"{fmt(median(t['gone_s'] for t in trials), '.1f')} "
+                           f"({each([t['gone_s'] for t in trials], '.1f')})"
+                           + "".join(f"; **{n} failed**" for n in [sum(not t["ok"] for t in trials)] if n)]
+                          for path, arms in preempted.items() for plugin, trials in arms.items()])]
     stress = f.get("stress")
     if stress:
         kinds = stress["kinds"]
@@ -334,6 +398,7 @@ SCENARIO = Scenario(
     options={"workloads": Option("16 tensors,8000 tensors", "16 tensors"), "gib": Option(1.0, 0.03),
              "kills": Option(5, 1), "base_kills": Option(2, 1), "parts": Option("timing,kills,restart,first_save,stress"),
              "seed": Option(0), "stress_scale": Option(1.0, 0.01),
+             "preemptions": Option(",".join(PREEMPTIONS), help="comma-separated paths of the preemption part"),
              "stress_kinds": Option("", "core 1 rank,snapshot", "comma-separated kinds of the kill trials (default: all)")},
     reps=(3, 1),
     revisioned=True,

@@ -107,7 +107,8 @@ class Checkpointer:
         self.stager = Stager(self.ledger, self._store, options.timeout)
         self.files = FileSnapshots(self.buffers, self.copy_threads)
         self.sharded = ShardedSaves(self.buffers, self.copy_threads, direct_io=options.direct_io,
-                                    io_threads=options.io_threads, timeout=options.timeout)
+                                    io_threads=options.io_threads, timeout=options.timeout,
+                                    share_unchanged=options.share_unchanged)
         self.tier = tier_of(options, store=self._store, queue=self.ledger.queue, process_group=process_group)
         self._advice: Optional[interval.Advice] = None  # from the first durable save's costs (``_committed``)
         self._advice_logged = False  # once, at the save after it (``_saving``)
@@ -279,8 +280,8 @@ class Checkpointer:
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
                                     ledger=self.ledger, stager=self.stager, files=self.files,
                                     sharded=self.sharded, sharded_target=sharded_target, follow_ups=self._follow_ups,
-                                    direct_io=self.options.direct_io,
-                                    io_threads=self.options.io_threads, tier=save_tier)
+                                    direct_io=self.options.direct_io, io_threads=self.options.io_threads,
+                                    share_unchanged=self.options.share_unchanged, tier=save_tier)
 
     def _directory_id(self, final_dir: str, rank: int, world: int, store: Any) -> str:
         """The same id on every rank without a collective: on one rank, an owner token (random, and

@@ -45,14 +45,14 @@ class DirectoryTransaction:
     def __init__(self, *, handle: "SaveHandle", save_id: str, staging_dir: str, barrier: BarrierSpec,
                  ledger: "Ledger", stager: "Stager", files: "FileSnapshots", sharded: "ShardedSaves",
                  sharded_target: Callable[..., "SaveTarget"], follow_ups: Callable[["SaveHandle", BarrierSpec], list],
-                 direct_io: bool, io_threads: int, tier: Optional["TierSave"] = None) -> None:
+                 direct_io: bool, io_threads: int, share_unchanged: bool, tier: Optional["TierSave"] = None) -> None:
         self.handle = handle
         self.final_dir, self.rank, self.step, self.save_id = handle.path, handle.rank, handle.step, save_id
         self.staging_dir = staging_dir
         self._barrier = barrier
         self._ledger, self._stager, self._files = ledger, stager, files
         self._sharded, self._sharded_target, self._follow_ups = sharded, sharded_target, follow_ups
-        self._direct_io, self._io_threads = direct_io, io_threads
+        self._direct_io, self._io_threads, self._share_unchanged = direct_io, io_threads, share_unchanged
         self._tier = tier  # a memory-tier save (``tier.nodes.TierSave``)
         self._held: list[tuple["SaveHandle", Any, Any]] = []
         self._committing = False
@@ -95,7 +95,7 @@ class DirectoryTransaction:
         member.add_bytes(image.size)
         member.when_done(lambda: self._files.buffers.give_back(slot))
         request = FileRequest(os.path.join(self.staging_dir, name), image.size, self.rank, self._direct_io,
-                              self._io_threads, self._barrier)
+                              self._io_threads, self._barrier, share_unchanged=self._share_unchanged)
         try:
             self._stager.take_snapshot(member, lambda: self._files.stage(image, slot), request,
                                        lambda: self._hold(member, request, slot.buffer))

@@ -104,6 +104,10 @@ class CheckpointOptions:
             per job, split across the ranks, then shared over the process group; ``"node"``, split across one rank
             per node (where the network between nodes is slower than the storage); ``"off"``, every rank reads
             everything (``loading.cooperative``; docs/benchmarks/resume.md).
+        share_unchanged: a save does not write again the items (tensors, objects) whose bytes equal those of the
+            same items in the newest committed checkpoint beside it: it shares them (hard links; each checkpoint
+            stays complete on its own, and loads alone after every other is deleted: docs/FORMAT.md). Off: every
+            save writes everything.
         failures_per_day: how often the job fails (any cause), for the one log line at the first durable save
             that gives the checkpoint interval losing the least work at this run's measured costs (Young/Daly,
             ``api.interval``; docs/memory_tier.md). One a day by default.
@@ -125,6 +129,7 @@ class CheckpointOptions:
     memory_tier: Optional[MemoryTier | bool] = None
     cooperative_load: Literal["job", "node", "off"] = "job"
     failures_per_day: float = 1.0
+    share_unchanged: bool = True
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:

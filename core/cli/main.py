@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from asyncckpt.core.verify import checkpoint_kinds
 from asyncckpt.core.verify import integrity
-from asyncckpt.core.storage import leftovers, orphans, spares
+from asyncckpt.core.storage import leftovers, orphans, sharing, spares
 from asyncckpt.core import tier
 from asyncckpt.core.formats import names
 from asyncckpt.core.cli import export as export_cli
@@ -81,8 +81,10 @@ def cmd_ls(root: str, memory_root: Optional[str] = None) -> int:
         if hidden is not None and hidden.name in finishing:  # its training process died after the save returned
             entry.note = f"being finished by the writer {finishing[hidden.name]} of a training process that died"
         size = entry.size if entry.size is not None else used_bytes(entry.path)
+        shared = sharing.shared_bytes(entry.path) if entry.status == "COMPLETE" and os.path.isdir(entry.path) else 0
         note = ", ".join(part for part in (
             entry.kind if entry.kind != "hidden" else "", entry.note, f"epoch {entry.epoch}" if entry.epoch is not None else "",
+            f"shares {human_bytes(shared)} with other checkpoints" if shared else "",
             "no checksums" if entry.status in ("COMPLETE", "NATIVE") and not entry.checksums else "") if part)
         rows.append(((entry.step if entry.step is not None else -1, entry.modified, name), name, entry.step, size,
                      entry.status, note))
@@ -334,7 +336,8 @@ def cmd_clean(root: Optional[str], min_age_s: float, dry_run: bool, memory_root:
     a process that is gone left on this host; what was made on another host (whose writer this
     host cannot see) only once untouched for ``min_age_s``. Never anything a live writer still uses.
     Then the same in ROOT's memory tier on this node, and the tier itself if no live process owns
-    it and nothing changed in it for ``older_than_s`` (``tier.Run.orphaned``). Without ROOT: every
+    it and nothing changed in it for ``older_than_s`` (``tier.Run.orphaned``). The checkpoints' shared files give back
+    what none of them uses (``sharing.compact``: after checkpoints were deleted by hand). Without ROOT: every
     memory tier of this node that is orphaned so (and what dead cleaners left beside them), and the node copies
     that killed cooperative loads and the scratch folders that killed saves left beside the memory root
     (``tier.dead_loads``, ``tier.dead_captures``), and the folders holding them once empty."""
@@ -343,6 +346,8 @@ def cmd_clean(root: Optional[str], min_age_s: float, dry_run: bool, memory_root:
         if root is not None:
             root = normalize(root)
             freed, count = _clean_leftovers(root, "", min_age_s, dry_run)
+            if not dry_run and not backend_for(root).remote:  # what the checkpoints' shared files hold for none of them
+                sharing.compact(root)
             run = os.path.join(memory_root, tier.run_name(root))
             selected = [found for found in tier.runs(memory_root) if found.path == run]
             if selected:

@@ -53,6 +53,8 @@ class SaveHandle:
         # (sharded saves), copy_s (the snapshot copy and the hand-over to the writer)
         self.timings: dict[str, float] = {}
         self.nbytes = 0  # the bytes of data it writes (a directory's: its files')
+        self.written: Optional[int] = None  # of them, the bytes its writer wrote, where it said (this rank's)
+        self.shared = 0  # and those it shared with the checkpoint before instead (``storage.sharing``)
         self._future: Future = Future()
         self._staged = threading.Event()
         self.default_timeout = timeout
@@ -84,6 +86,13 @@ class SaveHandle:
         self.nbytes += nbytes
         if self.member_of is not None:
             self.member_of.add_bytes(nbytes)
+
+    def add_written(self, written: int = 0, shared: int = 0) -> None:
+        """What this rank's writer wrote and shared for it (a file of a directory also counts for its directory)."""
+        self.written = (self.written or 0) + written
+        self.shared += shared
+        if self.member_of is not None:
+            self.member_of.add_written(written, shared)
 
     # ------------------------------------------------------------------ waiting
     def release_held(self) -> None:

@@ -53,11 +53,12 @@ class _Writer:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
         env["OMP_NUM_THREADS"] = "1"  # the writer does I/O, not compute
-        # SIGINT and SIGTERM are blocked in the writer until it ignores them (``process.main``): one that
-        # comes while it starts (a preemption right after the save that started it) must not kill it. The
-        # child inherits this thread's mask; signals for the training process meanwhile stay pending
-        # (or reach its other threads) until the mask is restored, once the child runs.
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        # The signals that would end it are blocked in the writer until it has set its own action for each
+        # (``protocol.WRITER_SIGNALS``, ``process.main``): one that comes while it starts (a preemption right after
+        # the save that started it) must not kill it. The child inherits this thread's mask; signals for the
+        # training process meanwhile stay pending (or reach its other threads) until the mask is restored, once
+        # the child runs. The training process's own actions are left as they are.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, protocol.WRITER_SIGNALS)
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "asyncckpt.core.writer.process", str(child_sock.fileno()), str(os.getpid()),
@@ -70,6 +71,8 @@ class _Writer:
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
         self.registered: set[int] = set()
+        self.outbox: list[Any] = []  # what ``send`` has still to send
+        self.sending = False
         self.serving = False  # it was handed the memory tier's listening socket (``WriterQueue.serve_replicas``)
         self.stopping = False
         self.thread = threading.Thread(target=reader, args=(self,), name="asyncckpt-writer-replies", daemon=True)
@@ -78,6 +81,25 @@ class _Writer:
     @property
     def alive(self) -> bool:
         return self.process.poll() is None and self.thread.is_alive()
+
+    def send(self, *items: Any) -> None:
+        """Send ``items`` in order: messages (tuples) and the descriptors (ints) that follow one. Called under the
+        queue's lock, so only this thread can call in while they go out: a signal handler that saves (Lightning's
+        SLURM requeue handler does, wherever the signal lands). Its items then go after these, never between a
+        message and its descriptors. Raises what sending raises; what was not sent yet goes with the next call."""
+        self.outbox += items
+        if self.sending:
+            return
+        self.sending = True
+        try:
+            while self.outbox:
+                item = self.outbox.pop(0)
+                if isinstance(item, int):
+                    send_handle(self.conn, item, self.process.pid)
+                else:
+                    self.conn.send(item)
+        finally:
+            self.sending = False
 
     def retire(self, timeout: float) -> None:
         """Wait until the process and the reader thread are gone (killing the process after ``timeout``)."""
@@ -128,8 +150,7 @@ class WriterQueue:
                 self._writer = _Writer(self._read_replies, self.timeout)
             if self._receiver is not None and not self._writer.serving:
                 listener, root, secret = self._receiver
-                self._writer.conn.send((protocol.RECEIVER, root, secret))
-                send_handle(self._writer.conn, listener.fileno(), self._writer.process.pid)
+                self._writer.send((protocol.RECEIVER, root, secret), listener.fileno())
                 self._writer.serving = True
 
     def serve_replicas(self, listener: socket.socket, root: str, secret: bytes, *, now: bool = True) -> None:
@@ -168,13 +189,12 @@ class WriterQueue:
             try:
                 self.start()
                 writer = self._writer
+                messages: list[Any] = []
                 for buffer in buffers:
                     if buffer is not None and buffer.id not in writer.registered:
-                        writer.conn.send((protocol.BUFFER, buffer.id, buffer.layout))
-                        for fd in (buffer.fd, buffer.progress_fd):
-                            send_handle(writer.conn, fd, writer.process.pid)
+                        messages += [(protocol.BUFFER, buffer.id, buffer.layout), buffer.fd, buffer.progress_fd]
                         writer.registered.add(buffer.id)
-                writer.conn.send((protocol.RUN, jobs))
+                writer.send(*messages, (protocol.RUN, jobs))
             except (OSError, ValueError) as e:
                 self._fail_jobs([job.job_id for job in jobs], f"could not reach the background writer: {e}")
 
@@ -184,7 +204,7 @@ class WriterQueue:
             if writer is not None and buffer_id in writer.registered:
                 writer.registered.discard(buffer_id)
                 try:
-                    writer.conn.send((protocol.DROP, buffer_id))
+                    writer.send((protocol.DROP, buffer_id))
                 except OSError:
                     pass
 
@@ -198,7 +218,7 @@ class WriterQueue:
             if writer is not None and not writer.stopping:
                 writer.stopping = True
                 try:
-                    writer.conn.send((protocol.STOP,))
+                    writer.send((protocol.STOP,))
                 except OSError:
                     pass
         for old in retiring + ([writer] if writer is not None else []):
@@ -214,7 +234,7 @@ class WriterQueue:
             self._writer = None
             self._retiring.append(writer)
             try:
-                writer.conn.send((protocol.STOP,))
+                writer.send((protocol.STOP,))
             except OSError:
                 pass
 
@@ -239,6 +259,8 @@ class WriterQueue:
             if kind == protocol.FAILED and message[2] == SnapshotCopyFailed.__name__:
                 continue  # the training process fails the handle with the copy's own error
             if kind == protocol.DONE:
+                if len(message) > 2 and message[2]:
+                    handle.add_written(**message[2])
                 self._on_outcome(handle, None)
             elif kind == protocol.CANCELLED:
                 self._on_outcome(handle, CheckpointCancelledError(handle.cancelled_message()))
@@ -269,7 +291,7 @@ class WriterQueue:
             error = protocol.error_text(e)
         try:
             with self._lock:  # never between a BUFFER message and its file descriptor (``submit``)
-                writer.conn.send((protocol.BARRIER_RESULT, error))
+                writer.send((protocol.BARRIER_RESULT, error))
         except OSError:
             pass  # the writer is gone; the loop sees EOF next
 

@@ -81,7 +81,7 @@ def from_sidecars(directory: str) -> dict[str, SourceTensor]:
     for rank in _sidecar_ranks(directory):
         sidecar = read_sidecar(directory, rank)
         columns = sidecar.tensors
-        file = os.path.join(directory, columns.file) if columns.file else None
+        files = [os.path.join(directory, file) if file else None for file in columns.item_files()]
         for i, key in enumerate(columns.fqn):
             offsets = tuple(columns.shapes[columns.chunk_offsets[i]])
             if (key, offsets) in seen:
@@ -89,7 +89,7 @@ def from_sidecars(directory: str) -> dict[str, SourceTensor]:
             seen.add((key, offsets))
             shape = tuple(columns.shapes[columns.global_size[i]])
             tensor = tensors.setdefault(key, SourceTensor(key, columns.dtype[i], shape, []))
-            tensor.pieces.append(Piece(offsets, columns.chunk_shape(i), columns.nbytes[i], file,
+            tensor.pieces.append(Piece(offsets, columns.chunk_shape(i), columns.nbytes[i], files[i],
                                        columns.data_start[i], columns.xxh3[i]))
     return tensors
 

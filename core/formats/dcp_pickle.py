@@ -246,7 +246,8 @@ _structure_parts: dict = {}
 def _structure_part(sidecars: list["Sidecar"], classes: DcpClasses) -> _StructurePart:
     """Built once per structure (identified by every rank's structure hash) and reused; saves
     without structure hashes build it every time."""
-    key = (tuple(sidecar.structure_hash for sidecar in sidecars), len(sidecars))
+    key = (tuple(sidecar.structure_hash for sidecar in sidecars), len(sidecars),
+           tuple(tuple(sidecar.tensors.files) if sidecar.tensors.files is not None else None for sidecar in sidecars))
     part = _structure_parts.get(key)
     if part is not None:
         return part
@@ -256,15 +257,16 @@ def _structure_part(sidecars: list["Sidecar"], classes: DcpClasses) -> _Structur
     for sidecar in sidecars:
         t = sidecar.tensors
         shapes = [tuple(shape) for shape in t.shapes]
-        for fqn, offsets, sizes, global_size, dtype, requires_grad, start, length in zip(
-            t.fqn, t.chunk_offsets, t.chunk_sizes, t.global_size, t.dtype, t.requires_grad, t.start, t.length
+        for fqn, offsets, sizes, global_size, dtype, requires_grad, file, start, length in zip(
+            t.fqn, t.chunk_offsets, t.chunk_sizes, t.global_size, t.dtype, t.requires_grad, t.item_files(), t.start,
+            t.length
         ):
             chunk = (fqn, shapes[offsets])  # replicated chunks (written by one rank) are recorded once
             if chunk in seen:
                 continue
             seen.add(chunk)
             entry = entries.setdefault(fqn, (dtype, requires_grad, shapes[global_size], []))
-            storage.append((storage_index(fqn, shapes[offsets], len(entry[3])), storage_info(classes, t.file, start, length)))
+            storage.append((storage_index(fqn, shapes[offsets], len(entry[3])), storage_info(classes, file, start, length)))
             entry[3].append((shapes[offsets], shapes[sizes]))
     planner_data: dict[str, Any] = {}
     for sidecar in sidecars:
@@ -291,11 +293,11 @@ def metadata_bytes(sidecars: list["Sidecar"], classes: DcpClasses, checkpoint_id
     entries, storage, seen = [], [], set()
     for sidecar in sidecars:  # this save's non-tensor entries; ones several ranks wrote are recorded once
         o = sidecar.objects
-        for fqn, start, length in zip(o.fqn, o.start, o.length):
+        for fqn, file, start, length in zip(o.fqn, o.item_files(), o.start, o.length):
             if fqn not in part.tensor_fqns and fqn not in seen:
                 seen.add(fqn)
                 entries.append((fqn, bytes_entry()))
-                storage.append((storage_index(fqn), storage_info(classes, o.file, start, length)))
+                storage.append((storage_index(fqn), storage_info(classes, file, start, length)))
     return dumps(metadata(
         classes,
         state_dict_metadata=_Dict(part.tensor_entries, entries),

@@ -47,6 +47,16 @@ def objects_file_name(rank: int) -> str:
     return f"__{rank}_1.distcp"
 
 
+def shared_file_name(name: str, save_id: str) -> str:
+    """The name a data file written by save ``save_id`` (``__{rank}_{n}.distcp`` there) has in a later checkpoint
+    that shares its bytes (a hard link of it: ``storage.sharing``): ``__{rank}_{n}.{save_id}.distcp``. A file that
+    already has such a name keeps it."""
+    if SHARED_FILE_PATTERN.match(name):
+        return name
+    stem, extension = os.path.splitext(name)
+    return f"{stem}.{save_id}{extension}"
+
+
 def sidecar_name(rank: int) -> str:
     """A rank's sidecar: where each of its items lies, and its checksum."""
     return f"__{rank}.asyncckpt.json"
@@ -96,7 +106,8 @@ def step_from_name(name: str) -> Optional[int]:
 
 
 SIDECAR_PATTERN = re.compile(r"^__(\d+)\.asyncckpt\.json$")
-DATA_FILE_PATTERN = re.compile(r"^__(\d+)_\d+\.distcp$")
+DATA_FILE_PATTERN = re.compile(r"^__(\d+)_\d+(?:\.[0-9a-zA-Z_-]+)?\.distcp$")  # a rank's own, or one it shares
+SHARED_FILE_PATTERN = re.compile(r"^__(\d+)_\d+\.[0-9a-zA-Z_-]+\.distcp$")  # ``shared_file_name``
 OWNER_MARKER_PATTERN = re.compile(r"^\.asyncckpt-owner-(\d+)$")
 COORDINATION_FILE_PATTERN = re.compile(r"^(__\d+\.(done|alive|error\.json|files\.json)|ABORTED\.json|\.asyncckpt-owner-\d+)$")
 

@@ -11,6 +11,12 @@ column except the checksums depends only on the rank's layout, the same for ever
 state-dict structure, so the writer encodes that part once per layout and a save encodes only its
 checksums and objects. Versions 1 and 2 are still read.
 
+Version 4 is version 3 where some items lie in files other than the section's own: a checkpoint that shares the
+bytes of items unchanged since the previous one (``storage.sharing``) names, per item, the file they are in (a
+``files`` table and a packed ``file_index`` column). A share whose items all lie in its own files is still written
+as version 3, which older readers read. Either may carry ``xxh3_128`` (the items' content ids, ``checksum.content_id``),
+which a later save compares; readers that do not share ignore it.
+
 The sidecar is also the rank's "my share is durable" signal: it is published atomically, after
 the rank's data files are fsynced.
 """
@@ -30,12 +36,14 @@ from asyncckpt.core.formats.checksum import FileChecksum
 from asyncckpt.core.formats.layout import RankLayout
 
 SIDECAR_FORMAT = "asyncckpt-rank"
-SIDECAR_VERSION = 3
+SIDECAR_VERSION = 4
+_UNSHARED_VERSION = 3  # what a share whose items all lie in its own files is written as (older readers read it)
 _COMPACT = (",", ":")
 _SHAPE_FIELDS = ("chunk_offsets", "chunk_sizes", "global_size")  # indices into the tensors' "shapes" table
 _TENSOR_FIELDS = ("fqn",) + _SHAPE_FIELDS + ("dtype", "requires_grad", "start", "length", "data_start", "nbytes", "xxh3")
 _OBJECT_FIELDS = ("fqn", "start", "length", "xxh3")
 _INT_FIELDS = ("start", "length", "data_start", "nbytes")
+_SHARING = ("xxh3_128", "files")  # optional columns: the items' content ids; version 4: the file of each item
 _PACKED_FIELDS = _SHAPE_FIELDS + ("dtype",) + _INT_FIELDS  # version 3: base64 of little-endian int64s
 
 
@@ -74,11 +82,26 @@ class ShareItems:
     objects_file: Optional[str]
     objects: list[tuple[str, int, int, str]]  # (fqn, start, length, xxh3) in file order
     tensor_file: Optional[FileChecksum] = None  # the tensor file's size and xxh3, where asked for (``write_share``)
+    tensor_ids: Optional[list[str]] = None  # xxh3-128 of each slot's bytes (``checksum.content_id``), layout order
+    tensor_files: Optional[list[str]] = None  # the file each slot's bytes are in; None: all in ``layout.file_name``
+    object_ids: Optional[list[str]] = None  # xxh3-128 of each object
+    object_files: Optional[list[str]] = None  # the file each object is in; None: all in ``objects_file``
+    written: int = 0  # bytes this save wrote (data files)
+    shared: int = 0  # bytes of items it shares with the checkpoint before (``storage.sharing``)
 
     def locations(self) -> list[tuple[str, int, int]]:
         """``(file, start, length)`` of every item: tensors in layout order, then objects."""
-        found = [(self.layout.file_name, s.start, s.length) for s in self.layout.slots] if self.layout else []
-        return found + [(self.objects_file, start, length) for _fqn, start, length, _digest in self.objects]
+        found = []
+        if self.layout:
+            files = self.tensor_files or [self.layout.file_name] * len(self.layout.slots)
+            found = [(file, s.start, s.length) for file, s in zip(files, self.layout.slots)]
+        files = self.object_files or [self.objects_file] * len(self.objects)
+        return found + [(file, start, length) for file, (_fqn, start, length, _digest) in zip(files, self.objects)]
+
+    def own_files(self) -> list[str]:
+        """The data files this share wrote itself (the others are shared, linked from the checkpoint before)."""
+        found = {file for file, _start, _length in self.locations()}
+        return [name for name in (self.layout and self.layout.file_name, self.objects_file) if name and name in found]
 
 
 @dataclass
@@ -127,19 +150,36 @@ def _static_json(layout: Optional[RankLayout], planner_data: dict) -> str:
     return text
 
 
+def _per_save_columns(ids: Optional[list[str]], files: Optional[list[str]], own: Optional[str]) -> dict:
+    """A section's columns that change from save to save besides its checksums: the content ids, and where some
+    items lie outside ``own`` (shared), the file of each (a table and a packed index into it, ``own`` first)."""
+    columns: dict[str, Any] = {}
+    if ids is not None:
+        columns["xxh3_128"] = ids
+    if files is not None and any(file != own for file in files):
+        table: dict[str, int] = {own: 0} if own is not None else {}
+        index = _packed([table.setdefault(file, len(table)) for file in files])
+        columns["files"], columns["file_index"] = list(table), index
+    return columns
+
+
 def encode_sidecar(record: ShareRecord) -> bytes:
     """The JSON document of ``record`` (field order as in docs/FORMAT.md)."""
     share = record.share
-    header = json.dumps({"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "save_id": record.save_id,
-                         "rank": record.rank, "world_size": record.world_size,
-                         "structure_hash": record.structure_hash}, separators=_COMPACT)
+    tensors = _per_save_columns(share.tensor_ids, share.tensor_files, share.layout and share.layout.file_name)
     objects = {"file": share.objects_file, "fqn": [o[0] for o in share.objects],
                "start": _packed([o[1] for o in share.objects]), "length": _packed([o[2] for o in share.objects]),
-               "xxh3": [o[3] for o in share.objects]}
+               "xxh3": [o[3] for o in share.objects],
+               **_per_save_columns(share.object_ids, share.object_files, share.objects_file)}
+    version = SIDECAR_VERSION if "files" in tensors or "files" in objects else _UNSHARED_VERSION
+    header = json.dumps({"format": SIDECAR_FORMAT, "version": version, "save_id": record.save_id,
+                         "rank": record.rank, "world_size": record.world_size,
+                         "structure_hash": record.structure_hash}, separators=_COMPACT)
     return "".join((
         header[:-1], ",", _static_json(share.layout, record.planner_data),
-        ',"xxh3":', json.dumps(share.tensor_digests, separators=_COMPACT), "}",
-        ',"objects":', json.dumps(objects, separators=_COMPACT), "}",
+        ',"xxh3":', json.dumps(share.tensor_digests, separators=_COMPACT),
+        "".join(f",{json.dumps(name)}:{json.dumps(value, separators=_COMPACT)}" for name, value in tensors.items()),
+        "}", ',"objects":', json.dumps(objects, separators=_COMPACT), "}",
     )).encode()
 
 
@@ -161,9 +201,15 @@ class TensorColumns:
     data_start: Sequence[int]  # the raw tensor bytes in ``file``
     nbytes: Sequence[int]
     xxh3: list[str]
+    xxh3_128: Optional[list[str]] = None  # content ids (``checksum.content_id``), where the writer recorded them
+    files: Optional[list[str]] = None  # version 4: the file of each item; None: every item is in ``file``
 
     def chunk_shape(self, index: int) -> tuple:
         return tuple(self.shapes[self.chunk_sizes[index]])
+
+    def item_files(self) -> Sequence[Optional[str]]:
+        """The file of each item, in item order."""
+        return self.files if self.files is not None else [self.file] * len(self.fqn)
 
 
 @dataclass
@@ -175,6 +221,11 @@ class ObjectColumns:
     start: Sequence[int]
     length: Sequence[int]
     xxh3: list[str]
+    xxh3_128: Optional[list[str]] = None
+    files: Optional[list[str]] = None
+
+    def item_files(self) -> Sequence[Optional[str]]:
+        return self.files if self.files is not None else [self.file] * len(self.fqn)
 
 
 @dataclass
@@ -207,16 +258,16 @@ class Sidecar:
         shapes = t.shapes
         items = [
             {"kind": "tensor", "fqn": fqn, "chunk_offsets": shapes[offsets], "chunk_sizes": shapes[sizes],
-             "global_size": shapes[global_size], "dtype": dtype, "requires_grad": requires_grad, "file": t.file,
+             "global_size": shapes[global_size], "dtype": dtype, "requires_grad": requires_grad, "file": file,
              "start": start, "length": length, "data_start": data_start, "nbytes": nbytes, "xxh3": digest}
-            for fqn, offsets, sizes, global_size, dtype, requires_grad, start, length, data_start, nbytes, digest
-            in zip(t.fqn, t.chunk_offsets, t.chunk_sizes, t.global_size, t.dtype, t.requires_grad, t.start,
-                   t.length, t.data_start, t.nbytes, t.xxh3)
+            for fqn, offsets, sizes, global_size, dtype, requires_grad, file, start, length, data_start, nbytes, digest
+            in zip(t.fqn, t.chunk_offsets, t.chunk_sizes, t.global_size, t.dtype, t.requires_grad, t.item_files(),
+                   t.start, t.length, t.data_start, t.nbytes, t.xxh3)
         ]
         items += [
-            {"kind": "bytes", "fqn": fqn, "file": o.file, "start": start, "length": length, "data_start": start,
+            {"kind": "bytes", "fqn": fqn, "file": file, "start": start, "length": length, "data_start": start,
              "nbytes": length, "xxh3": digest}
-            for fqn, start, length, digest in zip(o.fqn, o.start, o.length, o.xxh3)
+            for fqn, file, start, length, digest in zip(o.fqn, o.item_files(), o.start, o.length, o.xxh3)
         ]
         return {"format": SIDECAR_FORMAT, "version": self.version, "save_id": self.save_id, "rank": self.rank,
                 "world_size": self.world_size, "structure_hash": self.structure_hash,
@@ -275,6 +326,19 @@ def _check_columns(path: str, section: str, columns: dict, fields: tuple) -> Non
                 raise _malformed(path, f"'{section}.{field}' holds something other than an index into 'shapes'")
     if lengths != {0} and not isinstance(columns.get("file"), str):
         raise _malformed(path, f"'{section}.file' is not a file name")
+    count = lengths.pop() if lengths else 0
+    ids = columns.get("xxh3_128")
+    if ids is not None and (not isinstance(ids, list) or len(ids) != count or not _strings(ids)):
+        raise _malformed(path, f"'{section}.xxh3_128' is not one string per item")
+    if "file_index" in columns:
+        files, index = columns.get("files"), _unpacked(columns["file_index"])
+        if not isinstance(files, list) or not files or not _strings(files):
+            raise _malformed(path, f"'{section}.files' is not a list of file names")
+        if index is None or len(index) != count or not _counts(index, below=len(files)):
+            raise _malformed(path, f"'{section}.file_index' holds something other than an index into 'files'")
+        columns["files"] = [files[i] for i in index]
+    else:
+        columns["files"] = None
 
 
 def _columns_from_v1(path: str, record: dict) -> tuple[dict, dict, dict]:
@@ -326,7 +390,7 @@ def _unpack_columns(path: str, section: str, columns: dict) -> None:
 
 
 def parse_sidecar(path: str, data: bytes) -> Sidecar:
-    """Parse and check a sidecar (version 1, 2 or 3) read from ``path`` (named in errors)."""
+    """Parse and check a sidecar (version 1 to 4) read from ``path`` (named in errors)."""
     try:
         record = json.loads(data)
     except ValueError as e:
@@ -351,8 +415,8 @@ def parse_sidecar(path: str, data: bytes) -> Sidecar:
     return Sidecar(
         path=path, version=record["version"], save_id=record.get("save_id"), rank=record.get("rank"),
         world_size=record.get("world_size"), structure_hash=record.get("structure_hash"), explicit_paths=explicit,
-        tensors=TensorColumns(**{field: tensors[field] for field in ("file", "shapes") + _TENSOR_FIELDS}),
-        objects=ObjectColumns(**{field: objects[field] for field in ("file",) + _OBJECT_FIELDS}),
+        tensors=TensorColumns(**{field: tensors.get(field) for field in ("file", "shapes") + _TENSOR_FIELDS + _SHARING}),
+        objects=ObjectColumns(**{field: objects.get(field) for field in ("file",) + _OBJECT_FIELDS + _SHARING}),
     )
 
 

@@ -9,7 +9,9 @@ framework's logger is only ever called from the training process's own thread an
 A failed save reports nothing here: its error is raised at the next sync point.
 
 Each record: ``step``, ``stall_s`` (how long the framework's save call blocked training), ``waited_s`` (of it,
-waiting for an earlier checkpoint's write: ``max_in_flight``), ``durable_s``, ``bytes``, ``staged_wait_s`` (how
+waiting for an earlier checkpoint's write: ``max_in_flight``), ``durable_s``, ``bytes``, ``bytes_written`` and
+``bytes_shared`` (of this rank's, those its writer wrote, and those it shared with the checkpoint before instead:
+``storage.sharing``; where the writer said), ``staged_wait_s`` (how
 long the optimizer steps after it waited for what ``overlap_optimizer`` left to the staging thread: the rest of
 its cost to training). The adapters name them in their framework's idiom (``checkpoint/stall_s`` for
 Lightning's and Accelerate's loggers, ``checkpoint_stall_s`` for the Trainer's report_to integrations), and every
@@ -80,6 +82,8 @@ class SaveMetrics:
                 handle, record = self._open.popleft()
                 if handle.exception() is None:
                     record["bytes"] = handle.nbytes
+                    if handle.written is not None:
+                        record.update(bytes_written=handle.written, bytes_shared=handle.shared)
                     complete.append(record)
         return complete
 

@@ -78,7 +78,7 @@ class AsyncCkptStorageReader(StorageReader):
                 continue
             sidecar = read_sidecar(self.path, int(match.group(1)))
             for columns in (sidecar.tensors, sidecar.objects):
-                located.update(zip(zip(repeat(columns.file), columns.start), zip(repeat(columns), range(len(columns.fqn)))))
+                located.update(zip(zip(columns.item_files(), columns.start), zip(repeat(columns), range(len(columns.fqn)))))
         return located
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

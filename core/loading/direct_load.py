@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from asyncckpt.core.storage.backend import backend_for, join
 from asyncckpt.core.loading.metadata_io import DCP_METADATA_FILE, check_relative_path
-from asyncckpt.core.loading.reader import RAW_DTYPES, FileSpans, Span, can_read_into, overlapping, read_spans
+from asyncckpt.core.loading.reader import RAW_DTYPES, FileSpans, Span, can_read_into, group_by_file, overlapping, read_spans
 from asyncckpt.core.formats.names import sidecar_name
 from asyncckpt.core.formats.sidecar import Sidecar
 from asyncckpt.core.storage.sidecars import read_sidecar
@@ -156,9 +156,10 @@ def plan_direct_load(state_dict: dict, root: str, record: dict, *, rank: int, st
             found = read(sidecar, flat, taken, verify)
             if found is None:
                 return None
-            if found.spans:
-                check_relative_path(root, found.relative_path)  # sidecars are input: never read outside root
-                files.append(found)
+            for entry in found:
+                if entry.spans:
+                    check_relative_path(root, entry.relative_path)  # sidecars are input: never read outside root
+                    files.append(entry)
     if not _without_repeats(files):
         return None  # state dict tensors sharing memory but saved with different values
     try:  # we write their memory behind autograd's back
@@ -169,17 +170,18 @@ def plan_direct_load(state_dict: dict, root: str, record: dict, *, rank: int, st
     return DirectLoad(root, files, objects, resolved, paths, state_dict)
 
 
-def _tensor_reads(sidecar: Sidecar, flat: dict, taken: Optional[set], verify: bool) -> Optional[FileSpans]:
-    """This rank's tensor items that ``flat`` asks for, in file order; None if one needs dcp.load."""
+def _tensor_reads(sidecar: Sidecar, flat: dict, taken: Optional[set], verify: bool) -> Optional[list[FileSpans]]:
+    """This rank's tensor items that ``flat`` asks for, per file, in file order; None if one needs dcp.load."""
     t = sidecar.tensors
     shapes = [tuple(shape) for shape in t.shapes]
     at_origin = {index for index, shape in enumerate(shapes) if not any(shape)}
     spans: list[Span] = []
     append, get, dtypes = spans.append, flat.get, RAW_DTYPES
     needed, needed_by = 0, ""
-    for fqn, offsets, sizes, global_size, dtype, start, length, data_start, nbytes, digest in zip(
-            t.fqn, t.chunk_offsets, t.chunk_sizes, t.global_size, t.dtype, t.start, t.length, t.data_start, t.nbytes,
-            t.xxh3):
+    located: Optional[list] = [] if t.files is not None else None  # items of a share in several files
+    for fqn, offsets, sizes, global_size, dtype, file, start, length, data_start, nbytes, digest in zip(
+            t.fqn, t.chunk_offsets, t.chunk_sizes, t.global_size, t.dtype, t.item_files(), t.start, t.length,
+            t.data_start, t.nbytes, t.xxh3):
         value = get(fqn, _ABSENT)
         if value is _ABSENT:
             continue
@@ -192,15 +194,17 @@ def _tensor_reads(sidecar: Sidecar, flat: dict, taken: Optional[set], verify: bo
         if not can_read_into(value, dtypes.get(dtype), shapes[sizes], nbytes):
             return None
         append(Span(data_start, nbytes, value, digest if verify else None, fqn))
+        if located is not None:
+            located.append((file, spans[-1], start + length))
         needed, needed_by = start + length, fqn
-    return FileSpans(t.file, spans, needed, needed_by)
+    return group_by_file(located) if located is not None else [FileSpans(t.file, spans, needed, needed_by)]
 
 
-def _object_reads(sidecar: Sidecar, flat: dict, taken: Optional[set], verify: bool) -> Optional[FileSpans]:
-    """This rank's pickled objects that ``flat`` asks for, each into a buffer of its own."""
+def _object_reads(sidecar: Sidecar, flat: dict, taken: Optional[set], verify: bool) -> Optional[list[FileSpans]]:
+    """This rank's pickled objects that ``flat`` asks for, each into a buffer of its own, per file."""
     o = sidecar.objects
-    spans: list[Span] = []
-    for fqn, start, length, digest in zip(o.fqn, o.start, o.length, o.xxh3):
+    located: list = []
+    for fqn, file, start, length, digest in zip(o.fqn, o.item_files(), o.start, o.length, o.xxh3):
         value = flat.get(fqn, _ABSENT)
         if value is _ABSENT:
             continue
@@ -210,8 +214,8 @@ def _object_reads(sidecar: Sidecar, flat: dict, taken: Optional[set], verify: bo
             if fqn in taken:
                 continue
             taken.add(fqn)
-        spans.append(Span(start, length, bytearray(length), digest if verify else None, fqn))
-    return FileSpans(o.file, spans, spans[-1].offset + spans[-1].nbytes if spans else 0, spans[-1].key if spans else "")
+        located.append((file, Span(start, length, bytearray(length), digest if verify else None, fqn), start + length))
+    return group_by_file(located)
 
 
 def _without_repeats(files: list[FileSpans]) -> bool:

@@ -104,8 +104,9 @@ def metadata_pickled_by_torch(sidecars: list, checkpoint_id: str, save_id: str) 
     for sidecar in sidecars:
         t = sidecar.tensors
         shapes = [torch.Size(shape) for shape in t.shapes]
-        for fqn, offsets, sizes, global_size, dtype, requires_grad, start, length in zip(
-            t.fqn, t.chunk_offsets, t.chunk_sizes, t.global_size, t.dtype, t.requires_grad, t.start, t.length
+        for fqn, offsets, sizes, global_size, dtype, requires_grad, file, start, length in zip(
+            t.fqn, t.chunk_offsets, t.chunk_sizes, t.global_size, t.dtype, t.requires_grad, t.item_files(), t.start,
+            t.length
         ):
             entry = entries.setdefault(fqn, dcp_metadata.TensorStorageMetadata(
                 dcp_metadata.TensorProperties(dtype=getattr(torch, dtype), requires_grad=requires_grad),
@@ -114,12 +115,12 @@ def metadata_pickled_by_torch(sidecars: list, checkpoint_id: str, save_id: str) 
                 continue  # a replicated chunk (written by one rank) is recorded once
             index = dcp_metadata.MetadataIndex(fqn, shapes[offsets], len(entry.chunks))
             entry.chunks.append(dcp_metadata.ChunkStorageMetadata(shapes[offsets], shapes[sizes]))
-            storage[index] = _StorageInfo(t.file, start, length)
+            storage[index] = _StorageInfo(file, start, length)
         o = sidecar.objects
-        for fqn, start, length in zip(o.fqn, o.start, o.length):
+        for fqn, file, start, length in zip(o.fqn, o.item_files(), o.start, o.length):
             if fqn not in entries:
                 entries[fqn] = dcp_metadata.BytesStorageMetadata()
-                storage[dcp_metadata.MetadataIndex(fqn)] = _StorageInfo(o.file, start, length)
+                storage[dcp_metadata.MetadataIndex(fqn)] = _StorageInfo(file, start, length)
         for fqn, path in sidecar.planner_data().items():
             planner_data.setdefault(fqn, tuple(path))
     return pickle.dumps(dcp_metadata.Metadata(

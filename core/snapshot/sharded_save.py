@@ -86,9 +86,10 @@ class SaveTarget:
 
 class ShardedSaves:
     def __init__(self, buffers: BufferPool, threads: CopyThreads, *, direct_io: bool, io_threads: int,
-                 timeout: float) -> None:
+                 timeout: float, share_unchanged: bool) -> None:
         self.buffers, self.threads = buffers, threads
         self.direct_io, self.io_threads, self.timeout = direct_io, io_threads, timeout
+        self.share_unchanged = share_unchanged
         self.plan_cache = PlanCache()
         self._objects = _ObjectSnapshots()
         self._counter = 0
@@ -175,7 +176,7 @@ class ShardedSaves:
             extra_files=dict(target.extra_files or {}) if coordinator else {},
             dcp_classes=classes, metadata_command=metadata_command() if coordinator and classes is None else None,
             object_store=target.object_store,
-            directory_barrier=target.directory_barrier, tier=target.tier,
+            directory_barrier=target.directory_barrier, tier=target.tier, share_unchanged=self.share_unchanged,
         )
         return PreparedSave(slot, begin, request)
 

@@ -35,6 +35,7 @@ primitive                 file system                           object store
                           O_APPEND                              an object is written whole
 ``write_file``            a hidden temporary, its checksum as   one upload with its checksum as metadata,
                           an attribute, renamed into place      a marker beside naming its writer
+``share_file``            a hard link                           a copy made by the server
 ``publish``               the commit record in the staging      the commit object, created last and
                           directory, renamed into place         create-only (no rename exists)
                           (exchanged with an older one)
@@ -130,9 +131,16 @@ class Backend(Protocol):
 
     def write_file(self, path: str, image: memoryview, size: int, token: str, *,
                    checksum: Optional[Callable[[], Optional[FileChecksum]]], direct_io: bool = True,
-                   io_threads: int = 2) -> None:
+                   io_threads: int = 2, wait_ready: WaitReady = None) -> None:
         """Durably publish ``image[:size]`` as the single file ``path``, whole or not at all, with
-        the checksum record ``checksum()`` gives attached (``checksum`` None: none attached)."""
+        the checksum record ``checksum()`` gives attached (``checksum`` None: none attached); with
+        ``wait_ready``, each part once it says so (``diskio.write_image``; what it raises ends the
+        write, and nothing is published)."""
+
+    def share_file(self, source: str, path: str) -> bool:
+        """Make ``path`` hold the bytes of the file ``source`` without moving them: a hard link (a
+        file system), a copy the server makes (an object store; none of the bytes pass through
+        this process). False where it cannot (another file system, the source gone)."""
 
     def publish(self, staging_dir: str, final_path: str, record: bytes) -> Optional[str]:
         """Make the checkpoint written in ``staging_dir`` visible under ``final_path`` at once, with

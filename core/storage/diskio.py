@@ -15,7 +15,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from asyncckpt.core.formats.layout import IO_ALIGNMENT, align_up
 from asyncckpt.core.storage import spares
@@ -90,6 +90,69 @@ def write_image(path: str, image: memoryview, size: int, *, direct: bool = True,
     finally:
         os.close(fd)
     return used_direct
+
+
+def write_ranges(path: str, image: memoryview, ranges: Iterable[tuple[int, int]], most: int, *, direct: bool = True,
+                 threads: int = 2) -> tuple[int, int]:
+    """Durably write ``image[start:end]`` at the same offsets of the file ``path`` for each of ``ranges`` (ascending,
+    disjoint; an iterator that may still be deciding them), and nothing else: the rest of the file is a hole (a data
+    file whose other items another file holds, ``storage.sharing``). The file ends at the last range's end; none is
+    made where ``ranges`` is empty. Each range is widened to whole pages (O_DIRECT), within ``image``, allocated
+    and written as soon as it is known, into a file already ``most`` bytes long (the most it can be): direct writes
+    that neither extend the file nor allocate as they go run side by side, as ``write_image``'s do. Returns the
+    file's size and the bytes written."""
+    fd, used_direct, pending, size, written = None, False, None, 0, 0
+    futures: list = []
+    tail: Optional[tuple[int, int]] = None  # past the image's last whole page (a mapped file): written buffered
+
+    def flush(begin: int, end: int) -> None:
+        nonlocal written, tail
+        if used_direct and end % IO_ALIGNMENT:
+            tail, end = (end - end % IO_ALIGNMENT, end), end - end % IO_ALIGNMENT
+        try:
+            os.posix_fallocate(fd, begin, max(end, tail[1] if tail else end) - begin)
+        except OSError:
+            pass  # not supported everywhere; only an allocation hint
+        for start in range(begin, end, CHUNK_BYTES):
+            stop = min(start + CHUNK_BYTES, end)
+            futures.append(_pool(max(threads, 1)).submit(_pwrite_all, fd, image[start:stop], start))
+            written += stop - start
+
+    try:
+        try:
+            for start, end in ranges:
+                if fd is None:
+                    fd, used_direct = _open_for_write(path, direct)
+                    os.ftruncate(fd, most)
+                size = max(size, end)
+                begin, end = start - start % IO_ALIGNMENT, min(align_up(end, IO_ALIGNMENT), len(image))
+                if pending is not None and begin <= pending[1]:
+                    pending[1] = max(pending[1], end)
+                else:
+                    if pending is not None:
+                        flush(*pending)
+                    pending = [begin, end]
+                while pending[1] - pending[0] > CHUNK_BYTES:  # under way while the rest is decided
+                    flush(pending[0], pending[0] + CHUNK_BYTES)
+                    pending[0] += CHUNK_BYTES
+            if pending is not None:
+                flush(*pending)
+        finally:
+            errors = [future.exception() for future in futures]  # never leave a write running on a closed fd
+        for error in errors:
+            if error is not None:
+                raise error
+        if fd is None:
+            return 0, 0
+        if tail is not None:
+            _write_buffered(path, image[tail[0]:tail[1]], tail[0])
+            written += tail[1] - tail[0]
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return size, written
 
 
 def _write_buffered(path: str, data: memoryview, offset: int) -> None:

@@ -26,10 +26,12 @@ Kept free of torch: the background writer imports it.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import stat
+import uuid
 import warnings
 from typing import Callable, Iterator, Optional, Union
 
@@ -183,26 +185,39 @@ class LocalBackend:
             diskio.write_small_file(path, data)
 
     def write_marker(self, path: str, data: bytes, *, exclusive: bool = False, append: bool = False) -> None:
+        """A marker appears whole (written under a hidden name, then linked or renamed into place: a reader
+        that lists it reads all of it); ``append`` adds one line in one write."""
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC) | (os.O_EXCL if exclusive else 0)
-        try:
-            fd = os.open(path, flags, 0o644)
-        except FileExistsError:
+        if append:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, data)  # one write: two writers appending never interleave a line
+            finally:
+                os.close(fd)
             return
+        temporary = names.hidden_path(path, "tmp", uuid.uuid4().hex[:12])
+        with open(temporary, "wb") as f:
+            f.write(data)
         try:
-            os.write(fd, data)  # one write: two writers appending never interleave a line
+            if exclusive:
+                os.link(temporary, path)  # fails where the marker exists: the first one stays
+            else:
+                os.replace(temporary, path)
+        except FileExistsError:
+            pass
         finally:
-            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
 
     def write_file(self, path: str, image: memoryview, size: int, token: str, *,
                    checksum: Optional[Callable[[], Optional[FileChecksum]]], direct_io: bool = True,
-                   io_threads: int = 2) -> None:
+                   io_threads: int = 2, wait_ready: Optional[Callable[[float], float]] = None) -> None:
         """Hidden temporary name, fsync (with the checksum attribute), rename, fsync the directory."""
         directory = os.path.dirname(os.path.abspath(path))
         temporary = names.hidden_path(path, "tmp", token)
         try:
             os.makedirs(directory, exist_ok=True)
-            diskio.write_image(temporary, image, size, direct=direct_io, threads=io_threads)
+            diskio.write_image(temporary, image, size, direct=direct_io, threads=io_threads, wait_ready=wait_ready)
             found = checksum() if checksum is not None else None
             if found is not None:
                 attach_checksum(temporary, found)
@@ -212,6 +227,15 @@ class LocalBackend:
             if os.path.lexists(temporary):
                 os.unlink(temporary)
             raise
+
+    def share_file(self, source: str, path: str) -> bool:
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            os.link(source, path)
+        except OSError:
+            return False
+        return True
 
     def publish(self, staging_dir: str, final_path: str, record: bytes) -> Optional[str]:
         """The entries of files written into subdirectories made durable, the commit record written

@@ -98,6 +98,16 @@ class ObjectBackend:
         else:
             self.store(path).put(path, data)
 
+    def compose(self, path: str, image: memoryview, size: int, copied: list[tuple[int, int]], source: str) -> int:
+        """``write`` of a staging buffer's image whose ranges ``copied`` the store copies from the same ranges of the
+        object ``source`` rather than receive them (``ObjectStore.compose``; a store without server-side copies:
+        all of it uploaded). Returns the bytes uploaded."""
+        store = self.store(path)
+        if not store.is_s3:
+            self.write(path, image, size)
+            return size
+        return store.compose(path, image, size, copied, source)
+
     def write_marker(self, path: str, data: bytes, *, exclusive: bool = False, append: bool = False) -> None:
         """``append``: an object is written whole; each such marker has one writer here (a rank's)."""
         with contextlib.suppress(FileExistsError):
@@ -105,9 +115,12 @@ class ObjectBackend:
 
     def write_file(self, path: str, image: memoryview, size: int, token: str, *,
                    checksum: Optional[Callable[[], Optional[FileChecksum]]], direct_io: bool = True,
-                   io_threads: int = 2) -> None:
+                   io_threads: int = 2, wait_ready: Optional[Callable[[float], float]] = None) -> None:
         """One object, with its checksum record in the object's metadata (S3 takes metadata up front:
         hashed before the upload), and a hidden marker beside it naming its writer while it uploads."""
+        ready = 0.0 if wait_ready is not None else float("inf")
+        while ready < float("inf"):  # an object's metadata goes first: it is sent once all of it is ready
+            ready = wait_ready(ready)
         store = self.store(path)
         found = checksum() if checksum is not None else None
         parent, name = posixpath.split(path)
@@ -117,6 +130,10 @@ class ObjectBackend:
             store.upload(path, image, size, metadata={CHECKSUM_METADATA: record_body(found)} if found else None)
         finally:
             store.delete([marker])
+
+    def share_file(self, source: str, path: str) -> bool:
+        store = self.store(path)
+        return store.is_s3 and store.copy(source, path)
 
     def publish(self, staging_dir: str, final_path: str, record: bytes) -> Optional[str]:
         """The commit object, created once (the checkpoint was written under its final name)."""

@@ -48,7 +48,45 @@ from asyncckpt.core.storage.listing import IncompleteUpload, Listed
 DEFAULT_PART_BYTES = 32 << 20
 DEFAULT_CONCURRENCY = 8
 MIN_PART_BYTES = 5 << 20  # S3's minimum for every part but the last
+MAX_COPY_BYTES = 5 << 30  # S3's maximum for a part copied by the server
 _MAX_PARTS = 10_000
+
+
+def compose_parts(size: int, copied: list[tuple[int, int]], part_bytes: int) -> list[tuple[int, int, bool]]:
+    """The parts of a multipart upload of ``size`` bytes whose ranges ``copied`` (ascending, disjoint) the server
+    copies: ``(start, end, copy)`` covering ``[0, size)`` in order. S3 wants every part but the last of at least
+    ``MIN_PART_BYTES``: a copied range shorter than that is uploaded instead, and an uploaded run shorter than that
+    takes the head of the copied range after it; uploaded runs go in parts of about ``part_bytes``, copied ones in
+    parts of at most ``MAX_COPY_BYTES``."""
+    segments: list[list] = []  # [start, end, copy], covering [0, size)
+    cursor = 0
+    for start, end in copied:
+        if end - start < MIN_PART_BYTES or start < cursor:
+            continue
+        if start > cursor:
+            segments.append([cursor, start, False])
+        segments.append([start, end, True])
+        cursor = end
+    if cursor < size:
+        segments.append([cursor, size, False])
+    merged: list[list] = []
+    for index, segment in enumerate(segments):
+        if merged and not merged[-1][2] and not segment[2]:
+            merged[-1][1] = segment[1]
+            continue
+        if merged and not merged[-1][2] and merged[-1][1] - merged[-1][0] < MIN_PART_BYTES:  # too short: take more
+            grown = merged[-1][0] + MIN_PART_BYTES
+            if segment[1] - grown < MIN_PART_BYTES:
+                merged[-1][1] = segment[1]  # what would be left of this copied range is too short: uploaded too
+                continue
+            merged[-1][1], segment[0] = grown, grown
+        merged.append(segment)
+    parts: list[tuple[int, int, bool]] = []
+    for start, end, copy in merged:  # each piece at least part_bytes (uploaded), under the maximum (copied)
+        count = -(-(end - start) // (MAX_COPY_BYTES - MIN_PART_BYTES)) if copy else max(1, (end - start) // part_bytes)
+        bounds = [start + i * ((end - start) // count) for i in range(count)] + [end]
+        parts += [(bounds[i], bounds[i + 1], copy) for i in range(count)]
+    return parts
 
 
 class ObjectStoreError(CheckpointError):
@@ -288,6 +326,60 @@ class ObjectStore:
             raise
         finally:
             self.fs.invalidate_cache(self.path(url))
+
+    def compose(self, url: str, image: memoryview, size: int, copied: list[tuple[int, int]], source: str) -> int:
+        """Write ``image[:size]`` as the object ``url``, the ranges ``copied`` (ascending, disjoint) not from
+        ``image`` but copied by the server from the same ranges of the object ``source`` (S3 UploadPartCopy: none of
+        their bytes pass through this client), the rest uploaded. Returns the bytes uploaded (``compose_parts``)."""
+        parts = compose_parts(size, copied, self.options.part_bytes)
+        bucket, key = self.bucket_and_key(url)
+        source_bucket, source_key = self.bucket_and_key(source)
+
+        async def run() -> None:
+            upload_id = (await self.fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key))["UploadId"]
+            etags: dict[int, str] = {}
+
+            async def send(number: int, start: int, end: int, copy: bool) -> None:
+                if copy:
+                    reply = await self.fs._call_s3("upload_part_copy", Bucket=bucket, Key=key, UploadId=upload_id,
+                                                   PartNumber=number, CopySourceRange=f"bytes={start}-{end - 1}",
+                                                   CopySource={"Bucket": source_bucket, "Key": source_key})
+                    etags[number] = reply["CopyPartResult"]["ETag"]
+                else:
+                    reply = await self.fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id,
+                                                   PartNumber=number, Body=bytes(image[start:end]))
+                    etags[number] = reply["ETag"]
+
+            try:
+                window = _Window(self.options.concurrency)
+                for number, (start, end, copy) in enumerate(parts, 1):
+                    await window.add(send(number, start, end, copy))
+                await window.drain()
+                await self.fs._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                                       MultipartUpload={"Parts": [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]})
+            except BaseException:
+                with contextlib.suppress(Exception):  # the endpoint may be what failed: clean takes it later
+                    await self.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+                raise
+            finally:
+                self.fs.invalidate_cache(self.path(url))
+
+        self._run("upload to", url, run)
+        return sum(end - start for start, end, copy in parts if not copy)
+
+    def copy(self, source: str, url: str) -> bool:
+        """The object ``source`` copied as ``url`` by the server (S3 CopyObject, up to 5 GiB); False where it is not
+        there or too large."""
+        bucket, key = self.bucket_and_key(url)
+        source_bucket, source_key = self.bucket_and_key(source)
+        try:
+            self._run("copy to", url, lambda: self.fs._call_s3("copy_object", Bucket=bucket, Key=key,
+                                                                CopySource={"Bucket": source_bucket, "Key": source_key}))
+        except ObjectStoreError:
+            return False
+        finally:
+            self.fs.invalidate_cache(self.path(url))
+        return True
 
     def put(self, url: str, data: bytes, *, exclusive: bool = False, metadata: Optional[dict[str, str]] = None) -> None:
         """Write a small object in one request; ``exclusive``: only if it does not exist yet

@@ -12,8 +12,10 @@ Kept free of torch: the background writer imports it.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
+from asyncckpt.core.storage import sharing
 from asyncckpt.core.storage.backend import Later, backend_for
 from asyncckpt.core.storage.object_store import ObjectStoreOptions
 
@@ -38,3 +40,6 @@ def remove(paths: list[str], token: str, later: Later, *, hidden_parent: Optiona
         else:
             files.append(path)
     backend.delete(files)
+    if not backend.remote:  # once they are deleted: what only they used, of the files they shared, goes too
+        for root in {os.path.dirname(os.path.abspath(path)) for path in paths}:
+            later(lambda root=root: sharing.compact(root))

@@ -42,8 +42,8 @@ def write_files_record(directory: str, rank: int, files: Mapping[str, FileChecks
     rank's (``take_files_records``). Returns the record's name."""
     name = files_record_name(rank)
     with open(os.path.join(directory, name), "w") as f:  # not fsynced: it lives only until the commit gathers it
-        json.dump({file: [checksum.size, checksum.xxh3, *([list(holders[file])] if holders is not None else [])]
-                   for file, checksum in files.items()}, f)
+        json.dump({file: [checksum.size, checksum.xxh3, list(holders[file]) if holders is not None else None,
+                          checksum.content_id] for file, checksum in files.items()}, f)
     return name
 
 
@@ -64,7 +64,7 @@ def take_files_records(directory: str, world_size: int) -> dict[str, RecordedFil
     for rank in range(world_size):
         path = os.path.join(directory, files_record_name(rank))
         with open(path) as f:
-            for file, (size, xxh3, *holders) in json.load(f).items():
-                files[file] = RecordedFile(FileChecksum(size, xxh3), tuple(holders[0]) if holders else (), rank)
+            for file, (size, xxh3, holders, content_id) in json.load(f).items():
+                files[file] = RecordedFile(FileChecksum(size, xxh3, content_id), tuple(holders or ()), rank)
         os.unlink(path)
     return files

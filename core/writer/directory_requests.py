@@ -87,7 +87,8 @@ class CommitDirRequest:
         binds the checkpoint to its job, which rank wrote which file and on several nodes which node holds it
         (``nodes.commit_entries``)."""
         gathered = take_files_records(self.staging_dir, self.barrier.world_size)
-        checksums = {name: {"size": file.checksum.size, "xxh3": file.checksum.xxh3} for name, file in gathered.items()}
+        checksums = {name: {"size": c.size, "xxh3": c.xxh3, **({"xxh3_128": c.content_id} if c.content_id else {})}
+                     for name, c in ((name, file.checksum) for name, file in gathered.items())}
         record = {"save_id": self.save_id, "world_size": self.barrier.world_size, "step": self.step,
                   "checksums": checksums}
         if self.tier is not None:

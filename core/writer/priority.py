@@ -53,20 +53,20 @@ def set_group_nice(nice: int) -> Optional[int]:
 
 class _Sample(NamedTuple):
     at: float  # monotonic seconds
-    busy: float  # CPU-seconds the node's cores were busy since boot (all but idle and iowait)
+    idle: float  # CPU-seconds the node's cores sat idle (idle and iowait) since boot
     ours: float  # CPU-seconds of this process (every thread)
 
 
 def _sample() -> Optional[_Sample]:
     try:
         with open("/proc/stat") as f:
-            ticks = [int(value) for value in f.readline().split()[1:8]]
+            ticks = [int(value) for value in f.readline().split()[1:6]]
         with open("/proc/self/stat") as f:
             fields = f.read().rpartition(")")[2].split()
         ours = (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
     except (OSError, ValueError, IndexError):
         return None
-    return _Sample(time.monotonic(), (sum(ticks) - ticks[3] - ticks[4]) * _TICK_S, ours)
+    return _Sample(time.monotonic(), (ticks[3] + ticks[4]) * _TICK_S, ours)
 
 
 def _threads_run_and_wait() -> tuple[float, float]:
@@ -103,8 +103,9 @@ class CpuShare:
         before, now = self._since, _sample()
         if before is None or now is None or now.at - before.at < _MIN_WINDOW_S:
             return
-        cores = os.cpu_count() or 1
-        spare = cores - ((now.busy - before.busy) - (now.ours - before.ours)) / (now.at - before.at)
+        # idle time, not the cores less their busy time: a virtual machine's cores also lose time to its host
+        # (steal), which no process of the node can use
+        spare = ((now.idle - before.idle) + (now.ours - before.ours)) / (now.at - before.at)
         self._set(spare >= IDLE_CORES)
 
     def _set(self, lowest: bool) -> None:

@@ -3,13 +3,15 @@
 It is launched as ``python -m asyncckpt.core.writer.process`` (not multiprocessing's spawn, which would
 re-import the user's ``__main__`` and re-run an unguarded training script), talks over a Unix
 socket (``protocol``), receives staging buffers as memfd file descriptors, and runs each request
-outside the training process's GIL. It runs in a session of its own and is not stopped by SIGINT or SIGTERM (from its
-first instruction on): a Ctrl-C or a preemption signal reaches the training process, which drains what it handed
-over, and the writer keeps writing through the grace period instead of dropping the save in flight. A SIGTERM that
-reaches the writer itself (a preemption signals every process of the job) means its node may go away: once the
-work at hand is done, it writes durably its own files of the newest checkpoint of the memory tier that it took part
-in and that is in memory only (``persist_memory``; the other ranks' writers theirs, meeting by markers on the
-durable storage), so that the node's memory takes nothing with it that the job needs.
+outside the training process's GIL. It runs in a session of its own and no signal a scheduler or a shell sends stops
+it (``protocol.WRITER_SIGNALS``, from its first instruction on; SIGKILL aside): a Ctrl-C or a preemption signal
+reaches the training process, which drains what it handed over or dies, and the writer keeps writing through the
+grace period instead of dropping the save in flight. SIGINT, SIGHUP and SIGPIPE are ignored. A SIGTERM, SIGUSR1 or
+SIGUSR2 that reaches the writer itself (SLURM signals every process of the job step: at its end, ahead of it with
+``--signal``, at a requeue) means its job is ending and its node may go away: once the work at hand is done, it
+writes durably its own files of the newest checkpoint of the memory tier that it took part in and that is in memory
+only (``persist_memory``; the other ranks' writers theirs, meeting by markers on the durable storage), so that the
+node's memory takes nothing with it that the job needs.
 
 A save handed over survives the training process. If the training process dies (kill -9, the OOM
 killer, a crash) the writer finishes every request it was given before (they are in its socket,
@@ -205,7 +207,7 @@ class Writer:
         self.tidying: set[str] = set()  # directories to tidy after the current batch's replies
         self.after_replies: list[Callable[[], None]] = []
         self.heartbeats = Heartbeats(self.token)  # liveness markers of the saves at work (``barrier``)
-        self.terminated = False  # a SIGTERM reached this writer: its node may go away
+        self.terminated = False  # a SIGTERM, SIGUSR1 or SIGUSR2 reached this writer: its job is ending
         self.memory_saves: dict[str, Any] = {}  # memory run directory -> how its newest checkpoint is written durably
         self.cpu_share = CpuShare()  # the training's priority, or only idle CPU where the node leaves some
         self.receiver: Optional[Receiver] = None  # it serves its node's memory to the other nodes (RECEIVER)
@@ -259,7 +261,7 @@ class Writer:
                 self.announce(job)
             try:
                 job.request.run(context)
-                self.channel.send(protocol.DONE, job.job_id)
+                self.channel.send(protocol.DONE, job.job_id, context.counts or None)
                 self.log_outcome(job, None)
                 self._note_memory_save(job.request)
             except BaseException as e:  # report everything; the training process decides what to raise
@@ -353,6 +355,7 @@ class _Context:
         self.layout = buffer.layout if buffer is not None else None
         self.image = memoryview(buffer.image) if buffer is not None else None
         self.progress = CopyProgress(buffer.progress) if buffer is not None else None
+        self.counts: dict[str, int] = {}
 
     def link_image(self, path: str) -> bool:
         if self.buffer is None or self.buffer.file is None:
@@ -399,6 +402,10 @@ class _Context:
 
     def after_reply(self, action: Callable[[], None]) -> None:
         self.writer.after_replies.append(action)
+
+    def report(self, **counts: int) -> None:
+        for name, count in counts.items():
+            self.counts[name] = self.counts.get(name, 0) + count
 
     def record_failure(self, save_key: str, reason: str) -> None:
         failures = self.writer.failures
@@ -476,9 +483,11 @@ def main() -> None:
     trainer = TrainingProcess(parent_pid, timeout)
     channel = Channel(Connection(fd), trainer)
     writer = Writer(channel)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(writer, "terminated", True))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked since the start (``client``)
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(signum, signal.SIG_IGN)
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, lambda signum, frame: setattr(writer, "terminated", True))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, protocol.WRITER_SIGNALS)  # blocked since the spawn (``client``)
 
     def give_up(signum: int, frame: Any) -> None:  # orphaned, and past the saves' timeout
         writer.log_exit(f"gave up after {timeout:.0f}s")

@@ -27,7 +27,8 @@ training → writer  fields                                            meaning
 =================  ================================================  ===========================
 writer → training  fields                                            meaning
 =================  ================================================  ===========================
-``DONE``           job id                                            the request ran
+``DONE``           job id, counts or None                            the request ran (counts: what
+                                                                     it ``report``ed)
 ``FAILED``         job id, error type, message, traceback            it raised
 ``CANCELLED``      job id                                            not run: its ``after`` job
                                                                      did not succeed
@@ -40,6 +41,7 @@ Kept free of torch: the writer imports it.
 """
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_checkable
 
@@ -51,6 +53,13 @@ if TYPE_CHECKING:
 
 BUFFER, DROP, RUN, BARRIER_RESULT, RECEIVER, STOP = "buffer", "drop", "run", "barrier-result", "receiver", "stop"
 DONE, FAILED, CANCELLED, BARRIER_CALL, STOPPED = "done", "failed", "cancelled", "barrier-call", "stopped"
+
+# The signals a scheduler or a shell sends whose default action would end the writer: SLURM's ``--signal`` and
+# ``scancel --signal`` reach every process of the job step, a closed terminal sends SIGHUP, and SIGPIPE ends a process
+# until its interpreter ignores it. Blocked from the writer's spawn (``client.writer_queue``) until it has set its
+# own action for each (``process.main``); SIGCONT and SIGWINCH leave a process running by default.
+WRITER_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE, signal.SIGUSR1,
+                            signal.SIGUSR2})
 
 
 class RequestContext(Protocol):
@@ -80,6 +89,10 @@ class RequestContext(Protocol):
 
     def after_reply(self, action: Callable[[], None]) -> None:
         """Run ``action`` once the request's outcome is reported (deletions nobody waits for)."""
+
+    def report(self, **counts: int) -> None:
+        """Counts the request's reply carries to the training process (a share's bytes ``written`` and ``shared``:
+        each save's metrics)."""
 
     def record_failure(self, save_key: str, reason: str) -> None:
         """Remember that a request of save ``save_key`` failed on this rank (a later request of
