@@ -10,7 +10,7 @@ SPMD API (every rank calls with its own state dict)::
 The module-level functions share one default ``Checkpointer`` (buffers, writer, plan cache).
 
 What users may use is ``__all__`` below; what adapters may use besides is ``asyncckpt.core.integration``.
-Every other sub-package (``api``, ``snapshot``, ``client``, ``writer``, ``export``, ``storage``, ``formats``,
+Every other sub-package (``api``, ``snapshot``, ``client``, ``writer``, ``tier``, ``export``, ``storage``, ``formats``,
 ``loading``, ``verify``, ``cli``) is private: its modules may change in any release (docs/DESIGN.md draws them).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Optional
 
 from asyncckpt.core.storage.commit import is_complete
-from asyncckpt.core.storage.tier import latest_checkpoint
+from asyncckpt.core.tier import latest_checkpoint
 from asyncckpt.core.errors import (
     CheckpointCancelledError,
     CheckpointError,

@@ -1,5 +1,5 @@
 """One simulated node's replication receiver, as tests/test_replication.py runs it: a process of its own
-serving the memory root of ``ASYNCCKPT_MEMORY_ROOT`` (``storage.tier.memory_root``), as the writer of a
+serving the memory root of ``ASYNCCKPT_MEMORY_ROOT`` (``tier.memory_root``), as the writer of a
 node's lowest local rank will.
 
 Prints its address (``host port``) once it listens, then serves until SIGTERM, which closes the receiver
@@ -10,8 +10,8 @@ Prints its address (``host port``) once it listens, then serves until SIGTERM, w
 import signal
 import sys
 
-from asyncckpt.core.storage.tier import memory_root
-from asyncckpt.core.writer.replication import Receiver, job_secret
+from asyncckpt.core.tier import memory_root
+from asyncckpt.core.tier.transport import Receiver, job_secret
 
 if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # before the receiver's threads: they inherit it

@@ -19,7 +19,8 @@ import torch
 
 from asyncckpt import core
 from asyncckpt.core.cli.main import main
-from asyncckpt.core.storage import owners, tier
+from asyncckpt.core.storage import owners
+from asyncckpt.core import tier
 from asyncckpt.core.storage.owners import owner_token
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.names import COMMIT_RECORD

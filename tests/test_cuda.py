@@ -265,7 +265,7 @@ MEMORY_TIER_CUDA = """
                       LOCAL_WORLD_SIZE="1")
     dist.init_process_group("gloo")
     from asyncckpt import core
-    from asyncckpt.core.storage import tier
+    from asyncckpt.core import tier
     torch.manual_seed(rank)
     share = {"w": torch.randn(24 << 20, device="cuda"), "h": torch.randn(7, 3, device="cuda", dtype=torch.bfloat16)}
     state, durable, expected = {f"rank{rank}": share, "step": 0}, os.path.join(root, "run"), {}

@@ -672,7 +672,7 @@ def test_a_save_captured_leaves_no_scratch_folder_and_removes_the_one_a_killed_s
     import subprocess
     import sys
 
-    from asyncckpt.core.storage import tier
+    from asyncckpt.core import tier
 
     memory_root = tmp_path / "shm" / "asyncckpt"
     monkeypatch.setenv("ASYNCCKPT_MEMORY_ROOT", str(memory_root))

@@ -1,8 +1,9 @@
 """The core's import structure: no import cycle among its modules (imports inside functions count:
 they only hide a cycle), no package importing one above it in the layering
-errors < formats < storage < writer < client < snapshot < loading < export < verify < api < cli / integration,
-and the background writer process loading only its own packages: ``writer``, ``storage``, ``formats``,
-``errors``, and the half of ``export`` that reads without torch (stated here, checked statically and by
+errors < formats < storage < writer, tier < client < snapshot < loading < export < verify < api < cli / integration
+(the memory tier's package but its training-process half, ``tier.job``, which is the api's level), and the
+background writer process loading only its own packages: ``writer``, ``tier`` (but ``tier.job``), ``storage``,
+``formats``, ``errors``, and the half of ``export`` that reads without torch (stated here, checked statically and by
 running every kind of request through a real writer); and every torch.distributed collective the library runs
 in one module, ``snapshot.collectives``, which picks the transport that carries it.
 """
@@ -14,11 +15,14 @@ import os
 import pytest
 
 CORE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core")
-LEVEL = {"errors": 0, "formats": 1, "storage": 2, "writer": 3, "client": 4, "snapshot": 5, "loading": 6,
+LEVEL = {"errors": 0, "formats": 1, "storage": 2, "writer": 3, "tier": 3, "client": 4, "snapshot": 5, "loading": 6,
          "export": 7, "verify": 8, "api": 9, "cli": 10, "integration": 10}
+#: The memory tier's training-process half: the tier of one ``Checkpointer``, at the api's level (it needs torch.distributed,
+#: the snapshot's buffers and the options), never loaded by the writer process.
+TIER_JOB = "asyncckpt.core.tier.job"
 #: What the writer process may load: these packages, and ``export`` but for its modules that read with
 #: torch (run by ``asyncckpt export`` and by the child process an export that needs torch runs in).
-WRITER_PROCESS = ("errors", "formats", "storage", "writer")
+WRITER_PROCESS = ("errors", "formats", "storage", "writer", "tier")
 EXPORT_WITH_TORCH = ("asyncckpt.core.export.torch_sources", "asyncckpt.core.export.peft_merge",
                      "asyncckpt.core.export.__main__")
 
@@ -64,7 +68,7 @@ def _in_writer_process(module: str) -> bool:
         return True
     if _package(module) == "export":
         return module not in EXPORT_WITH_TORCH
-    return _package(module) in WRITER_PROCESS
+    return _package(module) in WRITER_PROCESS and module != TIER_JOB
 
 
 def test_the_check_sees_the_whole_core():
@@ -92,11 +96,15 @@ def test_no_import_cycle_among_core_modules():
     assert cycles == [], " ; ".join(" -> ".join(cycle) for cycle in cycles)
 
 
+def _level(module: str) -> int:
+    return LEVEL["api"] if module == TIER_JOB else LEVEL[_package(module)]
+
+
 @pytest.mark.parametrize("package", sorted(LEVEL))
 def test_no_package_imports_one_above_it(package):
     upward = sorted((module, target) for module, targets in _imports().items() for target in targets
                     if _package(module) == package and _package(target) in LEVEL
-                    and LEVEL[_package(target)] > LEVEL[package])
+                    and _level(target) > _level(module))
     assert upward == []
 
 
@@ -179,10 +187,11 @@ def test_the_export_halves_are_what_the_layout_says():
     assert "asyncckpt.core.export.request" in edges and _in_writer_process("asyncckpt.core.export.request")
 
 
-@pytest.mark.parametrize("package", ["writer", "export"])
+@pytest.mark.parametrize("package", ["writer", "tier", "export"])
 def test_what_the_writer_process_runs_imports_only_what_it_may_load(package):
-    """The writer package imports only writer/storage/formats/errors modules; export's half without torch
-    (its request, options, sources, assembly, writing) only those and itself."""
+    """The writer package, and the memory tier's half that the writer runs, import only writer/tier/storage/formats/
+    errors modules; export's half without torch (its request, options, sources, assembly, writing) only those and
+    itself."""
     offending = sorted((module, target) for module, targets in _imports().items() for target in targets
                        if _package(module) == package and _in_writer_process(module) and not _in_writer_process(target))
     assert offending == []

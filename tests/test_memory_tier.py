@@ -14,7 +14,7 @@ import torch
 
 from asyncckpt import core
 from asyncckpt.core.formats import names
-from asyncckpt.core.storage import tier
+from asyncckpt.core import tier
 from programs import Program
 from writers import wait_until_gone, writers_of
 
@@ -293,3 +293,50 @@ def test_exports_and_on_commit_code_act_where_the_checkpoint_was_asked_for_after
     assert _names(durable / "exports") == ["step_2", "step_3"]
     assert all(core.is_complete(str(durable / "exports" / name)) for name in ("step_2", "step_3"))
     assert not os.listdir(memory_root)  # and nothing of it left in memory
+
+
+def _saved_by_two_ranks(rank: int, world: int, durable: str, kept: str) -> None:
+    """Two ranks (one node) save steps 1-3, 2 durable too; the node's memory as a killed run would leave it is copied
+    to ``kept`` (the run's end then writes step 3 durably too and clears the tier)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    with core.Checkpointer(memory_tier=core.MemoryTier(persist_every=2, keep=2, replicas=0)) as checkpointer:
+        for step in (1, 2, 3):
+            checkpointer.save({f"rank{rank}": torch.full((1024,), float(step)), "step": step}, f"{durable}/step_{step}",
+                              step=step)
+        dist.barrier()
+        if rank == 0:
+            shutil.copytree(os.environ["ASYNCCKPT_MEMORY_ROOT"], kept, symlinks=True)
+        dist.barrier()
+
+
+def _latest(rank: int, world: int, durable: str) -> str:
+    with core.Checkpointer(memory_tier=core.MemoryTier(replicas=0)) as checkpointer:
+        return checkpointer.latest_checkpoint(durable)
+
+
+def test_a_memory_checkpoint_is_resumed_only_by_a_job_of_its_shape(tmp_path, memory_root, caplog):
+    """A memory checkpoint is bound to the job that saved it (its durable root, its world size and ranks per node,
+    in its commit record): a job of two ranks resumes from its newest, from memory; a job of one rank on the same
+    node and durable root does not take the two ranks' shares for its own: it resumes from the durable copy of it,
+    with one warning naming the memory ones and both shapes, and offers none of them to a framework's resume."""
+    import shutil
+
+    from dist_helper import run_on_ranks
+
+    durable, kept = str(tmp_path / "run"), str(tmp_path / "kept")
+    run_on_ranks(_saved_by_two_ranks, 2, durable, kept)
+    restored = lambda: (shutil.rmtree(memory_root, ignore_errors=True),  # noqa: E731
+                        shutil.copytree(kept, memory_root, symlinks=True))
+    restored()
+    assert run_on_ranks(_latest, 2, durable) == [os.path.join(tier.run_dir(durable), "step_3")] * 2
+    restored()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"), \
+            core.Checkpointer(memory_tier=core.MemoryTier(replicas=0)) as checkpointer:
+        assert checkpointer.latest_checkpoint(durable) == os.path.join(durable, "step_3")
+        assert checkpointer.tier.usable(tier.run_dir(durable)) == set()
+    said = [record.getMessage() for record in caplog.records if "another shape" in record.getMessage()]
+    assert len(said) == 1 and "step_2, step_3" in said[0] and "2 rank(s), 2 a node" in said[0] \
+        and "1 rank(s), 1 a node" in said[0], said

@@ -9,13 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import torch
 
 import tier_programs
-from program_end import DESTROY_PROCESS_GROUP
 from writers import wait_until_gone, writers_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,61 +55,15 @@ def _no_process_left(text: str) -> None:
     assert pids and all(writers_of(pid) == [] for pid in pids), text
 
 
-TRAINER = textwrap.dedent('''
-    import os, signal, sys, torch
-    from torch.utils.data import Dataset
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-    from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
-    from asyncckpt.core import MemoryTier
-
-    class Toy(Dataset):
-        def __init__(self, n=256):
-            g = torch.Generator().manual_seed(0); self.x = torch.randn(n, 8, generator=g); self.y = self.x.sum(1, keepdim=True)
-        def __len__(self): return len(self.x)
-        def __getitem__(self, i): return {"x": self.x[i], "labels": self.y[i]}
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__(); self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-        def forward(self, x, labels=None):
-            out = self.body(x); return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
-
-    class KillAt(TrainerCallback):  # after the next optimizer step: the overlapped snapshot of the save is handed over
-        def on_step_end(self, args, state, control, **kwargs):
-            if sys.argv[2] == "first" and state.global_step == int(sys.argv[3]) + 1: os.kill(os.getpid(), signal.SIGKILL)
-        def on_train_begin(self, args, state, control, **kwargs):
-            print(f"RANK {args.process_index} BEGINS AT {state.global_step}", flush=True)
-
-    def train(out, use_asyncckpt, resume):
-        torch.manual_seed(0)
-        args = TrainingArguments(output_dir=out, per_device_train_batch_size=16, num_train_epochs=4, learning_rate=1e-2,
-                                 save_strategy="steps", save_steps=5, save_total_limit=2, logging_steps=5, report_to=[],
-                                 use_cpu=True, disable_tqdm=True, ddp_find_unused_parameters=False)
-        callbacks = [KillAt()] + ([AsyncCheckpointCallback(memory_tier=MemoryTier(persist_every=2, replicas=0))]
-                                  if use_asyncckpt else [])
-        trainer = Trainer(model=Net(), args=args, train_dataset=Toy(), callbacks=callbacks)
-        trainer.train(resume_from_checkpoint=resume)
-        if args.process_index == 0:
-            torch.save(trainer.model.state_dict(), os.path.join(out, "final.pt"))
-
-    root, phase = sys.argv[1], sys.argv[2]
-    print(f"PID {os.getpid()}", flush=True)
-    if phase == "first":  # killed in step KILL_AT + 1
-        train(os.path.join(root, "async"), True, False)
-    else:  # uninterrupted without asyncckpt, then the relaunch of the killed run
-        train(os.path.join(root, "native"), False, False)
-        train(os.path.join(root, "async"), True, True)
-''') + DESTROY_PROCESS_GROUP
-
-
 def test_trainer_resumes_from_memory_after_every_process_was_killed(tmp_path):
     program = tmp_path / "trainer.py"
-    program.write_text(TRAINER)
+    program.write_text(tier_programs.TRAINER)
     memory = tmp_path / "memory"
-    first = _torchrun(program, tmp_path, str(tmp_path), "first", str(KILL_AT), memory_root=memory, expect_killed=True)
+    first = _torchrun(program, tmp_path, str(tmp_path), "first", str(KILL_AT), "0", memory_root=memory,
+                      expect_killed=True)
     durable = sorted(name for name in os.listdir(tmp_path / "async") if name.startswith("checkpoint-"))
     assert durable == ["checkpoint-10"], durable  # 15 is in memory only
-    second = _torchrun(program, tmp_path, str(tmp_path), "second", str(KILL_AT), memory_root=memory)
+    second = _torchrun(program, tmp_path, str(tmp_path), "second", str(KILL_AT), "0", memory_root=memory)
     assert "RANK 0 BEGINS AT 15" in second and "RANK 1 BEGINS AT 15" in second, second  # from memory
     a, b = (torch.load(tmp_path / name / "final.pt", weights_only=True) for name in ("async", "native"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -1,6 +1,6 @@
 """The memory tier across nodes: several "nodes" on this machine, each a ``torchrun --nnodes N --node-rank i`` of its
-own (static rendezvous on 127.0.0.1) with its own ``ASYNCCKPT_NODE`` and ``ASYNCCKPT_MEMORY_ROOT``, replicas
-between them over loopback, real kills (kill -9 of every process of a node, trainers and writers), a node's
+own (static rendezvous on node 0) in a network namespace of its own (``netns.Network``; loopback where namespaces
+are refused) with its own ``ASYNCCKPT_NODE`` and ``ASYNCCKPT_MEMORY_ROOT``, replicas between them, real kills (kill -9 of every process of a node, trainers and writers), a node's
 memory deleted as when a node is replaced, a byte flipped in a replica, a peer's writer stopped (SIGSTOP) while the
 others replicate to it.
 
@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from dist_helper import free_port
+from netns import Network
 import tier_programs
 from program_end import DESTROY_PROCESS_GROUP
 from programs import Program
@@ -31,19 +32,23 @@ PEER_WARNING = "does not take memory-tier replicas"
 
 
 class Job:
-    """``nodes`` torchrun agents, one per node, node ``i`` with ``ASYNCCKPT_NODE=n{i}`` and its memory root
-    ``memory/n{i}``: a multi-node job as a launcher starts it, every node's output in files."""
+    """``nodes`` torchrun agents, one per node, node ``i`` in a network namespace of its own with ``ASYNCCKPT_NODE=
+    n{i}`` and its memory root ``memory/n{i}``: a multi-node job as a launcher starts it, every node's output in
+    files."""
 
     def __init__(self, program: Path, args: list[str], *, nodes: int, memory: Path, logs: Path) -> None:
         port = free_port()
+        self.network = Network(nodes)
         self.nodes = []
         for node in range(nodes):
             env = {**os.environ, "ASYNCCKPT_NODE": f"n{node}", "ASYNCCKPT_MEMORY_ROOT": str(memory / f"n{node}"),
-                   "ASYNCCKPT_REPLICATION_ADDRESS": "127.0.0.1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-            self.nodes.append(Program([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
-                                       "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-                                       "--master-port", str(port), str(program), *args], logs, env=env,
-                                      cwd=program.parent))
+                   "GLOO_SOCKET_IFNAME": self.network.interface, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+            if not self.network.isolated:
+                env["ASYNCCKPT_REPLICATION_ADDRESS"] = "127.0.0.1"
+            self.nodes.append(Program([*self.network.prefix(node), sys.executable, "-m", "torch.distributed.run",
+                                       "--nnodes", str(nodes), "--node-rank", str(node), "--nproc-per-node", "1",
+                                       "--master-addr", self.network.address(0), "--master-port", str(port),
+                                       str(program), *args], logs, env=env, cwd=program.parent))
 
     def wait_for_line(self, wanted: str, timeout: float = 240) -> None:
         for node in self.nodes:
@@ -79,9 +84,11 @@ class Job:
         return lines
 
     def stop(self) -> None:
-        """Every process still running killed (a failed test's: a launcher killed alone leaves its workers)."""
+        """Every process still running killed (a failed test's: a launcher killed alone leaves its workers), its
+        network gone."""
         for node in range(len(self.nodes)):
             self.kill_node(node)
+        self.network.close()
 
 
 @pytest.fixture
@@ -111,7 +118,8 @@ CORE = textwrap.dedent('''
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from asyncckpt import core
-    from asyncckpt.core.storage import commit, tier
+    from asyncckpt.core.storage import commit
+    from asyncckpt.core import tier
 
     mode, root, replicas = sys.argv[1], sys.argv[2], int(sys.argv[3])
     dist.init_process_group("gloo")
@@ -409,3 +417,27 @@ def test_nodes_that_differ_in_free_memory_place_each_save_alike(tmp_path, jobs):
     assert sorted(os.listdir(durable)) == ["step_1", "step_2"]
     assert "does not fit" not in job.nodes[0].error_output()
     assert job.nodes[1].error_output().count("does not fit") == 1, job.nodes[1].error_output()[-3000:]
+
+
+def test_the_trainer_resumes_on_a_replaced_node_from_its_peers_memory(tmp_path, jobs):
+    """The Transformers Trainer on two nodes (DDP, one rank each), the memory tier on (``replicas=1``): checkpoints
+    5 and 15 in memory only, 10 durable too; every rank killed (kill -9) in the step after step 15's save, and node
+    1's memory deleted (a replaced node); the relaunched job resumes from checkpoint-15, node 1 fetching it from
+    node 0, and ends bit for bit as an uninterrupted run without asyncckpt; nothing left in memory, no process."""
+    program = tmp_path / "trainer_nodes.py"
+    program.write_text(tier_programs.TRAINER)
+    memory = tmp_path / "memory"
+    first = jobs(program, [str(tmp_path), "first", "15", "1"], nodes=2, memory=memory, logs=tmp_path / "logs")
+    for node in first.nodes:
+        node.wait(300)
+    wait_until_gone(*(first.trainer(node) for node in (0, 1)), timeout=120)
+    assert sorted(name for name in os.listdir(tmp_path / "async") if name.startswith("checkpoint-")) == \
+        ["checkpoint-10"]  # 15: in memory only
+    shutil.rmtree(memory / "n1")
+    second = jobs(program, [str(tmp_path), "second", "15", "1"], nodes=2, memory=memory, logs=tmp_path / "logs")
+    lines = second.finish()
+    assert "RANK 0 BEGINS AT 15" in lines and "RANK 1 BEGINS AT 15" in lines, lines  # from memory
+    a, b = (torch.load(tmp_path / name / "final.pt", weights_only=True) for name in ("async", "native"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _held(memory) == []
+    assert writers_of(*(second.trainer(node) for node in (0, 1))) == []

@@ -1,4 +1,4 @@
-"""Replicating memory-tier files between nodes (``writer.replication``): real receiver processes, real sockets.
+"""Replicating memory-tier files between nodes (``tier.transport``): real receiver processes, real sockets.
 
 Each simulated node is a receiver process of its own (``replication_node.py``) serving its own memory root
 (``ASYNCCKPT_MEMORY_ROOT`` under ``tmp_path``) on a loopback address, or in a network namespace of its own
@@ -26,7 +26,7 @@ import pytest
 from asyncckpt.core.errors import SnapshotCopyFailed
 from asyncckpt.core.formats.checksum import FileChecksum, checksum
 from asyncckpt.core.storage import spares
-from asyncckpt.core.writer.replication import (
+from asyncckpt.core.tier.transport import (
     ADDRESS_ENV,
     SECRET_ENV,
     PeerConnection,
@@ -308,7 +308,7 @@ def test_a_single_file_checkpoint_moves_with_its_checksum_and_time_and_its_copie
     next holder's used; the original's retention removes the peers' copies."""
     from asyncckpt.core.storage.file_checksums import read_record
     from asyncckpt.core.storage.local import attach_checksum
-    from asyncckpt.core.writer.replicas import NodeMap, fetch_file
+    from asyncckpt.core.tier.nodes import NodeMap, fetch_file
 
     source, name = tmp_path / "source", "run-abc/last.ckpt"
     (source / "run-abc").mkdir(parents=True)
@@ -456,7 +456,7 @@ def test_a_sender_that_stops_is_dropped_by_the_receiver_with_what_it_was_sending
     source = tmp_path / "source"
     large = many_large_files(source, 16)
     a = start_node("node-a")
-    sender = Program([sys.executable, "-c", "import sys; from asyncckpt.core.writer.replication import job_secret, send; "
+    sender = Program([sys.executable, "-c", "import sys; from asyncckpt.core.tier.transport import job_secret, send; "
                       "send((sys.argv[1], int(sys.argv[2])), sys.argv[3], sys.argv[4:], secret=job_secret(None), timeout=600)",
                       a.address[0], str(a.address[1]), str(source), *large], tmp_path / "logs",
                      env={**os.environ, SECRET_ENV: JOB_SECRET})

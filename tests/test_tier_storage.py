@@ -1,4 +1,4 @@
-"""The memory tier's place on a node (``storage.tier``): which memory checkpoints a run directory holds,
+"""The memory tier's place on a node (``tier``): which memory checkpoints a run directory holds,
 retention, capacity, and run directories whose job is gone.
 
 Real files under a memory root in ``tmp_path`` (``ASYNCCKPT_MEMORY_ROOT``, as a test "node" sets it), real
@@ -21,7 +21,8 @@ import torch
 
 from asyncckpt import core
 from asyncckpt.core.formats import names
-from asyncckpt.core.storage import owners, removal, spares, tier
+from asyncckpt.core.storage import owners, removal, spares
+from asyncckpt.core import tier
 from asyncckpt.core.storage.backend import at_once
 from programs import Program
 
@@ -233,7 +234,7 @@ def test_a_configured_limit_and_what_limit_would_fit(memory_root, run):
 # ------------------------------------------------------------------------------------------- owners and orphans
 def claiming_child(memory_root: Path, durable_root: Path, logs: Path) -> Program:
     """A process that opens the run of ``durable_root`` and claims it, then waits to be killed."""
-    code = ("import sys, time; from asyncckpt.core.storage import tier; "
+    code = ("import sys, time; from asyncckpt.core import tier; "
             "tier.claim_run(tier.open_run(sys.argv[1])); print('claimed', flush=True); time.sleep(600)")
     child = Program([sys.executable, "-c", code, str(durable_root)], logs,
                     env={**os.environ, tier.MEMORY_ROOT_ENV: str(memory_root)})

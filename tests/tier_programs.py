@@ -1,6 +1,6 @@
-"""The Lightning and Accelerate training programs of the memory-tier tests (test_memory_tier_adapters.py: one node,
-2 ranks under torchrun; test_memory_tier_nodes.py: 2 nodes of one rank each): one text each, which a test writes
-to a file and launches. Each takes one argument, a JSON object:
+"""The Lightning, Accelerate and Transformers training programs of the memory-tier tests (test_memory_tier_adapters.py:
+one node, 2 ranks under torchrun; test_memory_tier_nodes.py: 2 nodes of one rank each): one text each, which a test
+writes to a file and launches. Lightning's and Accelerate's take one argument, a JSON object:
 
 * ``runs``: what to train, in order, each ``{"root": ..., "asyncckpt": bool, "resume": bool, "kill_at": step or
   null, "stop_at": step or null}``. ``kill_at``: every rank kills itself (kill -9) right after the optimizer step
@@ -12,6 +12,10 @@ to a file and launches. Each takes one argument, a JSON object:
 
 Each process prints ``PID <pid>`` and, for each run, ``RANK <rank> BEGINS AT <step>``; rank 0 saves the model's
 final weights to ``<root>/final.pt``.
+
+The Trainer's (``TRAINER``) takes ``root phase kill_at replicas``: phase ``first`` trains under ``root/async`` with
+asyncckpt and every rank kills itself (kill -9) in the step after the save of ``kill_at``; phase ``second`` trains
+uninterrupted without asyncckpt under ``root/native``, then resumes ``root/async``.
 
 Accelerate: one run per process. A second DDP training in the same process meets a torch deadlock now and then
 (the first run's DDP model, freed after ``end_training`` destroyed its process group, joins the group's gloo
@@ -131,3 +135,51 @@ ACCELERATE = textwrap.dedent("""
     if handle is not None:
         handle.remove()
 """)
+
+
+TRAINER = textwrap.dedent('''
+    import os, signal, sys, torch
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
+    from asyncckpt.core import MemoryTier
+
+    class Toy(Dataset):
+        def __init__(self, n=256):
+            g = torch.Generator().manual_seed(0); self.x = torch.randn(n, 8, generator=g); self.y = self.x.sum(1, keepdim=True)
+        def __len__(self): return len(self.x)
+        def __getitem__(self, i): return {"x": self.x[i], "labels": self.y[i]}
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__(); self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        def forward(self, x, labels=None):
+            out = self.body(x); return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+    root, phase, kill_at, replicas = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+
+    class KillAt(TrainerCallback):  # after the next optimizer step: the overlapped snapshot of the save is handed over
+        def on_step_end(self, args, state, control, **kwargs):
+            if phase == "first" and state.global_step == kill_at + 1: os.kill(os.getpid(), signal.SIGKILL)
+        def on_train_begin(self, args, state, control, **kwargs):
+            print(f"RANK {args.process_index} BEGINS AT {state.global_step}", flush=True)
+
+    def train(out, use_asyncckpt, resume):
+        torch.manual_seed(0)
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=16, num_train_epochs=4, learning_rate=1e-2,
+                                 save_strategy="steps", save_steps=5, save_total_limit=2, logging_steps=5, report_to=[],
+                                 use_cpu=True, disable_tqdm=True, ddp_find_unused_parameters=False)
+        callbacks = [KillAt()] + ([AsyncCheckpointCallback(memory_tier=MemoryTier(persist_every=2, replicas=replicas))]
+                                  if use_asyncckpt else [])
+        trainer = Trainer(model=Net(), args=args, train_dataset=Toy(), callbacks=callbacks)
+        trainer.train(resume_from_checkpoint=resume)
+        if args.process_index == 0:
+            torch.save(trainer.model.state_dict(), os.path.join(out, "final.pt"))
+
+    print(f"PID {os.getpid()}", flush=True)
+    if phase == "first":  # killed in step KILL_AT + 1
+        train(os.path.join(root, "async"), True, False)
+    else:  # uninterrupted without asyncckpt, then the relaunch of the killed run
+        train(os.path.join(root, "native"), False, False)
+        train(os.path.join(root, "async"), True, True)
+''') + DESTROY_PROCESS_GROUP

@@ -33,7 +33,7 @@ subclass's own)                                            start-up overlaps the
                                                            ``resume_from_intact``
 ``ModelCheckpoint.setup``                                  with the memory tier on several nodes, every
                                                            rank's node keeps rank 0's replicated files
-                                                           of ``dirpath`` as its own (``tiers.expect``)
+                                                           of ``dirpath`` as its own (``Tier.expect``)
 ``ModelCheckpoint._find_last_checkpoints``                 also the ``last*.ckpt`` in the memory tier;
                                                            a ``dirpath`` URL: the candidates keep its
                                                            scheme (Lightning drops it, and then finds
@@ -177,8 +177,8 @@ def _noting_the_pick(original: Callable) -> Callable:
     def parse_ckpt_path(self, state_fn, ckpt_path, *args: Any, **kwargs: Any) -> Any:
         io = plugin_of(self.trainer.strategy)
         if io is not None and (ckpt_path is None or ckpt_path in ("last", "best", "hpc")):
-            tiers = io.checkpointer.tiers
-            if ckpt_path == "last" and tiers is not None and self.trainer.num_nodes > 1 and not dist_env.dist_ready():
+            memory = io.checkpointer.tier
+            if ckpt_path == "last" and memory.active and self.trainer.num_nodes > 1 and not dist_env.dist_ready():
                 self.trainer.strategy.setup_environment()  # the nodes meet before Lightning picks (it skips it later)
             folders = {self.trainer.default_root_dir} | {cb.dirpath for cb in self.trainer.checkpoint_callbacks
                                                          if getattr(cb, "dirpath", None)}
@@ -186,11 +186,11 @@ def _noting_the_pick(original: Callable) -> Callable:
                 resume.prepare(io.checkpointer, normalize_path(folder),
                                mirrored_name=ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION
                                if ckpt_path == "last" else None)
-            if ckpt_path == "last" and tiers is not None:  # on several nodes: the same last*.ckpt on every node
+            if ckpt_path == "last":  # with the memory tier on several nodes: the same last*.ckpt on every node
                 for callback in self.trainer.checkpoint_callbacks:
                     dirpath = getattr(callback, "dirpath", None)
                     if isinstance(callback, ModelCheckpoint) and dirpath is not None and not is_url(str(dirpath)):
-                        tiers.assemble(normalize_path(str(dirpath)), io.checkpointer.process_group,
+                        memory.assemble(normalize_path(str(dirpath)), io.checkpointer.process_group,
                                        single_files=_last_name(callback).match)
         resolved = original(self, state_fn, ckpt_path, *args, **kwargs)
         if io is not None:
@@ -212,7 +212,7 @@ def _last_checkpoints(original: Callable) -> Callable:
             found = {path if is_url(path) else f"{scheme}://{path}" for path in found}
         last = _last_name(self)
         for folder in resume.places(io.checkpointer, normalize_path(str(self.dirpath)))[1:]:  # in memory
-            usable = io.checkpointer.tiers.usable(folder)  # on several nodes: what every node holds (none before a load)
+            usable = io.checkpointer.tier.usable(folder)  # on several nodes: what every node holds (none before a load)
             found |= {os.path.join(folder, name) for name in os.listdir(folder)
                       if last.match(name) and (usable is None or name in usable)} if os.path.isdir(folder) else set()
         return found
@@ -229,8 +229,8 @@ def _expecting_replicas(original: Callable) -> Callable:
     def setup(self, trainer, *args: Any, **kwargs: Any) -> None:
         original(self, trainer, *args, **kwargs)
         io = plugin_of(trainer.strategy)
-        if io is not None and io.checkpointer.tiers is not None and self.dirpath is not None:
-            io.checkpointer.tiers.expect(normalize_path(str(self.dirpath)))
+        if io is not None and self.dirpath is not None:
+            io.checkpointer.tier.expect(normalize_path(str(self.dirpath)))
 
     return setup
 

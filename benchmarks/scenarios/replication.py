@@ -1,7 +1,7 @@
 """Replicating a rank's share to a peer node's memory, against moving the same bytes any other way.
 
 A rank's share (``total_mib`` in ``files`` large files, in tmpfs as the memory tier holds it) goes to another
-node's receiver over loopback with ``writer.replication.send`` (checksums known, as the writer has them from
+node's receiver over loopback with ``tier.transport.send`` (checksums known, as the writer has them from
 writing the files; and hashed first, without them), and comes back with ``fetch`` (a restart from a peer,
 checked against the record). Against: the same files written into tmpfs from held memory by one process (the
 memcpy-class floor of putting these bytes into memory at all); and a raw socket transfer of the same bytes to
@@ -42,7 +42,7 @@ ROWS = {  # row -> what it is, on the page
 # ------------------------------------------------------------------------------------------ the servers
 def receiver(root: str) -> None:
     """A node's receiver serving ``root`` until killed; reports its address once it listens."""
-    from asyncckpt.core.writer.replication import Receiver
+    from asyncckpt.core.tier.transport import Receiver
 
     with Receiver(root, secret=SECRET, bind="127.0.0.1") as serving:
         report_now({"address": list(serving.address)})
@@ -50,12 +50,18 @@ def receiver(root: str) -> None:
             time.sleep(3600)
 
 
+VERIFIED = 0x80  # in a raw transfer's mode byte: the reader hashes what arrived (xxh3, once, as it arrives)
+
+
 def raw_reader(sink: str) -> None:
     """The raw floor's other process: per connection, an 8-byte length and a mode byte (0: discard, 1: into a
     fresh file under ``sink``, 2: into one of two files under ``sink`` in turn, the older replaced, as a tier's
     retention keeps memory bounded over many saves, 3: into the pages of one file under ``sink`` kept from the
     connection before, mapped at once, as the tier receives into the spares of what its retention dropped; fresh
-    the first time), then that many bytes, read through one buffer; one byte back once all arrived."""
+    the first time; with ``VERIFIED``, each piece hashed once as it arrives, as a replica is verified on arrival),
+    then that many bytes, read through one buffer; one byte back once all arrived."""
+    from asyncckpt.core.formats.checksum import checksum_stream
+
     buffer = memoryview(bytearray(PIECE))
     with socket.create_server(("127.0.0.1", 0)) as listener:
         report_now({"address": list(listener.getsockname()[:2])})
@@ -66,15 +72,18 @@ def raw_reader(sink: str) -> None:
                 while len(head) < 9:
                     head += connection.recv(9 - len(head))
                 left, mode = struct.unpack(">QB", head)
+                digest, mode = (checksum_stream() if mode & VERIFIED else None), mode & ~VERIFIED
                 path = os.path.join(sink, {1: f"raw-{n}", 2: f"raw-{n % 2}", 3: "raw-reused"}.get(mode, ""))
                 if mode == 3 and os.path.exists(path) and os.path.getsize(path) == left > 0:
-                    _receive_into_pages(connection, path, left)
+                    _receive_into_pages(connection, path, left, digest)
                     left = 0
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if mode and left else None
                 while left:
                     received = connection.recv_into(buffer[:min(left, PIECE)])
                     if not received:
                         raise ConnectionError("the sender closed early")
+                    if digest is not None:
+                        digest.update(buffer[:received])
                     if fd is not None:
                         view = buffer[:received]
                         while view:
@@ -85,7 +94,7 @@ def raw_reader(sink: str) -> None:
                 connection.sendall(b"k")
 
 
-def _receive_into_pages(connection: socket.socket, path: str, size: int) -> None:
+def _receive_into_pages(connection: socket.socket, path: str, size: int, digest=None) -> None:
     fd = os.open(path, os.O_RDWR)
     try:
         with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) as pages:
@@ -94,6 +103,8 @@ def _receive_into_pages(connection: socket.socket, path: str, size: int) -> None
                 received = connection.recv_into(view[offset:min(offset + PIECE, size)])
                 if not received:
                     raise ConnectionError("the sender closed early")
+                if digest is not None:
+                    digest.update(view[offset:offset + received])
                 offset += received
             view.release()
     finally:
@@ -122,7 +133,7 @@ def transfers(receiver_address: list, reader_address: list, memory_dir: str, sin
               total_mib: int, files: int, reps: int) -> dict:
     """Every row's seconds, ``reps`` times in rotation (rep 0 warms, dropped)."""
     from asyncckpt.core.formats.checksum import FileChecksum, checksum
-    from asyncckpt.core.writer.replication import fetch, send
+    from asyncckpt.core.tier.transport import fetch, send
 
     total = total_mib * MiB
     sizes = [total // files + (1 if i < total % files else 0) for i in range(files)]

@@ -102,7 +102,7 @@ class _Peak:
     def __enter__(self) -> "_Peak":
         import threading
 
-        from asyncckpt.core.storage import tier
+        from asyncckpt.core import tier
 
         self.loads = tier.memory_root() + "-loads"  # where ``loading.cooperative`` keeps a node's copy
         self.rss, self.shmem, self._base = 0, 0, _status("VmRSS")

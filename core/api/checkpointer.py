@@ -41,16 +41,15 @@ from asyncckpt.core.api import lifecycle
 from asyncckpt.core.formats import names
 from asyncckpt.core.storage import object_store as object_store_module
 from asyncckpt.core.writer.barrier import BarrierSpec
-from asyncckpt.core.snapshot.buffer_pool import BufferPool, FileBuffers
+from asyncckpt.core.snapshot.buffer_pool import BufferPool
 from asyncckpt.core.client.ledger import Ledger
 from asyncckpt.core.api.commit_hooks import CommitHooks, OnCommit
 from asyncckpt.core.api.options import CheckpointOptions, resolve, taking_options
 from asyncckpt.core.api import interval
-from asyncckpt.core.api.tiers import MemoryTiers
+from asyncckpt.core.tier.job import tier_of
 from asyncckpt.core.api.directory import DirectoryTransaction
 from asyncckpt.core.snapshot.collectives import any_rank, over, release
 from asyncckpt.core.snapshot.dist_env import default_store, dist_ready, rank_and_world
-from asyncckpt.core.storage import commit, tier
 from asyncckpt.core.storage.commit import job_token
 from asyncckpt.core.errors import (
     CheckpointCancelledError,
@@ -110,8 +109,7 @@ class Checkpointer:
         self.sharded = ShardedSaves(self.buffers, self.copy_threads, direct_io=options.direct_io,
                                     io_threads=options.io_threads, timeout=options.timeout,
                                     share_unchanged=options.share_unchanged)
-        self.tiers = MemoryTiers(options.memory_tier, options.object_store, store=self._store,
-                                 queue=self.ledger.queue) if options.memory_tier else None
+        self.tier = tier_of(options, store=self._store, queue=self.ledger.queue, process_group=process_group)
         self._advice: Optional[interval.Advice] = None  # from the first durable save's costs (``_committed``)
         self._advice_logged = False  # once, at the save after it (``_saving``)
         self._saves: tuple[Optional[float], Optional[tuple[Optional[int], float]], int] = (None, None, 0)  # when the
@@ -164,8 +162,8 @@ class Checkpointer:
         overlap = self.overlap_staging if overlap_staging is None else overlap_staging
         self.stager.wait()  # one snapshot at a time: saves agree on their structures in call order
         target = self.sharded.target(path, group, collectives, self._store, step=step, extra_files=extra_files,
-                                     object_store=self.object_store, replicas=self._replicas(path, group),
-                                     file_buffers=self._file_buffers(path))
+                                     object_store=self.object_store, tier=self.tier.save_tier(path, group),
+                                     file_buffers=self.tier.file_buffers(path))
         world, agreement = target.world, target.agreement
         handle = self._admit("save", path, rank=target.rank, step=step, label=label)
         started = time.perf_counter()
@@ -181,7 +179,7 @@ class Checkpointer:
 
         def snapshot(prepared) -> None:
             submit = lambda: self.ledger.queue.submit([(handle, prepared.request, prepared.slot.buffer),  # noqa: E731
-                                                       *self._follow_ups(handle)])
+                                                       *self._follow_ups(handle, prepared.request.barrier)])
             self.stager.take_snapshot(handle, prepared.begin, prepared.request, submit, stream=stream)
 
         if overlap and (world == 1 or not collectives or agreement.own):
@@ -202,7 +200,7 @@ class Checkpointer:
         """Load a committed checkpoint into ``state_dict`` in place, resharding as needed (``loading``).
         Waits for a save of ``path`` still in flight first. With the memory tier on several nodes, this node's
         writer serves its memory to the others from then on, if a restart left that until its load
-        (``MemoryTiers.assemble``)."""
+        (``Tier.assemble``)."""
         path = _normalize(path)
         self.wait_for(path)
         try:
@@ -214,8 +212,7 @@ class Checkpointer:
                                 io_threads=self.options.io_threads, timeout=self.options.timeout,
                                 readers=self.options.cooperative_load)
         finally:
-            if self.tiers is not None:
-                self.tiers.serve()
+            self.tier.serve()
 
     # ------------------------------------------------------------------ native files and directories
     def async_save_file(self, obj: Any, path: str | os.PathLike, *, format: str = "torch",
@@ -274,17 +271,17 @@ class Checkpointer:
         staging_dir = names.staging_dir_for(final_dir, save_id, os.fspath(staging_parent) if staging_parent else None)
         barrier = BarrierSpec("store" if store is not None else "files", save_id, world, staging_dir, final_dir, self.timeout)
         collectives = self.use_collectives and dist_ready()
-        replicas, file_buffers = self._replicas(final_dir, self.process_group), self._file_buffers(final_dir)
+        save_tier, file_buffers = self.tier.save_tier(final_dir, self.process_group), self.tier.file_buffers(final_dir)
 
         def sharded_target(path: str, group: Optional[dist.ProcessGroup], **details: Any):
             return self.sharded.target(path, group if group is not None else self.process_group, collectives,
-                                       self._store, replicas=replicas, file_buffers=file_buffers, **details)
+                                       self._store, tier=save_tier, file_buffers=file_buffers, **details)
 
         return DirectoryTransaction(handle=handle, save_id=save_id, staging_dir=staging_dir, barrier=barrier,
                                     ledger=self.ledger, stager=self.stager, files=self.files,
                                     sharded=self.sharded, sharded_target=sharded_target, follow_ups=self._follow_ups,
                                     direct_io=self.options.direct_io, io_threads=self.options.io_threads,
-                                    share_unchanged=self.options.share_unchanged, replicas=replicas)
+                                    share_unchanged=self.options.share_unchanged, tier=save_tier)
 
     def _directory_id(self, final_dir: str, rank: int, world: int, store: Any) -> str:
         """The same id on every rank without a collective: on one rank, an owner token (random, and
@@ -313,7 +310,7 @@ class Checkpointer:
         mirror_root = self.options.mirror_to
         if mirror_root and not backend_for(paths[0]).remote:  # the mirror follows the framework's retention
             self.remove([posixpath.join(mirror_root, os.path.basename(path)) for path in paths], after=after)
-        copies = [copy for copy in map(self.tiers.memory_path, paths) if self._will_exist(copy)] if self.tiers else []
+        copies = [copy for copy in map(self.tier.memory_path, paths) if copy is not None and self._will_exist(copy)]
         if copies and backend_for(paths[0]).remote:  # the memory copies of checkpoints in an object store
             self.remove(copies, after=after)
         elif copies:
@@ -414,17 +411,17 @@ class Checkpointer:
 
     def _asked_for(self, checkpoint: SaveHandle) -> str:
         """Where ``checkpoint`` was asked for: its path, or, saved in the memory tier, its durable one."""
-        placed = self.tiers.placement(checkpoint.path) if self.tiers is not None else None
+        placed = self.tier.placement(checkpoint.path)
         return placed.durable if placed is not None else checkpoint.path
 
     def _when_durable(self, checkpoint: SaveHandle, kind: str, action: Callable[[SaveHandle], None], *,
                       label: Optional[str] = None, done_by_action: bool = False) -> SaveHandle:
         """``hooks.after(checkpoint, kind, action)``, once the checkpoint is where it was asked for: code acting on a
         committed checkpoint (exporting it, uploading it, reading its files) finds it there. With the memory tier,
-        that is after its durable copy, on the rank that writes it (the other ranks, and checkpoints that stay in
-        memory only, run nothing); a checkpoint in memory only whose copy the end of the run writes runs it then
+        that is after its durable copy, of which every rank writes its own files (a checkpoint that stays in memory
+        only runs nothing); a checkpoint in memory only whose copy the end of the run writes runs it then
         (``_finish_memory_tier``)."""
-        placed = self.tiers.placement(checkpoint.path) if self.tiers is not None else None
+        placed = self.tier.placement(checkpoint.path)
         if placed is None:  # saved where it was asked for
             return self.hooks.after(checkpoint, kind, action, label=label, done_by_action=done_by_action)
 
@@ -453,16 +450,14 @@ class Checkpointer:
             self._when_durable(checkpoint, "export", lambda handle: self.ledger.queue.submit([(handle, request, None)]),
                                label=f"to {target}", done_by_action=True)
 
-    def _follow_ups(self, checkpoint: SaveHandle) -> list[tuple]:
+    def _follow_ups(self, checkpoint: SaveHandle, save: Optional[BarrierSpec] = None) -> list[tuple]:
         """Writer jobs handed over together with a checkpoint's own request, so that they run right behind it and
         before anything queued later (a rotation's removal of that very checkpoint), and only if it committed:
-        with the memory tier, its durable copy when due, a single file's replicas and the tier's retention (``tiers``);
-        rank 0's copy of it to ``mirror_to``."""
+        with the memory tier, its durable copy when due, a single file's replicas and the tier's retention (``tier``;
+        ``save``: the meeting point of the save's ranks, None for a single file); rank 0's copy of it to
+        ``mirror_to``."""
         jobs = []
-        publishes = checkpoint.rank == 0 or checkpoint.kind == "file"
-        if self.tiers is not None:
-            jobs += self.tiers.follow_ups(checkpoint.path, checkpoint.nbytes, publishes=publishes,
-                                          single_file=checkpoint.kind == "file")
+        jobs = self.tier.follow_ups(checkpoint.path, checkpoint.nbytes, rank=checkpoint.rank, save=save)
         root = self.options.mirror_to
         if root and checkpoint.rank == 0 and not backend_for(checkpoint.path).remote:
             url = posixpath.join(root, os.path.basename(checkpoint.path))
@@ -508,23 +503,21 @@ class Checkpointer:
         """The newest committed checkpoint of ``root`` to resume from, in any tier of this node (as
         ``asyncckpt.core.latest_checkpoint``). With the memory tier on several nodes, a collective (every rank
         calls it): the nodes agree on the newest checkpoint some of them hold in memory whole between them, and
-        each completes its copy from the others (``tiers.assemble``); else the newest on storage."""
+        each completes its copy from the others (``Tier.assemble``); else the newest on storage. A memory
+        checkpoint that a job of another shape saved (world size, ranks per node) is not resumed from, with one
+        warning (``Tier.latest_checkpoint``)."""
         root = _normalize(root)
         self.wait()
-        if self.tiers is not None:
-            assembled = self.tiers.assemble(root, self.process_group)
-            if self.tiers.across_nodes:
-                return assembled or commit.latest_checkpoint(root, orphan_timeout=self.timeout)
-        return tier.latest_checkpoint(root, orphan_timeout=self.timeout,
-                                      memory_root=self.tiers.options.root if self.tiers is not None else None)
+        return self.tier.latest_checkpoint(root, self.process_group, self.timeout)
 
     def wait_for(self, path: str | os.PathLike) -> None:
         """Wait for pending work on ``path`` (a read must never see a checkpoint being written);
         raise its failure if nobody has seen it. With the memory tier: its memory copy's too."""
         path = _normalize(path)
         self.ledger.wait_for(path)
-        if self.tiers is not None:
-            self.ledger.wait_for(self.tiers.memory_path(path))
+        memory = self.tier.memory_path(path)
+        if memory is not None:
+            self.ledger.wait_for(memory)
 
     def raise_failures(self) -> None:
         """Raise (once) a failure of earlier work that nobody has seen; never waits."""
@@ -535,7 +528,8 @@ class Checkpointer:
         does (a save or link creates it, a removal deletes it), else whether it exists now. With the memory tier,
         a checkpoint exists in either tier (its memory copy: what a resume would load)."""
         path = _normalize(path)
-        return (self.tiers is not None and self._will_exist(self.tiers.memory_path(path))) or self._will_exist(path)
+        memory = self.tier.memory_path(path)
+        return (memory is not None and self._will_exist(memory)) or self._will_exist(path)
 
     def _will_exist(self, path: str) -> bool:
         queued = self.ledger.will_exist(path)
@@ -599,8 +593,7 @@ class Checkpointer:
             raise
         finally:
             thread.join()
-            if self.tiers is not None:  # as ``load``: a restart's writer serves its node's memory from here
-                self.tiers.serve()
+            self.tier.serve()  # as ``load``: a restart's writer serves its node's memory from here
         self._raise_if_damaged(path, outcome[0], everywhere)
         return result
 
@@ -665,14 +658,12 @@ class Checkpointer:
         (docs/DESIGN.md, Measured). With the memory tier, this rank finds the job's nodes now either way."""
         self._check_open()
         if at_first_step and not self.ledger.queue.running:
-            if self.tiers is not None:
-                self.tiers.connect(serve=False)  # the writer serves the node's memory once it starts
+            self.tier.connect(serve=False)  # the writer serves the node's memory once it starts
             if self._first_step is None:
                 self._first_step = register_optimizer_step_pre_hook(_starting_once(weakref.ref(self)))
             return
         self.ledger.queue.start(hold=True)
-        if self.tiers is not None:
-            self.tiers.connect()
+        self.tier.connect()
 
     def teardown(self, *, free_buffers: bool = False) -> None:
         """Drain, then stop the writer process and every thread of ours (a framework's run ended);
@@ -694,21 +685,23 @@ class Checkpointer:
                 self.buffers.close()
 
     def _finish_memory_tier(self) -> None:
-        """The end of a run: the checkpoints only in memory are written durably (by rank 0, which publishes
-        them), then, once every rank is there, this node's memory copies go: the tier holds nothing after a run
-        that ended normally (a killed run leaves it for its restart)."""
-        if self.tiers is None:
+        """The end of a run: the checkpoints only in memory are written durably (each rank's files by its own
+        writer; a single file by the rank that saved it), then, once every rank is there, this node's memory copies
+        go: the tier holds nothing after a run that ended normally (a killed run leaves it for its restart)."""
+        if not self.tier.active:
             return
-        rank, world = rank_and_world(self.process_group)
-        for placed in self.tiers.unpersisted() if rank == 0 else []:
-            if os.path.lexists(placed.memory):
-                persist = self._queue_after("persist", placed.durable,
-                                            self.tiers.copy_request(placed.memory, placed.durable), None)
+        rank = rank_and_world(self.process_group)[0]
+        for placed in self.tier.unpersisted():
+            here = os.path.lexists(placed.memory)
+            if here if placed.save is None else not any_rank(not here, self.process_group):  # (a save of every rank:
+                persist = self._queue_after("persist", placed.durable,  # written where every node still holds its copy)
+                                            self.tier.persist_request(placed.memory, placed.durable, placed.save, rank),
+                                            None)
                 for schedule in self._deferred_hooks.pop(placed.memory, []):  # its on_commit code and export, now
                     schedule(persist)
         self._deferred_hooks.clear()
         self.wait(everywhere=True)
-        self.tiers.clear(remove=int(os.environ.get("LOCAL_RANK", rank)) == 0)
+        self.tier.clear(remove=int(os.environ.get("LOCAL_RANK", rank)) == 0)
 
     def close(self) -> None:
         """``teardown()``, and free the staging buffers; the Checkpointer cannot be used again."""
@@ -720,8 +713,7 @@ class Checkpointer:
             self.ledger.abandon_uncommitted()
             self.closed = True
             self.buffers.close()
-            if self.tiers is not None:
-                self.tiers.close()
+            self.tier.close()
             lifecycle.forget(self)
 
     def __enter__(self) -> "Checkpointer":
@@ -747,21 +739,13 @@ class Checkpointer:
     def _placed(self, path: str, durable: Optional[bool], nbytes: Callable[[], int], step: Optional[int],
                 agree_over: Any = False) -> str:
         """Where a checkpoint asked for at ``path`` (of ``nbytes()`` on this rank) is saved: with the memory tier,
-        in memory (``tiers.place``; ``durable``: also written durably now, whatever the cadence), else at ``path``.
+        in memory (``Tier.place``; ``durable``: also written durably now, whatever the cadence), else at ``path``.
         ``agree_over``: the process group of a save every rank of it makes (None: the default group), whose ranks
         must all place it alike; False: a save of this rank alone."""
-        if self.tiers is None:
-            return path
-        self.tiers.connect()
-        return self.tiers.place(path, nbytes(), step, durable_too=durable, agree_over=agree_over)
-
-    def _replicas(self, path: str, group: Optional[dist.ProcessGroup]) -> Any:
-        """What this rank's request of the save at ``path`` needs to reach the other nodes (``tiers.replicas``)."""
-        return None if self.tiers is None else self.tiers.replicas(path, group)
-
-    def _file_buffers(self, path: str) -> Optional[FileBuffers]:
-        """The staging buffers of the save at ``path`` as files of the memory tier (``tiers.file_buffers``)."""
-        return None if self.tiers is None else self.tiers.file_buffers(path)
+        if not self.tier.active:
+            return path  # (``nbytes`` not taken: it costs a walk of the state)
+        self.tier.connect()
+        return self.tier.place(path, nbytes(), step, durable_too=durable, agree_over=agree_over)
 
     def _committed(self, handle: SaveHandle, seconds: float) -> None:
         """A checkpoint (or its durable copy) is done: one warning if it took more than half the ``timeout`` (a
@@ -780,7 +764,7 @@ class Checkpointer:
         if self._advice is not None:
             return
         memory = handle.after if handle.kind == "persist" else None
-        if memory is None and self.tiers is not None and self.tiers.placement(handle.path) is not None:
+        if memory is None and self.tier.placement(handle.path) is not None:
             return  # in memory: its durable copy, if any, says it
         saved = memory or handle
         if "stall_s" in saved.timings:  # an adapter's framework call, timed whole (``SaveMetrics.saved``)

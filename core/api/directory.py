@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
     from asyncckpt.core.snapshot.handoff import Stager
     from asyncckpt.core.snapshot.sharded_save import SaveTarget, ShardedSaves
-    from asyncckpt.core.writer.replicas import Replicas
+    from asyncckpt.core.tier.nodes import TierSave
 
 
 class DirectoryTransaction:
@@ -44,9 +44,8 @@ class DirectoryTransaction:
 
     def __init__(self, *, handle: "SaveHandle", save_id: str, staging_dir: str, barrier: BarrierSpec,
                  ledger: "Ledger", stager: "Stager", files: "FileSnapshots", sharded: "ShardedSaves",
-                 sharded_target: Callable[..., "SaveTarget"], follow_ups: Callable[["SaveHandle"], list],
-                 direct_io: bool, io_threads: int, share_unchanged: bool,
-                 replicas: Optional["Replicas"] = None) -> None:
+                 sharded_target: Callable[..., "SaveTarget"], follow_ups: Callable[["SaveHandle", BarrierSpec], list],
+                 direct_io: bool, io_threads: int, share_unchanged: bool, tier: Optional["TierSave"] = None) -> None:
         self.handle = handle
         self.final_dir, self.rank, self.step, self.save_id = handle.path, handle.rank, handle.step, save_id
         self.staging_dir = staging_dir
@@ -54,7 +53,7 @@ class DirectoryTransaction:
         self._ledger, self._stager, self._files = ledger, stager, files
         self._sharded, self._sharded_target, self._follow_ups = sharded, sharded_target, follow_ups
         self._direct_io, self._io_threads, self._share_unchanged = direct_io, io_threads, share_unchanged
-        self._replicas = replicas  # a memory-tier save on several nodes (``writer.replicas``)
+        self._tier = tier  # a memory-tier save (``tier.nodes.TierSave``)
         self._held: list[tuple["SaveHandle", Any, Any]] = []
         self._committing = False
         self._failed: Optional[str] = None
@@ -148,9 +147,9 @@ class DirectoryTransaction:
                 return self.handle
             self._committing = True
             request = CommitDirRequest(self.save_id, self.final_dir, self.staging_dir, self.rank, self.step,
-                                       self._barrier, self._failed, self._replicas)
+                                       self._barrier, self._failed, self._tier)
             self.handle.set_staged()
-            self._flush([(self.handle, request, None), *self._follow_ups(self.handle)])
+            self._flush([(self.handle, request, None), *self._follow_ups(self.handle, self._barrier)])
         return self.handle
 
     def abort(self, error: BaseException, *, raised: bool = True) -> None:

@@ -32,7 +32,8 @@ from tqdm import tqdm
 
 from asyncckpt.core.verify import checkpoint_kinds
 from asyncckpt.core.verify import integrity
-from asyncckpt.core.storage import leftovers, orphans, sharing, spares, tier
+from asyncckpt.core.storage import leftovers, orphans, sharing, spares
+from asyncckpt.core import tier
 from asyncckpt.core.formats import names
 from asyncckpt.core.cli import export as export_cli
 from asyncckpt.core.errors import CheckpointError

@@ -156,7 +156,7 @@ class WriterQueue:
     def serve_replicas(self, listener: socket.socket, root: str, secret: bytes, *, now: bool = True) -> None:
         """Have the writer serve this node's memory root ``root`` to the other nodes that prove they hold the job's
         ``secret`` (over the writer's socket, as plain data) on ``listener`` (a listening TCP socket whose address
-        the caller published: ``writer.replication``): this writer (started now if none
+        the caller published: ``tier.transport``): this writer (started now if none
         runs; with ``now=False`` at its next ``start``, the peers' connections waiting in the listener's backlog
         meanwhile) and every one started later, none of which stops when idle (the other nodes' saves need it)."""
         with self._lock:

@@ -30,7 +30,8 @@ from asyncckpt.core.formats.checksum import checksum
 import asyncckpt.core.integration.patching as patching
 from asyncckpt.core.integration.dcp_capture import capturing_dcp_saves
 from asyncckpt.core.snapshot.file_snapshots import tensor_bytes
-from asyncckpt.core.storage import owners, tier
+from asyncckpt.core.storage import owners
+from asyncckpt.core import tier
 
 # one capture at a time in a process (frameworks save from their main thread); reentrant: an outer capture (a
 # Trainer subclass's own writes into its checkpoint folder) holds it while the framework's own runs inside

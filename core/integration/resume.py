@@ -61,7 +61,8 @@ from asyncckpt.core.errors import CheckpointError
 import asyncckpt.core.integration.patching as patching
 from asyncckpt.core.loading import cooperative
 from asyncckpt.core.loading.hashed_reads import BackgroundCheck, mapped_problem
-from asyncckpt.core.storage import commit, file_checksums, tier
+from asyncckpt.core.storage import commit, file_checksums
+from asyncckpt.core import tier
 from asyncckpt.core.storage.backend import basename, is_url, normalize
 from asyncckpt.core.storage.contents import local_copy
 from asyncckpt.core.storage.orphans import wait_for_orphans
@@ -100,13 +101,13 @@ def prepare(checkpointer: Any, place: Optional[str], *, key: Optional[Key] = Non
     (no entry ``key`` knows, or no file ``mirrored_name``: a framework that looks for a fixed name, as
     Lightning's ``last.ckpt``), the newest mirrored checkpoint (or the one of that name) is restored into it. With
     the memory tier on several nodes, where the framework picks from ``place`` (``key``), the nodes first agree on
-    the memory checkpoint to resume from and complete their copies of it from each other (``tiers.assemble``)."""
+    the memory checkpoint to resume from and complete their copies of it from each other (``Tier.assemble``)."""
     checkpointer.wait(everywhere=True)
     if place is None or is_url(place):
         return
     wait_for_saves(place, checkpointer.options.timeout)
-    if checkpointer.tiers is not None and key is not None:  # on several nodes: agree, complete this node's copy
-        checkpointer.tiers.assemble(tier.durable_root_of(place) or place, checkpointer.process_group)
+    if key is not None:  # with the memory tier on several nodes: agree, complete this node's copy
+        checkpointer.tier.assemble(tier.durable_root_of(place) or place, checkpointer.process_group)
     mirror = checkpointer.options.mirror_to
     if not mirror or (mirrored_name is None and key is None):
         return
@@ -123,17 +124,17 @@ def places(checkpointer: Any, root: str) -> list[str]:
     the durable root, and with the memory tier its memory run directory (for an adapter that lists a
     framework's checkpoints itself)."""
     root = tier.durable_root_of(root) or root
-    return [root] if checkpointer.tiers is None else [root, checkpointer.tiers.run_dir(root)]
+    return checkpointer.tier.places(root)
 
 
 def copies(checkpointer: Any, root: str, key: Key) -> list[str]:
     """The checkpoints of ``root`` in every tier of this node, newest first by the framework's ``key``, each copy
     of a checkpoint its own entry, the nearer first: of a name held in memory and on storage, the memory copy
     comes first when it is the same checkpoint (its content's checksums equal) or the newer one. On several nodes,
-    of the memory copies only the one they agreed on (``tiers.usable``): every rank tries the same checkpoints."""
+    of the memory copies only the one they agreed on (``Tier.usable``): every rank tries the same checkpoints."""
     found: dict[str, list[tuple[float, int, str]]] = {}
     for nearness, place in enumerate(places(checkpointer, root)):
-        usable = checkpointer.tiers.usable(place) if nearness else None  # None: any
+        usable = checkpointer.tier.usable(place) if nearness else None  # None: any
         for path in candidates(place, key):
             if usable is None or os.path.basename(path) in usable:
                 found.setdefault(os.path.basename(path), []).append((key(path), nearness, path))

@@ -51,7 +51,7 @@ from asyncckpt.core.errors import CheckpointError, CheckpointTimeoutError, Corru
 from asyncckpt.core.loading.reader import FileSpans
 from asyncckpt.core.snapshot.collectives import Collectives, over
 from asyncckpt.core.snapshot.dist_env import dist_ready, rank_and_world
-from asyncckpt.core.storage import tier
+from asyncckpt.core import tier
 from asyncckpt.core.storage.backend import backend_for, basename, is_url
 
 logger = logging.getLogger("asyncckpt")

@@ -39,7 +39,7 @@ from asyncckpt.core.snapshot.planner import (
     tensor_items,
 )
 from asyncckpt.core.snapshot.shared_buffer import CopyInProgress, begin_copy, start_copy
-from asyncckpt.core.writer.replicas import Replicas
+from asyncckpt.core.tier.nodes import TierSave
 from asyncckpt.core.writer.shard_requests import ShareRequest
 from asyncckpt.core.snapshot.structure import describe, tied_keys
 from asyncckpt.core.snapshot.tensor_copy import CopyThreads
@@ -71,7 +71,7 @@ class SaveTarget:
     # subdirectory of the directory's staging directory, and published with the directory.
     staging_dir: Optional[str] = None
     directory_barrier: Optional[BarrierSpec] = None
-    replicas: Optional[Replicas] = None  # a memory-tier save on several nodes: how this rank's part reaches the others
+    tier: Optional[TierSave] = None  # a memory-tier save: the job's topology, and how this rank's part reaches the others
     file_buffers: Optional[FileBuffers] = None  # a memory-tier save's: its staging buffers are files of the tier
 
     def barrier_kind(self) -> str:
@@ -176,7 +176,7 @@ class ShardedSaves:
             extra_files=dict(target.extra_files or {}) if coordinator else {},
             dcp_classes=classes, metadata_command=metadata_command() if coordinator and classes is None else None,
             object_store=target.object_store,
-            directory_barrier=target.directory_barrier, replicas=target.replicas, share_unchanged=self.share_unchanged,
+            directory_barrier=target.directory_barrier, tier=target.tier, share_unchanged=self.share_unchanged,
         )
         return PreparedSave(slot, begin, request)
 

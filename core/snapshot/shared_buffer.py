@@ -41,7 +41,7 @@ _owners: dict[int, str] = {}  # pid -> the owner token naming its file buffers (
 
 
 def _owner() -> str:
-    """This process's owner token for its file buffers: the files of a dead process are found by it (``storage.tier``)."""
+    """This process's owner token for its file buffers: the files of a dead process are found by it (``tier``)."""
     return _owners.setdefault(os.getpid(), owner_token())
 
 

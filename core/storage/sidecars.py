@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from asyncckpt.core.formats.checksum import FileChecksum
@@ -37,7 +38,7 @@ def write_rank_sidecar(directory: str, record: ShareRecord) -> None:
 def write_files_record(directory: str, rank: int, files: Mapping[str, FileChecksum],
                        holders: Optional[Mapping[str, Sequence[str]]] = None) -> str:
     """Leave in the staging ``directory`` the files ``rank`` wrote into a save, each with its size and xxh3 and,
-    on several nodes (the memory tier), the nodes that hold it (``writer.replicas``): the commit gathers every
+    on several nodes (the memory tier), the nodes that hold it (``tier.nodes``): the commit gathers every
     rank's (``take_files_records``). Returns the record's name."""
     name = files_record_name(rank)
     with open(os.path.join(directory, name), "w") as f:  # not fsynced: it lives only until the commit gathers it
@@ -46,15 +47,24 @@ def write_files_record(directory: str, rank: int, files: Mapping[str, FileChecks
     return name
 
 
-def take_files_records(directory: str, world_size: int) -> dict[str, tuple[FileChecksum, tuple[str, ...]]]:
+@dataclass(frozen=True)
+class RecordedFile:
+    """A file of a save, as its rank's files record left it: its checksum, the nodes that hold it (none recorded on
+    one node), the rank that wrote it."""
+
+    checksum: FileChecksum
+    holders: tuple[str, ...]
+    rank: int
+
+
+def take_files_records(directory: str, world_size: int) -> dict[str, RecordedFile]:
     """Every rank's files record in the staging ``directory`` (``write_files_record``), which then go (they are
-    the coordination of the writers, not the checkpoint's): file -> (its checksum, the nodes that hold it; none
-    recorded on one node)."""
-    files: dict[str, tuple[FileChecksum, tuple[str, ...]]] = {}
+    the coordination of the writers, not the checkpoint's), by file name."""
+    files: dict[str, RecordedFile] = {}
     for rank in range(world_size):
         path = os.path.join(directory, files_record_name(rank))
         with open(path) as f:
             for file, (size, xxh3, holders, content_id) in json.load(f).items():
-                files[file] = (FileChecksum(size, xxh3, content_id), tuple(holders or ()))
+                files[file] = RecordedFile(FileChecksum(size, xxh3, content_id), tuple(holders or ()), rank)
         os.unlink(path)
     return files

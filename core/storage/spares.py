@@ -6,7 +6,7 @@ of a core here, over the pages of an existing file 0.31-0.45 s, and received int
 memory tier every save writes its share into tmpfs and receives its peers' replicas there, while the tier's retention
 frees as many bytes of the checkpoint it drops: fresh pages each save, on both sides, paid for by the training loop's
 cores. So the retention keeps the large files of what it drops as the run directory's spares (``recycle``), and the
-replicas the next save receives (``writer.replication``), and its own file where it is written rather than linked
+replicas the next save receives (``tier.transport``), and its own file where it is written rather than linked
 to its staging buffer (``diskio.write_image``; ``snapshot.shared_buffer``), are written over a spare of at least
 their size (``take``). A file a staging buffer links to is the training process's, never a spare.
 

@@ -70,6 +70,8 @@ class BarrierSpec:
     final_path: str
     timeout: float
     object_store: Any = None  # ObjectStoreOptions where ``final_path`` is a URL
+    save_id: Optional[str] = None  # the save its commit record names, where that is not ``key`` (a memory checkpoint's
+    # durable copy keeps its save's: ``tier.requests``)
 
 
 class Barrier(Protocol):
@@ -321,7 +323,7 @@ class MarkerBarrier:
 
         def committed() -> bool:
             record = read_commit_record(spec.final_path, spec.object_store)
-            return record is not None and record.get("save_id") == spec.key
+            return record is not None and record.get("save_id") == (spec.save_id or spec.key)
 
         def committed_or_failed() -> bool:
             if committed():

@@ -20,7 +20,7 @@ from asyncckpt.core.storage.sidecars import take_files_records, write_files_reco
 from asyncckpt.core.storage.staging import publish_checkpoint
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.writer.protocol import RequestContext
-from asyncckpt.core.writer.replicas import Replicas, commit_entries, publish_copy, spread
+from asyncckpt.core.tier.nodes import Replicas, TierSave, commit_entries, publish_copy, spread
 
 
 @dataclass
@@ -34,10 +34,14 @@ class CommitDirRequest:
     step: Optional[int]
     barrier: BarrierSpec
     failed: Optional[str] = None  # this rank's part failed before reaching the writer
-    replicas: Optional[Replicas] = None  # a memory-tier save on several nodes (``replicas``)
+    tier: Optional[TierSave] = None  # a memory-tier save (``replicas``: on several nodes)
+
+    @property
+    def replicas(self) -> Optional[Replicas]:
+        return self.tier.replicas if self.tier is not None else None
 
     def run(self, context: RequestContext) -> None:
-        barrier = context.barrier(self.barrier)
+        barrier = context.barrier(self.barrier, self.replicas)
         failure = self.failed or context.failure(self.barrier.key)
         if failure is not None:  # one of this rank's files failed (the others were told)
             barrier.fail(self.rank, failure)
@@ -79,13 +83,14 @@ class CommitDirRequest:
                                                                                   later=at_once))
 
     def _record(self) -> dict:
-        """The commit record: every rank's file checksums (the ranks' lists of them go), and on several nodes
-        which node holds which file (``replicas.commit_entries``)."""
+        """The commit record: every rank's file checksums (the ranks' lists of them go), and in the memory tier what
+        binds the checkpoint to its job, which rank wrote which file and on several nodes which node holds it
+        (``nodes.commit_entries``)."""
         gathered = take_files_records(self.staging_dir, self.barrier.world_size)
         checksums = {name: {"size": c.size, "xxh3": c.xxh3, **({"xxh3_128": c.content_id} if c.content_id else {})}
-                     for name, (c, _holders) in gathered.items()}
+                     for name, c in ((name, file.checksum) for name, file in gathered.items())}
         record = {"save_id": self.save_id, "world_size": self.barrier.world_size, "step": self.step,
                   "checksums": checksums}
-        if self.replicas is not None:
-            record.update(commit_entries(self.replicas, self.staging_dir, gathered, checksums, []))
+        if self.tier is not None:
+            record.update(commit_entries(self.tier, self.staging_dir, gathered, checksums, []))
         return record

@@ -2,7 +2,7 @@
 
 A copy reads a committed local checkpoint and commits it again at the target, any store: to an object store
 (``mirror_to``: ``Checkpointer.mirror(path, url, after=handle)``), or, from the memory tier, to its durable
-place (``persist_every``; ``api.tiers``). ``CopyRequest`` runs it in the background writer, queued behind the
+place (``persist_every``; ``tier.job``). ``CopyRequest`` runs it in the background writer, queued behind the
 save of the source and run only if it committed. It writes the files the source's commit record lists
 (memory-mapped; to an object store as multipart uploads) into the target's staging place and then publishes
 them with the same record (files, sizes, checksums, step), so the copy is a checkpoint of its own:
@@ -23,7 +23,9 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
-from asyncckpt.core.storage import commit, tier
+from asyncckpt.core.storage import commit
+
+from asyncckpt.core import tier
 from asyncckpt.core.storage import file_checksums
 from asyncckpt.core.storage import owners
 from asyncckpt.core.formats import names
@@ -34,11 +36,11 @@ from asyncckpt.core.storage.local import attach_checksum
 from asyncckpt.core.storage.object_store import ObjectStoreOptions
 from asyncckpt.core.storage.staging import Staging, staging_dir_for
 from asyncckpt.core.writer.protocol import RequestContext
-from asyncckpt.core.writer.replicas import NodeMap, fetch_missing
+from asyncckpt.core.tier.nodes import NodeMap, fetch_missing
 
 
 @contextlib.contextmanager
-def _mapped(path: str) -> Iterator[tuple[memoryview, int]]:
+def mapped(path: str) -> Iterator[tuple[memoryview, int]]:
     """The bytes of a local file, memory-mapped (an empty file cannot be mapped), and its size; the view is
     released before the mapping is closed."""
     with open(path, "rb") as f:
@@ -70,12 +72,12 @@ def copy(source: str, target: str, token: str, options: Optional[ObjectStoreOpti
          nodes: Optional[NodeMap] = None) -> None:
     """Copy the committed local checkpoint (or single file) ``source`` to ``target`` and commit it there; what it
     replaces there is deleted once the copy is committed. A memory copy saved on several nodes (``nodes``) that
-    lacks files of the checkpoint gets them from the nodes that hold them first (``replicas.fetch_missing``); the
+    lacks files of the checkpoint gets them from the nodes that hold them first (``nodes.fetch_missing``); the
     copy's record is the checkpoint's, without what only the memory tier needs (``tier.TIER_ENTRY``)."""
     backend = backend_for(target, options)
     if os.path.isfile(source):
         checksum = file_checksums.read_record(source)
-        with _mapped(source) as (view, size):
+        with mapped(source) as (view, size):
             backend.write_file(target, view, size, token, checksum=lambda: checksum)
         return
     record = commit.read_commit_record(source)
@@ -90,7 +92,7 @@ def copy(source: str, target: str, token: str, options: Optional[ObjectStoreOpti
     place = Staging(staging_dir_for(target, token), target, options, coordinator=True)
     place.claim(0, token)
     for name in sorted(record.get("files", {})):
-        with _mapped(os.path.join(source, name)) as (view, size):
+        with mapped(os.path.join(source, name)) as (view, size):
             place.write_image(name, view, size, None)
     replaced = place.publish(record)  # the source's record as it is: files, sizes, checksums, step, commit time
     if replaced is not None:

@@ -9,8 +9,9 @@ reaches the training process, which drains what it handed over or dies, and the 
 grace period instead of dropping the save in flight. SIGINT, SIGHUP and SIGPIPE are ignored. A SIGTERM, SIGUSR1 or
 SIGUSR2 that reaches the writer itself (SLURM signals every process of the job step: at its end, ahead of it with
 ``--signal``, at a requeue) means its job is ending and its node may go away: once the work at hand is done, it
-writes durably the newest checkpoint of the memory tier that it published and that is in memory only
-(``persist_memory``), so that the node's memory takes nothing with it that the job needs.
+writes durably its own files of the newest checkpoint of the memory tier that it took part in and that is in memory
+only (``persist_memory``; the other ranks' writers theirs, meeting by markers on the durable storage), so that the
+node's memory takes nothing with it that the job needs.
 
 A save handed over survives the training process. If the training process dies (kill -9, the OOM
 killer, a crash) the writer finishes every request it was given before (they are in its socket,
@@ -22,7 +23,7 @@ or objects on an object store) when the Store died with the training processes
 does in a log beside the checkpoint (``storage.orphans``).
 
 With the memory tier on several nodes, the writer of each node's lowest rank also serves that node's memory to
-the others (``replication.Receiver``, on a listening socket its training process made and published: RECEIVER).
+the others (``transport.Receiver``, on a listening socket its training process made and published: RECEIVER).
 
 It never imports torch, nor anything of asyncckpt outside ``writer``, ``storage``, ``formats``,
 ``errors`` and the torch-free half of ``export`` (tests/test_layout.py runs every kind of request
@@ -47,7 +48,9 @@ from multiprocessing.reduction import recv_handle
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from asyncckpt.core.storage import commit, leftovers, orphans, owners, tier
+from asyncckpt.core.storage import commit, leftovers, orphans, owners
+
+from asyncckpt.core import tier
 from asyncckpt.core.storage.backend import backend_for, join
 from asyncckpt.core.writer import protocol
 from asyncckpt.core.writer.barrier import (
@@ -59,11 +62,17 @@ from asyncckpt.core.writer.barrier import (
     SurvivingBarrier,
 )
 from asyncckpt.core.writer.copy_progress import PROGRESS_BYTES, CopyProgress
-from asyncckpt.core.writer.mirror import copy
+from asyncckpt.core.writer.mirror import CopyRequest
+from asyncckpt.core.tier.requests import PersistRequest
 from asyncckpt.core.writer.priority import CpuShare
-from asyncckpt.core.writer.replication import Receiver
-from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
+from asyncckpt.core.tier.nodes import CoordinatorMarkers, Replicas
+from asyncckpt.core.tier.transport import Receiver
+from asyncckpt.core.errors import CheckpointError, CheckpointTimeoutError, CheckpointWriteError
 
+#: An orphaned writer that serves its node's memory (``Receiver``) exits only once no other node's writer has been
+#: connected for this long: they finish the same saves (a save's commit record fetched from rank 0's node), and their
+#: training processes, which would tell them the job's state, died with this one's.
+RECEIVER_QUIET_S = 5.0
 _REMEMBERED_FAILURES = 256  # saves whose failure (or files) on this rank a later request of theirs may ask about
 
 
@@ -199,33 +208,43 @@ class Writer:
         self.after_replies: list[Callable[[], None]] = []
         self.heartbeats = Heartbeats(self.token)  # liveness markers of the saves at work (``barrier``)
         self.terminated = False  # a SIGTERM, SIGUSR1 or SIGUSR2 reached this writer: its job is ending
-        self.memory_saves: dict[str, str] = {}  # memory run directory -> the newest checkpoint this writer published
+        self.memory_saves: dict[str, Any] = {}  # memory run directory -> how its newest checkpoint is written durably
         self.cpu_share = CpuShare()  # the training's priority, or only idle CPU where the node leaves some
+        self.receiver: Optional[Receiver] = None  # it serves its node's memory to the other nodes (RECEIVER)
 
     def _note_memory_save(self, request: Any) -> None:
-        """Remember the newest memory-tier checkpoint this writer published (a rank's directory or sharded share by
-        rank 0's writer, a single file by its own), and forget one once it was written durably."""
+        """Remember how to write durably the newest memory-tier checkpoint this writer took part in (this rank's files
+        of a directory or sharded save, ``PersistRequest``; a single file it saved, ``CopyRequest``), and forget one
+        once it was written durably."""
         source = getattr(request, "source", None)
-        if source is not None and source in self.memory_saves.values():  # its durable copy (``CopyRequest``)
-            self.memory_saves = {run: path for run, path in self.memory_saves.items() if path != source}
+        if source is not None:  # a durable copy (``PersistRequest``, ``CopyRequest``)
+            self.memory_saves = {run: persist for run, persist in self.memory_saves.items() if persist.source != source}
             return
-        path = getattr(request, "final_path", None) if getattr(request, "rank", None) == 0 else None
-        if path is None and getattr(request, "barrier", "absent") is None:
-            path = getattr(request, "path", None)  # a single file
-        if isinstance(path, str) and tier.durable_root_of(os.path.dirname(path)) is not None:
-            self.memory_saves[os.path.dirname(path)] = path
+        barrier, path = getattr(request, "barrier", "absent"), getattr(request, "final_path", None)
+        if isinstance(barrier, BarrierSpec) and isinstance(path, str) and not getattr(request, "directory_barrier", None):
+            durable_root = tier.durable_root_of(os.path.dirname(path))
+            if durable_root is not None:
+                self.memory_saves[os.path.dirname(path)] = PersistRequest(
+                    path, join(durable_root, os.path.basename(path)), request.rank, barrier.world_size, barrier.key,
+                    "files", barrier.timeout)
+        elif barrier is None and isinstance(getattr(request, "path", None), str):  # a single file
+            durable_root = tier.durable_root_of(os.path.dirname(request.path))
+            if durable_root is not None:
+                self.memory_saves[os.path.dirname(request.path)] = CopyRequest(
+                    request.path, join(durable_root, os.path.basename(request.path)))
 
     def persist_memory(self) -> None:
-        """Write durably, and commit there, the newest checkpoint of each memory run this writer published that is
-        in memory only (its durable copy missing, or of another save); then forget them."""
+        """Write durably, and commit there, the newest checkpoint of each memory run this writer took part in that
+        is in memory only (its durable copy missing, or of another save): each rank's writer its own files, the
+        ranks meeting by markers on the durable storage; then forget them."""
         saves, self.memory_saves = self.memory_saves, {}
-        for run, path in saves.items():
-            durable = join(tier.durable_root_of(run), os.path.basename(path))
+        for persist in saves.values():
+            durable = persist.target
             try:
-                if not commit.same_save(path, durable):
-                    copy(path, durable, self.token)
+                if not commit.same_save(persist.source, durable):
+                    persist.run(_Context(self, None))
                     orphans.note(os.path.dirname(durable), self.token, f"wrote {durable} from memory (SIGTERM)")
-            except (OSError, CheckpointWriteError) as e:
+            except (OSError, CheckpointError) as e:
                 orphans.note(os.path.dirname(durable), self.token,
                              f"could not write {durable} from memory (SIGTERM): {type(e).__name__}: {e}")
 
@@ -365,16 +384,21 @@ class _Context:
             self.writer.tidying.add(parent)
             self.after_reply(lambda: leftovers.clean(parent))
 
-    def barrier(self, spec: BarrierSpec):
+    def barrier(self, spec: BarrierSpec, replicas: Optional[Replicas] = None):
         writer = self.writer
         if spec.kind == "solo":
             return SoloBarrier(spec)
+
+        def markers(judge_silence: Callable[[], bool]) -> MarkerBarrier:  # on several nodes: met on rank 0's
+            if replicas is not None and replicas.coordinator != replicas.nodes.node:
+                return CoordinatorMarkers(spec, replicas, writer.heartbeats, judge_silence)
+            return MarkerBarrier(spec, writer.heartbeats, judge_silence)
+
         if spec.kind == "files":  # a rank that is late while this training process lives is waited for
-            return MarkerBarrier(spec, writer.heartbeats, judge_silence=self.trainer_gone)
+            return markers(self.trainer_gone)
         # kind "store": the markers decide only once the Store cannot be reached, when every rank still
         # at work on the save is at work in its writer
-        return SurvivingBarrier(RemoteBarrier(spec, writer.channel), MarkerBarrier(spec, writer.heartbeats, lambda: True),
-                                lambda: writer.trainer.alive)
+        return SurvivingBarrier(RemoteBarrier(spec, writer.channel), markers(lambda: True), lambda: writer.trainer.alive)
 
     def after_reply(self, action: Callable[[], None]) -> None:
         self.writer.after_replies.append(action)
@@ -412,6 +436,8 @@ def serve(writer: "Writer") -> None:
             message, fd = channel.next_message()
         except (EOFError, OSError):  # the training process closed the socket, or died: all it sent was run
             message, fd = (protocol.STOP,), None
+            if writer.receiver is not None:  # (no STOP: it died) the other nodes' writers may still need this
+                writer.receiver.wait_quiet(RECEIVER_QUIET_S)  # node's memory to finish the same saves
         kind = message[0]
         if kind == protocol.BUFFER:
             _, buffer_id, layout = message
@@ -423,7 +449,7 @@ def serve(writer: "Writer") -> None:
         elif kind == protocol.RUN:
             writer.run_jobs(message[1])
         elif kind == protocol.RECEIVER:  # threads of its own until the process exits: nothing to stop
-            Receiver(message[1], secret=message[2], listener=socket.socket(fileno=fd))
+            writer.receiver = Receiver(message[1], secret=message[2], listener=socket.socket(fileno=fd))
         elif kind == protocol.STOP:
             if writer.terminated:
                 writer.persist_memory()

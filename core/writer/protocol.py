@@ -20,7 +20,7 @@ training → writer  fields                                            meaning
 ``BARRIER_RESULT`` error or None                                     the answer to BARRIER_CALL
 ``RECEIVER``       memory root, the job's secret  (then a listening  serve the memory root to the
                    socket, SCM_RIGHTS)                               other nodes on it (the memory
-                                                                     tier: ``replication.Receiver``)
+                                                                     tier: ``transport.Receiver``)
 ``STOP``                                                             exit after the queue
 =================  ================================================  ===========================
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from asyncckpt.core.writer.barrier import Barrier, BarrierSpec
@@ -83,8 +83,9 @@ class RequestContext(Protocol):
     def tidy(self, parent: str) -> None:
         """Remove our leftovers in ``parent`` whose owner is gone (after the reply)."""
 
-    def barrier(self, spec: "BarrierSpec") -> "Barrier":
-        """Where this request meets the other ranks of its save."""
+    def barrier(self, spec: "BarrierSpec", replicas: Any = None) -> "Barrier":
+        """Where this request meets the other ranks of its save (``replicas``: a memory-tier save on several nodes,
+        whose ranks' staging places are each on its own node: ``tier.nodes.Replicas``)."""
 
     def after_reply(self, action: Callable[[], None]) -> None:
         """Run ``action`` once the request's outcome is reported (deletions nobody waits for)."""

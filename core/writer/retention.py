@@ -1,5 +1,5 @@
-"""Which checkpoints to delete, and the requests that delete them in the background writer: step-named durable
-ones (``CheckpointManager``'s ``keep_last`` / ``keep_every``), and a memory tier's beyond its newest ``keep``.
+"""Which step-named durable checkpoints to delete (``CheckpointManager``'s ``keep_last`` / ``keep_every``), and the
+request that deletes them in the background writer (a memory tier's retention: ``tier.requests``).
 
 Kept apart from ``manager`` (which needs the ``Checkpointer``, hence torch) because the writer
 unpickles ``RetentionRequest`` and must not import torch.
@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from asyncckpt.core.storage import commit, spares, tier
+from asyncckpt.core.storage import commit
 from asyncckpt.core.storage.backend import basename
 from asyncckpt.core.writer.file_requests import RemoveRequest
 from asyncckpt.core.writer.protocol import RequestContext
@@ -43,19 +43,6 @@ class RetentionRequest:
         committed = committed_steps(self.root, re.compile(self.pattern), self.object_store)
         doomed = [committed[step] for step in select_deletions(list(committed), self.keep_last, self.keep_every)]
         RemoveRequest(doomed, object_store=self.object_store).run(context)
-
-
-@dataclass
-class MemoryRetentionRequest:
-    """The memory tier's retention on this node, right after a checkpoint was published there, and only if it
-    committed: the memory checkpoints of ``run_directory`` beyond the newest ``keep`` go (``tier.stale``), their
-    large files kept for the next save to write over (``spares``)."""
-
-    run_directory: str
-    keep: int
-
-    def run(self, context: RequestContext) -> None:
-        spares.recycle(tier.stale(self.run_directory, self.keep), self.run_directory, context.token())
 
 
 def committed_steps(root: str, pattern: re.Pattern, options: Any = None) -> dict[int, str]:

@@ -31,10 +31,11 @@ from asyncckpt.core.storage.backend import join
 from asyncckpt.core.storage.sharing import Base, find_base, remember
 from asyncckpt.core.storage.sidecars import read_sidecar, take_files_records
 from asyncckpt.core.storage.staging import Staging, remove_coordination_files
+from asyncckpt.core.tier.requests import save_beside
 from asyncckpt.core.writer.protocol import RequestContext
 from asyncckpt.core.formats.sidecar import ShareItems, ShareRecord, encode_sidecar
-from asyncckpt.core.writer.replicas import Replicas, commit_entries, publish_copy, spread, stream_file, to_coordinator
-from asyncckpt.core.writer.replication import Streaming, file_checksum
+from asyncckpt.core.tier.nodes import Replicas, TierSave, commit_entries, publish_copy, spread, stream_file, to_coordinator
+from asyncckpt.core.tier.transport import Streaming, file_checksum
 
 
 @dataclass
@@ -63,9 +64,13 @@ class ShareRequest:
     # Set for a DCP directory inside a directory checkpoint: the directory's barrier, which this
     # share's failure fails; the directory's own commit publishes it (no commit of its own).
     directory_barrier: Optional[BarrierSpec] = None
-    replicas: Optional[Replicas] = None  # a memory-tier save on several nodes (``replicas``)
+    tier: Optional[TierSave] = None  # a memory-tier save (``replicas``: on several nodes)
     # Items unchanged since the newest committed checkpoint beside this one are shared, not written (``sharing``).
     share_unchanged: bool = True
+
+    @property
+    def replicas(self) -> Optional[Replicas]:
+        return self.tier.replicas if self.tier is not None else None
 
     def destination(self) -> Staging:
         return Staging(self.staging_dir, self.final_path, self.object_store, self.coordinator, self.direct_io,
@@ -79,7 +84,7 @@ class ShareRequest:
         image = context.image
         wait_ready = None if self.copy_generation is None else context.progress.waiter(
             self.copy_generation, self.barrier.timeout, context.trainer_gone)
-        barrier = context.barrier(self.barrier)
+        barrier = context.barrier(self.barrier, self.replicas)
         place = self.destination()
         sending: list[Future] = []  # the data file to the replica peers, as it is copied and hashed (``replicas``)
 
@@ -89,6 +94,8 @@ class ShareRequest:
                 context.layout.size, wait_ready, lambda: (hashing.result()[1] or file_checksum(path)).xxh3)))
 
         try:
+            if self.tier is not None and self.tier.persist_to is not None and self.directory_barrier is None:
+                save_beside(self, context)  # its durable copy is due: saved there from the same snapshot meanwhile
             if self.directory_barrier is None:
                 if place.tidy_parent() is not None:
                     context.tidy(place.tidy_parent())
@@ -97,7 +104,8 @@ class ShareRequest:
                 os.makedirs(self.staging_dir, exist_ok=True)
             barrier.begin(self.rank)
             items = write_share(place, self.rank, context.layout, image, self.byte_items, wait_ready=wait_ready,
-                                whole_file=self.replicas is not None, link_image=context.link_image,
+                                whole_file=self.replicas is not None,
+                                link_image=context.link_image if self.tier is not None else lambda _path: False,
                                 on_placed=stream if self.replicas is not None and self.directory_barrier is None
                                 else None,  # a directory's commit spreads the files of its parts
                                 sharing=self._sharing(place))
@@ -395,9 +403,10 @@ def commit_share(req: ShareRequest, place: Staging) -> Optional[str]:
     record = {"save_id": req.save_id, "world_size": req.world_size, "step": req.step,
               "structure_hash": req.structure_hash,
               "checksums": {name: {"size": len(data), "xxh3": checksum(data)} for name, data in req.extra_files.items()}}
-    if req.replicas is not None:
-        record.update(commit_entries(req.replicas, place.directory, take_files_records(place.directory, req.world_size),
-                                     record["checksums"], [names.DCP_METADATA_FILE, *req.extra_files]))
+    if req.tier is not None:
+        records = take_files_records(place.directory, req.world_size) if req.replicas is not None else {}
+        record.update(commit_entries(req.tier, place.directory, records, record["checksums"],
+                                     [names.DCP_METADATA_FILE, *req.extra_files]))
     return place.publish(record)
 
 

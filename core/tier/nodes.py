@@ -1,14 +1,14 @@
 """A memory-tier save on several nodes: how every node ends with a committed copy of the checkpoint, of the files
 written on it and the replicas it took.
 
-Each node's memory (``storage.tier``) is its own, so the ranks of a save on several nodes cannot meet in one
+Each node's memory (``tier``) is its own, so the ranks of a save on several nodes cannot meet in one
 staging directory, as those of one node do. Every node stages the save at the same relative path under its memory
 root (the run directory is named after the durable root, the staging directory after the save id: the same on
 every node), and the writers of the ranks, given ``Replicas`` in their requests, do the rest:
 
 1. ``spread`` (every rank, once its files are written on its node, before it arrives at the save's barrier): its
-   files go to its node's replica peers (``replication.peers_for``); each peer that took a file holds it. Its
-   data file goes first, as the snapshot is copied into it and hashed (``stream_file``: ``replication.Streaming``). Its
+   files go to its node's replica peers (``transport.peers_for``); each peer that took a file holds it. Its
+   data file goes first, as the snapshot is copied into it and hashed (``stream_file``: ``transport.Streaming``). Its
    files record (``storage.sidecars``: each file's size, xxh3 and holders) and what else rank 0 needs to commit
    (a sharded save's sidecar) go to rank 0's node. A peer that does not answer within the wait allowed is left
    out (``Peers``: one warning per peer and writer process, tried again ``RETRY_AFTER_S`` later): the save commits
@@ -45,17 +45,27 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
-from asyncckpt.core.errors import CheckpointWriteError
+from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError
 from asyncckpt.core.formats import commit_record, names
 from asyncckpt.core.formats.checksum import FileChecksum
-from asyncckpt.core.storage import owners, tier
-from asyncckpt.core.storage.backend import at_once, backend_for
+from asyncckpt.core.storage import owners
+from asyncckpt.core import tier
+from asyncckpt.core.storage.backend import Backend, at_once, backend_for
 from asyncckpt.core.storage.contents import published_files
-from asyncckpt.core.storage.sidecars import write_files_record
+from asyncckpt.core.storage.sidecars import RecordedFile, write_files_record
 from asyncckpt.core.storage.staging import remove_coordination_files
 from asyncckpt.core.storage.file_checksums import read_record
+from asyncckpt.core.writer.barrier import (
+    COORDINATOR,
+    BarrierSpec,
+    Heartbeats,
+    MarkerBarrier,
+    failure_error,
+    poll,
+    silence_limit,
+)
 from asyncckpt.core.writer.protocol import RequestContext
-from asyncckpt.core.writer.replication import (
+from asyncckpt.core.tier.transport import (
     Address,
     PeerConnection,
     ReplicationError,
@@ -82,7 +92,7 @@ class NodeMap:
     node: str  # this node's id (``tier.node_id``)
     addresses: tuple[tuple[str, str], ...]  # (node id, "host:port") of every other node's receiver
     timeout: float  # the longest wait for a peer, each wait (``replication``), before it is left out
-    secret: bytes = field(repr=False)  # what the job's nodes prove themselves with (``replication.job_secret``)
+    secret: bytes = field(repr=False)  # what the job's nodes prove themselves with (``transport.job_secret``)
 
     def address(self, node: str) -> Address:
         return parse_address(dict(self.addresses)[node])
@@ -97,10 +107,26 @@ class Replicas:
     """How one rank's part of a memory-tier save on several nodes reaches the others (plain data, in its request)."""
 
     nodes: NodeMap
-    peers: tuple[str, ...]  # the nodes that hold this node's replicas (``replication.peers_for``)
+    peers: tuple[str, ...]  # the nodes that hold this node's replicas (``transport.peers_for``)
     coordinator: str  # rank 0's node: where the save is committed first
     members: tuple[str, ...]  # every node a rank of the save is on
     publishes: bool  # this rank publishes its node's copy (the save's lowest rank on a node not rank 0's)
+
+
+@dataclass(frozen=True)
+class TierSave:
+    """A memory-tier save, as each rank's request carries it (plain data): the job's topology, which its commit
+    record binds the checkpoint to (a job of another shape does not use it: ``tier.TIER_ENTRY``), and on several
+    nodes how this rank's part reaches the others."""
+
+    ranks_per_node: tuple[int, ...]  # the save's ranks on each of its nodes, in the order of their lowest ranks
+    replicas: Optional[Replicas] = None  # on several nodes
+    persist_to: Optional[str] = None  # its durable path where its cadence writes it there too, a local one: a sharded
+    # save is saved there from the same snapshot beside its save in memory (``requests.save_beside``)
+
+    @property
+    def topology(self) -> dict:
+        return {"world_size": sum(self.ranks_per_node), "ranks_per_node": list(self.ranks_per_node)}
 
 
 class Peers:
@@ -238,22 +264,27 @@ def to_coordinator(replicas: Replicas, staging_dir: str, rank: int, files: Mappi
                                    f"commit: {refused}")
 
 
-def commit_entries(replicas: Replicas, staging_dir: str, records: Mapping[str, tuple[FileChecksum, tuple[str, ...]]],
+def commit_entries(save: TierSave, staging_dir: str, records: Mapping[str, RecordedFile],
                    recorded: Mapping[str, dict], coordinator_files: Sequence[str]) -> dict:
-    """Step 2 (rank 0, every rank arrived, every file of its own written in ``staging_dir``): the commit record's
-    ``"files"`` (every rank's ``records``, gathered by ``sidecars.take_files_records``, and what is here: rank 0's
-    ``coordinator_files``, which every node fetches) and its ``tier.TIER_ENTRY``. ``recorded``: the checksums the
-    record carries already."""
+    """Step 2 (rank 0, every rank arrived, every file of its own written in ``staging_dir``): what the commit record
+    of a memory-tier save adds, its ``tier.TIER_ENTRY``: the job's topology, the rank that wrote each file of a rank's
+    files record (``records``, gathered by ``sidecars.take_files_records``; ``tier.writer_of``), and on several nodes
+    the record's ``"files"`` (every rank's, and what is here: rank 0's ``coordinator_files``, which every node
+    fetches), which node holds each, and their checksums the record does not carry yet (``recorded``)."""
+    entry: dict = {"topology": save.topology,
+                   "ranks": {name: file.rank for name, file in sorted(records.items()) if file.rank}}
+    if save.replicas is None:
+        return {tier.TIER_ENTRY: entry}
     written_here = {name: file_checksum(os.path.join(staging_dir, name)) for name in coordinator_files}
     files = {**published_files(backend_for(staging_dir), staging_dir)[0],
-             **{name: checksum.size for name, (checksum, _holders) in records.items()}}
-    holders = {name: list(held) for name, (_checksum, held) in records.items()}
-    holders.update({name: list(replicas.members) for name in written_here})
-    checksums = {**{name: checksum for name, (checksum, _holders) in records.items()}, **written_here}
-    return {"files": dict(sorted(files.items())), tier.TIER_ENTRY: {
-        "holders": dict(sorted(holders.items())),
-        "checksums": {name: {"size": c.size, "xxh3": c.xxh3} for name, c in sorted(checksums.items())
-                      if name not in recorded}}}
+             **{name: file.checksum.size for name, file in records.items()}}
+    holders = {name: list(file.holders) for name, file in records.items()}
+    holders.update({name: list(save.replicas.members) for name in written_here})
+    checksums = {**{name: file.checksum for name, file in records.items()}, **written_here}
+    entry.update({"holders": dict(sorted(holders.items())),
+                  "checksums": {name: {"size": c.size, "xxh3": c.xxh3} for name, c in sorted(checksums.items())
+                                if name not in recorded}})
+    return {"files": dict(sorted(files.items())), tier.TIER_ENTRY: entry}
 
 
 def publish_copy(replicas: Replicas, staging_dir: str, final_path: str, token: str) -> None:
@@ -299,6 +330,81 @@ def _fetched(nodes: NodeMap, node: str, paths: list[str], staging: str, final: s
     failed = [transfer.error for transfer in outcomes if not transfer.ok]
     if failed:
         raise CheckpointWriteError("; ".join(failed))
+
+
+class CoordinatorMarkers(MarkerBarrier):
+    """The markers of a memory-tier save on several nodes (``barrier.MarkerBarrier``), for a rank whose node is not
+    rank 0's: the ranks' staging directories are each on its own node, so each marker this rank's writer writes goes
+    to rank 0's node too (its staging directory there, over the replication transport), where rank 0's writer waits
+    for every rank's; and this rank waits for the commit by asking rank 0's node for the commit record. So the
+    writers of a save meet without the Store that rank 0's training process holds (``barrier.SurvivingBarrier``):
+    a save that returned on every rank commits when every training process dies."""
+
+    def __init__(self, spec: BarrierSpec, replicas: Replicas, heartbeats: Optional[Heartbeats] = None,
+                 judge_silence: Callable[[], bool] = lambda: False) -> None:
+        super().__init__(spec, heartbeats, judge_silence)
+        self.nodes, self.coordinator = replicas.nodes, replicas.coordinator
+        self.backend = _AlsoOnNode(self.backend, self.nodes, self.coordinator)
+
+    def wait_commit(self) -> None:
+        spec, nodes = self.spec, self.nodes
+        record_path = os.path.join(nodes.relative(spec.final_path), names.COMMIT_RECORD)
+        abort_path = os.path.join(nodes.relative(self.place), names.ABORT_MARKER)
+        limit = silence_limit(spec.timeout)
+        connection: list[PeerConnection] = []
+        answered = time.monotonic()
+
+        def committed_or_failed() -> bool:
+            nonlocal answered
+            try:
+                if not connection:
+                    connection.append(PeerConnection(nodes.address(self.coordinator), secret=nodes.secret,
+                                                     timeout=nodes.timeout))
+                record = commit_record.parse(connection[0].read(record_path))
+                reason = None if record is not None else connection[0].read(abort_path)
+            except ReplicationError as e:
+                connection.clear()
+                if time.monotonic() - answered > limit:
+                    raise failure_error(COORDINATOR, f"its node {self.coordinator} did not answer for {limit:.0f}s "
+                                                     f"({e.reason})") from None
+                return False
+            answered = time.monotonic()
+            if record is not None and record.get("save_id") == (spec.save_id or spec.key):
+                return True
+            if reason is not None:
+                failure = json.loads(reason)
+                raise failure_error(failure["rank"], failure["error"])
+            return False
+
+        try:
+            poll(committed_or_failed, spec.timeout, lambda: CheckpointTimeoutError(
+                f"rank 0 did not commit it within {spec.timeout:.0f}s"), max_delay=COMMIT_POLL_S)
+        finally:
+            for open_connection in connection:
+                open_connection.close()
+
+
+#: How often a rank of another node asks rank 0's node whether a save is committed, once the Store is gone: each
+#: look is a request over the network.
+COMMIT_POLL_S = 0.05
+
+
+class _AlsoOnNode:
+    """A ``storage.backend.Backend`` whose markers are also written on another node (the same path relative to the
+    memory root, over the replication transport); everything else is the local ``backend``'s."""
+
+    def __init__(self, backend: Backend, nodes: NodeMap, node: str) -> None:
+        self._backend, self._nodes, self._node = backend, nodes, node
+
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
+
+    def write_marker(self, path: str, data: bytes, *, exclusive: bool = False, append: bool = False) -> None:
+        self._backend.write_marker(path, data, exclusive=exclusive, append=append)
+        [sent] = send(self._nodes.address(self._node), self._nodes.root, [self._nodes.relative(path)],
+                      secret=self._nodes.secret, timeout=self._nodes.timeout)
+        if not sent.ok:
+            raise CheckpointWriteError(f"rank 0's node {self._node} did not take {sent.path}: {sent.error}")
 
 
 def missing_files(path: str, record: dict) -> list[str]:

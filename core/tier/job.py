@@ -1,29 +1,31 @@
-"""The memory tier of one ``Checkpointer``: where each checkpoint goes, and what follows its commit.
+"""The memory tier of one ``Checkpointer`` (``Tier``; ``NoTier`` where it is off): the one thing the Checkpointer
+and the adapter kit call about the tier. Where each checkpoint goes, what its requests carry, what follows its commit.
 
 With ``memory_tier`` on, a checkpoint asked for at its durable path (``run/checkpoint-20``) is saved at its memory
-path on this node (``storage.tier.memory_path``) by the usual save machinery, so it is committed there exactly as a
-checkpoint is anywhere (staging, commit record, checksums), at the speed of a copy into shared memory. Behind its
-commit, in the writer's queue, come:
+path on this node (``tier.memory_path``) by the usual save machinery, so it is committed there exactly as a
+checkpoint is anywhere (staging, commit record, checksums), at the speed of a copy into shared memory. Its requests
+carry a ``nodes.TierSave`` (the job's shape, which its commit record binds it to; on several nodes how this rank's
+part reaches the others). Behind its commit, in the writer's queue, come:
 
-* every ``persist_every``-th checkpoint of a durable root (and, at the end of a run, the last one): its copy to
-  the durable path, committed there as any checkpoint (``CopyRequest``): no second snapshot, the writer reads the
-  memory copy;
+* every ``persist_every``-th checkpoint of a durable root (and, at the end of a run, the last one): its durable copy,
+  of which every rank's writer writes its own files from its node's memory (``requests.PersistRequest``; a single
+  file, by the rank that saved it: ``CopyRequest``), committed there as any checkpoint: no second snapshot;
 * the memory tier's own retention: the memory checkpoints of the root beyond the newest ``keep`` are removed
   (the durable ones are the framework's to rotate, as without the tier).
 
 A root whose checkpoints do not fit in the memory the tier may use is saved durably only, with one warning saying
-what would fit. A run that ends normally (``finish``) persists its last checkpoint and leaves nothing in memory.
+what would fit. A run that ends normally persists its last checkpoint and leaves nothing in memory (``clear``).
 
 On several nodes (``connect``: every rank leaves its node's id in the torch.distributed Store, ``NODE_KEY``), each
-node's memory is its own: the saves' requests carry ``writer.replicas.Replicas`` (which peers hold this node's
-replicas, rank 0's node, whether this rank publishes its node's copy), and the lowest rank of each node has its
-writer serve the node's memory to the others (``writer.replication.Receiver``, on a socket made and published here:
-the address is in the Store before any peer needs it, and the same for every writer this Checkpointer starts; a
-restart's writer starts after its load from memory where no peer needs it sooner, ``assemble``). A
-single file saved by one rank (Lightning's ``.ckpt``) goes to its node's peers behind its commit (``FileReplicas``);
-the ranks of the other nodes ``expect`` its root, so that their nodes' copies are theirs (kept while they run,
-removed at the end). A restart agrees on the memory checkpoint to load and completes each node's copy from its
-peers (``assemble``).
+node's memory is its own: the saves' requests carry ``nodes.Replicas`` (which peers hold this node's replicas, rank
+0's node, whether this rank publishes its node's copy), and the lowest rank of each node has its writer serve the
+node's memory to the others (``transport.Receiver``, on a socket made and published here: the address is in the
+Store before any peer needs it, and the same for every writer this Checkpointer starts; a restart's writer starts
+after its load from memory where no peer needs it sooner, ``assemble``). A single file saved by one rank
+(Lightning's ``.ckpt``) goes to its node's peers behind its commit (``FileReplicas``); the ranks of the other nodes
+``expect`` its root, so that their nodes' copies are theirs (kept while they run, removed at the end). A restart
+agrees on the memory checkpoint to load, of this job's shape, and completes each node's copy from its peers
+(``assemble``).
 """
 from __future__ import annotations
 
@@ -38,17 +40,28 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from asyncckpt.core.api.options import MemoryTier
+from asyncckpt.core.api.options import CheckpointOptions
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import FileChecksum
 from asyncckpt.core.snapshot.buffer_pool import FileBuffers
 from asyncckpt.core.snapshot.collectives import any_rank, over
 from asyncckpt.core.snapshot.dist_env import dist_ready, rank_and_world
-from asyncckpt.core.storage import commit, tier
+from asyncckpt.core.storage import commit
+from asyncckpt.core import tier
 from asyncckpt.core.storage.backend import is_url
 from asyncckpt.core.writer.mirror import CopyRequest
-from asyncckpt.core.writer.replicas import FileReplicas, NodeMap, Replicas, fetch_file, fetch_missing, missing_files
-from asyncckpt.core.writer.replication import (
+from asyncckpt.core.writer.barrier import BarrierSpec
+from asyncckpt.core.tier.requests import MemoryRetentionRequest, PersistRequest
+from asyncckpt.core.tier.nodes import (
+    FileReplicas,
+    NodeMap,
+    Replicas,
+    TierSave,
+    fetch_file,
+    fetch_missing,
+    missing_files,
+)
+from asyncckpt.core.tier.transport import (
     format_address,
     job_secret,
     listening_socket,
@@ -56,7 +69,6 @@ from asyncckpt.core.writer.replication import (
     peers_for,
     publish_address,
 )
-from asyncckpt.core.writer.retention import MemoryRetentionRequest
 
 NODE_KEY = "asyncckpt/tier/node/{rank}"  # in the Store: the node id of each (global) rank
 
@@ -79,7 +91,7 @@ class _Run:
 
 @dataclass(frozen=True)
 class _Nodes:
-    """The job's nodes, as ``MemoryTiers.connect`` found them (two or more)."""
+    """The job's nodes, as ``Tier.connect`` found them (two or more)."""
 
     of_rank: tuple[str, ...]  # the node id of each global rank
     map: NodeMap  # what a writer needs to reach the other nodes
@@ -97,16 +109,24 @@ class Placement:
     durable: str
     persist: bool
     run: _Run = field(repr=False)
+    save: Optional[BarrierSpec] = None  # where its ranks met (``follow_ups``; None: a single file, one rank's)
 
 
-class MemoryTiers:
-    """``store()``: the torch.distributed Store (None without one: the tier is then one node's); ``queue``: the
+class Tier:
+    """The memory tier of a Checkpointer whose options are ``checkpoint_options`` (``memory_tier`` set): the one
+    thing the Checkpointer and the adapter kit call about it (``NoTier`` where it is off).
+    ``store()``: the torch.distributed Store (None without one: the tier is then one node's); ``queue``: the
     Checkpointer's ``WriterQueue``, whose writer serves this node's memory to the others."""
 
-    def __init__(self, options: MemoryTier, object_store: Any, *, store: Callable[[], Any], queue: Any) -> None:
-        self.options, self.object_store = options, object_store
-        self.root = tier.memory_root(options.root)
-        self._store, self._queue = store, queue
+    active = True
+
+    def __init__(self, checkpoint_options: CheckpointOptions, *, store: Callable[[], Any], queue: Any,
+                 process_group: Any = None) -> None:
+        self.options, self.checkpoint_options = checkpoint_options.memory_tier, checkpoint_options
+        self.object_store = checkpoint_options.object_store
+        self.root = tier.memory_root(self.options.root)
+        self._store, self._queue, self._group = store, queue, process_group
+        self._foreign: dict[str, set[str]] = {}  # run directory -> its memory checkpoints of another job's shape
         self._runs: dict[str, _Run] = {}
         self._placed: dict[str, Placement] = {}  # by memory path
         self._lock = threading.Lock()
@@ -122,7 +142,7 @@ class MemoryTiers:
         """Find this rank's node among the job's nodes: at ``Checkpointer.start``, the first save and a resume (not
         a collective, but it waits in the Store until every rank has left its node there: every rank starts, or
         saves). On several nodes, the lowest rank of each node publishes where its writer serves the node's memory
-        (``replication.publish_address``) and hands it the listening socket (``serve=False``: the writer serves
+        (``transport.publish_address``) and hands it the listening socket (``serve=False``: the writer serves
         from its next start, ``serve``). Once per Checkpointer; nothing without a Store or with one rank; not yet
         on a rank of several whose process group is not up (Lightning starts its plugin before it): at the next
         call then."""
@@ -169,22 +189,64 @@ class MemoryTiers:
         """The job runs on several nodes (``connect``): each node's memory holds its own copy of a checkpoint."""
         return self._nodes is not None
 
-    def replicas(self, path: str, group: Any) -> Optional[Replicas]:
-        """What the request of this rank's part of the save at ``path`` (a memory path ``place`` gave) over
-        ``group`` needs to reach the other nodes; None where the save's ranks are all on one node (or it is not in
-        memory): the save is then one node's, as without other nodes."""
-        nodes = self._nodes
-        if nodes is None or path not in self._placed:
+    def save_tier(self, path: str, group: Any) -> Optional[TierSave]:
+        """What the requests of this rank's part of the save at ``path`` (a memory path ``place`` gave) over
+        ``group`` carry: the job's topology, and where the save's ranks are on several nodes, how this rank's part
+        reaches the others; None where it is not in memory."""
+        placed = self._placed.get(path)
+        if placed is None:
             return None
-        rank, world = rank_and_world(group)
-        node_of = [nodes.of_rank[dist.get_global_rank(group, r) if group is not None else r] for r in range(world)]
+        rank = rank_and_world(group)[0]
+        node_of = self._node_of(group)
+        ranks_per_node = tuple(node_of.count(node) for node in dict.fromkeys(node_of))
+        persist_to = placed.durable if placed.persist and not is_url(placed.durable) else None
         members = tuple(sorted(set(node_of)))
         if len(members) < 2:
-            return None
+            return TierSave(ranks_per_node, persist_to=persist_to)
+        nodes = self._nodes
         node = node_of[rank]
         peers = self._peers(node, members)
         publishes = node_of.index(node) == rank and node != node_of[0]
-        return Replicas(nodes.map, peers, node_of[0], members, publishes)
+        return TierSave(ranks_per_node, Replicas(nodes.map, peers, node_of[0], members, publishes), persist_to)
+
+    def _node_of(self, group: Any) -> list[str]:
+        """The node of each rank of ``group`` (``connect``; on one node, this one's)."""
+        world = rank_and_world(group)[1]
+        if self._nodes is None:
+            return [tier.node_id()] * world
+        return [self._nodes.of_rank[dist.get_global_rank(group, r) if group is not None else r] for r in range(world)]
+
+    def _foreign_to_job(self, run_directory: str, checkpoints: list[tier.MemoryCheckpoint]) -> set[str]:
+        """The memory checkpoints of ``checkpoints`` (in ``run_directory``) that a job of another shape saved (its
+        world size, its ranks per node: ``TierSave.topology`` in their commit records): this job does not resume
+        from them, whose shares are not its ranks' (their durable copies, if any, load as from storage, resharded);
+        said in one line per run directory, by one process of the node. A single file has no shape: it is the
+        whole state."""
+        node_of = self._node_of(self._group)
+        job = TierSave(tuple(node_of.count(node) for node in dict.fromkeys(node_of))).topology
+        foreign = {c.name for c in checkpoints if c.record is not None
+                   and c.record.get(tier.TIER_ENTRY, {}).get("topology", job) != job}
+        said = self._foreign.setdefault(run_directory, set())
+        if foreign - said and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            logger.warning("asyncckpt: not resuming from the memory checkpoint(s) %s of %s: saved by a job of another "
+                           "shape (%s), this job has %d rank(s), %s a node; their durable copies, if any, load as from "
+                           "storage", ", ".join(sorted(foreign - said)), tier.durable_root_of(run_directory),
+                           "; ".join(sorted({_shape(c.record) for c in checkpoints if c.name in foreign - said})),
+                           job["world_size"], "/".join(map(str, job["ranks_per_node"])))
+        said |= foreign
+        return foreign
+
+    def latest_checkpoint(self, root: str, group: Any, orphan_timeout: float) -> Optional[str]:
+        """The newest committed checkpoint of the durable ``root`` this job resumes from, in any tier (a collective on
+        several nodes: ``assemble``; the newest on storage where the nodes hold none in memory); of the memory
+        checkpoints, those of this job's shape only (``_foreign_to_job``)."""
+        assembled = self.assemble(root, group)
+        if self.across_nodes:
+            return assembled or commit.latest_checkpoint(root, orphan_timeout=orphan_timeout)
+        run_directory = self.run_dir(root)
+        foreign = self._foreign_to_job(run_directory, tier.memory_checkpoints(run_directory))
+        return tier.latest_checkpoint(root, orphan_timeout=orphan_timeout, memory_root=self.options.root,
+                                      skipped=foreign)
 
     def _peers(self, node: str, members: tuple[str, ...]) -> tuple[str, ...]:
         """The nodes of ``members`` (sorted) that hold ``node``'s replicas (``peers_for``)."""
@@ -195,10 +257,15 @@ class MemoryTiers:
         sends)."""
         return 0 if self._nodes is None else min(self.options.replicas, self._nodes.count - 1)
 
-    def copy_request(self, memory: str, durable: str) -> CopyRequest:
-        """The request that writes the memory checkpoint ``memory`` durably at ``durable`` (on several nodes, with
-        what this node lacks of it fetched from the others first)."""
-        return CopyRequest(memory, durable, self.object_store, self._nodes.map if self._nodes is not None else None)
+    def persist_request(self, memory: str, durable: str, save: Optional[BarrierSpec], rank: int) -> Any:
+        """The request that writes this rank's part of the memory checkpoint ``memory`` durably at ``durable``: its
+        own files, the ranks meeting as those of the ``save`` did (its meeting point: its ranks, its id, the
+        Store or markers; ``tier.requests``). ``save`` None: a single file, which its one rank copies whole."""
+        if save is None:
+            return CopyRequest(memory, durable, self.object_store)
+        options = self.checkpoint_options
+        return PersistRequest(memory, durable, rank, save.world_size, save.key, save.kind, options.timeout,
+                              options.direct_io, options.io_threads, self.object_store)
 
     # ------------------------------------------------------------------ a restart on several nodes
     def assemble(self, durable_root: str, group: Any, *, single_files: Optional[Callable[[str], bool]] = None
@@ -206,10 +273,10 @@ class MemoryTiers:
         """Before a resume from ``durable_root`` on several nodes (a collective over ``group``: every rank calls
         it): the ranks agree on the newest memory checkpoint whose every file some node holds, not older than the
         newest durable one; each node's lowest rank fetches what its node lacks of it from the nodes that hold it
-        (``replicas.fetch_missing``: checked against the record, a damaged copy named and the next holder tried);
+        (``nodes.fetch_missing``: checked against the record, a damaged copy named and the next holder tried);
         if a node cannot complete it, the next one is tried. With ``single_files`` (which names a framework picks
         from, as Lightning's ``last.ckpt``), of the single-file checkpoints so named, the newest by modification
-        time (as the framework picks), fetched whole where missing (``replicas.fetch_file``). Returns its path on
+        time (as the framework picks), fetched whole where missing (``nodes.fetch_file``). Returns its path on
         this node, None if there is none (or one node: nothing is asked): storage then. What a resume on this node
         may load from memory is then that checkpoint only (``usable``): every rank tries the same copies in the
         same order. This node's writer starts serving here where another node may fetch from it, or nothing is
@@ -220,6 +287,8 @@ class MemoryTiers:
             return None
         run_directory = tier.open_run(durable_root, self.options.root)  # a replaced node's is made (to fetch into)
         here = tier.memory_checkpoints(run_directory)
+        foreign = self._foreign_to_job(run_directory, here)
+        here = [c for c in here if c.name not in foreign]
         if single_files:
             held = [(c.name, _file_record(c), [c.name]) for c in here
                     if c.checksum is not None and c.complete and single_files(c.name)]
@@ -250,12 +319,15 @@ class MemoryTiers:
             self.serve()
         return None if agreed is None else os.path.join(run_directory, agreed)
 
-    def usable(self, run_directory: str) -> Optional[set[str]]:
+    def usable(self, run_directory: str) -> set[str]:
         """The memory checkpoints in ``run_directory`` a resume on this node may load (names): on several nodes, the
         one they agreed on (``assemble``; none before it, nor before the nodes are known on a job the launcher says
-        spans several); None on one node: any (each is whole there)."""
+        spans several); on one node, each of this job's shape (``_foreign_to_job``; each is whole there)."""
         if self._nodes is None:
-            return set() if not self._connected and _spans_nodes() else None
+            if not self._connected and _spans_nodes():
+                return set()
+            here = tier.memory_checkpoints(run_directory)
+            return {c.name for c in here} - self._foreign_to_job(run_directory, here)
         return {self._agreed[run_directory]} if self._agreed.get(run_directory) else set()
 
     def expect(self, durable_root: str) -> None:
@@ -317,6 +389,11 @@ class MemoryTiers:
         """The memory run directory of ``durable_root`` on this node (whether or not it exists)."""
         return tier.run_dir(durable_root, self.options.root)
 
+    def places(self, durable_root: str) -> list[str]:
+        """Where the checkpoints of ``durable_root`` may be on this node, the durable root first: it, and its memory
+        run directory (for an adapter that lists a framework's checkpoints itself)."""
+        return [durable_root, self.run_dir(durable_root)]
+
     def memory_path(self, durable: str) -> str:
         """Where the memory copy of the checkpoint at ``durable`` lives on this node (whether or not it is there)."""
         return tier.memory_path(durable, self.options.root)
@@ -340,20 +417,20 @@ class MemoryTiers:
                                                                                          capacity))
         return False
 
-    def follow_ups(self, memory: str, nbytes: int, *, publishes: bool, single_file: bool) -> list[tuple[str, str, Any]]:
-        """The writer jobs behind the commit of the checkpoint saved at ``memory`` (``nbytes`` on this rank), as
-        ``(kind, path, request)``: its persistence when due, by the rank that publishes it (``publishes``); a
-        ``single_file`` of a root every rank ``expect``s, its replicas (a directory's go with its files); then, by
-        one rank per node, the tier's retention on this node."""
+    def follow_ups(self, memory: str, nbytes: int, *, rank: int, save: Optional[BarrierSpec]) -> list[tuple[str, str, Any]]:
+        """The writer jobs behind the commit of the checkpoint saved at ``memory`` (``nbytes`` on this ``rank``),
+        as ``(kind, path, request)``: its persistence when due, by every rank of the ``save`` (its meeting point;
+        None: a single file, by its one rank); a single file of a root every rank ``expect``s, its replicas (a
+        directory's go with its files); then, by one rank per node, the tier's retention on this node."""
         placed = self._placed.get(memory)
         if placed is None:
             return []
         placed.run.unpersisted = None if placed.persist else memory
-        placed.run.last_bytes = nbytes
+        placed.run.last_bytes, placed.save = nbytes, save
         jobs = []
-        if placed.persist and publishes:
-            jobs.append(("persist", placed.durable, self.copy_request(memory, placed.durable)))
-        if single_file and placed.run.expected and self._nodes is not None:
+        if placed.persist:
+            jobs.append(("persist", placed.durable, self.persist_request(memory, placed.durable, save, rank)))
+        if save is None and placed.run.expected and self._nodes is not None:
             peers = self._peers(self._nodes.map.node, tuple(sorted(set(self._nodes.of_rank))))
             jobs.append(("replicate", memory, FileReplicas(memory, self._nodes.map, peers, self.options.keep)))
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -376,6 +453,81 @@ class MemoryTiers:
             tier.release_run(run.directory, run.owner)
             if remove:
                 tier.remove_run(run.directory)
+
+
+class NoTier:
+    """No memory tier: every checkpoint is saved where it was asked for, and resumed from there (the ``Tier`` that
+    the Checkpointer and the adapter kit call, where ``memory_tier`` is off)."""
+
+    active = False
+    across_nodes = False
+
+    def connect(self, *, serve: bool = True) -> None:
+        pass
+
+    def serve(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def place(self, durable: str, nbytes: int, step: Optional[int], *, durable_too: Optional[bool] = None,
+              agree_over: Any = False) -> str:
+        return durable
+
+    def placement(self, memory: str) -> Optional[Placement]:
+        return None
+
+    def save_tier(self, path: str, group: Any) -> Optional[TierSave]:
+        return None
+
+    def file_buffers(self, memory: str) -> Optional[FileBuffers]:
+        return None
+
+    def follow_ups(self, memory: str, nbytes: int, *, rank: int, save: Optional[BarrierSpec]) -> list:
+        return []
+
+    def memory_path(self, durable: str) -> Optional[str]:
+        return None
+
+    def places(self, durable_root: str) -> list[str]:
+        return [durable_root]
+
+    def latest_checkpoint(self, root: str, group: Any, orphan_timeout: float) -> Optional[str]:
+        """The newest checkpoint of ``root`` in any tier of this node (``tier.latest_checkpoint``: a memory copy a
+        run with the tier left too)."""
+        return tier.latest_checkpoint(root, orphan_timeout=orphan_timeout)
+
+    def assemble(self, durable_root: str, group: Any, *, single_files: Optional[Callable[[str], bool]] = None
+                 ) -> Optional[str]:
+        return None
+
+    def usable(self, run_directory: str) -> set[str]:
+        return set()
+
+    def expect(self, durable_root: str) -> None:
+        pass
+
+    def unpersisted(self) -> list[Placement]:
+        return []
+
+    def clear(self, *, remove: bool) -> None:
+        pass
+
+
+def tier_of(checkpoint_options: CheckpointOptions, *, store: Callable[[], Any], queue: Any,
+            process_group: Any = None) -> "Tier | NoTier":
+    """The memory tier of a Checkpointer with ``checkpoint_options`` (``Tier``'s arguments): ``NoTier`` where
+    ``memory_tier`` is off."""
+    if not checkpoint_options.memory_tier:
+        return NoTier()
+    return Tier(checkpoint_options, store=store, queue=queue, process_group=process_group)
+
+
+def _shape(record: dict) -> str:
+    """A memory checkpoint's job shape, as its commit record binds it: ``4 rank(s), 2/2 a node``."""
+    topology = record[tier.TIER_ENTRY]["topology"]
+    return f"{topology['world_size']} rank(s), {'/'.join(map(str, topology['ranks_per_node']))} a node"
 
 
 def _spans_nodes() -> bool:

@@ -1,6 +1,6 @@
 """Moving memory-tier files between nodes: a receiver per node, and ``send`` / ``fetch`` to and from a peer's.
 
-With the memory tier (``storage.tier``), each node's shares of a checkpoint are copied into the memory of
+With the memory tier (``tier``), each node's shares of a checkpoint are copied into the memory of
 ``replicas`` other nodes (``peers_for``), so that the loss of a node loses no checkpoint, and a node that
 replaced a lost one fetches back what it lacks. Both directions move whole files between two memory roots
 under the same relative path (``run-abc/.checkpoint-20.asyncckpt-staging-<id>/model.safetensors``): which
@@ -608,6 +608,22 @@ class PeerConnection:
             problem = stream.receive_file(root, local_path, expected, mtime_ns)
             return None if problem is None else problem.replace(local_path, relative_path)
 
+    def read(self, relative_path: str) -> Optional[bytes]:
+        """The bytes of the peer's small file ``relative_path`` (a marker, a commit record: at most
+        ``MAX_MESSAGE_BYTES``), checked against the checksum the peer computes; None where it has none."""
+        with self._failing(relative_path) as stream:
+            stream.send_message({"get": relative_path, "hash": True})
+            reply = self._reply(stream, relative_path)
+            if reply.get("error") is not None:
+                return None
+            _, size, xxh3 = _announced(reply, "path")
+            if size > MAX_MESSAGE_BYTES:
+                raise _Broken(f"it sent {size} B for {relative_path}, a small file")
+            data = stream._recv_exact(size)
+            if xxh3 is None or checksum(data) != xxh3:
+                raise _Broken(f"{relative_path} arrived damaged")
+            return data
+
     def close(self) -> None:
         if self._stream is not None:
             self._stream.sock.close()
@@ -711,6 +727,7 @@ class Receiver:
         self._lock = threading.Lock()
         self._ended = threading.Condition(self._lock)  # a connection ended, or the receiver is closing
         self._connections: dict[socket.socket, threading.Thread] = {}
+        self._last_connected = time.monotonic()  # when a connection last began or ended (``wait_quiet``)
         self._closing = False
         self._acceptor = threading.Thread(target=self._accept, name="asyncckpt-replication-accept", daemon=True)
         self._acceptor.start()
@@ -736,6 +753,7 @@ class Receiver:
                 thread = threading.Thread(target=self._serve, args=(sock, format_address(peer[:2])),
                                           name="asyncckpt-replication-serve", daemon=True)
                 self._connections[sock] = thread
+                self._last_connected = time.monotonic()
             thread.start()
 
     @staticmethod
@@ -774,7 +792,8 @@ class Receiver:
             sock.close()
             with self._lock:
                 self._connections.pop(sock, None)
-                self._ended.notify()
+                self._last_connected = time.monotonic()
+                self._ended.notify_all()
 
     def _prove(self, stream: _Stream) -> Optional[str]:
         """The handshake, as the receiving side: our nonce, then the peer's nonce and proof, then ours. None once
@@ -852,12 +871,22 @@ class Receiver:
         finally:
             os.close(fd)
 
+    def wait_quiet(self, quiet_s: float) -> None:
+        """Return once no peer has been connected for ``quiet_s`` seconds: a writer whose training process died
+        serves the other nodes' writers until they have what they need of its node (a save's commit record)."""
+        with self._lock:
+            while True:
+                quiet = time.monotonic() - self._last_connected
+                if (not self._connections and quiet >= quiet_s) or self._closing:
+                    return
+                self._ended.wait(quiet_s if self._connections else quiet_s - quiet)
+
     def close(self) -> None:
         """Stop accepting, end every connection (a file being received is discarded), and return once
         every thread has ended."""
         with self._lock:
             self._closing = True
-            self._ended.notify()
+            self._ended.notify_all()
             connections = dict(self._connections)
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept

@@ -1,4 +1,12 @@
-"""The memory tier's place on a node: where a checkpoint lives in node-local memory, and whose it is.
+"""The memory tier (docs/memory_tier.md), in one package; this module is its place on a node: where a checkpoint lives
+in node-local memory, and whose it is.
+
+The package's halves: what the background writer runs, without torch (this module; ``transport``, moving files
+between the nodes' memory; ``nodes``, a save on several nodes and a restart's fetches; ``requests``, the writer's
+jobs behind a memory save: its durable copy, the tier's retention, a single file's replicas), and the training
+process's (``job``: ``Tier``, the one thing the Checkpointer and the adapter kit call about the tier, ``NoTier``
+where it is off). The writer's save requests carry a memory save's ``nodes.TierSave``. Its spare files are
+``storage.spares`` (the storage's writes take them).
 
 With the ``memory_tier`` option, a checkpoint is first committed to memory on its node (tmpfs, by default under
 ``/dev/shm``, so that it outlives the training process and its writer, not the machine), and only every
@@ -35,7 +43,7 @@ import socket
 import stat
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.checksum import FileChecksum
@@ -177,7 +185,7 @@ def durable_root_of(directory: str) -> Optional[str]:
 
 
 # ------------------------------------------------------------------------------------- what a run holds
-#: In the commit record of a memory checkpoint saved on several nodes (``writer.replicas``): ``{"holders": {file:
+#: In the commit record of a memory checkpoint saved on several nodes (``tier.nodes``): ``{"holders": {file:
 #: [node, ...]}, "checksums": {file: {"size": ..., "xxh3": ...}}}``: which nodes hold each file (its own and the
 #: peers that took a replica, as the save left them), and the whole-file checksums the record does not carry
 #: otherwise (a sharded save's data files, sidecars, ``.metadata``), which a copy from another node is checked by.
@@ -189,6 +197,18 @@ def record_checksums(record: dict) -> dict[str, FileChecksum]:
     checkpoint's files, a sharded one's extra files) and its ``TIER_ENTRY``'s."""
     entries = {**record.get(TIER_ENTRY, {}).get("checksums", {}), **record.get("checksums", {})}
     return {name: FileChecksum(entry["size"], entry["xxh3"]) for name, entry in entries.items()}
+
+
+def writer_of(record: dict, name: str) -> int:
+    """The rank that wrote the file ``name`` of the memory checkpoint whose commit record is ``record``: as the record's
+    ``TIER_ENTRY`` says (a directory checkpoint's files, those of a save on several nodes), else the rank a sharded
+    save's file is named after (its data files, its sidecar), else rank 0 (what the commit added: DCP's ``.metadata``,
+    a save's extra files)."""
+    ranks = record.get(TIER_ENTRY, {}).get("ranks", {})
+    if name in ranks:
+        return ranks[name]
+    match = names.DATA_FILE_PATTERN.match(name) or names.SIDECAR_PATTERN.match(name)
+    return int(match[1]) if match else 0
 
 
 def holders(record: dict) -> dict[str, list[str]]:
@@ -481,10 +501,12 @@ def remove_orphans(root: str, older_than_s: float = ORPHAN_AFTER_S) -> list[str]
     return [path for path in orphaned_runs(root, older_than_s) if remove_orphan(path)]
 
 
-def latest_checkpoint(root: str, *, orphan_timeout: float = 600.0, memory_root: Optional[str] = None) -> Optional[str]:
+def latest_checkpoint(root: str, *, orphan_timeout: float = 600.0, memory_root: Optional[str] = None,
+                      skipped: Collection[str] = ()) -> Optional[str]:
     """The newest complete checkpoint of ``root`` in any tier of this node (by step, then commit time), or None:
     directly under ``root`` (``commit.latest_checkpoint``), or in its memory run directory (under ``memory_root``,
-    else the environment's or the default), whose copy is the nearer where both hold the same step. A writer of a
+    else the environment's or the default; but those named in ``skipped``), whose copy is the nearer where both hold
+    the same step. A writer of a
     previous run still finishing a checkpoint in either is waited for first, up to ``orphan_timeout`` seconds. This
     node's view only: on several nodes, ``Checkpointer.latest_checkpoint`` (the nodes agree, and complete their
     copies from each other)."""
@@ -495,7 +517,7 @@ def latest_checkpoint(root: str, *, orphan_timeout: float = 600.0, memory_root: 
         if not backend_for(place).remote:
             orphans.wait_for_orphans(place, orphan_timeout)
         for path, record in commit.committed_under(place):
-            if record is None:
+            if record is None or (nearness and os.path.basename(path) in skipped):
                 continue
             step = record.get("step")
             key = (step if step is not None else -1, nearness, record.get("committed_at_ns", 0))
