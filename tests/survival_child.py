@@ -103,7 +103,7 @@ def main() -> None:
     handle = checkpointer.async_save(state, os.path.join(root, "next"))
     if mode == "closed":
         checkpointer.remove([os.path.join(root, "base")], after=handle)
-        socket.socket(fileno=os.dup(checkpointer.ledger.queue._writer.conn.fileno())).shutdown(socket.SHUT_RDWR)
+        socket.socket(fileno=os.dup(checkpointer._ledger.queue._writer.conn.fileno())).shutdown(socket.SHUT_RDWR)
         print("closed", flush=True)
         time.sleep(3600)
     print("returned", flush=True)

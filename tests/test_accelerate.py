@@ -187,14 +187,14 @@ def test_resume_fidelity_n_then_2n_equals_2n_uninterrupted(tmp_path, handles, op
     for _ in range(n):
         step()
     acc.save_state()
-    assert handles[-1].checkpointer.staging_busy == overlapped  # overlap: optimizer.bin is snapshot after the call
+    assert handles[-1].checkpointer.snapshot_thread.busy == overlapped  # overlap: optimizer.bin is snapshot after the call
     acc, step = build(tmp_path / "resumed", 123, adapter=True)  # different init and RNG until load_state
     acc.load_state()
-    writer = handles[-1].checkpointer.ledger.queue
-    assert not writer.running  # its start-up would have shared the cores with the load: it starts at the first step
+    checkpointer = handles[-1].checkpointer
+    assert checkpointer.writer_pid() is None  # its start-up would have shared the cores with the load: it starts at the first step
     for _ in range(n):
         step()
-        assert writer.running
+        assert checkpointer.writer_pid() is not None
     acc.save_state()
     handles[-1].wait()
     assert_same_state(tmp_path / "resumed" / "checkpoints" / "checkpoint_1",
@@ -224,7 +224,7 @@ KILL_SCRIPT = textwrap.dedent("""
         # The writer is fast (~2 GB/s here): freeze it once the first file of checkpoint_1 is complete, so
         # that the kill lands mid-save every time. Both processes die (a writer outlives its training
         # process and would finish the save: this is the loss of both, as when a node goes down).
-        writer, frozen = handle.checkpointer.ledger.queue.writer_pid, threading.Event()
+        writer, frozen = handle.checkpointer.writer_pid(), threading.Event()
         def freeze_writer_mid_save():
             while True:
                 for staging in glob.glob("run/.checkpoint_1.asyncckpt-staging-*"):
@@ -511,7 +511,7 @@ def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, h
     step()
     expected = {k: v.clone() for k, v in _flat(opt.state_dict()) if torch.is_tensor(v)}
     path = acc.save_state()
-    assert handle.checkpointer.staging_busy and "optimizer.bin" in handle.last_written  # left to the staging thread
+    assert handle.checkpointer.snapshot_thread.busy and "optimizer.bin" in handle.last_written  # left to the staging thread
     started = time.perf_counter()
     step()  # optimizer.step() waits for the snapshot before changing the state
     assert time.perf_counter() - started > 0.2

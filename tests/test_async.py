@@ -141,7 +141,7 @@ def test_dtensor_snapshot_on_two_ranks(tmp_path):
 
 def _writer_holds_torch(checkpointer) -> bool:
     """Whether the checkpointer's background writer has torch's library mapped."""
-    with open(f"/proc/{checkpointer.ledger.queue.writer_pid}/maps") as maps:
+    with open(f"/proc/{checkpointer.writer_pid()}/maps") as maps:
         return "libtorch" in maps.read()
 
 
@@ -163,10 +163,10 @@ def test_back_pressure_bounds_saves_in_flight(tmp_path):
         first = one.async_save(state, tmp_path / "a")
         one.async_save(state, tmp_path / "b")
         assert first.done()  # the second save waited for the first before taking its snapshot
-        assert len(one.buffers.slots()) == 1
+        assert len(one._parts.buffers.slots()) == 1
     with core.Checkpointer(max_in_flight=2) as two:
         handles = [two.async_save(state, tmp_path / f"c{i}") for i in range(3)]
-        assert len(two.buffers.slots()) == 2 and handles[0].done()
+        assert len(two._parts.buffers.slots()) == 2 and handles[0].done()
     assert all(core.is_complete(str(tmp_path / n)) for n in ("a", "b", "c0", "c1", "c2"))
 
 
@@ -175,13 +175,13 @@ def test_killed_worker_fails_the_save_and_is_restarted(tmp_path):
     with core.Checkpointer() as checkpointer:
         checkpointer.save({"w": torch.ones(4)}, tmp_path / "before")
         handle = checkpointer.async_save(state, tmp_path / "torn")
-        first_pid = checkpointer.ledger.queue.writer_pid
+        first_pid = checkpointer.writer_pid()
         os.kill(first_pid, signal.SIGKILL)
         with pytest.raises(core.CheckpointWriteError, match=r"saving checkpoint .*torn failed on rank 0: the background writer died"):
             handle.result(timeout=30)
         assert not core.is_complete(str(tmp_path / "torn"))
         checkpointer.save(state, tmp_path / "after")  # a new writer takes over
-        assert checkpointer.ledger.queue.writer_pid != first_pid
+        assert checkpointer.writer_pid() != first_pid
     assert core.latest_checkpoint(str(tmp_path)) in (str(tmp_path / "after"), str(tmp_path / "before"))
     loaded = {"w": torch.zeros(32 << 20)}
     core.load(loaded, tmp_path / "after")
@@ -269,7 +269,7 @@ def test_overlapped_staging_guard_makes_optimizer_step_wait(tmp_path):
     model(torch.randn(4, 512)).sum().backward()
     optimizer.step()
     with core.Checkpointer(overlap_staging=True) as checkpointer:
-        hooks = checkpointer.guard(optimizer)
+        hooks = checkpointer.snapshot_thread.guard(optimizer)
         state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
         expected = copy.deepcopy(state)
         handle = checkpointer.async_save(state, tmp_path / "ckpt")
@@ -295,7 +295,7 @@ def _overlapped_ddp_saves(rank, world, root):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     expected = []
     with core.Checkpointer(overlap_staging=True) as checkpointer:
-        checkpointer.guard(optimizer)
+        checkpointer.snapshot_thread.guard(optimizer)
         for step in range(3):
             model(torch.randn(4, 256)).sum().backward()
             optimizer.step()
@@ -406,7 +406,7 @@ def test_a_directory_counts_as_one_save_in_flight(tmp_path):
         tx = checkpointer.begin_directory(tmp_path / "checkpoint-1", step=1)
         first = tx.save_file({"w": torch.randn(8 << 20)}, "a.pt")
         tx.save_file({"w": torch.randn(8 << 20)}, "b.pt")
-        assert not first.done() or len(checkpointer.buffers.slots()) == 2  # the second file did not wait for the first
+        assert not first.done() or len(checkpointer._parts.buffers.slots()) == 2  # the second file did not wait for the first
         done = tx.commit()
         second = checkpointer.begin_directory(tmp_path / "checkpoint-2", step=2)  # waits for checkpoint-1
         assert done.done()
@@ -442,7 +442,7 @@ def test_a_rotation_counts_a_checkpoint_committing_while_it_lists_once(tmp_path)
 def test_killed_worker_fails_a_pending_single_file_save(tmp_path):
     with core.Checkpointer() as checkpointer:
         handle = checkpointer.async_save_file({"w": torch.randn(32 << 20)}, tmp_path / "model.pt")
-        os.kill(checkpointer.ledger.queue.writer_pid, signal.SIGKILL)
+        os.kill(checkpointer.writer_pid(), signal.SIGKILL)
         with pytest.raises(core.CheckpointWriteError, match=r"saving checkpoint .*model\.pt failed on rank 0: the background writer died"):
             handle.result(timeout=30)
         checkpointer.save_file({"w": torch.ones(3)}, tmp_path / "model.pt")
@@ -507,7 +507,7 @@ def test_the_writer_takes_only_idle_cpu_where_the_node_leaves_some(tmp_path):
 
     with core.Checkpointer() as checkpointer:
         checkpointer.save(small, tmp_path / "first")
-        group = f"/proc/{checkpointer.ledger.queue.writer_pid}/autogroup"
+        group = f"/proc/{checkpointer.writer_pid()}/autogroup"
 
         def nice(value=None) -> int:
             if value is not None:
@@ -555,7 +555,7 @@ def test_a_slow_commit_says_how_to_size_the_timeout_and_so_does_a_wait_that_give
 
     with core.Checkpointer(timeout=1.0) as checkpointer:
         checkpointer.start()
-        writer = checkpointer.ledger.queue.writer_pid
+        writer = checkpointer.writer_pid()
         os.kill(writer, signal.SIGSTOP)
         try:
             handle = checkpointer.async_save({"w": torch.ones(1 << 16)}, str(tmp_path / "step_1"), step=1)

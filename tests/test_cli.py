@@ -25,7 +25,7 @@ from asyncckpt.core.storage.owners import owner_token
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.names import COMMIT_RECORD
 from asyncckpt.core.storage.local import LocalBackend
-from asyncckpt.core.storage.sidecars import read_rank_sidecar
+from asyncckpt.core.storage.sidecar_io import read_rank_sidecar
 from asyncckpt.core.storage.staging import publish_checkpoint
 from zygote import Zygote
 

@@ -38,7 +38,7 @@ def test_sharded_save_from_cuda_uses_pinned_buffers_and_survives_in_place_update
             if isinstance(value, torch.Tensor):
                 value.add_(1)
         handle.result()
-        assert any(slot.buffer.pinned for slot in checkpointer.buffers.slots())
+        assert any(slot.buffer.pinned for slot in checkpointer._parts.buffers.slots())
         target = {key: torch.zeros_like(value) if isinstance(value, torch.Tensor) else None for key, value in state.items()}
         checkpointer.load(target, tmp_path / "ckpt")
     finally:

@@ -414,7 +414,7 @@ def test_add_callback_before_train(tmp_path):
     assert "_save_checkpoint" not in trainer.__dict__  # nothing to hook before train()
     trainer.train()
     assert [t["step"] for t in callback.metrics] == [10, 20, 30, 32]
-    assert not callback.checkpointer.ledger.queue.running  # stopped at on_train_end
+    assert callback.checkpointer.writer_pid() is None  # stopped at on_train_end
     assert "_save_checkpoint" not in trainer.__dict__  # and the Trainer is as it was
     assert _checkpoints(tmp_path / "async") == _checkpoints(tmp_path / "native") == ["checkpoint-30", "checkpoint-32"]
     _assert_committed(tmp_path / "async")

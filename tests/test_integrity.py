@@ -11,7 +11,7 @@ import torch
 from asyncckpt import core
 from asyncckpt.core.loading.metadata_io import load_dcp_metadata
 from asyncckpt.core.snapshot.dcp_metadata import write_dcp_metadata
-from asyncckpt.core.storage.sidecars import read_rank_sidecar
+from asyncckpt.core.storage.sidecar_io import read_rank_sidecar
 
 
 @pytest.fixture()

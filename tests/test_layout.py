@@ -136,6 +136,39 @@ def test_adapters_use_only_the_public_api_and_the_integration_interface():
     assert offending == [], offending
 
 
+def _private_names_of_the_core() -> set[str]:
+    """The ``_x`` attributes core classes have: their methods, and what they assign to ``self._x``."""
+    names = set()
+    for path in _modules().values():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                names |= {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and ast.unparse(node.value) == "self":
+                names.add(node.attr)
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+def test_adapters_and_the_kit_reach_no_private_attribute_of_a_core_object():
+    """An adapter (``adapters/``) and the adapter kit (``core/integration/``) use a core object through its public
+    names: ``checkpointer._ledger`` (or any ``_x`` a core class has) from there is a reach into internals that may
+    change. Their own objects' (``self._x``) are theirs."""
+    private = _private_names_of_the_core()
+    assert "_ledger" in private and "_parts" in private  # the check sees the Checkpointer's components
+    root = os.path.dirname(CORE)
+    paths = [os.path.join(d, name) for top in ("adapters", os.path.join("core", "integration"))
+             for d, _s, files in os.walk(os.path.join(root, top)) for name in files if name.endswith(".py")]
+    offending = []
+    for path in paths:
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in private and ast.unparse(node.value) not in ("self", "cls"):
+                offending.append(f"{os.path.relpath(path, root)}:{node.lineno} {ast.unparse(node)}")
+    assert offending == [], offending
+
+
 #: What runs a collective (or makes or destroys a group, itself one) in torch.distributed, and DCP's wrapper of them.
 COLLECTIVES = {"all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
                "all_to_all_single", "barrier", "monitored_barrier", "batch_isend_irecv", "broadcast",

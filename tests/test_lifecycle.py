@@ -288,9 +288,9 @@ def test_a_writer_started_for_a_run_is_kept_until_teardown(tmp_path, ours_runnin
     try:
         checkpointer.start()
         checkpointer.save({"w": torch.ones(16)}, tmp_path / "a")
-        pid = checkpointer.ledger.queue.writer_pid
+        pid = checkpointer.writer_pid()
         time.sleep(1.5)  # several idle timeouts
-        assert checkpointer.ledger.queue.writer_pid == pid
+        assert checkpointer.writer_pid() == pid
         checkpointer.teardown()
         assert ours_running()[1] == []
     finally:

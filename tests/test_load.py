@@ -18,7 +18,7 @@ from asyncckpt.core.storage import commit
 from asyncckpt.core.formats import names
 from asyncckpt.core.loading.direct_load import plan_direct_load
 from asyncckpt.core.formats.names import sidecar_name
-from asyncckpt.core.storage.sidecars import read_rank_sidecar
+from asyncckpt.core.storage.sidecar_io import read_rank_sidecar
 from dist_helper import run_on_ranks
 
 

@@ -336,7 +336,7 @@ def test_a_memory_checkpoint_is_resumed_only_by_a_job_of_its_shape(tmp_path, mem
     with caplog.at_level(logging.WARNING, logger="asyncckpt"), \
             core.Checkpointer(memory_tier=core.MemoryTier(replicas=0)) as checkpointer:
         assert checkpointer.latest_checkpoint(durable) == os.path.join(durable, "step_3")
-        assert checkpointer.tier.usable(tier.run_dir(durable)) == set()
+        assert checkpointer.usable_in_memory(tier.run_dir(durable)) == set()
     said = [record.getMessage() for record in caplog.records if "another shape" in record.getMessage()]
     assert len(said) == 1 and "step_2, step_3" in said[0] and "2 rank(s), 2 a node" in said[0] \
         and "1 rank(s), 1 a node" in said[0], said

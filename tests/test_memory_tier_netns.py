@@ -54,7 +54,7 @@ PROGRAM = textwrap.dedent('''
             time.sleep(0.05)
 
     def written(checkpointer):  # what this rank's writer wrote to storage so far
-        with open(f"/proc/{checkpointer.ledger.queue.writer_pid}/io") as f:
+        with open(f"/proc/{checkpointer.writer_pid()}/io") as f:
             return int(next(line.split()[1] for line in f if line.startswith("write_bytes")))
 
     checkpointer = core.Checkpointer(memory_tier=core.MemoryTier(persist_every=2, keep=2, replicas=2, peer_timeout=8),

@@ -14,7 +14,7 @@ from asyncckpt.core.formats import dcp_pickle
 from asyncckpt.core.snapshot import dcp_metadata
 from asyncckpt.core.loading.metadata_io import load_dcp_metadata
 from asyncckpt.core.snapshot.dcp_metadata import attributes, dcp_classes, metadata_pickled_by_torch
-from asyncckpt.core.storage.sidecars import read_sidecar
+from asyncckpt.core.storage.sidecar_io import read_sidecar
 
 
 def _state(n_tensors: int, step: int) -> dict:
@@ -97,7 +97,7 @@ def test_a_torch_whose_metadata_classes_changed_falls_back_to_its_own_pickle(tmp
         assert "will have a process with torch pickle it" in caplog.text
         path = str(tmp_path / "fallback")
         core.save(_state(20, 3), path)
-        with open(f"/proc/{core.default_checkpointer().ledger.queue.writer_pid}/maps") as maps:
+        with open(f"/proc/{core.default_checkpointer().writer_pid()}/maps") as maps:
             assert "libtorch" not in maps.read()  # a process of its own pickled it
         written = load_dcp_metadata(path)
         _same(written, _reference([read_sidecar(path, 0)], path, written.storage_meta.save_id))

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from asyncckpt import core
-from asyncckpt.core.snapshot.native_files import stage_image
+from asyncckpt.core.snapshot.file_images import stage_image
 from asyncckpt.core.snapshot.tensor_copy import PARALLEL_SMALL_BYTES, CopyThreads, copy_tensors
 from asyncckpt.core.snapshot import torch_file
-from asyncckpt.core.snapshot.torch_file import TorchFileTemplates, pickle_records
+from asyncckpt.core.snapshot.torch_file_images import TorchFileTemplates, pickle_records
 
 
 def _checkpoint_like():
@@ -84,7 +84,7 @@ def test_template_file_loads_as_torch_save_across_changing_values(tmp_path, weig
             with zipfile.ZipFile(path) as archive:  # a valid zip; the CRC-32s of all but the storage records are right
                 assert archive.read("archive/data.pkl") == zipfile.ZipFile(reference).read("archive/data.pkl")
                 assert [archive.read(n) for n in archive.namelist() if "/data/" not in n]
-        assert len(checkpointer.files.torch_files) == 1  # outgrown once, then reused
+        assert len(checkpointer._parts.files.torch_files) == 1  # outgrown once, then reused
 
 
 def test_structures_alternating_in_one_staging_buffer(tmp_path):
@@ -97,7 +97,7 @@ def test_structures_alternating_in_one_staging_buffer(tmp_path):
                 state["n"] = round_
                 checkpointer.save_file(state, tmp_path / f"{name}.pt")
                 _assert_same(torch.load(tmp_path / f"{name}.pt", weights_only=True), state)
-        assert len([s for s in checkpointer.buffers.slots() if s.key == "file"]) == 1
+        assert len([s for s in checkpointer._parts.buffers.slots() if s.key == "file"]) == 1
 
 
 def test_tensors_mutated_after_the_call_do_not_reach_the_file(tmp_path):

@@ -263,12 +263,12 @@ def test_every_adapter_speaks_one_handle_vocabulary_and_close_frees_the_staging_
         save(adapter, 1)
         assert isinstance(adapter.pending(), list) and isinstance(adapter.metrics, list)
         adapter.wait()
-        assert adapter.pending() == [] and adapter.checkpointer.buffers.slots()
+        assert adapter.pending() == [] and adapter.checkpointer._parts.buffers.slots()
         adapter.close()
-        assert adapter.checkpointer.buffers.slots() == []
+        assert adapter.checkpointer._parts.buffers.slots() == []
         save(adapter, 2)
         adapter.wait()
-        assert adapter.checkpointer.buffers.slots()
+        assert adapter.checkpointer._parts.buffers.slots()
         adapter.close()
     with pytest.warns(FutureWarning, match="metrics.history is deprecated"):
         assert io.metrics.history == io.metrics

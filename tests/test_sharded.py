@@ -173,11 +173,11 @@ def _plan_cache_scenario(rank, world, root):
     base = {"a": torch.full((64,), float(rank)), "b": torch.arange(10)}
     ckpt.save(base, f"{root}/s0")
     ckpt.save(base, f"{root}/s1")
-    warm_hits = ckpt.sharded.plan_cache.hits
+    warm_hits = ckpt._parts.sharded.plan_cache.hits
     # Only rank 1 changes its structure: every rank must re-plan, nobody may reuse a stale plan.
     changed = dict(base, extra=torch.ones(3)) if rank == 1 else dict(base, a=base["a"].clone())
     ckpt.save(changed, f"{root}/s2")
-    hits_after_change = ckpt.sharded.plan_cache.hits
+    hits_after_change = ckpt._parts.sharded.plan_cache.hits
     ckpt.close()
     return warm_hits, hits_after_change
 

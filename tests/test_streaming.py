@@ -51,7 +51,7 @@ def test_slow_copy_is_streamed_and_saved_exactly(tmp_path, monkeypatch):
     try:
         state = _state(1)
         checkpointer.save(state, tmp_path / "a")
-        assert len(checkpointer.buffers.slots()[0].buffer.copy_segments) >= 4
+        assert len(checkpointer._parts.buffers.slots()[0].buffer.copy_segments) >= 4
         assert len(copies) >= 8
         loaded = _blank()
         checkpointer.load(loaded, tmp_path / "a", verify=True)
@@ -76,7 +76,7 @@ def test_progress_never_covers_a_unit_still_being_copied(tmp_path, monkeypatch):
     checkpointer = core.Checkpointer()
     try:
         checkpointer.save(_state(1), tmp_path / "a")
-        segments = checkpointer.buffers.slots()[0].buffer.copy_segments
+        segments = checkpointer._parts.buffers.slots()[0].buffer.copy_segments
         assert len(segments) >= 4 and all(len(segment.units) >= 2 for segment in segments)
         monkeypatch.setattr(shared_buffer, "_copy_group", uneven_copy)
         second = _state(2)

@@ -38,4 +38,4 @@ def limit_file_size(checkpointer, limit: int) -> None:
     import resource
 
     checkpointer.start()
-    resource.prlimit(checkpointer.ledger.queue.writer_pid, resource.RLIMIT_FSIZE, (limit, limit))
+    resource.prlimit(checkpointer.writer_pid(), resource.RLIMIT_FSIZE, (limit, limit))

@@ -106,7 +106,7 @@ class AsyncCheckpointing:
 
     def _attach(self) -> None:
         vars(self.accelerator)[_ATTRIBUTE] = self
-        self._step_hook = self.checkpointer.guard_every_optimizer() if self.options.overlap_optimizer else None
+        self._step_hook = self.checkpointer.snapshot_thread.guard_every_optimizer() if self.options.overlap_optimizer else None
         for name in ("save_state", "load_state", "end_training"):
             patching.install(Accelerator, name, _dispatching(name))
 
@@ -168,7 +168,7 @@ class AsyncCheckpointing:
             self.wait()
             return original(acc, output_dir, safe_serialization=safe_serialization, **kwargs)
         started = time.perf_counter()
-        self.checkpointer.wait_staged()  # the last save's overlapped snapshot first
+        self.checkpointer.snapshot_thread.wait()  # the last save's overlapped snapshot first
         self.checkpointer.raise_failures()
         automatic = config.automatic_checkpoint_naming
         if automatic:

@@ -90,7 +90,7 @@ class AsyncCheckpointSaver:
         self._undo = [patching.install(self.trainer, "_save_checkpoint", lambda original: self.save_checkpoint).restore,
                       patching.install(self.trainer, "_finalize_training", self._finalize).restore]
         if self.checkpointer.options.overlap_optimizer:  # an optimizer step first waits for an overlapped snapshot
-            self._undo.append(self.checkpointer.guard_every_optimizer().remove)
+            self._undo.append(self.checkpointer.snapshot_thread.guard_every_optimizer().remove)
         if self.on_save_after_commit:
             self._undo.append(patching.install(self.trainer.callback_handler, "on_save", self._on_save_after_commit).restore)
 

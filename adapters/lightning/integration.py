@@ -177,8 +177,7 @@ def _noting_the_pick(original: Callable) -> Callable:
     def parse_ckpt_path(self, state_fn, ckpt_path, *args: Any, **kwargs: Any) -> Any:
         io = plugin_of(self.trainer.strategy)
         if io is not None and (ckpt_path is None or ckpt_path in ("last", "best", "hpc")):
-            memory = io.checkpointer.tier
-            if ckpt_path == "last" and memory.active and self.trainer.num_nodes > 1 and not dist_env.dist_ready():
+            if ckpt_path == "last" and io.checkpointer.memory_tier_active and self.trainer.num_nodes > 1 and not dist_env.dist_ready():
                 self.trainer.strategy.setup_environment()  # the nodes meet before Lightning picks (it skips it later)
             folders = {self.trainer.default_root_dir} | {cb.dirpath for cb in self.trainer.checkpoint_callbacks
                                                          if getattr(cb, "dirpath", None)}
@@ -190,8 +189,8 @@ def _noting_the_pick(original: Callable) -> Callable:
                 for callback in self.trainer.checkpoint_callbacks:
                     dirpath = getattr(callback, "dirpath", None)
                     if isinstance(callback, ModelCheckpoint) and dirpath is not None and not is_url(str(dirpath)):
-                        memory.assemble(normalize_path(str(dirpath)), io.checkpointer.process_group,
-                                       single_files=_last_name(callback).match)
+                        io.checkpointer.assemble_from_memory(normalize_path(str(dirpath)),
+                                                             single_files=_last_name(callback).match)
         resolved = original(self, state_fn, ckpt_path, *args, **kwargs)
         if io is not None:
             picked = ckpt_path in ("last", "best", "hpc", "registry") and resolved
@@ -212,7 +211,7 @@ def _last_checkpoints(original: Callable) -> Callable:
             found = {path if is_url(path) else f"{scheme}://{path}" for path in found}
         last = _last_name(self)
         for folder in resume.places(io.checkpointer, normalize_path(str(self.dirpath)))[1:]:  # in memory
-            usable = io.checkpointer.tier.usable(folder)  # on several nodes: what every node holds (none before a load)
+            usable = io.checkpointer.usable_in_memory(folder)  # on several nodes: what every node holds (none before a load)
             found |= {os.path.join(folder, name) for name in os.listdir(folder)
                       if last.match(name) and (usable is None or name in usable)} if os.path.isdir(folder) else set()
         return found
@@ -230,7 +229,7 @@ def _expecting_replicas(original: Callable) -> Callable:
         original(self, trainer, *args, **kwargs)
         io = plugin_of(trainer.strategy)
         if io is not None and self.dirpath is not None:
-            io.checkpointer.tier.expect(normalize_path(str(self.dirpath)))
+            io.checkpointer.expect_replicas(normalize_path(str(self.dirpath)))
 
     return setup
 

@@ -177,7 +177,7 @@ def _durable_rank(rank: int, world: int, arm: str, size_mib: int, reps: int, roo
     from asyncckpt.core import tier
 
     def written(checkpointer) -> int:
-        with open(f"/proc/{checkpointer.ledger.queue.writer_pid}/io") as f:
+        with open(f"/proc/{checkpointer.writer_pid()}/io") as f:
             return int(next(line.split()[1] for line in f if line.startswith("write_bytes")))
 
     def own_files(path: str) -> int:

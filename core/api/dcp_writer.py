@@ -25,7 +25,7 @@ from asyncckpt.core.snapshot.dcp_metadata import write_dcp_metadata
 from asyncckpt.core.snapshot.planner import byte_items, layout_for_plan, tensor_items
 from asyncckpt.core.snapshot.shared_buffer import StagingBuffer, copy_into
 from asyncckpt.core.formats.sidecar import ShareRecord
-from asyncckpt.core.storage.sidecars import write_rank_sidecar
+from asyncckpt.core.storage.sidecar_io import write_rank_sidecar
 from asyncckpt.core.storage.staging import Staging
 from asyncckpt.core.writer.shard_requests import write_share
 from asyncckpt.core.snapshot.tensor_copy import CopyThreads

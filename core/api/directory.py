@@ -16,24 +16,36 @@ hang on it.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from asyncckpt.core.errors import CheckpointCancelledError, CheckpointError
 from asyncckpt.core.snapshot.file_snapshots import tensor_bytes
 from asyncckpt.core.storage import owners
+from asyncckpt.core.storage.commit import job_token
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.writer.directory_requests import CommitDirRequest
 from asyncckpt.core.writer.file_requests import BytesRequest, FileRequest
 
 if TYPE_CHECKING:
+    from asyncckpt.core.api.parts import Parts
     from asyncckpt.core.client.handles import SaveHandle
-    from asyncckpt.core.client.ledger import Ledger
-    from asyncckpt.core.snapshot.file_snapshots import FileSnapshots
-    from asyncckpt.core.snapshot.handoff import Stager
-    from asyncckpt.core.snapshot.sharded_save import SaveTarget, ShardedSaves
+    from asyncckpt.core.snapshot.sharded_save import SaveTarget
     from asyncckpt.core.tier.nodes import TierSave
+
+
+@dataclass(frozen=True)
+class DirectoryContext:
+    """What a directory transaction needs of its Checkpointer: its parts (ledger, hand-over, file snapshots, sharded
+    saves, options), where a sharded member is saved (``target(path, group, **details)``), and the writer jobs handed
+    over with the commit (``handed_with(handle, barrier)``: ``FollowUps.handed_with``)."""
+
+    parts: "Parts"
+    target: Callable[..., "SaveTarget"]
+    handed_with: Callable[["SaveHandle", BarrierSpec], list]
 
 
 class DirectoryTransaction:
@@ -42,17 +54,14 @@ class DirectoryTransaction:
     when the directory is published on every rank, or fails with the first failure of any file
     on any rank. Used as a context manager, an exception inside aborts the directory."""
 
-    def __init__(self, *, handle: "SaveHandle", save_id: str, staging_dir: str, barrier: BarrierSpec,
-                 ledger: "Ledger", stager: "Stager", files: "FileSnapshots", sharded: "ShardedSaves",
-                 sharded_target: Callable[..., "SaveTarget"], follow_ups: Callable[["SaveHandle", BarrierSpec], list],
-                 direct_io: bool, io_threads: int, share_unchanged: bool, tier: Optional["TierSave"] = None) -> None:
+    def __init__(self, context: DirectoryContext, handle: "SaveHandle", *, save_id: str, staging_dir: str,
+                 barrier: BarrierSpec, tier: Optional["TierSave"] = None) -> None:
         self.handle = handle
         self.final_dir, self.rank, self.step, self.save_id = handle.path, handle.rank, handle.step, save_id
         self.staging_dir = staging_dir
         self._barrier = barrier
-        self._ledger, self._stager, self._files = ledger, stager, files
-        self._sharded, self._sharded_target, self._follow_ups = sharded, sharded_target, follow_ups
-        self._direct_io, self._io_threads, self._share_unchanged = direct_io, io_threads, share_unchanged
+        self._context, self._parts = context, context.parts
+        self._ledger = context.parts.ledger
         self._tier = tier  # a memory-tier save (``tier.nodes.TierSave``)
         self._held: list[tuple["SaveHandle", Any, Any]] = []
         self._committing = False
@@ -82,22 +91,23 @@ class DirectoryTransaction:
                   inline_below: int = 0) -> "SaveHandle":
         """Snapshot ``obj`` now; write it as ``name`` (``torch.save`` or safetensors layout) later.
         An object with fewer tensor bytes than ``inline_below`` is rendered at once instead of
-        through a staging buffer."""
+        through a snapshot buffer."""
         if inline_below and tensor_bytes(obj, stop_at=inline_below) < inline_below:
-            return self.write_bytes(name, self._files.render(obj, format, metadata))
+            return self.write_bytes(name, self._parts.files.render(obj, format, metadata))
         member = self._member(name)
         try:
-            image = self._files.image(obj, format, metadata)
+            image = self._parts.files.image(obj, format, metadata)
         except BaseException as e:
             self._member_failed(member, e)
             raise
-        slot = self._files.buffers.take_for_file(image.size, member)
+        slot = self._parts.buffers.take_for_file(image.size, member)
         member.add_bytes(image.size)
-        member.when_done(lambda: self._files.buffers.give_back(slot))
-        request = FileRequest(os.path.join(self.staging_dir, name), image.size, self.rank, self._direct_io,
-                              self._io_threads, self._barrier, share_unchanged=self._share_unchanged)
+        member.when_done(lambda: self._parts.buffers.give_back(slot))
+        options = self._parts.options
+        request = FileRequest(os.path.join(self.staging_dir, name), image.size, self.rank, options.direct_io,
+                              options.io_threads, self._barrier, share_unchanged=options.share_unchanged)
         try:
-            self._stager.take_snapshot(member, lambda: self._files.stage(image, slot), request,
+            self._parts.handoff.take_snapshot(member, lambda: self._parts.files.stage(image, slot), request,
                                        lambda: self._hold(member, request, slot.buffer))
         except CheckpointError:
             self._member_failed(member, member.exception())
@@ -111,19 +121,19 @@ class DirectoryTransaction:
         the directory's commit publishes it with the rest. ``dcp.load`` reads it as DCP's own."""
         member = self._member(name)
         try:
-            target = self._sharded_target(os.path.join(self.final_dir, name), process_group, step=self.step,
+            target = self._context.target(os.path.join(self.final_dir, name), process_group, step=self.step,
                                           staging_dir=os.path.join(self.staging_dir, name),
                                           directory_barrier=self._barrier)
-            prepared = self._sharded.prepare(state_dict, target, member, speculate=False,
+            prepared = self._parts.sharded.prepare(state_dict, target, member, speculate=False,
                                              failed_here=self._ledger.has_unobserved,
                                              raise_failures=self._ledger.raise_unobserved, timings=member.timings)
         except BaseException as e:
             self._member_failed(member, e)
             raise
-        member.when_done(lambda: self._sharded.buffers.give_back(prepared.slot))
+        member.when_done(lambda: self._parts.buffers.give_back(prepared.slot))
         member.add_bytes(prepared.slot.buffer.layout.size)
         try:
-            self._stager.take_snapshot(member, prepared.begin, prepared.request,
+            self._parts.handoff.take_snapshot(member, prepared.begin, prepared.request,
                                        lambda: self._hold(member, prepared.request, prepared.slot.buffer))
         except CheckpointError:
             self._member_failed(member, member.exception())
@@ -149,13 +159,13 @@ class DirectoryTransaction:
             request = CommitDirRequest(self.save_id, self.final_dir, self.staging_dir, self.rank, self.step,
                                        self._barrier, self._failed, self._tier)
             self.handle.set_staged()
-            self._flush([(self.handle, request, None), *self._follow_ups(self.handle, self._barrier)])
+            self._flush([(self.handle, request, None), *self._context.handed_with(self.handle, self._barrier)])
         return self.handle
 
     def abort(self, error: BaseException, *, raised: bool = True) -> None:
         """The framework's save failed half-way: nothing is published, on any rank. ``raised``: the
         caller raises ``error`` itself, so the checkpoint's failure is not raised again; otherwise
-        (a snapshot on the staging thread) it is raised at the next sync point."""
+        (a snapshot on the snapshot thread) it is raised at the next sync point."""
         if self._failed is None:
             self._failed = f"{type(error).__name__}: {error}"
         with self._lock:
@@ -203,3 +213,16 @@ class DirectoryTransaction:
             member.held_by = None
         if held or after:
             self._ledger.queue.submit(held + after)
+
+
+def directory_id(final_dir: str, rank: int, world: int, store: Any, count: Callable[[], int]) -> str:
+    """The same id on every rank without a collective: on one rank, an owner token (random, and
+    it says whose the staging directory is, ``owners``); else each rank's count of
+    directories it began at this path, kept in the Store (unique for the job, across
+    Checkpointers) or, without one, in its Checkpointer (``count()``) with the job's run id."""
+    if world == 1:
+        return owners.owner_token()
+    if store is not None:
+        place = hashlib.blake2b(final_dir.encode(), digest_size=6).hexdigest()
+        return f"d{place}-{store.add(f'asyncckpt/seq/{place}/{rank}', 1)}"
+    return f"d{count()}-{job_token()}"

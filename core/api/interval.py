@@ -13,11 +13,17 @@ failure rate from the user (``failures_per_day``, default one a day: docs/memory
 """
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    from asyncckpt.core.client.handles import SaveHandle
 
 DAY_S = 86400.0
+logger = logging.getLogger("asyncckpt.core")
 
 
 @dataclass(frozen=True)
@@ -66,3 +72,74 @@ def advice(stall_s: float, durable_s: float, failures_per_day: float,
 def human(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else \
         f"{seconds / 3600:.1f} h"
+
+
+class Cadence:
+    """One Checkpointer's saves as a run's cadence: the advice from its first durable checkpoint (``committed``),
+    logged once at the save after it (``saving``) with the interval the run saves at; and one warning where a
+    checkpoint took more than half the ``timeout``."""
+
+    def __init__(self, timeout: float, failures_per_day: float, in_memory: Callable[[str], Any]) -> None:
+        self._timeout, self._failures_per_day, self._in_memory = timeout, failures_per_day, in_memory
+        self._advice: Optional[Advice] = None  # from the first durable save's costs (``committed``)
+        self._advice_logged = False  # once, at the save after it (``saving``)
+        self._saves: tuple[Optional[float], Optional[tuple[Optional[int], float]], int] = (None, None, 0)  # when the
+        # first checkpoint was saved, (step, when) of the latest, and how many (of different steps): ``saving``
+        self._warned_slow = False  # a checkpoint took more than half the timeout (``committed``), said once
+
+    def committed(self, handle: "SaveHandle", seconds: float) -> None:
+        """A checkpoint (or its durable copy) is done: one warning if it took more than half the ``timeout`` (a
+        larger checkpoint, or slower storage, would make the waits for it give up); at the first that is durable,
+        the checkpoint interval this run's measured costs make the least lossy, logged at the next save, which
+        tells how often this run saves."""
+        handle.timings["committed_s"] = seconds
+        if handle.exception() is not None:
+            return
+        if seconds > self._timeout / 2 and not self._warned_slow:
+            self._warned_slow = True
+            logger.warning("asyncckpt: %s took %.0f s to be committed, more than half of timeout=%.0f s, which bounds "
+                           "each wait for it and a writer that finishes it after a crash: set timeout to at least 3x "
+                           "that (%.0f s) for checkpoints this size on this storage (docs/troubleshooting.md)",
+                           handle.describe().removeprefix("saving "), seconds, self._timeout, 3 * seconds)
+        if self._advice is not None:
+            return
+        memory = handle.after if handle.kind == "persist" else None
+        if memory is None and self._in_memory(handle.path) is not None:
+            return  # in memory: its durable copy, if any, says it
+        saved = memory or handle
+        if "stall_s" in saved.timings:  # an adapter's framework call, timed whole (``SaveMetrics.saved``)
+            stall = saved.timings["stall_s"]
+        elif saved.kind == "directory":  # the framework's own code snapshots its files: its adapter times it
+            return
+        else:
+            stall = sum(saved.timings.get(part, 0.0) for part in ("waited_s", "prepare_s", "copy_s"))
+        memory_commit = saved.timings.get("committed_s", seconds) - stall if memory is not None else None
+        self._advice = advice(stall, seconds - (0.0 if memory is not None else stall), self._failures_per_day,
+                              memory_commit)
+
+    def saving(self, step: Optional[int]) -> None:
+        """A checkpoint of ``step`` is being saved: the run's saves (of different steps) so far tell its interval;
+        once the interval advice is known, it is logged at the next save (``log_advice``)."""
+        now = time.monotonic()
+        first, last, count = self._saves
+        if last is not None and step is not None and step == last[0]:
+            return  # another file of the same step (Lightning's last.ckpt beside its top-k file)
+        self._saves = (first if first is not None else now, (step, now), count + 1)
+        if self._advice is not None and count >= 1:
+            self.log_advice()
+
+    def log_advice(self) -> None:
+        """The interval advice, once, with the interval this run saves at (from its saves so far): a warning where the
+        run saves more than twice or less than half as often as the least-loss interval (where users see it), else
+        at INFO (``logging.getLogger("asyncckpt")``)."""
+        if self._advice is None or self._advice_logged:
+            return
+        self._advice_logged = True
+        first, last, count = self._saves
+        if count < 2:
+            logger.info("%s", self._advice.line)
+            return
+        every = (last[1] - first) / (count - 1)
+        far = not self._advice.seconds / 2 <= every <= 2 * self._advice.seconds
+        logger.log(logging.WARNING if far else logging.INFO, "%s; this run saves every %s", self._advice.line,
+                   human(every))

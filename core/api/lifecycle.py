@@ -1,6 +1,7 @@
 """Every live Checkpointer is drained when the process exits: nothing ``async_save`` accepted is lost.
 
-Also: waiting, from anywhere in the process, for a path still being saved (``wait_for``).
+Also: waiting, from anywhere in the process, for a path still being saved (``wait_for``), and starting a
+Checkpointer's writer at the first optimizer step (``start_at_first_step``).
 
 One drain for the whole process, for users and every adapter: an ``atexit`` handler, and a
 ``multiprocessing`` finalizer for multiprocessing children (Lightning's ``ddp_spawn``), which
@@ -20,6 +21,8 @@ import sys
 import weakref
 from multiprocessing import util
 from typing import Any, Callable, Optional
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from asyncckpt.core.storage.backend import is_url
 
@@ -86,3 +89,21 @@ def drain_at_exit() -> None:
                 pass
         logging.shutdown()
         os._exit(1)
+
+
+def start_at_first_step(checkpointer: Any) -> Any:
+    """Register an optimizer step pre-hook that starts ``checkpointer``'s writer at the first step
+    (``Checkpointer.start(at_first_step=True)``) and does nothing after; returns its handle: torch runs the global
+    hooks from its dict, which a hook may not change, so ``teardown`` removes it. Held weakly: a Checkpointer that
+    is gone starts nothing."""
+    target_of = weakref.ref(checkpointer)
+    started = False
+
+    def hook(*_: Any) -> None:
+        nonlocal started
+        target = target_of()
+        if not started and target is not None and not target.closed:
+            started = True
+            target.start()
+
+    return register_optimizer_step_pre_hook(hook)

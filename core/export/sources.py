@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 from asyncckpt.core.formats import names
 from asyncckpt.core.formats.hf_safetensors import FROM_SAFETENSORS, read_header
-from asyncckpt.core.storage.sidecars import read_sidecar
+from asyncckpt.core.storage.sidecar_io import read_sidecar
 
 FSDP_MODEL_DIRS = ("pytorch_model_fsdp_0",)  # Accelerate's and the Trainer's sharded model (FSDP_MODEL_NAME + "_0")
 MODEL_FILE_STEMS = ("model", "adapter_model")  # save_pretrained's and PEFT's

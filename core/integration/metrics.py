@@ -88,7 +88,7 @@ class SaveMetrics:
         return complete
 
     def _close_latest(self) -> None:
-        waited = self.checkpointer.staged_wait_s
+        waited = self.checkpointer.snapshot_thread.waited_s
         with self._lock:
             if self._latest is not None:
                 self._latest["staged_wait_s"] = waited - self._staged_wait_mark

@@ -107,7 +107,7 @@ def prepare(checkpointer: Any, place: Optional[str], *, key: Optional[Key] = Non
         return
     wait_for_saves(place, checkpointer.options.timeout)
     if key is not None:  # with the memory tier on several nodes: agree, complete this node's copy
-        checkpointer.tier.assemble(tier.durable_root_of(place) or place, checkpointer.process_group)
+        checkpointer.assemble_from_memory(tier.durable_root_of(place) or place)
     mirror = checkpointer.options.mirror_to
     if not mirror or (mirrored_name is None and key is None):
         return
@@ -124,7 +124,7 @@ def places(checkpointer: Any, root: str) -> list[str]:
     the durable root, and with the memory tier its memory run directory (for an adapter that lists a
     framework's checkpoints itself)."""
     root = tier.durable_root_of(root) or root
-    return checkpointer.tier.places(root)
+    return checkpointer.memory_places(root)
 
 
 def copies(checkpointer: Any, root: str, key: Key) -> list[str]:
@@ -134,7 +134,7 @@ def copies(checkpointer: Any, root: str, key: Key) -> list[str]:
     of the memory copies only the one they agreed on (``Tier.usable``): every rank tries the same checkpoints."""
     found: dict[str, list[tuple[float, int, str]]] = {}
     for nearness, place in enumerate(places(checkpointer, root)):
-        usable = checkpointer.tier.usable(place) if nearness else None  # None: any
+        usable = checkpointer.usable_in_memory(place) if nearness else None  # None: any
         for path in candidates(place, key):
             if usable is None or os.path.basename(path) in usable:
                 found.setdefault(os.path.basename(path), []).append((key(path), nearness, path))

@@ -84,4 +84,4 @@ def finish(checkpointer: Any, tx: Any, *, stage_later: Optional[Callable[[], Non
     if stage_later is None:
         complete()
     else:
-        checkpointer.run_staged(complete)
+        checkpointer.snapshot_thread.run(complete)

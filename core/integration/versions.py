@@ -95,7 +95,7 @@ class Release:
 
 
 #: torch: no adapter pins (each fast path that uses a torch internal checks it once and falls back
-#: with a warning: ``torch_file``, ``metadata_io``); the range is what the matrix ran.
+#: with a warning: ``torch_file_images``, ``metadata_io``); the range is what the matrix ran.
 TORCH = Support(package="torch", extra="", oldest="2.9.0", newest="2.15.0")
 
 

@@ -26,7 +26,7 @@ from asyncckpt.core.errors import CorruptCheckpointError
 from asyncckpt.core.loading import cooperative
 from asyncckpt.core.loading.metadata_io import load_dcp_metadata
 from asyncckpt.core.loading.reader import RAW_DTYPES, Span, can_read_into, group_by_file, overlapping, read_spans
-from asyncckpt.core.storage.sidecars import read_sidecar
+from asyncckpt.core.storage.sidecar_io import read_sidecar
 
 STAGED_BYTES = 64 << 20  # temporaries of a resharding read, at most, at a time
 

@@ -34,7 +34,7 @@ from asyncckpt.core.loading.metadata_io import DCP_METADATA_FILE, check_relative
 from asyncckpt.core.loading.reader import RAW_DTYPES, FileSpans, Span, can_read_into, group_by_file, overlapping, read_spans
 from asyncckpt.core.formats.names import sidecar_name
 from asyncckpt.core.formats.sidecar import Sidecar
-from asyncckpt.core.storage.sidecars import read_sidecar
+from asyncckpt.core.storage.sidecar_io import read_sidecar
 from asyncckpt.core.snapshot.structure import flatten_state_dict, set_at
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)

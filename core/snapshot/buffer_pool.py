@@ -38,7 +38,7 @@ class Slot:
         self.key, self.buffer = key, buffer
         self.buffer.id = next(self._ids)
         self.user: Any = None
-        self.framing: Optional[list] = None  # the torch-file framing the buffer holds (``torch_file``)
+        self.framing: Optional[list] = None  # the torch-file framing the buffer holds (``torch_file_images``)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _Storag
 from asyncckpt.core.formats import dcp_pickle
 from asyncckpt.core.formats.dcp_pickle import DCP_METADATA_FILE, DcpClasses
 from asyncckpt.core.storage.fsio import atomic_write_bytes
-from asyncckpt.core.storage.sidecars import read_sidecar
+from asyncckpt.core.storage.sidecar_io import read_sidecar
 
 logger = logging.getLogger("asyncckpt.core")
 

@@ -13,10 +13,10 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from asyncckpt.core.snapshot.buffer_pool import BufferPool, Slot
-from asyncckpt.core.snapshot.native_files import FileImage, safetensors_image, stage_image
+from asyncckpt.core.snapshot.file_images import FileImage, safetensors_image, stage_image
 from asyncckpt.core.snapshot.shared_buffer import CopyInProgress
 from asyncckpt.core.snapshot.tensor_copy import CopyThreads
-from asyncckpt.core.snapshot.torch_file import TorchFileTemplates, plain_image
+from asyncckpt.core.snapshot.torch_file_images import TorchFileTemplates, plain_image
 
 
 _CONTAINERS = (torch.Tensor, dict, list, tuple)

@@ -1,12 +1,12 @@
-"""Taking a snapshot and handing it to the writer; and the staging thread that overlaps snapshots.
+"""Taking a snapshot and handing it to the writer (``Handoff``); and the snapshot thread that overlaps snapshots.
 
-``take_snapshot`` runs the copy into a staging buffer (the only part of a save the caller waits
+``take_snapshot`` runs the copy into a snapshot buffer (the only part of a save the caller waits
 for) and queues the request: at once for a streamed save (the writer writes each part the copy
 has finished), otherwise once the copy is complete. A snapshot that fails before the writer has
 the request fails its handle, and its save on every rank (the barrier), so that no rank waits
 for a share that will never come.
 
-The staging thread runs work the caller need not wait for (``run``): an overlapped save's whole
+The snapshot thread (``SnapshotThread``) runs work the caller need not wait for (``run``): an overlapped save's whole
 snapshot, or an adapter's optimizer files, while the next forward/backward runs. ``wait()`` joins
 it; every optimizer step can be made to (``guard``, ``guard_every_optimizer``).
 """
@@ -24,18 +24,19 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from asyncckpt.core.writer.barrier import local_barrier
 from asyncckpt.core.client.ledger import Ledger
-from asyncckpt.core.errors import CheckpointError, CheckpointTimeoutError, CheckpointWriteError
+from asyncckpt.core.errors import (CheckpointCancelledError, CheckpointError, CheckpointTimeoutError,
+                                   CheckpointWriteError)
 from asyncckpt.core.client.handles import SaveHandle
 from asyncckpt.core.snapshot.shared_buffer import CopyInProgress
 
 logger = logging.getLogger("asyncckpt.core")
 
 
-class Stager:
-    def __init__(self, ledger: Ledger, store: Callable[[], Any], timeout: float) -> None:
-        self.ledger, self._store, self.timeout = ledger, store, timeout
-        self._thread: Optional[threading.Thread] = None
-        self.staged_wait_s = 0.0  # total time callers spent waiting for the staging thread
+class Handoff:
+    """The copy of a snapshot and its hand-over to the writer, for one Checkpointer's saves."""
+
+    def __init__(self, ledger: Ledger, store: Callable[[], Any]) -> None:
+        self.ledger, self._store = ledger, store
 
     def take_snapshot(self, handle: SaveHandle, begin: Callable[[], CopyInProgress], request: Any,
                       hand_over: Callable[[], None], *, stream: bool = False) -> None:
@@ -65,10 +66,30 @@ class Stager:
             if not handed_over:  # otherwise the writer sees the copy fail and fails the save on every rank
                 self.fail_everywhere(request, handle.rank, error)
             self.ledger.complete(handle, error)
-            handle.observed = True  # raised to the caller (the staging thread hands it back: ``report_later``)
+            handle.observed = True  # raised to the caller (the snapshot thread hands it back: ``report_later``)
             if not isinstance(e, Exception):
                 raise  # Ctrl-C stays a KeyboardInterrupt: the save is abandoned, the user's interrupt goes on
             raise handle.exception() from e
+
+    def in_foreground(self, handle: SaveHandle, step: Callable[[], Any]) -> Any:
+        """Run part of a save in the caller: what it raises is the caller's to see (not raised
+        again); a save that did not get as far as its snapshot is cancelled."""
+        try:
+            return step()
+        except BaseException as e:
+            if not handle.done():
+                self.ledger.complete(handle, CheckpointCancelledError(f"asyncckpt: {handle.describe()}: not saved: {e}"))
+            handle.observed = True
+            raise
+
+    def in_background(self, handle: SaveHandle, snapshot: Callable[[], None]) -> None:
+        """On the snapshot thread: a failure goes to the handle, raised at the next sync point."""
+        try:
+            snapshot()
+        except BaseException as e:  # noqa: BLE001 - delivered through the handle
+            if not handle.done():
+                self.ledger.complete(handle, e)
+            self.ledger.report_later(handle)
 
     def fail_everywhere(self, request: Any, rank: int, error: BaseException) -> None:
         """A request that will never reach the writer: its save fails on the other ranks too."""
@@ -79,9 +100,20 @@ class Stager:
             except (CheckpointError, OSError, RuntimeError):
                 pass  # the others time out instead
 
-    # ------------------------------------------------------------------ the staging thread
+class SnapshotThread:
+    """The one thread that runs a Checkpointer's snapshots in the background (``Checkpointer.snapshot_thread``).
+
+    ``run(function)`` overlaps ``function`` (snapshots through the Checkpointer, for state the caller leaves
+    untouched) with what the caller does next; ``wait()`` joins it, and ``guard`` makes optimizer steps do so.
+    Failures are delivered through the handles ``function`` creates."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._thread: Optional[threading.Thread] = None
+        self.waited_s = 0.0  # seconds callers (optimizer steps, sync points) spent in total waiting for it
+
     def run(self, function: Callable[[], None]) -> None:
-        """Run ``function`` on the staging thread, after what runs there now. It reports its own
+        """Run ``function`` on the snapshot thread, after what runs there now. It reports its own
         failures (through handles); one that escapes is logged."""
         self.wait()
 
@@ -90,36 +122,36 @@ class Stager:
             try:
                 function()
             except BaseException:  # noqa: BLE001 - documented: delivered through handles
-                logger.exception("asyncckpt: a snapshot on the staging thread failed")
+                logger.exception("asyncckpt: a snapshot on the snapshot thread failed")
 
-        self._thread = threading.Thread(target=staged, name="asyncckpt-stager", daemon=True)
+        self._thread = threading.Thread(target=staged, name="asyncckpt-snapshot", daemon=True)
         self._thread.start()
 
     @property
     def busy(self) -> bool:
-        """Work was started on the staging thread and nobody has waited for it yet."""
+        """Work was started on the snapshot thread and nobody has waited for it yet."""
         return self._thread is not None
 
     def wait(self) -> None:
-        """Block until what runs on the staging thread is done (call before changing its state)."""
+        """Block until what runs on the snapshot thread is done (call before changing its state)."""
         thread = self._thread
         if thread is None or thread is threading.current_thread():
             return
         started = time.perf_counter()
         thread.join(self.timeout)
-        self.staged_wait_s += time.perf_counter() - started
+        self.waited_s += time.perf_counter() - started
         if thread.is_alive():
-            raise CheckpointTimeoutError(f"asyncckpt: snapshot on the staging thread not finished after {self.timeout:.0f}s")
+            raise CheckpointTimeoutError(f"asyncckpt: snapshot on the snapshot thread not finished after {self.timeout:.0f}s")
         self._thread = None
 
     def guard(self, *optimizers: torch.optim.Optimizer) -> list:
-        """Make each optimizer's ``step()`` wait for the staging thread; returns hook handles."""
+        """Make each optimizer's ``step()`` wait for the snapshot thread; returns hook handles."""
         return [opt.register_step_pre_hook(lambda *_: self.wait()) for opt in optimizers]
 
     def guard_every_optimizer(self):
-        """Make every torch optimizer's ``step()`` in the process wait for the staging thread (for
+        """Make every torch optimizer's ``step()`` in the process wait for the snapshot thread (for
         callers that do not know which optimizers change the state they snapshot). Held weakly:
-        once this stager is gone the hook does nothing. Returns the hook's handle."""
+        once this thread's owner is gone the hook does nothing. Returns the hook's handle."""
         wait = weakref.WeakMethod(self.wait)
 
         def hook(*_: Any) -> None:

@@ -45,7 +45,7 @@ from asyncckpt.core.formats.layout import IO_ALIGNMENT, Slot
 from asyncckpt.core.formats.sidecar import ShareItems, Sidecar
 from asyncckpt.core.storage import commit
 from asyncckpt.core.storage.backend import is_url, join, normalize
-from asyncckpt.core.storage.sidecars import read_sidecar
+from asyncckpt.core.storage.sidecar_io import read_sidecar
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 

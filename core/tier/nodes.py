@@ -9,7 +9,7 @@ every node), and the writers of the ranks, given ``Replicas`` in their requests,
 1. ``spread`` (every rank, once its files are written on its node, before it arrives at the save's barrier): its
    files go to its node's replica peers (``transport.peers_for``); each peer that took a file holds it. Its
    data file goes first, as the snapshot is copied into it and hashed (``stream_file``: ``transport.Streaming``). Its
-   files record (``storage.sidecars``: each file's size, xxh3 and holders) and what else rank 0 needs to commit
+   files record (``storage.sidecar_io``: each file's size, xxh3 and holders) and what else rank 0 needs to commit
    (a sharded save's sidecar) go to rank 0's node. A peer that does not answer within the wait allowed is left
    out (``Peers``: one warning per peer and writer process, tried again ``RETRY_AFTER_S`` later): the save commits
    with the replicas it has. Rank 0's node not taking what it needs fails the save: it could not commit.
@@ -52,7 +52,7 @@ from asyncckpt.core.storage import owners
 from asyncckpt.core import tier
 from asyncckpt.core.storage.backend import Backend, at_once, backend_for
 from asyncckpt.core.storage.contents import published_files
-from asyncckpt.core.storage.sidecars import RecordedFile, write_files_record
+from asyncckpt.core.storage.sidecar_io import RecordedFile, write_files_record
 from asyncckpt.core.storage.staging import remove_coordination_files
 from asyncckpt.core.storage.file_checksums import read_record
 from asyncckpt.core.writer.barrier import (
@@ -268,7 +268,7 @@ def commit_entries(save: TierSave, staging_dir: str, records: Mapping[str, Recor
                    recorded: Mapping[str, dict], coordinator_files: Sequence[str]) -> dict:
     """Step 2 (rank 0, every rank arrived, every file of its own written in ``staging_dir``): what the commit record
     of a memory-tier save adds, its ``tier.TIER_ENTRY``: the job's topology, the rank that wrote each file of a rank's
-    files record (``records``, gathered by ``sidecars.take_files_records``; ``tier.writer_of``), and on several nodes
+    files record (``records``, gathered by ``sidecar_io.take_files_records``; ``tier.writer_of``), and on several nodes
     the record's ``"files"`` (every rank's, and what is here: rank 0's ``coordinator_files``, which every node
     fetches), which node holds each, and their checksums the record does not carry yet (``recorded``)."""
     entry: dict = {"topology": save.topology,

@@ -40,7 +40,7 @@ from asyncckpt.core.formats.checksum import FileChecksum
 from asyncckpt.core.storage.backend import Backend, backend_for, basename, is_file
 from asyncckpt.core.storage.contents import local_copy
 from asyncckpt.core.loading.metadata_io import check_relative_path, load_dcp_metadata
-from asyncckpt.core.storage.sidecars import read_rank_sidecar
+from asyncckpt.core.storage.sidecar_io import read_rank_sidecar
 
 # torch.save containers are zip files: a local file header first, the end-of-central-directory
 # record (22 bytes, no comment) last. Stock DCP loading needs both intact; our checksums cover

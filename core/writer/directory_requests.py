@@ -16,7 +16,7 @@ from typing import Optional
 from asyncckpt.core.errors import CheckpointWriteError
 from asyncckpt.core.storage import owners
 from asyncckpt.core.storage.backend import at_once, backend_for
-from asyncckpt.core.storage.sidecars import take_files_records, write_files_record
+from asyncckpt.core.storage.sidecar_io import take_files_records, write_files_record
 from asyncckpt.core.storage.staging import publish_checkpoint
 from asyncckpt.core.writer.barrier import BarrierSpec
 from asyncckpt.core.writer.protocol import RequestContext

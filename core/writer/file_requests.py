@@ -1,6 +1,6 @@
 """The background writer's requests for single paths: write a file atomically, remove, link.
 
-Plain data the writer unpickles; kept apart from ``native_files`` (which renders files' images
+Plain data the writer unpickles; kept apart from ``file_images`` (which renders files' images
 from tensors, with torch) so that the writer does not import torch. Where the path lives (a local
 file system, an object store) is its backend's business (``storage.backend``): a request carries
 the path and, for an object store, its options, and the same request serves both.

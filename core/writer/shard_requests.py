@@ -29,7 +29,7 @@ from asyncckpt.core.writer.file_requests import fail_save
 from asyncckpt.core.formats.layout import RankLayout
 from asyncckpt.core.storage.backend import join
 from asyncckpt.core.storage.sharing import Base, find_base, remember
-from asyncckpt.core.storage.sidecars import read_sidecar, take_files_records
+from asyncckpt.core.storage.sidecar_io import read_sidecar, take_files_records
 from asyncckpt.core.storage.staging import Staging, remove_coordination_files
 from asyncckpt.core.tier.requests import save_beside
 from asyncckpt.core.writer.protocol import RequestContext

@@ -1,7 +1,7 @@
 """Single-file checkpoints in the frameworks' native formats, written by the background writer.
 
 ``torch``: what ``torch.save`` writes, with the framing rendered once per structure
-(``torch_file.py``): per save the object is pickled by torch's own pickler (the snapshot of every
+(``torch_file_images.py``): per save the object is pickled by torch's own pickler (the snapshot of every
 non-tensor object) and each storage's bytes are copied into their record. Shared storages (tied
 weights, views) are saved once, as torch.save does.
 

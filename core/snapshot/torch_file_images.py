@@ -37,7 +37,7 @@ import torch
 
 from asyncckpt.core.snapshot.container import LOCAL_HEADER
 from asyncckpt.core.formats.layout import ITEM_ALIGNMENT, align_up
-from asyncckpt.core.snapshot.native_files import FileImage, stage_image
+from asyncckpt.core.snapshot.file_images import FileImage, stage_image
 from asyncckpt.core.snapshot.tensor_copy import CopyThreads
 
 logger = logging.getLogger("asyncckpt.core")
