@@ -15,7 +15,7 @@ import torch
 from asyncckpt import core
 from asyncckpt.core.snapshot.file_images import stage_image
 from asyncckpt.core.snapshot.tensor_copy import PARALLEL_SMALL_BYTES, CopyThreads, copy_tensors
-from asyncckpt.core.snapshot import torch_file
+from asyncckpt.core.snapshot import torch_file_images as torch_file
 from asyncckpt.core.snapshot.torch_file_images import TorchFileTemplates, pickle_records
 
 
