@@ -23,7 +23,10 @@ import threading
 import time
 import warnings
 from collections import deque
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from asyncckpt.core.api.checkpointer import Checkpointer
 
 
 class Records(list):
@@ -40,7 +43,7 @@ class Records(list):
 class SaveMetrics:
     """The records of one adapter's saves, handed out in save order once complete."""
 
-    def __init__(self, checkpointer: Any) -> None:
+    def __init__(self, checkpointer: "Checkpointer") -> None:
         self.checkpointer = checkpointer
         self.enabled = checkpointer.options.log_metrics
         self.history = Records()  # every record, as they are filled in

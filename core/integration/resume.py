@@ -52,7 +52,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional, TypeVar
 
 import torch
 
@@ -68,6 +68,9 @@ from asyncckpt.core.storage.contents import local_copy
 from asyncckpt.core.storage.orphans import wait_for_orphans
 from asyncckpt.core.storage.file_checksums import FileChecksum
 from asyncckpt.core.verify import integrity
+
+if TYPE_CHECKING:
+    from asyncckpt.core.api.checkpointer import Checkpointer
 
 T = TypeVar("T")
 logger = logging.getLogger("asyncckpt")
@@ -93,7 +96,7 @@ def wait_for_saves(place: str, orphan_timeout: float = 600.0) -> None:
 Key = Callable[[str], Optional[float]]  # a framework's sort key for the entries of its checkpoint directory
 
 
-def prepare(checkpointer: Any, place: Optional[str], *, key: Optional[Key] = None,
+def prepare(checkpointer: "Checkpointer", place: Optional[str], *, key: Optional[Key] = None,
             mirrored_name: Optional[str] = None) -> None:
     """Step 1 of ``resume``: every save in flight to ``place`` (a checkpoint, or the directory a framework picks
     one from) committed, on every rank (a collective), orphaned writers there included. Then, with the
@@ -119,7 +122,7 @@ def prepare(checkpointer: Any, place: Optional[str], *, key: Optional[Key] = Non
     checkpointer.restore_mirrored(mirror, place, mirrored_name)
 
 
-def places(checkpointer: Any, root: str) -> list[str]:
+def places(checkpointer: "Checkpointer", root: str) -> list[str]:
     """Where the checkpoints of ``root`` (a durable root, or its memory run directory) may be on this node:
     the durable root, and with the memory tier its memory run directory (for an adapter that lists a
     framework's checkpoints itself)."""
@@ -127,7 +130,7 @@ def places(checkpointer: Any, root: str) -> list[str]:
     return checkpointer.memory_places(root)
 
 
-def copies(checkpointer: Any, root: str, key: Key) -> list[str]:
+def copies(checkpointer: "Checkpointer", root: str, key: Key) -> list[str]:
     """The checkpoints of ``root`` in every tier of this node, newest first by the framework's ``key``, each copy
     of a checkpoint its own entry, the nearer first: of a name held in memory and on storage, the memory copy
     comes first when it is the same checkpoint (its content's checksums equal) or the newer one. On several nodes,
@@ -149,7 +152,7 @@ def copies(checkpointer: Any, root: str, key: Key) -> list[str]:
 Reads = Literal["file", "directory", "files"]
 
 
-def resume(checkpointer: Any, load: Callable[[Optional[str]], T], *, reads: Reads, path: Optional[str] = None,
+def resume(checkpointer: "Checkpointer", load: Callable[[Optional[str]], T], *, reads: Reads, path: Optional[str] = None,
            root: Optional[str] = None, key: Optional[Key] = None) -> T:
     """The framework's ``load`` of the checkpoint to resume from, checked as it reads (the module docstring).
 
@@ -215,7 +218,7 @@ def first_intact(paths: list[str], attempt: Callable[[str], T]) -> T:
     raise first_error
 
 
-def load_file(checkpointer: Any, path: str, load: Callable[[str], T]) -> T:
+def load_file(checkpointer: "Checkpointer", path: str, load: Callable[[str], T]) -> T:
     """``load(path)``, the framework's own load of the single file ``path``, on bytes read once per job
     (``readable``), while its checksum is computed beside it; the result only if the bytes are those written,
     else ``CorruptCheckpointError`` naming the file. A file without a checksum (or with ``verify`` off): the
@@ -231,7 +234,7 @@ def load_file(checkpointer: Any, path: str, load: Callable[[str], T]) -> T:
 
 
 @contextlib.contextmanager
-def readable(checkpointer: Any, paths: list[str]) -> Iterator[dict[str, str]]:
+def readable(checkpointer: "Checkpointer", paths: list[str]) -> Iterator[dict[str, str]]:
     """``{path: a local file holding its bytes}`` for the files every rank of the job loads now (a collective):
     a copy in node memory, each byte read from storage once per job (``cooperative.shared_copy``, with the
     ``cooperative_load`` option); else each rank's own: the file itself, or a temporary download of an object
@@ -307,7 +310,7 @@ class Verified:
             yield
 
 
-def verify(checkpointer: Any, path: str, *, everywhere: bool = False) -> Verified:
+def verify(checkpointer: "Checkpointer", path: str, *, everywhere: bool = False) -> Verified:
     """``checkpointer.require_intact(path)``, unpickling each ``torch.save`` file of it as it is hashed
     and keeping what it holds for the framework's load (``Verified.serving``). A collective: the files every
     rank loads are read once per job (``readable``); then their kept objects map the node's copy (tensors

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 
+if TYPE_CHECKING:
+    from asyncckpt.core.api.checkpointer import Checkpointer
+    from asyncckpt.core.api.directory import DirectoryTransaction
 
-def overlaps_optimizer(checkpointer: Any, optimizers: Iterable[Any]) -> bool:
+
+def overlaps_optimizer(checkpointer: "Checkpointer", optimizers: Iterable[Any]) -> bool:
     """``overlap_optimizer`` asked for, and every one of ``optimizers`` (unwrapped from a framework's wrapper
     holding it as ``.optimizer``) a torch optimizer, whose ``step()`` waits for an overlapped snapshot; a
     warning names one that is not."""
@@ -37,7 +41,7 @@ def overlaps_optimizer(checkpointer: Any, optimizers: Iterable[Any]) -> bool:
     return True
 
 
-def rotation(checkpointer: Any, root: str, list_on_disk: Callable[[], list[str]], *, keep: Optional[int],
+def rotation(checkpointer: "Checkpointer", root: str, list_on_disk: Callable[[], list[str]], *, keep: Optional[int],
              protected: Iterable[str] = (), adding: int = 0) -> list[str]:
     """What a framework's rotation (keep the newest ``keep`` checkpoints in ``root``) deletes once the queued work
     has run, oldest first: ``list_on_disk()`` in the framework's own order (oldest first), less those queued for
@@ -52,7 +56,7 @@ def rotation(checkpointer: Any, root: str, list_on_disk: Callable[[], list[str]]
     return [path for path in checkpoints if path not in protected][:max(0, excess)]
 
 
-def atomic_rmtree(checkpointer: Any, rmtree: Callable[..., Any], is_checkpoint: Callable[[str], bool]) -> Callable:
+def atomic_rmtree(checkpointer: "Checkpointer", rmtree: Callable[..., Any], is_checkpoint: Callable[[str], bool]) -> Callable:
     """``rmtree`` (``shutil.rmtree``, as a framework deletes an old checkpoint itself) for which a checkpoint is
     removed as the core removes one (renamed out of the framework's names first, then deleted: never seen
     half-deleted), once the work queued before it is done; any other path as ``rmtree`` would."""
@@ -65,7 +69,7 @@ def atomic_rmtree(checkpointer: Any, rmtree: Callable[..., Any], is_checkpoint: 
     return remove
 
 
-def finish(checkpointer: Any, tx: Any, *, stage_later: Optional[Callable[[], None]] = None,
+def finish(checkpointer: "Checkpointer", tx: "DirectoryTransaction", *, stage_later: Optional[Callable[[], None]] = None,
            removals: Optional[list[str]] = None, hidden_parent: Optional[str] = None) -> None:
     """Commit ``tx`` and queue ``removals`` behind it (run only if it committed). With ``stage_later`` (the
     snapshots left for after the call), all of it runs on the staging thread, after them, while the caller goes
