@@ -498,7 +498,12 @@ def test_the_writer_takes_only_idle_cpu_where_the_node_leaves_some(tmp_path):
     small, large = {"w": torch.randn(1 << 16)}, {"w": torch.randn(64 << 20)}  # 256 MiB: a batch that lasts
 
     def busy_loops() -> list[subprocess.Popen]:
-        return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+        """A busy loop per core, returned once each one runs (a loaded machine may take seconds to start them)."""
+        loops = [subprocess.Popen([sys.executable, "-c", "import os; os.write(1, b'.'); os.close(1)\n"
+                                   "while True: pass"], stdout=subprocess.PIPE) for _ in range(os.cpu_count() or 1)]
+        for loop in loops:
+            loop.stdout.read()
+        return loops
 
     def stop(loops: list[subprocess.Popen]) -> None:
         for loop in loops:
@@ -516,15 +521,19 @@ def test_the_writer_takes_only_idle_cpu_where_the_node_leaves_some(tmp_path):
             with open(group) as f:
                 return int(f.read().rsplit("nice", 1)[1])
 
+        checkpointer.wait()  # the writer's batch over, work after its replies included: the window starts here
         assert nice(19) == 19
         loops = busy_loops()
         try:
+            before, started = _idle_core_seconds(), time.monotonic()
             time.sleep(1.5)
+            idle = (_idle_core_seconds() - before) / (time.monotonic() - started)
             checkpointer.save(small, tmp_path / "busy")
-            assert nice() == 0
+            assert idle < 0.5 and nice() == 0, f"{idle:.2f} cores idle"
         finally:
             stop(loops)
         for attempt in range(4):
+            checkpointer.wait()
             nice(0)
             before, started = _idle_core_seconds(), time.monotonic()
             time.sleep(1.5)
