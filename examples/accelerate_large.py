@@ -73,7 +73,7 @@ drain = time.perf_counter() - t0
 for label, stalls in (("native save_state()", native), ("asyncckpt save_state()", ours)):
     print(f"{label:24s} stall " + ", ".join(f"{s:.3f}s ({s / c:.1f}x memcpy {c:.3f}s)" for s, c in stalls))
 print(f"last async save durable {drain:.2f}s after the final sleep; first async save includes allocating the "
-      "staging buffers (once)")
+      "snapshot buffers (once)")
 acc.end_training()
 if args.dir is None:
     shutil.rmtree(root, ignore_errors=True)

@@ -53,7 +53,7 @@ if __name__ == "__main__":
     state = sum(p.numel() for p in Big().parameters()) * 4 * 3  # weights + exp_avg + exp_avg_sq
     print(f"checkpoint: {state / 1e6:.0f} MB of tensors, a save every 10 steps, {steps} steps")
     sync = run("TorchCheckpointIO (default)", None, steps, "ckpts_large_sync")
-    # the first AsyncCkptIO save also allocates its reused staging buffer and starts the writer process
+    # the first AsyncCkptIO save also allocates its reused snapshot buffer and starts the writer process
     fast = run("AsyncCkptIO", [AsyncCkptIO()], steps, "ckpts_large_async")
     steady = fast[1:] or fast
     print(f"median stall after the first save: {sorted(sync[1:] or sync)[len(sync[1:] or sync) // 2]:.2f} s -> "

@@ -9,7 +9,7 @@ from s3_server import s3_root, s3_server  # noqa: F401 - fixtures
 
 @pytest.fixture
 def slow_overlapped_snapshots(monkeypatch):
-    """The snapshots an adapter leaves to the staging thread (``overlap_optimizer``) start 0.3 s late, so that the
+    """The snapshots an adapter leaves to the snapshot thread (``overlap_optimizer``) start 0.3 s late, so that the
     next optimizer step always arrives first: a step that did not wait for them would tear them."""
     from asyncckpt.core.integration import saving
 

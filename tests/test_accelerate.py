@@ -511,7 +511,7 @@ def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, h
     step()
     expected = {k: v.clone() for k, v in _flat(opt.state_dict()) if torch.is_tensor(v)}
     path = acc.save_state()
-    assert handle.checkpointer.snapshot_thread.busy and "optimizer.bin" in handle.last_written  # left to the staging thread
+    assert handle.checkpointer.snapshot_thread.busy and "optimizer.bin" in handle.last_written  # left to the snapshot thread
     started = time.perf_counter()
     step()  # optimizer.step() waits for the snapshot before changing the state
     assert time.perf_counter() - started > 0.2

@@ -268,14 +268,14 @@ def test_overlapped_staging_guard_makes_optimizer_step_wait(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(4, 512)).sum().backward()
     optimizer.step()
-    with core.Checkpointer(overlap_staging=True) as checkpointer:
+    with core.Checkpointer(overlap_snapshot=True) as checkpointer:
         hooks = checkpointer.snapshot_thread.guard(optimizer)
         state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
         expected = copy.deepcopy(state)
         handle = checkpointer.async_save(state, tmp_path / "ckpt")
         model(torch.randn(4, 512)).sum().backward()  # runs while the snapshot is copied
         optimizer.step()  # the guard waits for the snapshot before mutating anything
-        assert handle.staged()
+        assert handle.snapshot_taken()
         handle.result()
         for hook in hooks:
             hook.remove()
@@ -294,7 +294,7 @@ def _overlapped_ddp_saves(rank, world, root):
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     expected = []
-    with core.Checkpointer(overlap_staging=True) as checkpointer:
+    with core.Checkpointer(overlap_snapshot=True) as checkpointer:
         checkpointer.snapshot_thread.guard(optimizer)
         for step in range(3):
             model(torch.randn(4, 256)).sum().backward()

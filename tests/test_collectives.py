@@ -64,7 +64,7 @@ def _saves_and_loads(rank, world, root):
     checkpointer = Checkpointer()
     checkpointer.save(_replicated(1), f"{root}/sync")
     checkpointer.async_save(_replicated(2), f"{root}/async").result()
-    checkpointer.async_save(_replicated(3), f"{root}/overlapped", overlap_staging=True)
+    checkpointer.async_save(_replicated(3), f"{root}/overlapped", overlap_snapshot=True)
     checkpointer.wait(everywhere=True)
     loaded = {}
     for name in ("sync", "async", "overlapped"):
@@ -88,7 +88,7 @@ def _saves_and_loads(rank, world, root):
 
 
 def test_saves_and_loads_on_two_nodes(tmp_path):
-    """save, async_save, an overlapped async_save (its structure agreed on the staging thread), and loads on two
+    """save, async_save, an overlapped async_save (its structure agreed on the snapshot thread), and loads on two
     nodes: the replicated state read once per job, bit for bit; a sharded (DTensor) checkpoint through dcp.load,
     each rank's shard its own, the replicated tensor read by one rank and sent to the other."""
     results = run_on_ranks(_saves_and_loads, 2, str(tmp_path), backend=GROUP)

@@ -1,4 +1,4 @@
-"""CUDA paths: pinned staging buffers, copies on a side stream, and the frameworks' own FSDP launch paths.
+"""CUDA paths: pinned snapshot buffers, copies on a side stream, and the frameworks' own FSDP launch paths.
 
 Skipped where no GPU exists (the project's own machine has none; these run where one is lent or
 in a user's CI: ``bash benchmarks/gpu_sitting.sh`` runs them with the GPU benchmark). The multi-GPU tests run each

@@ -152,6 +152,19 @@ def test_design_names_every_core_module():
     assert table == modules, f"DESIGN.md's module table: missing {modules - table}, not in core/ {table - modules}"
 
 
+
+def test_options_page_explains_every_field():
+    """docs/options.md is the one place that explains each option: a row for every field of the option types."""
+    import dataclasses
+
+    from asyncckpt.core import CheckpointOptions, ExportOptions, MemoryTier, ObjectStoreOptions
+
+    rows = set(re.findall(r"^\| `(\w+)` \|", (ROOT / "docs" / "options.md").read_text(), re.M))
+    missing = {f"{kind.__name__}.{field.name}" for kind in (CheckpointOptions, MemoryTier, ExportOptions, ObjectStoreOptions)
+               for field in dataclasses.fields(kind) if field.name not in rows}
+    assert not missing, f"docs/options.md has no row for {sorted(missing)}"
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict:
     """Every runnable block run once, in one subprocess: {where: None or its error}."""

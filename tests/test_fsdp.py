@@ -98,7 +98,7 @@ def without_dcp() -> None:
 
 def save_both_and_resume(rank, world, root, state_dict_type, use_dcp=True):
     """Accelerate's own save, ours of the same state, then a resume from ours. ``inline_bytes=0``: every
-    file goes through a staging buffer, as a real model's would (these are tiny)."""
+    file goes through a snapshot buffer, as a real model's would (these are tiny)."""
     from asyncckpt.adapters.accelerate import enable_async_checkpointing
 
     if not use_dcp:

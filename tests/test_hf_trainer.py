@@ -368,7 +368,7 @@ def test_overlapped_optimizer_snapshot_is_taken_before_the_next_step(tmp_path, s
     overlapped = lambda: AsyncCheckpointCallback(checkpointer=shared_checkpointer)  # noqa: E731
     callback = overlapped()
     full = _train_toy(tmp_path / "full", callbacks=[callback], **options)
-    waits = [t["staged_wait_s"] for t in callback.metrics[:-1]]  # the last save has no next step
+    waits = [t["snapshot_wait_s"] for t in callback.metrics[:-1]]  # the last save has no next step
     assert len(waits) == 3 and min(waits) > 0.1, callback.metrics  # the next step did wait for the snapshot
     native = _train_toy(tmp_path / "native", **options)
     for name in _checkpoints(tmp_path / "native"):

@@ -236,7 +236,7 @@ def test_a_save_that_fails_at_exit_makes_the_exit_status_non_zero(tmp_path, prog
 def test_an_idle_writer_stops_and_the_next_save_starts_one(tmp_path, ours_running):
     """With nothing to do for ``writer_idle_timeout`` seconds the writer process and the thread that
     hears it exit (saves made outside a framework's run leave no process idling; the copy threads,
-    like the staging buffers, stay with the Checkpointer until it is closed); the next save starts
+    like the snapshot buffers, stay with the Checkpointer until it is closed); the next save starts
     a new writer and commits as before."""
     import time
 

@@ -72,7 +72,7 @@ def test_the_framework_rotation_removes_both_copies(tmp_path, memory_root):
 
 
 def test_a_memory_save_is_the_snapshot_buffer_itself_and_kept_ones_are_never_copied_into(tmp_path, memory_root):
-    """A memory-tier save's data file is the staging buffer the snapshot was copied into (a second name for the same
+    """A memory-tier save's data file is the snapshot buffer the snapshot was copied into (a second name for the same
     pages, not a copy), for as long as the training process keeps the buffer; a buffer that a kept checkpoint holds is
     never copied into again, so every kept checkpoint loads as it was saved; the tier holds keep + 1 shares (no
     spare besides the buffers); the run leaves nothing. The next run of the same Checkpointer (a framework's second
@@ -126,7 +126,7 @@ KILLED = textwrap.dedent('''
 def test_a_restart_after_kill_9_resumes_from_memory(tmp_path, memory_root):
     """kill -9 the training process right after a memory-only save returned: its writer finishes that save in
     memory, and a new process resumes from it (newer than the last durable one), bit for bit; the memory that the
-    killed process's staging buffers held beyond its checkpoints is freed once the new one saves there."""
+    killed process's snapshot buffers held beyond its checkpoints is freed once the new one saves there."""
     durable = str(tmp_path / "run")
     program = tmp_path / "killed.py"
     program.write_text(KILLED)

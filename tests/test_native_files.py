@@ -199,7 +199,7 @@ def test_directory_files_reach_the_writer_at_commit(tmp_path):
         model = tx.save_file({"w": torch.ones(1 << 20)}, "model.safetensors", format="safetensors")
         state = tx.write_bytes("trainer_state.json", b"{}")
         time.sleep(1.0)
-        assert model.staged() and not model.done() and not state.done()
+        assert model.snapshot_taken() and not model.done() and not state.done()
         assert not os.path.exists(os.path.join(tx.staging_dir, "model.safetensors"))
         tx.commit().result()
         assert model.done() and state.done()

@@ -31,7 +31,7 @@ from asyncckpt.core import CheckpointOptions  # noqa: E402
 
 FIELDS = dataclasses.fields(CheckpointOptions)
 HINTS = typing.get_type_hints(CheckpointOptions)
-METRICS = ("stall_s", "waited_s", "durable_s", "bytes", "bytes_written", "bytes_shared", "staged_wait_s")
+METRICS = ("stall_s", "waited_s", "durable_s", "bytes", "bytes_written", "bytes_shared", "snapshot_wait_s")
 
 
 def _accelerator(project: Path, **kwargs) -> Accelerator:
@@ -124,7 +124,7 @@ def _assert_records(records, saves):
     assert len(records) == saves, records
     for record in records:
         assert record["stall_s"] > 0 and record["durable_s"] > 0 and record["bytes"] > 1 << 20, record
-        assert record["waited_s"] >= 0 and record["staged_wait_s"] >= 0, record
+        assert record["waited_s"] >= 0 and record["snapshot_wait_s"] >= 0, record
         assert record["bytes_written"] > 0 and record["bytes_shared"] >= 0, record  # this rank's writer's, shared
 
 
@@ -242,7 +242,7 @@ def test_the_trainers_report_to_integrations_receive_each_saves_metrics_and_its_
 
 def test_every_adapter_speaks_one_handle_vocabulary_and_close_frees_the_staging_buffers(tmp_path):
     """``wait()``, ``pending()``, ``metrics`` (a list) and ``close()`` on the three adapters' objects; ``close()`` frees
-    the staging buffers (pinned host memory the end of a run keeps) and a later save allocates them again; the old
+    the snapshot buffers (pinned host memory the end of a run keeps) and a later save allocates them again; the old
     spellings (``metrics.history``, Accelerate's ``pending`` as a property) still work, with a FutureWarning."""
     io = AsyncCkptIO()
     accelerator = _accelerator(tmp_path / "acc")

@@ -122,7 +122,7 @@ def test_signals_to_the_writer_alone_lose_no_save_from_its_spawn_on(tmp_path):
 
 def test_a_handler_that_saves_while_a_save_hands_its_buffer_to_the_writer_loses_neither(tmp_path, monkeypatch):
     """Lightning's SLURM requeue handler saves wherever SIGUSR1 lands, in the middle of another save too: here between
-    the message that hands a staging buffer to the writer and that buffer's descriptors. Both saves commit."""
+    the message that hands a snapshot buffer to the writer and that buffer's descriptors. Both saves commit."""
     from asyncckpt.core.client import writer_queue
 
     nested, sent = [], writer_queue.send_handle

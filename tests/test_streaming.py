@@ -175,7 +175,7 @@ def test_streamed_image_write_waits_for_each_part(tmp_path):
 @pytest.mark.parametrize("size", [0, 100, 4096, 3 * 4096 + 7, (5 << 20) + 1])
 def test_a_mapped_file_is_written_directly_but_its_partial_last_block(tmp_path, size):
     """A memory-mapped file (a memory-tier checkpoint written durably: ``mirror.copy``) ends at its size, not at a
-    whole block as a staging buffer does: its whole blocks go with O_DIRECT, its partial last block through the page
+    whole block as a snapshot buffer does: its whole blocks go with O_DIRECT, its partial last block through the page
     cache, and the file is exactly its bytes."""
     source = tmp_path / "source"
     payload = os.urandom(size)

@@ -34,7 +34,7 @@ def limit_file_size(checkpointer, limit: int) -> None:
     """Give ``checkpointer``'s writer (started now if it is not running) a real ``RLIMIT_FSIZE`` of ``limit``
     bytes: its writes beyond it fail with EFBIG, as on a full disk (Python ignores SIGXFSZ, and the writer
     inherits that). Set from outside (``prlimit``) while the writer has no request, so it alone is limited,
-    from its first write on; the training process, whose staging buffers are files too, is not."""
+    from its first write on; the training process, whose snapshot buffers are files too, is not."""
     import resource
 
     checkpointer.start()

@@ -1,30 +1,6 @@
 """``enable_async_checkpointing(accelerator)``: the whole ``Accelerator.save_state()`` becomes asynchronous.
 
-Reads top to bottom as:
-
-1. **What Accelerate calls.** The user keeps calling ``accelerator.save_state()`` / ``load_state()`` /
-   ``end_training()``. Those three methods of the ``Accelerator`` class are replaced once (through
-   ``asyncckpt.core.integration.patching``); an accelerator with async checkpointing enabled holds its
-   ``AsyncCheckpointing`` (picklable: a copy checkpoints asynchronously too), any other behaves natively.
-2. **What we snapshot.** ``save_state`` writes every file through two module globals of
-   ``accelerate.checkpointing``: ``save`` and ``torch.save``; during our call they capture each object
-   and snapshot it now (``capture.py``); under FSDP, ``save_fsdp_model`` / ``save_fsdp_optimizer``'s
-   ``torch.distributed.checkpoint.save`` becomes a sharded snapshot (``asyncckpt.core.integration.dcp_capture``).
-   File names and formats are Accelerate's own, so ``load_state()`` reads them with or without the
-   adapter. DeepSpeed and Megatron-LM write their own files, synchronously (with a warning).
-3. **Which core call.** One ``Checkpointer.begin_directory`` per save. Accelerate writes into the
-   transaction's staging directory (automatic naming is off for the duration of the call; we name the
-   directory and apply ``total_limit`` as Accelerate does, counting checkpoints in flight). The staging
-   directory lives next to ``checkpoints/``, never in it, and ``checkpoint_N`` appears under its final
-   name only complete. ``total_limit`` deletions are queued behind the commit and run only if it succeeded
-   (``saving.finish``). ``load_state()`` resumes through the kit's one sequence (``resume.resume``).
-4. **When we wait.** ``load_state()``, ``end_training()`` (which also stops the background writer), the
-   next ``save_state()`` once ``max_in_flight`` checkpoints are pending, ``handle.wait()`` / ``remove()``,
-   and interpreter exit; with ``overlap_optimizer``, every ``optimizer.step()``. A failed background save
-   raises ``CheckpointWriteError`` naming its directory at the next ``save_state()`` (or ``wait()``).
-
-Each save's stall, time to durable and bytes go to Accelerate's trackers (``accelerator.log``:
-``checkpoint/stall_s``, ...) at the next ``save_state()`` and at ``end_training()``.
+More: docs/DESIGN.md, "Module notes", adapters/accelerate/async_checkpointing.py.
 """
 from __future__ import annotations
 
@@ -85,7 +61,7 @@ def enable_async_checkpointing(accelerator: Accelerator, options: Optional[Check
 
 class AsyncCheckpointing:
     """Returned by ``enable_async_checkpointing``: ``wait()`` drains pending saves (raising the first failure),
-    ``pending()`` names them, ``metrics`` holds each save's record, ``close()`` frees the staging buffers, ``remove()``
+    ``pending()`` names them, ``metrics`` holds each save's record, ``close()`` frees the snapshot buffers, ``remove()``
     drains and restores Accelerate's native behaviour for this accelerator (the same words in every adapter)."""
 
     def __init__(self, accelerator: Accelerator, options: CheckpointOptions, *, spread_writes: bool = True,
@@ -133,7 +109,7 @@ class AsyncCheckpointing:
 
     @property
     def metrics(self) -> list[dict]:
-        """Every save's record (``step``, ``stall_s``, ``waited_s``, ``durable_s``, ``bytes``, ``staged_wait_s``), as
+        """Every save's record (``step``, ``stall_s``, ``waited_s``, ``durable_s``, ``bytes``, ``snapshot_wait_s``), as
         ``accelerator.log`` gets them (docs/options.md)."""
         return self._metrics.history
 
@@ -142,7 +118,7 @@ class AsyncCheckpointing:
         self.checkpointer.wait()
 
     def close(self) -> None:
-        """After the last save: wait for every save, stop the writer and free the staging buffers (pinned host
+        """After the last save: wait for every save, stop the writer and free the snapshot buffers (pinned host
         memory, up to ``max_in_flight`` copies of the checkpoint; ``end_training()`` keeps them for a next run). The
         accelerator still saves asynchronously: a later save allocates them again."""
         self.checkpointer.teardown(free_buffers=True)

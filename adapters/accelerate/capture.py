@@ -1,15 +1,6 @@
 """Accelerate's own writes during one ``save_state()``, into a checkpoint transaction.
 
-``accelerate.checkpointing.save_accelerator_state`` writes model and optimizer files through
-``accelerate.utils.other.save`` (as bound in ``accelerate.checkpointing``), RNG, GradScaler and dataloader
-state with ``torch.save``; under FSDP, ``accelerate.utils.fsdp_utils`` writes sharded state with
-``torch.distributed.checkpoint.save`` (or, with ``use_dcp=False``, one ``torch.save`` file per process) and full
-state dicts with ``torch.save``. For the duration of the call these are replaced (``patching.patched``,
-``capturing_dcp_saves``) by functions that, for a path inside the transaction's staging directory, give the
-object to the kit's ``FileCapture`` (snapshot now, or after the call for an optimizer file with
-``overlap_optimizer``); any other path is passed to the original. Which process writes what is Accelerate's
-own rule (``save``'s gating, reproduced here), except that under DDP the large replicated files can be
-spread over the processes (``spread_writes``).
+More: docs/DESIGN.md, "Module notes", adapters/accelerate/capture.py.
 """
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
 """``AsyncCheckpointCallback``: the one line a Transformers user adds.
 
-    trainer = Trainer(..., callbacks=[AsyncCheckpointCallback()])   # or trainer.add_callback(...) before train()
-
-A callback is handed the model, optimizer and scheduler, but not the Trainer, and it cannot take
-over a save: clearing ``control.should_save`` in ``on_step_end`` misses ``save_strategy="best"``
-(decided after the evaluation) and would snapshot before that step's evaluation is recorded. So
-the callback finds its Trainer (the caller of ``on_init_end``, or of ``on_train_begin`` when added
-later) and, until its ``train()`` ends, replaces that instance's ``_save_checkpoint`` with the
-asynchronous one in ``saver.py`` (a subclass's own ``_save_checkpoint``, such as TRL's, still runs, with
-the asynchronous save as its parent's); the Trainer still decides when to save, evaluates
-first, and resumes exactly as usual. When training ends, every checkpoint is committed and the background
-writer stops; the next ``train()`` starts it again.
-
-The callback is deliberately not an ``ExportableState``: the Trainer re-creates those from the
-checkpoint on resume. It pickles (with its options; a copy attaches to the Trainer it is used with).
+More: docs/DESIGN.md, "Module notes", adapters/hf_trainer/callback.py.
 """
 from __future__ import annotations
 
@@ -84,7 +71,7 @@ class AsyncCheckpointCallback(TrainerCallback):
     @property
     def metrics(self) -> list[dict]:
         """Per save: ``step``, ``stall_s`` (seconds the training loop spent in it), ``waited_s`` (of it, for an earlier
-        checkpoint), ``durable_s`` (from its return to committed on every rank), ``bytes`` and ``staged_wait_s`` (how
+        checkpoint), ``durable_s`` (from its return to committed on every rank), ``bytes`` and ``snapshot_wait_s`` (how
         long the next optimizer steps waited for the overlapped ``optimizer.pt`` snapshot), as reported."""
         return self.saver.metrics.history if self.saver is not None else Records()
 
@@ -97,7 +84,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         return [handle.path for handle in self.checkpointer.pending()]
 
     def close(self) -> None:
-        """After the last ``train()``: wait for every save, stop the writer and free the staging buffers (pinned host
+        """After the last ``train()``: wait for every save, stop the writer and free the snapshot buffers (pinned host
         memory, up to ``max_in_flight`` copies of the checkpoint, which the end of ``train()`` keeps for the next one;
         a later save allocates them again). A ``checkpointer`` you gave is yours to close: it is only waited for."""
         if self.owns_checkpointer:

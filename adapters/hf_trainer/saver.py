@@ -1,30 +1,6 @@
 """The asynchronous ``Trainer._save_checkpoint``: same files, same bookkeeping, written in the background.
 
-Reads top to bottom as the Trainer's own ``_save_checkpoint`` (transformers 5.x; its source is pinned
-by ``tests/test_framework_contracts.py``) does, with these differences, each marked ``# async:``:
-
-* every file goes through one ``Checkpointer.begin_directory``: the Trainer's save methods write into a
-  scratch directory while their data files are snapshot and queued (``asyncckpt.core.integration.capture``:
-  ``torch.save``, the safetensors writers, ``dcp.save`` of FSDP's sharded state); the folder
-  appears as ``checkpoint-N`` only once every rank's files are durable;
-* ``best_model_checkpoint`` counts a checkpoint being written as existing (natively: on disk);
-* rotation (``save_total_limit``) is queued behind the commit and runs only if it committed; deletion is
-  atomic (renamed out of ``checkpoint-*`` first), and never touches a checkpoint still being written;
-* with ``overlap_optimizer``, ``optimizer.pt`` is snapshot on the staging thread while the next forward and
-  backward run, and every ``optimizer.step()`` first waits for it;
-* before anything reads a checkpoint back (``_finalize_training``: the best model) every save is committed,
-  and the deletions the Trainer makes there are atomic too.
-
-A subclass's own ``_save_checkpoint`` (TRL's trainers ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``... write the
-model card; users' subclasses add EMA weights or extra state) is not replaced: it runs, and its
-``super()._save_checkpoint`` is the save above without the commit (``patching.standing_in``); the files it writes
-into ``checkpoint-N`` are committed with the checkpoint. Where it cannot work against an asynchronous save (it
-reads the checkpoint back when ``super()`` returns, before it is written; the folder exists already), it runs as
-it is, synchronously, with one warning.
-
-Each save's stall, time to durable and bytes go to the Trainer's ``report_to`` integrations (``checkpoint_stall_s``,
-...: TensorBoard and W&B show them as ``train/checkpoint_stall_s``), at the next save and at the end of training, but
-not into ``state.log_history`` (``_log_metrics`` says why).
+More: docs/DESIGN.md, "Module notes", adapters/hf_trainer/saver.py.
 """
 from __future__ import annotations
 
@@ -205,7 +181,7 @@ class AsyncCheckpointSaver:
 
     def _save_trainer_files(self, tx: Any, trial: Any) -> capture.FileCapture:
         """``Trainer._save_checkpoint`` up to its push and rotation, every file into ``tx``; returns the capture
-        (holding the snapshots left for the staging thread)."""
+        (holding the snapshots left for the snapshot thread)."""
         trainer = self.trainer
         args, state = trainer.args, trainer.state
         if trainer.hp_search_backend is None and trial is None:

@@ -1,25 +1,6 @@
 """``AsyncCkptIO``: a Lightning ``CheckpointIO`` whose saves return after a snapshot.
 
-What Lightning calls → what we snapshot → which core call → when we wait:
-
-* ``save_checkpoint(checkpoint, path)`` (global rank 0; single device, DDP, FSDP "full"): the
-  whole checkpoint dict, as ``torch.save`` would write it → ``Checkpointer.async_save_file``.
-  ``hpc_ckpt_*`` saves and saves made while an exception is being handled (on-exception
-  checkpoints) wait for the write: the process is about to go.
-* ``remove_checkpoint(path)`` → ``Checkpointer.remove``, after the save queued last and only if
-  it committed (top-k rotation never costs a checkpoint for a save that failed).
-* ``load_checkpoint(path)`` → the kit's resume sequence (``resume.resume``: everything pending committed, on
-  every rank), then loads exactly like ``TorchCheckpointIO``, the file checked as it is read.
-* ``teardown()`` (the end of fit/validate/test/predict) → waits on every rank, raises a failed
-  save, and stops the background writer: nothing of ours runs after the run; the next run starts
-  it again (at ``setup_environment``, see ``integration``). Fabric never calls it: its user does,
-  at the end of the run (``fabric.save`` / ``fabric.load`` are ``save_checkpoint`` / ``load_checkpoint``).
-* Sharded FSDP / ModelParallel saves, ``save_last="link"`` and the ``-v1`` version counter do not
-  go through ``CheckpointIO``; ``integration`` routes them here.
-
-A save that failed in the background raises at the next save, removal, load or teardown, as
-``AsyncCkptSaveError`` naming the path, ``epoch`` and ``global_step``. Each save's stall, time to durable and
-bytes go to the Trainer's loggers (``checkpoint/stall_s``, ...) at the next save and at the end of the run.
+More: docs/DESIGN.md, "Module notes", adapters/lightning/checkpoint_io.py.
 """
 from __future__ import annotations
 
@@ -100,7 +81,7 @@ class AsyncCkptIO(CheckpointIO):
 
     @property
     def metrics(self) -> list[dict]:
-        """Every save's record (``step``, ``stall_s``, ``waited_s``, ``durable_s``, ``bytes``, ``staged_wait_s``), as the
+        """Every save's record (``step``, ``stall_s``, ``waited_s``, ``durable_s``, ``bytes``, ``snapshot_wait_s``), as the
         Trainer's loggers get them (docs/options.md); Fabric's user logs them from here."""
         return self._metrics.history
 
@@ -168,7 +149,7 @@ class AsyncCkptIO(CheckpointIO):
         return [handle.path for handle in self.checkpointer.pending()]
 
     def close(self) -> None:
-        """After the last run: ``teardown()``, and free the staging buffers (pinned host memory, up to
+        """After the last run: ``teardown()``, and free the snapshot buffers (pinned host memory, up to
         ``max_in_flight`` copies of the checkpoint, which ``teardown`` keeps for the next run; a later save allocates
         them again). On every process, as ``teardown``."""
         try:

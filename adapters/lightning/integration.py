@@ -1,48 +1,6 @@
 """The places Lightning does not route through ``CheckpointIO``, wired to ``AsyncCkptIO``.
 
-A ``CheckpointIO`` gets no reference to its trainer or strategy, and Lightning bypasses it for
-sharded saves, for the ``-v1`` version check and for ``save_last="link"``. So that a user adds
-only ``plugins=[AsyncCkptIO()]``, these methods are replaced once per process (through
-``asyncckpt.core.integration.patching``). Each replacement first checks that the strategy's ``checkpoint_io``
-is an ``AsyncCkptIO`` and otherwise calls the original unchanged, so trainers without the
-plugin behave exactly as before.
-
-=========================================================  =========================================
-replaced                                                   with the plugin
-=========================================================  =========================================
-``Strategy.setup_environment`` (and each                   also starts the background writer (its
-subclass's own)                                            start-up overlaps the run's set-up), and
-                                                           tells the plugin its Trainer (its loggers
-                                                           get the saves' metrics)
-``ModelCheckpoint.file_exists``                            a checkpoint still queued counts as
-                                                           existing, one queued for removal as gone
-                                                           (the ``-v1`` counter as without plugin)
-``ModelCheckpoint._link_checkpoint``                       ``save_last="link"``: the symlink is made
-                                                           (atomically) once its target committed
-``FSDPStrategy`` / ``ModelParallelStrategy``               sharded saves go through
-``.save_checkpoint``                                       ``Checkpointer.async_save`` (+ ``meta.pt``)
-``FSDPStrategy`` / ``ModelParallelStrategy``               wait (all ranks), check a sharded
-``.load_checkpoint``                                       checkpoint (each rank its share), load
-``_CheckpointConnector._parse_ckpt_path``                  before Lightning picks ("last", "hpc"):
-                                                           saves in flight committed, ``last.ckpt``
-                                                           restored from ``mirror_to``; with the memory
-                                                           tier on several nodes, the process group up
-                                                           early and the nodes agreed on the newest
-                                                           ``last*.ckpt`` in memory (fetched where
-                                                           missing); note which checkpoint it picked:
-                                                           ``resume_from_intact``
-``ModelCheckpoint.setup``                                  with the memory tier on several nodes, every
-                                                           rank's node keeps rank 0's replicated files
-                                                           of ``dirpath`` as its own (``Tier.expect``)
-``ModelCheckpoint._find_last_checkpoints``                 also the ``last*.ckpt`` in the memory tier;
-                                                           a ``dirpath`` URL: the candidates keep its
-                                                           scheme (Lightning drops it, and then finds
-                                                           no ``last.ckpt`` in object storage)
-``FSDPStrategy`` / ``ModelParallelStrategy.teardown``      also calls ``checkpoint_io.teardown()``,
-                                                           as other strategies do
-``lightning.pytorch.core.saving.pl_load``                  ``load_from_checkpoint`` of a path still
-                                                           being saved in this process waits for it
-=========================================================  =========================================
+More: docs/DESIGN.md, "Module notes", adapters/lightning/integration.py.
 """
 from __future__ import annotations
 

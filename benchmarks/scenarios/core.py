@@ -231,7 +231,7 @@ def ranks2(kind: str, size_mib: int, reps: int, settle_s: float, root: str) -> d
 # ------------------------------------------------------------------------------------------ planning
 def planning(n: int, reps: int, root: str) -> dict:
     """Each ``async_save`` split by the phases its handle reports: ``plan_s`` (a cold plan), ``buffer_s``
-    (the staging buffer), ``copy_s`` (the copy and the hand-off); the rest of the call is the bookkeeping every
+    (the snapshot buffer), ``copy_s`` (the copy and the hand-off); the rest of the call is the bookkeeping every
     save repeats (flatten, structure description, agreement, plan-cache lookup): "warm planning". "Cold
     planning" = that + ``plan_s`` on the first save of a structure."""
     import torch
@@ -352,11 +352,11 @@ def stall(size_mib: int, reps: int, settle_s: float, mm_seconds: float, peers: b
 
     checkpointer = Checkpointer()
     async_peer("ours_async_save", lambda p: checkpointer.async_save(state, p), lambda h: h.result(),
-               staged=lambda h: h.wait_staged(), paired=True, n=max(reps, STALL_REPS))
-    async_peer("ours_async_save_overlap", lambda p: checkpointer.async_save(state, p, overlap_staging=True),
-               lambda h: h.result(), staged=lambda h: h.wait_staged())
+               staged=lambda h: h.wait_snapshot(), paired=True, n=max(reps, STALL_REPS))
+    async_peer("ours_async_save_overlap", lambda p: checkpointer.async_save(state, p, overlap_snapshot=True),
+               lambda h: h.result(), staged=lambda h: h.wait_snapshot())
     slowdown("ours_async_save", lambda p: checkpointer.async_save(state, p), lambda h: h.done(), lambda h: h.result(), reps)
-    slowdown("ours_async_save_overlap", lambda p: checkpointer.async_save(state, p, overlap_staging=True),
+    slowdown("ours_async_save_overlap", lambda p: checkpointer.async_save(state, p, overlap_snapshot=True),
              lambda h: h.done(), lambda h: h.result(), reps)
     checkpointer.close()
     if peers:
@@ -437,7 +437,7 @@ LOADS = {"torch_load": "`torch.load(weights_only=True)` + copy", "safetensors_lo
          "dcp_load": "`dcp.load` (no_dist) of the dcp.save checkpoint", "ours_core_load_verify": "**`core.load`, verify on**",
          "ours_core_load_noverify": "`core.load`, verify off",
          "dcp_load_FileSystemReader_of_ours": "stock `dcp.load` (FileSystemReader) of our checkpoint"}
-ASYNC = {"ours_async_save": "**`Checkpointer.async_save`**", "ours_async_save_overlap": "`async_save(overlap_staging=True)`",
+ASYNC = {"ours_async_save": "**`Checkpointer.async_save`**", "ours_async_save_overlap": "`async_save(overlap_snapshot=True)`",
          "dcp_async_thread_default": "`dcp.async_save` THREAD, default stager",
          "dcp_async_thread_DefaultStager_shm_async": "`dcp.async_save` THREAD, reused shared-memory `DefaultStager`",
          "dcp_async_process_default": "`dcp.async_save` PROCESS, default stager",

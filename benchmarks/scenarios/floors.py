@@ -74,7 +74,7 @@ def parts(size_mib: int, reps: int) -> dict:
     root = tempfile.mkdtemp(prefix="floors_")
     state = make_adam(size_mib << 20)
     with core.Checkpointer() as checkpointer:
-        checkpointer.save(state, os.path.join(root, "load"))  # also warms the plan and the staging buffer
+        checkpointer.save(state, os.path.join(root, "load"))  # also warms the plan and the snapshot buffer
         sources = [t for _, t in iter_tensors(state)]
         held = [torch.zeros_like(t) for t in sources]
         copies: list[float] = []

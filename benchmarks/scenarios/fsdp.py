@@ -139,7 +139,7 @@ def render(result: dict) -> str:
                           row("native"), row("ours"), row("dcp_async")]),
                   *table(["goal", "measured", "met"], [[g, f"{v:.2f}", "yes" if (v <= lim if op == "<=" else v >= lim)
                                                         else "**no**"] for g, v, lim, op in goals]),
-                  "Warm-up rep (the first save of each method: staging buffers allocated, plans made):", "",
+                  "Warm-up rep (the first save of each method: snapshot buffers allocated, plans made):", "",
                   *table(["", "stall s", "durable s"], [[NAMES[k], fmt(found["per_rep"][k][0]["stall_s"]),
                                                           fmt(found["per_rep"][k][0]["durable_s"])]
                                                          for k in ("native", "ours", "dcp_async")])]

@@ -1,7 +1,7 @@
 """What stopping the background writer at the end of a run costs the next run, and where it goes.
 
 ``teardown()`` stops the writer process and every thread of asyncckpt when a framework's run ends, so the
-next run starts them again. On a Checkpointer whose staging buffer and plan are warm (a later ``fit`` or
+next run starts them again. On a Checkpointer whose snapshot buffer and plan are warm (a later ``fit`` or
 ``train`` in the same process), in alternating reps: ``start()`` (the caller's part, a Popen), the
 writer's readiness, ``teardown()``, and the first save after a teardown without ``start()`` (the writer
 started inside it), with ``start()`` one training step earlier (as the adapters do at a run's start),
@@ -28,7 +28,7 @@ def cycles(size_mib: int, reps: int, step_s: float, root: str) -> dict:
     state = make_adam(size_mib << 20, 500 if size_mib >= 256 else None)
     rows: dict[str, list[float]] = {k: [] for k in KEYS}
     checkpointer = Checkpointer()
-    checkpointer.save(state, os.path.join(root, "warmup"))  # plan and staging buffer: warm from here on
+    checkpointer.save(state, os.path.join(root, "warmup"))  # plan and snapshot buffer: warm from here on
     counter = iter(range(1 << 30))
 
     def timed_save(kind: str) -> None:

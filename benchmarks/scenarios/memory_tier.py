@@ -131,7 +131,7 @@ def _saves_rank(rank: int, world: int, arm: str, size_mib: int, reps: int, root:
         for warm in range(2 if arm != "durable" else 1):  # the tier at its steady state: keep + 1 saves' pages held
             path = f"{root}/warmup_{warm}"
             t0 = now()
-            checkpointer.save(state, path, step=0)  # plans, staging buffers, writers, receivers, pages: new
+            checkpointer.save(state, path, step=0)  # plans, snapshot buffers, writers, receivers, pages: new
             warmup_s.append(now() - t0)
             checkpointer.wait()  # and its durable copy written: not in the next save's way
             dist.barrier()
@@ -729,7 +729,7 @@ def _warmup_lines(saves: dict) -> list[str]:
     return [f"Not in the table: a run's first two saves with the tier, which each job makes before the measured ones "
             f"(so that these find the tier at its steady state, as the floor's processes hold their pages from the "
             f"start): the first {fmt(first)} s to committed (plans, the writer and the receivers start, a staging "
-            f"buffer and the peer's copy in new tmpfs pages), the second {fmt(second)} s (a second staging buffer, "
+            f"buffer and the peer's copy in new tmpfs pages), the second {fmt(second)} s (a second snapshot buffer, "
             f"kept while the first holds the newest checkpoint, and the peer's second copy in new pages); medians "
             f"over {len(jobs)} jobs.", ""]
 

@@ -87,7 +87,7 @@ def timing(workload: str, gib: float, reps: int, root: str) -> dict:
 
     state = make(workload, gib)
     checkpointer = Checkpointer()
-    checkpointer.save(state, os.path.join(root, "warm"))  # plan and staging buffer: warm from here on
+    checkpointer.save(state, os.path.join(root, "warm"))  # plan and snapshot buffer: warm from here on
     out: dict[str, list[float]] = {"stall_s": [], "durable_s": [], "native_s": []}
     for rep in range(reps):
         path = os.path.join(root, f"rep{rep}")

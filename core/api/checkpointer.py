@@ -1,12 +1,6 @@
 """``Checkpointer``: the one object every save goes through, from users and from every adapter.
 
-A short facade: each verb is a few lines over the rooms that do the work (``parts.Parts`` builds them): the
-``Ledger`` (pending work, back-pressure, the writer queue), ``ShardedSaves`` (SPMD saves), ``FileSnapshots``
-(native files), ``DirectoryTransaction`` (a framework's directory, published at once), ``Handoff`` and the
-``SnapshotThread`` (the copy into a snapshot buffer and its hand-over), ``follow_ups`` (what follows a commit),
-``verify.checking`` (checks before a load) and the memory tier (``tier.job``). The writer starts on first use
-and stops at ``teardown()`` or ``close()``; a Checkpointer pickles as its options (docs/DESIGN.md, "The
-Checkpointer").
+More: docs/DESIGN.md, "Module notes", core/api/checkpointer.py.
 """
 from __future__ import annotations
 
@@ -54,8 +48,8 @@ class Checkpointer:
         process_group: group for the (tiny) structure agreement and cold planning; default: world.
         use_collectives: False saves and loads with no cross-rank communication (ranks meet
             only through the filesystem); replicated tensors are then written by every rank.
-        overlap_staging: take the whole snapshot on the snapshot thread; the caller must not mutate
-            the state until ``handle.wait_staged()`` (``snapshot_thread.guard(optimizer)`` does that for you).
+        overlap_snapshot: take the whole snapshot on the snapshot thread; the caller must not mutate
+            the state until ``handle.wait_snapshot()`` (``snapshot_thread.guard(optimizer)`` does that for you).
 
     ``snapshot_thread`` (``handoff.SnapshotThread``) runs snapshots that overlap what the caller does next.
     """
@@ -63,9 +57,10 @@ class Checkpointer:
     @taking_options
     def __init__(self, options: Optional[CheckpointOptions] = None, *,
                  process_group: Optional[dist.ProcessGroup] = None, use_collectives: bool = True,
-                 overlap_staging: bool = False, **kwargs: Any) -> None:
-        self.options, _ = resolve("Checkpointer", options, kwargs)
-        self.process_group, self.use_collectives, self.overlap_staging = process_group, use_collectives, overlap_staging
+                 overlap_snapshot: bool = False, **kwargs: Any) -> None:
+        self.options, own = resolve("Checkpointer", options, kwargs, own=("overlap_snapshot",))
+        overlap_snapshot = own.get("overlap_snapshot", overlap_snapshot)
+        self.process_group, self.use_collectives, self.overlap_snapshot = process_group, use_collectives, overlap_snapshot
         self.timeout, self.object_store = self.options.timeout, self.options.object_store
         self._parts = parts = Parts.build(self.options, process_group, use_collectives)
         self._ledger, self._tier = parts.ledger, parts.tier
@@ -77,7 +72,7 @@ class Checkpointer:
         lifecycle.track(self)
 
     def __getstate__(self) -> dict:
-        return {"options": self.options, "use_collectives": self.use_collectives, "overlap_staging": self.overlap_staging}
+        return {"options": self.options, "use_collectives": self.use_collectives, "overlap_snapshot": self.overlap_snapshot}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state.pop("options"), **state)
@@ -109,7 +104,7 @@ class Checkpointer:
     def async_save(self, state_dict: STATE_DICT, path: str | os.PathLike, *,
                    process_group: Optional[dist.ProcessGroup] = None, use_collectives: Optional[bool] = None,
                    step: Optional[int] = None, label: Optional[str] = None,
-                   extra_files: Optional[dict[str, bytes]] = None, overlap_staging: Optional[bool] = None,
+                   extra_files: Optional[dict[str, bytes]] = None, overlap_snapshot: Optional[bool] = None,
                    stream: bool = False, durable: Optional[bool] = None) -> SaveHandle:
         """Snapshot ``state_dict`` and return; the write and commit happen in the background.
 
@@ -121,7 +116,7 @@ class Checkpointer:
         collectives = (self.use_collectives if use_collectives is None else use_collectives) and dist_ready()
         path = self._parts.placed(normalize(path), durable, lambda: tensor_bytes(state_dict), step,
                             agree_over=group if collectives else None)
-        overlap = self.overlap_staging if overlap_staging is None else overlap_staging
+        overlap = self.overlap_snapshot if overlap_snapshot is None else overlap_snapshot
         self.snapshot_thread.wait()  # one snapshot at a time: saves agree on their structures in call order
         target = self._parts.sharded.target(path, group, collectives, self._parts.store, step=step, extra_files=extra_files,
                                      object_store=self.object_store, tier=self._tier.save_tier(path, group),

@@ -1,13 +1,6 @@
 """What runs once a checkpoint committed: the user's ``on_commit`` code, and the queueing of its export.
 
-Users act on each checkpoint as it is saved (upload it, evaluate it, copy it, notify someone); with
-asynchronous saves the checkpoint exists only from its commit on. ``CommitHooks.after`` attaches
-such work to a checkpoint's handle when the save is made: a ``hook`` handle (and an ``export``
-handle) that depend on it. Once the checkpoint commits, the work runs on one thread of its own, in
-commit order, off the training loop and off the thread that reads the writer's replies. A hook that
-raises fails its handle like a failed save (named after the checkpoint, raised at the next sync
-point); if the checkpoint does not commit, its hooks and export are cancelled and named in its
-error. The handles count as pending work, so ``wait``, ``teardown`` and the exit drain wait for them.
+More: docs/DESIGN.md, "Module notes", core/api/commit_hooks.py.
 """
 from __future__ import annotations
 
@@ -37,7 +30,7 @@ class CommitHooks:
         hands it on (to the writer) and whoever runs it completes it."""
         handle = self.ledger.admit(kind, path or checkpoint.path, rank=checkpoint.rank, step=checkpoint.step,
                                    label=label or checkpoint.label, after=checkpoint)
-        handle.set_staged()
+        handle.set_snapshot_taken()
 
         def run() -> None:
             try:

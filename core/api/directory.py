@@ -1,18 +1,6 @@
 """A checkpoint directory of native files (a framework's own layout), committed atomically.
 
-Accelerate's ``checkpoint_N`` and the Transformers Trainer's ``checkpoint-N`` are directories of
-ordinary files (safetensors, torch.save pickles, JSON) written by one or several ranks. A
-``DirectoryTransaction`` stages each file through the background writer into a hidden
-directory (``names``); ``commit()`` (called by every rank) makes each rank's writer arrive at the
-save's barrier after its files, and rank 0's writer, once every rank arrived, writes the commit
-record and renames the directory into place. Until then nothing matching the framework's name
-patterns exists, so its resume logic and rotation never see a partial checkpoint.
-
-The files' write requests are held back until ``commit()``: a framework's save call stages
-several files one after the other, and a writer already streaming the first to disk would
-compete with the copies of the next ones for the CPU and memory bandwidth, lengthening the very
-stall it exists to shorten. Waiting for a held file releases everything held, so nothing can
-hang on it.
+More: docs/DESIGN.md, "Module notes", core/api/directory.py.
 """
 from __future__ import annotations
 
@@ -143,7 +131,7 @@ class DirectoryTransaction:
     def write_bytes(self, name: str, data: bytes) -> "SaveHandle":
         """Write small bytes (already a snapshot) as ``name``, in queue order."""
         member = self._member(name)
-        member.set_staged()
+        member.set_snapshot_taken()
         member.add_bytes(len(data))
         request = BytesRequest(os.path.join(self.staging_dir, name), bytes(data), self.rank, self._barrier)
         self._hold(member, request, None)
@@ -158,7 +146,7 @@ class DirectoryTransaction:
             self._committing = True
             request = CommitDirRequest(self.save_id, self.final_dir, self.staging_dir, self.rank, self.step,
                                        self._barrier, self._failed, self._tier)
-            self.handle.set_staged()
+            self.handle.set_snapshot_taken()
             self._flush([(self.handle, request, None), *self._context.handed_with(self.handle, self._barrier)])
         return self.handle
 

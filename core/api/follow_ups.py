@@ -71,7 +71,7 @@ class FollowUps:
         parts = self._parts
         parts.check_open()
         handle = self._admit("remove", ", ".join(paths), rank=parts.rank(), paths=paths)
-        handle.set_staged()
+        handle.set_snapshot_taken()
         try:
             request.run_here()
         except OSError as e:
@@ -213,7 +213,7 @@ class FollowUps:
         for kind, path, request in jobs:
             handle = self._admit(kind, path, rank=checkpoint.rank, step=checkpoint.step, label=checkpoint.label,
                                  after=checkpoint)
-            handle.set_staged()
+            handle.set_snapshot_taken()
             handed.append((handle, request, None))
         return handed
 
@@ -227,7 +227,7 @@ class FollowUps:
             if not after.done():
                 parts.stats[f"{kind}_behind_pending"] += 1
         handle = self._admit(kind, path, rank=parts.rank(), after=after, **details)
-        handle.set_staged()
+        handle.set_snapshot_taken()
         parts.ledger.queue.submit([(handle, request, None)])
         parts.ledger.raise_unobserved()
         return handle

@@ -1,15 +1,6 @@
 """How often to checkpoint: the interval that loses the least work (Young 1974, Daly 2006), from measured costs.
 
-A failure loses the work since the last checkpoint that survives it, on average half an interval ``T``, plus the
-restart ``R``; each checkpoint costs training its stall ``C``. Over a mean time between failures ``M``, the work
-lost per unit of time is ``C / T + (T / 2 + R) / M``, least at Young's ``T = sqrt(2 C M)`` (Daly's refinement
-changes it by less than ``C``, which is milliseconds here). An interval can be no shorter than the time a
-checkpoint takes to become safe (asyncckpt lets ``max_in_flight`` saves queue, and a checkpoint not yet safe
-protects nothing): the durable write without the memory tier, the memory commit with it. That floor is what the
-memory tier changes, with the restart: a process restart (most failures) reloads from memory.
-
-The costs come from the run itself (the first durable save: its stall, its durable write, its memory commit); the
-failure rate from the user (``failures_per_day``, default one a day: docs/memory_tier.md says why).
+More: docs/DESIGN.md, "Module notes", core/api/interval.py.
 """
 from __future__ import annotations
 

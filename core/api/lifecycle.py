@@ -3,14 +3,7 @@
 Also: waiting, from anywhere in the process, for a path still being saved (``wait_for``), and starting a
 Checkpointer's writer at the first optimizer step (``start_at_first_step``).
 
-One drain for the whole process, for users and every adapter: an ``atexit`` handler, and a
-``multiprocessing`` finalizer for multiprocessing children (Lightning's ``ddp_spawn``), which
-leave through ``os._exit`` after their finalizers and skip ``atexit``. A failure found there has
-nobody left to raise to: it is printed, naming its checkpoint, and the process exits with status 1,
-as it would have had the framework's own synchronous save raised it. A normal exit's status is
-settled before ``atexit`` runs, so only ``os._exit`` can change it: standard streams and logging
-are flushed first, and exit handlers registered before ours (a few, registered at import) are
-skipped, which is the lesser harm than a scheduler believing a failed run succeeded.
+More: docs/DESIGN.md, "Module notes", core/api/lifecycle.py.
 """
 from __future__ import annotations
 

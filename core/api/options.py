@@ -1,14 +1,6 @@
 """``CheckpointOptions``: every option that means the same thing in the core and in every adapter, once.
 
-A user who moves between Lightning, Accelerate, the Transformers Trainer and the core meets one set of
-names, defaults and meanings: ``Checkpointer(**options)``, ``AsyncCkptIO(**options)``,
-``enable_async_checkpointing(accelerator, **options)`` and ``AsyncCheckpointCallback(**options)`` all take
-these fields as keyword arguments, or the object itself as ``options=``. What only one framework needs
-stays in its adapter (documented there, with the reason). How each default was chosen, with the
-measurements: docs/options.md.
-
-``resolve`` is the one parser: an unknown name raises ``TypeError`` naming the accepted ones; a renamed
-option is still accepted under its old name, with a ``FutureWarning``, for one release.
+More: docs/DESIGN.md, "Module notes", core/api/options.py.
 """
 from __future__ import annotations
 
@@ -23,25 +15,22 @@ from asyncckpt.core.api.commit_hooks import OnCommit
 from asyncckpt.core.export.options import ExportOptions, as_options
 from asyncckpt.core.storage.object_store import ObjectStoreOptions
 
-#: old name -> new name, accepted with a FutureWarning until the release after 0.2
-RENAMED = {"verify_on_resume": "verify", "max_pending": "max_in_flight"}
+#: old name -> new name, accepted with a FutureWarning until the release after 0.2 (``overlap_staging``: the
+#: Checkpointer's own option, until the next release)
+RENAMED = {"verify_on_resume": "verify", "max_pending": "max_in_flight", "overlap_staging": "overlap_snapshot"}
 
 
 @dataclass(frozen=True)
 class MemoryTier:
-    """The memory tier (docs/memory_tier.md): each checkpoint is first committed to node-local memory (tmpfs), on
-    its own node and on ``replicas`` other nodes, and every ``persist_every``-th (and the last of a run) is also
-    written to the durable place, from memory.
+    """The memory tier (docs/memory_tier.md): checkpoints committed to node-local memory first. Each field: docs/options.md.
 
     Args:
-        replicas: copies of each node's shares on other nodes (0: a process restart is covered, a node loss is not).
-        persist_every: every so many checkpoints, one is also written durably (1: every checkpoint).
-        keep: memory checkpoints kept on each node (its own; replicas of other nodes' shares besides).
-        root: the memory root on each node (default ``/dev/shm/asyncckpt``; ``ASYNCCKPT_MEMORY_ROOT`` overrides).
-        max_bytes: the most memory the tier may use on a node; default: half of the memory root's filesystem. A
-            run whose checkpoints would not fit saves durably only, with one warning saying what would fit.
-        peer_timeout: seconds a save waits for another node that stops answering (each wait) before it commits
-            without that node's replicas; the node is then left out for a while and said once in the log.
+        replicas: copies of each node's shares on other nodes.
+        persist_every: every so many checkpoints, one is also written durably.
+        keep: memory checkpoints kept on each node.
+        root: the memory root on each node (default ``/dev/shm/asyncckpt``).
+        max_bytes: the most memory the tier may use on a node (default: half the memory root's filesystem).
+        peer_timeout: seconds a save waits for a silent node before committing without its replicas.
     """
 
     replicas: int = 1
@@ -60,57 +49,26 @@ class MemoryTier:
 class CheckpointOptions:
     """The options of every asyncckpt entry point (the core's ``Checkpointer`` and the three adapters).
 
+    One line each here; what each means, its default and why: docs/options.md.
+
     Args:
-        max_in_flight: checkpoints whose background write may be pending at once (a directory of files counts
-            once). A save beyond it first waits for the oldest. Each pending checkpoint holds a staging copy of
-            its data in shared memory, allocated when first needed and then reused: the second is only
-            allocated when a save comes while the previous one is still being written (Lightning's
-            ``save_last=True`` makes two saves back to back; a burst of saves), which would otherwise block
-            training for that write.
-        timeout: bound, in seconds, on every wait: the writer, other ranks, the commit, back-pressure; also on
-            what a background writer still does after its training process died.
+        max_in_flight: checkpoints whose background write may be pending at once (each holds a snapshot buffer).
+        timeout: bound, in seconds, on every wait (the writer, other ranks, the commit, back-pressure).
         direct_io: write with O_DIRECT where the filesystem supports it.
         io_threads: parallel write (and read) threads of each rank's background writer.
-        verify: check checksums on every load, and check a checkpoint before a framework resumes from it; a
-            damaged one raises ``CorruptCheckpointError`` naming the file (and, in a sharded checkpoint, the
-            key). Files written without asyncckpt load unchecked.
-        resume_from_intact: when the framework picks the newest checkpoint itself (Lightning ``ckpt_path="last"``,
-            Accelerate ``load_state()``, the Trainer's ``resume_from_checkpoint=True``) and it is damaged, resume
-            from the newest one that checks out, with a warning naming the one skipped.
-        overlap_optimizer: the optimizer's state (two thirds of an Adam checkpoint) may be snapshot after the
-            save returns, while the next forward and backward run; every ``optimizer.step()`` first waits for
-            it. Safe because a torch optimizer's state tensors change only in ``step()``; off by itself for an
-            optimizer that is not a ``torch.optim.Optimizer`` (with a warning). Applies where the framework writes
-            the optimizer state to a file of its own (Accelerate's ``optimizer.bin``, the Trainer's
-            ``optimizer.pt``); the core's ``async_save`` snapshots what it is given (see ``overlap_staging``).
-        mirror_to: an object-store URL (``s3://bucket/run``): each committed checkpoint is copied there in the
-            background, and a resume that finds no local checkpoint restores the newest from there first.
-        export: ``"safetensors"`` or an ``ExportOptions``: after each commit, rank 0's writer exports the model
-            as Hugging Face safetensors (docs/DESIGN.md, "Export").
-        on_commit: called with each checkpoint's path once it committed (on each rank that saved it), on a
-            thread of its own, in commit order, off the training loop; what it raises fails like a save, at the
-            next sync point.
-        log_metrics: report each save's stall, time to durable and bytes to the framework's own logging
-            (Lightning's loggers, Accelerate's trackers, the Trainer's ``log``), from the training process.
-        writer_idle_timeout: a writer started by a save (not by a framework's run) stops after this many
-            seconds with nothing to do (None: only when torn down); the next save starts it again.
-        object_store: how to reach an object store for ``s3://...`` (any fsspec URL) paths: ``storage_options``,
-            multipart part size, parallel requests. Default: ``object_store.configure``'s, else fsspec's defaults.
-        memory_tier: ``True`` (the defaults) or a ``MemoryTier``: checkpoints first committed to node-local memory
-            and replicated to other nodes, every ``persist_every``-th also written durably; a restart loads from the
-            nearest intact copy (docs/memory_tier.md). Off by default.
-        cooperative_load: who reads from storage the files every rank of a job loads at a resume (Lightning's
-            ``.ckpt`` under DDP, Accelerate's and the Trainer's model and optimizer files): ``"job"``, each byte once
-            per job, split across the ranks, then shared over the process group; ``"node"``, split across one rank
-            per node (where the network between nodes is slower than the storage); ``"off"``, every rank reads
-            everything (``loading.cooperative``; docs/benchmarks/resume.md).
-        share_unchanged: a save does not write again the items (tensors, objects) whose bytes equal those of the
-            same items in the newest committed checkpoint beside it: it shares them (hard links; each checkpoint
-            stays complete on its own, and loads alone after every other is deleted: docs/FORMAT.md). Off: every
-            save writes everything.
-        failures_per_day: how often the job fails (any cause), for the one log line at the first durable save
-            that gives the checkpoint interval losing the least work at this run's measured costs (Young/Daly,
-            ``api.interval``; docs/memory_tier.md). One a day by default.
+        verify: check checksums on every load, and a checkpoint before a framework resumes from it.
+        resume_from_intact: resume from the newest intact checkpoint where the one a framework picked is damaged.
+        overlap_optimizer: snapshot the optimizer's state after the save returns; ``optimizer.step()`` waits for it.
+        mirror_to: an object-store URL each committed checkpoint is copied to in the background.
+        export: ``"safetensors"`` or an ``ExportOptions``: export the model after each commit.
+        on_commit: called with each checkpoint's path once it committed, off the training loop.
+        log_metrics: report each save's costs to the framework's own logging.
+        writer_idle_timeout: seconds after which an idle writer started by a save stops (None: at teardown).
+        object_store: an ``ObjectStoreOptions``: how to reach an object store.
+        memory_tier: ``True`` or a ``MemoryTier``: checkpoints first committed to node-local memory.
+        cooperative_load: who reads the files every rank loads at a resume: ``"job"``, ``"node"`` or ``"off"``.
+        share_unchanged: a save hard-links the items unchanged since the newest checkpoint instead of writing them.
+        failures_per_day: how often the job fails, for the logged advice on the checkpoint interval.
     """
 
     max_in_flight: int = 2
@@ -176,7 +134,8 @@ def resolve(owner: str, options: Optional[CheckpointOptions], given: dict[str, A
     for name, value in given.items():
         if name in RENAMED and RENAMED[name] not in given:
             warnings.warn(f"{owner}({name}=...) is deprecated and will be removed in the next release: use "
-                          f"{RENAMED[name]}=... (the same option in the core and every adapter)", FutureWarning,
+                          f"{RENAMED[name]}=..." + (" (the same option in the core and every adapter)" if RENAMED[name] in NAMES else ""),
+                          FutureWarning,
                           stacklevel=3)
             name = RENAMED[name]
         if name in NAMES:

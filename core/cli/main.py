@@ -1,21 +1,6 @@
 """``asyncckpt``: look at and check checkpoints on disk without loading them.
 
-    asyncckpt ls ROOT        every checkpoint under ROOT, of every kind (``checkpoint_kinds``), and
-                             those of ROOT's memory tier on this node (``tier``), newest last
-    asyncckpt ls --memory    every memory tier of this node: its durable root, owner, checkpoints, bytes
-    asyncckpt inspect PATH   keys, shapes, dtypes (and for sharded ones chunks and writing ranks)
-    asyncckpt verify PATH    recheck a checkpoint (or every one under a directory); exit 0 good,
-                             1 damaged, 2 incomplete
-    asyncckpt clean ROOT     remove what crashed saves left (``leftovers``), and ROOT's memory tier
-                             on this node once its job is gone (``tier.remove_orphans``)
-    asyncckpt clean --memory every memory tier of this node whose job is gone, and the node copies and
-                             scratch folders of killed loads and saves (``tier.dead_loads``, ``dead_captures``)
-    asyncckpt export CHECKPOINT OUT   its model as Hugging Face safetensors (``cli/export``)
-
-The tool reads only what the formats promise (see docs/FORMAT.md): the commit record, the JSON
-sidecars, ``.metadata`` through the restricted unpickler, safetensors headers, and torch.save
-pickles only if they hold nothing but tensors and plain values (``weights_only``), with tensors
-memory-mapped: pointing it at a checkpoint of unknown origin runs none of its code.
+More: docs/DESIGN.md, "Module notes", core/cli/main.py.
 """
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ class SaveHandle:
         self.written: Optional[int] = None  # of them, the bytes its writer wrote, where it said (this rank's)
         self.shared = 0  # and those it shared with the checkpoint before instead (``storage.sharing``)
         self._future: Future = Future()
-        self._staged = threading.Event()
+        self._snapshot_taken = threading.Event()
         self.default_timeout = timeout
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
@@ -67,7 +67,7 @@ class SaveHandle:
 
     @property
     def is_checkpoint(self) -> bool:
-        """Counts toward ``max_in_flight`` (holds a staging buffer, or a directory's files do)."""
+        """Counts toward ``max_in_flight`` (holds a snapshot buffer, or a directory's files do)."""
         return self.kind in CHECKPOINT_KINDS
 
     def describe(self) -> str:
@@ -136,18 +136,18 @@ class SaveHandle:
         """The failure, if done and failed (does not count as observing it)."""
         return self._future.exception() if self._future.done() else None
 
-    def staged(self) -> bool:
+    def snapshot_taken(self) -> bool:
         """True once the snapshot is complete and the caller may change the state again."""
-        return self._staged.is_set()
+        return self._snapshot_taken.is_set()
 
-    def wait_staged(self, timeout: Optional[float] = None) -> None:
-        if not self._staged.wait(self.default_timeout if timeout is None else timeout):
+    def wait_snapshot(self, timeout: Optional[float] = None) -> None:
+        if not self._snapshot_taken.wait(self.default_timeout if timeout is None else timeout):
             raise CheckpointTimeoutError(f"asyncckpt: {self.describe()}: snapshot not finished",
                                          path=self.path, step=self.step, rank=self.rank)
 
     # ------------------------------------------------------------------ completing (the coordinator)
-    def set_staged(self) -> None:
-        self._staged.set()
+    def set_snapshot_taken(self) -> None:
+        self._snapshot_taken.set()
 
     def when_done(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once the handle completes (at once if it has)."""
@@ -159,7 +159,7 @@ class SaveHandle:
 
     def finish(self, error: Optional[BaseException]) -> bool:
         """Complete the handle once; False if it was already complete."""
-        self._staged.set()
+        self._snapshot_taken.set()
         with self._lock:
             if self._future.done():
                 return False

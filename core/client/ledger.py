@@ -1,17 +1,6 @@
 """The ledger: everything of one ``Checkpointer`` that is not settled yet, in one place.
 
-The ledger admits each piece of work as a ``SaveHandle`` (applying back-pressure: at most
-``max_in_flight`` *checkpoints* pending, however many files each has), completes it with its
-outcome, and holds the one error rule: every failure is delivered through its handle, with a
-message naming its checkpoint; ``wait()``, ``raise_unobserved()`` (every sync point: the next
-save, a removal, a load of the same path) raise only failures nobody has observed yet, each
-once. Failures of a directory's files are reported through the directory's handle, and work
-cancelled because the save it waited for failed is named in that save's error, not raised again.
-
-It also answers what is pending per path: whether a path will exist once the queue has run
-(``will_exist``), and waits for what touches one (``wait_for``). It owns the ``WriterQueue``,
-the one way into the background writer, that the ``Checkpointer`` and its directory
-transactions submit through.
+More: docs/DESIGN.md, "Module notes", core/client/ledger.py.
 """
 from __future__ import annotations
 
@@ -102,7 +91,7 @@ class Ledger:
             self.complete(dependent, CheckpointCancelledError(dependent.cancelled_message()))
 
     def report_later(self, handle: SaveHandle) -> None:
-        """A failure raised where nobody sees it (the staging thread): raise it at a sync point."""
+        """A failure raised where nobody sees it (the snapshot thread): raise it at a sync point."""
         with self._lock:
             handle.observed = False
             if handle not in self._unobserved:

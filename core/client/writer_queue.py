@@ -5,18 +5,7 @@ of ``(handle, request, buffer)`` in order, sent as one message (each message wak
 which then competes with the caller for the CPU). A handle whose ``after`` is set becomes a job
 that the writer runs only if that earlier job succeeded.
 
-The writer process is started on first use (``start()`` earlier, where the caller has a better
-moment) and stopped by ``stop()``: after a framework's run ends, nothing of ours keeps running;
-the next submit starts a new one and registers the staging buffers with it again. A writer started
-on first use and then left with nothing to do for ``idle_timeout`` seconds stops by itself (saves
-made outside a framework's run), so none idles until the interpreter exits; one started for a run
-(``start(hold=True)``: the adapters do at the run's start) stays until ``stop()``, so the saves of
-a run never pay for its restart (docs/benchmarks/survival.md).
-
-A reader thread takes the writer's replies and completes the handles (``on_outcome``). It also
-runs the writer's barrier calls against the torch.distributed Store (``barrier.StoreBarrier``):
-the writer does not load torch, and while it waits for such a call it sends nothing else, so the
-reader has nothing else to do meanwhile.
+More: docs/DESIGN.md, "Module notes", core/client/writer_queue.py.
 """
 from __future__ import annotations
 
@@ -165,7 +154,7 @@ class WriterQueue:
                 self.start()
 
     def submit(self, items: list[tuple[SaveHandle, protocol.Request, Any]]) -> None:
-        """Queue ``(handle, request, staging buffer or None)`` in order. A handle depending on a
+        """Queue ``(handle, request, snapshot buffer or None)`` in order. A handle depending on a
         handle that already failed is cancelled here, without reaching the writer."""
         with self._lock:
             jobs, buffers = [], []

@@ -1,19 +1,6 @@
 """Writing one tensor from its pieces, in a buffer of fixed size, checking every piece's checksum.
 
-A sharded checkpoint holds each tensor as chunks (FSDP: blocks of rows, one per rank; tensor
-parallelism: blocks of columns too). The export writes the whole tensor, row-major, once:
-
-* pieces that each hold whole rows (every chunk of a row-sharded or unsharded tensor) are the
-  tensor's bytes in order of their first row: they are streamed from their files to the output in
-  buffer-sized reads, with nothing assembled in memory;
-* any other split is assembled a window of whole rows at a time (as many as the buffer holds, at
-  least one) with numpy placing each piece's part into the window.
-
-Each piece's bytes are hashed as they are read (a piece is always read front to back) and compared
-with the checksum its sidecar recorded, so an export never publishes damaged data. Memory: the
-buffer (plus a cast's output), whatever the model's size.
-
-Kept free of torch: the background writer imports it.
+More: docs/DESIGN.md, "Module notes", core/export/assembly.py.
 """
 from __future__ import annotations
 

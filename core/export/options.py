@@ -19,27 +19,18 @@ _FILE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")  # a single-fi
 
 @dataclass
 class ExportOptions:
-    """How checkpoints are exported.
+    """How checkpoints are exported. Each field, its default and meaning: docs/options.md.
 
     Args:
-        directory: where exports go: the export of checkpoint ``.../NAME`` is ``directory/NAME``.
-            Default: ``exports`` beside the checkpoint (``run/checkpoint-500`` → ``run/exports/checkpoint-500``).
-        max_shard_size: bytes of tensor data per file at most (``"5GB"``, ``"500MB"``, or an int), as
-            ``save_pretrained(max_shard_size=...)``; one file is ``model.safetensors``, several get an index.
-        dtype: write floating tensors in this dtype (``"bf16"``, ``"float16"``, ...); default: as saved.
-        keys: export the tensors whose key starts with this, without it (``"model."``: the model of a
-            state dict ``{"model": ..., "optim": ...}``). Default: the checkpoint's model (``"model."``,
-            or Lightning's ``"state_dict."``, where its keys have it, else every tensor).
-        add_prefix: put before every exported name (e.g. ``"model."`` for a wrapped Transformers model).
-        keep_last: keep only the newest so many exports in ``directory``; default (None): an export is
-            removed once its checkpoint is gone (it follows the checkpoints' retention).
-        buffer_bytes: the fixed buffer an export reads and writes through (its memory).
-        peft: a PEFT LoRA checkpoint (``adapter_model.safetensors``) is exported as ``"adapter"`` (alone, for
-            ``PeftModel.from_pretrained``) or ``"merged"`` (its base model with the adapter merged in, as
-            ``merge_and_unload`` gives it, for ``AutoModel*.from_pretrained``; reads the base model from
-            ``base_model`` or the adapter config's ``base_model_name_or_path``; needs torch).
-        base_model: for ``peft="merged"``: the base model's directory or its Hugging Face Hub id (fetched into the
-            Hub's cache, as ``from_pretrained`` would); default: the adapter config's.
+        directory: where exports go (default: ``exports`` beside the checkpoint).
+        max_shard_size: bytes of tensor data per file at most (``"5GB"``, ``"500MB"``, or an int).
+        dtype: write floating tensors in this dtype (default: as saved).
+        keys: export the tensors whose key starts with this, without it (default: the checkpoint's model).
+        add_prefix: put before every exported name.
+        keep_last: keep only the newest so many exports (None: an export goes with its checkpoint).
+        buffer_bytes: the fixed buffer an export reads and writes through.
+        peft: a PEFT LoRA checkpoint exported as ``"adapter"`` or ``"merged"`` (into its base model).
+        base_model: for ``peft="merged"``: the base model's directory or Hub id (default: the adapter config's).
     """
 
     directory: Optional[str] = None

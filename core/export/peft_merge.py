@@ -1,13 +1,6 @@
 """The merged weights of a PEFT LoRA checkpoint, as export pieces: base weight + its adapter's delta.
 
-A Trainer checkpoint of a PEFT model holds the adapter alone (``adapter_model.safetensors`` and
-``adapter_config.json``); its base model is wherever ``base_model_name_or_path`` (or the export's
-``base_model``) says: a local directory of safetensors files, or a Hugging Face Hub id fetched into the Hub's
-cache. Each weight a LoRA adapter targets is exported as ``peft``'s ``merge_and_unload`` computes it
-(``LoraLayer.get_delta_weight`` and ``merge``): ``W + transpose(B @ A, fan_in_fan_out) * scaling`` with
-``scaling = lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA), in float32 for half-precision weights on the CPU, so the
-export equals the merged model bit for bit. Computed one weight at a time when the export reaches it. Adapters
-``merge_and_unload`` handles otherwise (DoRA, per-module ranks or alphas) are refused by name.
+More: docs/DESIGN.md, "Module notes", core/export/peft_merge.py.
 """
 from __future__ import annotations
 

@@ -6,15 +6,7 @@ its raw bytes' file and offset, and their checksum), or whole tensors in safeten
 header gives dtype, shape and byte range). Nothing here reads tensor data or imports torch, so
 the background writer can plan an export of any size without loading the model.
 
-The checkpoints this recognises (``find``):
-
-* a sharded checkpoint of ours (``core.save``, Lightning's FSDP/ModelParallel): its sidecars;
-* a directory holding one (the ``pytorch_model_fsdp_0/`` of an Accelerate or Trainer FSDP checkpoint);
-* a directory of safetensors files (``model.safetensors``, the shards of an index,
-  ``adapter_model.safetensors`` of a PEFT adapter), or one such file.
-
-Anything else (a stock DCP directory without sidecars, a ``torch.save`` file) needs torch to read
-(``torch_sources``).
+More: docs/DESIGN.md, "Module notes", core/export/sources.py.
 """
 from __future__ import annotations
 

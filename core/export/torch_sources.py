@@ -3,13 +3,7 @@
 ``read`` is the reader of an export in a process that has torch (``asyncckpt export``, and the child
 process the background writer runs such an export in: ``__main__``). The writer never imports this.
 
-* A stock DCP directory (``.metadata`` and ``__{rank}_{n}.distcp``, written without asyncckpt, by
-  ``dcp.save`` or a framework's FSDP save): ``.metadata`` through the restricted unpickler
-  (``metadata_io``) gives every chunk and its container; each container is ``torch.load``-ed when the
-  export reaches it, so memory holds one chunk at a time. An Accelerate/Trainer checkpoint holding one
-  in ``pytorch_model_fsdp_0/`` is read from there.
-* A ``torch.save`` file (``pytorch_model.bin``, Lightning's ``.ckpt``: its ``state_dict``), loaded
-  memory-mapped and weights-only: nothing is read until the export copies it, and no code runs.
+More: docs/DESIGN.md, "Module notes", core/export/torch_sources.py.
 """
 from __future__ import annotations
 

@@ -3,24 +3,7 @@
 ``export_checkpoint`` does the work in any process: in rank 0's background writer, behind the save of
 a checkpoint (``request.ExportRequest``), and offline (``asyncckpt export``).
 
-The export reads each tensor's pieces from the checkpoint's files (``sources``: from the sidecars of
-a sharded save, whatever its world size, or from safetensors files) and writes it once (``assembly``:
-a buffer of fixed size, checksums checked), into files of at most ``max_shard_size`` plus the index
-(``hf_safetensors``), next to the files ``from_pretrained`` needs (``config.json``,
-``generation_config.json``, a PEFT ``adapter_config.json``) copied from the checkpoint. Like a
-checkpoint, it is written under a hidden staging name, fsynced, given a commit record listing every
-file's checksum (so ``asyncckpt verify`` checks it), and renamed into place: visible only complete. A
-failure (a full disk, a damaged checkpoint) raises an error naming the checkpoint; the checkpoint
-itself is only read. Exports are kept as long as their checkpoint exists, or the newest
-``keep_last``. A checkpoint in an object store is downloaded into a temporary directory first (local
-space its size: the pieces are read with ``pread``), and an export for an object store is written into
-one, then uploaded and committed there (``mirror``).
-
-Kept free of torch: the writer imports it. Where a checkpoint is one only torch reads (a ``torch.save``
-file such as Lightning's ``.ckpt``, a stock DCP directory) or a PEFT adapter to merge, a process that
-has torch reads it with ``torch_sources.read``; the writer, which has not, runs the local part of the
-export in a child process that has (``python -m asyncckpt.core.export``, ``__main__``), so that torch
-never enters the writer.
+More: docs/DESIGN.md, "Module notes", core/export/writing.py.
 """
 from __future__ import annotations
 

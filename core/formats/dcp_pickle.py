@@ -1,22 +1,6 @@
 """DCP's ``.metadata`` pickle, written by the background writer without importing torch.
 
-torch's reader expects ``.metadata`` to be a pickled ``torch.distributed.checkpoint`` ``Metadata``.
-Pickling it the usual way needs torch's classes in the writer process, and importing torch costs
-a process much memory and time (docs/DESIGN.md, Limits): for rank 0's writer, most of a save's memory
-beyond the staging buffer. Yet the pickle itself is simple: class references by name, a few
-``NEWOBJ``/``BUILD``/``REDUCE`` opcodes, dicts, lists, tuples, strings and ints. So this module
-emits those opcodes itself (protocol 2, no memo), from descriptions of the objects (``_New``,
-``_Call``, ``_Global``); plain ``pickle.load`` in torch's reader rebuilds torch's own objects.
-
-What varies between torch versions (which fields ``Metadata``, ``StorageMeta`` and
-``_StorageInfo`` pickle, with their defaults, and the DCP version string) comes from the training
-process, which has torch loaded, as plain data (``DcpClasses``); it also checks once per process
-that this module's pickle loads as exactly what torch's constructors build
-(``snapshot.dcp_metadata.dcp_classes``).
-
-Everything that depends only on the structure every rank agreed on (the tensor entries, where
-each chunk's bytes are, the planner data) is emitted once per structure and reused; a save adds
-only its non-tensor entries (their sizes change) and which checkpoint this is.
+More: docs/DESIGN.md, "Module notes", core/formats/dcp_pickle.py.
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """The Hugging Face safetensors layout an export writes: shard files of a bounded size, and their index.
 
-A safetensors file is an 8-byte little-endian header length, a JSON header (each tensor's dtype,
-shape and ``[begin, end)`` byte range in the data section that follows; ``__metadata__`` holds
-strings), padded with spaces to a multiple of 8, then the raw little-endian tensor bytes
-(https://huggingface.co/docs/safetensors). A model of several files is ``model-0000i-of-0000N.safetensors``
-plus ``model.safetensors.index.json`` (``weight_map``: tensor name -> file), the layout
-``save_pretrained`` writes and ``from_pretrained`` reads; one file is ``model.safetensors``, no index.
-
-Plain data, no torch: the background writer plans and writes exports with it.
+More: docs/DESIGN.md, "Module notes", core/formats/hf_safetensors.py.
 """
 from __future__ import annotations
 

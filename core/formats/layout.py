@@ -39,9 +39,9 @@ class RankLayout:
 
     ``planner_data`` is DCP's flatten mapping (key -> path) of every key the rank saves, tensors
     and objects alike: the rest of what its sidecar holds per structure. It travels with the layout
-    because the layout reaches the writer once per staging buffer, while a save's request would
-    carry it every time (0.4 MB with 8,000 tensors, which the writer must receive and unpickle
-    while the snapshot copy runs). Not part of equality: two layouts place the same bytes alike.
+    because the layout reaches the writer once per snapshot buffer, while a save's request would
+    carry it every time (and it grows with the tensors; the writer must receive and unpickle it
+    while the snapshot copy runs: docs/DESIGN.md, "Measured"). Not part of equality: two layouts place the same bytes alike.
     """
 
     file_name: str

@@ -1,26 +1,6 @@
 """Every name asyncckpt gives a file or directory on disk, and how to tell one of ours apart.
 
-A checkpoint directory holds DCP's files (``.metadata``, ``__{rank}_{n}.distcp``), our sidecars
-and our commit record. Everything in flight or on its way out lives under a *hidden* name beside
-it, ``.{name}.asyncckpt-{kind}-{token}``, which no framework's checkpoint pattern, no
-``latest_checkpoint`` and no ``asyncckpt ls`` takes for a checkpoint:
-
-========== =================================================================== ==================
-kind       what it holds                                                        token
-========== =================================================================== ==================
-staging    a checkpoint being written (its final name appears only at commit)   the save id
-replaced   a committed checkpoint an overwrite swapped out, being deleted      the save id
-removing   a checkpoint renamed out of the way, being deleted                  owner token
-tmp        a single file being written (renamed to its name when durable)      owner token
-link       a symlink being made (renamed over its name)                        owner token
-========== =================================================================== ==================
-
-The *owner token* (``owners.owner_token``) says which process made the entry, so that a
-leftover of a crashed process can be told from a live one without looking at its age. A staging
-directory is shared by every rank of a save, so each rank's writer leaves an owner marker in it
-instead.
-
-Kept free of torch: the background writer and the CLI use it.
+More: docs/DESIGN.md, "Module notes", core/formats/names.py.
 """
 from __future__ import annotations
 

@@ -1,24 +1,6 @@
 """One rank's sidecar ``__{rank}.asyncckpt.json``: where every item it wrote lies, and its checksum.
 
-The format (docs/FORMAT.md §3) stores the items column by column (index ``i`` of every column is
-item ``i``), where version 1 had one JSON object per item; shapes and dtypes are stored once each in
-tables the columns index, and ``planner_data`` lists only the keys whose path is not simply the key
-split at its dots. Version 3 packs the integer columns (offsets, sizes, table indices) as base64 of
-little-endian int64s, where version 2 had JSON arrays of numbers: a parse then makes one array per
-column instead of an int object per item and field, which is most of the memory a parse fills, and a
-restart's fresh process pays for every new page of it (docs/DESIGN.md, Measured). Every tensor
-column except the checksums depends only on the rank's layout, the same for every save of one
-state-dict structure, so the writer encodes that part once per layout and a save encodes only its
-checksums and objects. Versions 1 and 2 are still read.
-
-Version 4 is version 3 where some items lie in files other than the section's own: a checkpoint that shares the
-bytes of items unchanged since the previous one (``storage.sharing``) names, per item, the file they are in (a
-``files`` table and a packed ``file_index`` column). A share whose items all lie in its own files is still written
-as version 3, which older readers read. Either may carry ``xxh3_128`` (the items' content ids, ``checksum.content_id``),
-which a later save compares; readers that do not share ignore it.
-
-The sidecar is also the rank's "my share is durable" signal: it is published atomically, after
-the rank's data files are fsynced.
+More: docs/DESIGN.md, "Module notes", core/formats/sidecar.py.
 """
 from __future__ import annotations
 
@@ -117,12 +99,12 @@ class ShareRecord:
 
 
 _static_cache: "OrderedDict[int, tuple[Optional[RankLayout], dict, str]]" = OrderedDict()
-_STATIC_CACHE_SIZE = 4  # a few layouts (one per staging buffer in flight, a structure change)
+_STATIC_CACHE_SIZE = 4  # a few layouts (one per snapshot buffer in flight, a structure change)
 
 
 def _static_json(layout: Optional[RankLayout], planner_data: dict) -> str:
     """``"planner_data":{…},"tensors":{…`` (left open for the checksums) for this layout, encoded
-    once per layout object: the writer keeps one layout (with its planner_data) per staging buffer
+    once per layout object: the writer keeps one layout (with its planner_data) per snapshot buffer
     across saves."""
     cached = _static_cache.get(id(layout))
     if cached is not None and cached[0] is layout and cached[1] is planner_data:

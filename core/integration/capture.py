@@ -1,18 +1,6 @@
 """A framework's own save code, run unchanged, with the files it writes handed to a checkpoint transaction.
 
-Accelerate's ``save_state`` and the Trainer's save methods write a checkpoint directory through a few
-functions (``torch.save``, safetensors' ``save_file`` and the frameworks' own names for it,
-``torch.distributed.checkpoint.save``). While a ``FileCapture`` is installed, a call of one of them whose
-target lies under its ``root`` gives the object to the transaction instead: the core snapshots it before the
-call returns (``tx.save_file``; small ones rendered at once, ``inline_bytes``) and writes it in the
-background, or, where ``defer(name)`` says so (the optimizer's file, with ``overlap_optimizer``), leaves the
-snapshot to ``stage_deferred``, after the call. DCP saves under ``root`` become ``tx.save_sharded``
-(``dcp_capture``). Calls with options we do not reproduce, and paths outside ``root``, run as usual.
-
-``root`` is either the transaction's own staging directory (a framework that writes every other file itself,
-as Accelerate does once given the claimed directory), or a scratch directory (``scratch``): the framework's
-other files (JSON, tokenizer files, anything we do not recognise) land there and are handed to the transaction
-as bytes when the block ends (``hand_over``), and log lines name the checkpoint, not the scratch directory.
+More: docs/DESIGN.md, "Module notes", core/integration/capture.py.
 """
 from __future__ import annotations
 
@@ -77,7 +65,7 @@ class FileCapture:
             self._snapshot(obj, name, format, metadata)
 
     def stage_deferred(self) -> None:
-        """The snapshots ``save`` left for later (on the staging thread, before the next optimizer step)."""
+        """The snapshots ``save`` left for later (on the snapshot thread, before the next optimizer step)."""
         deferred, self.deferred = self.deferred, []
         for obj, name, format, metadata in deferred:
             self._snapshot(obj, name, format, metadata)

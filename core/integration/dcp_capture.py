@@ -1,16 +1,6 @@
 """A framework's own ``torch.distributed.checkpoint.save`` calls, made asynchronous inside a directory checkpoint.
 
-Frameworks save FSDP state with DCP themselves (Accelerate's ``save_fsdp_model`` /
-``save_fsdp_optimizer``, and the Trainer through them), synchronously, into a subdirectory of the
-checkpoint they are writing. While ``capturing_dcp_saves(tx, root)`` is active, such a call whose
-target lies under ``root`` (the directory the framework was given to write the checkpoint into)
-becomes ``tx.save_sharded``: the shard is snapshot into the core's reused buffers before the
-call returns, written by the background writer, and published with the rest of the checkpoint.
-The files are DCP's: the frameworks' loaders and stock ``dcp.load`` read them, resharding included.
-
-A call we cannot reproduce exactly runs as the framework made it (synchronously, into the staging
-directory, still published only with the whole checkpoint): a custom planner or storage writer,
-safetensors serialization, storage extensions, ``no_dist``.
+More: docs/DESIGN.md, "Module notes", core/integration/dcp_capture.py.
 """
 from __future__ import annotations
 

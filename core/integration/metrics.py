@@ -1,21 +1,7 @@
 """Each checkpoint's cost, for the framework's own logging: users watch their runs in TensorBoard, W&B or
 MLflow, through the framework's loggers, not in log files.
 
-An adapter measures how long its framework's save call blocked training and hands the checkpoint's handle
-over (``SaveMetrics.saved``). The time to durable (from the save returning to the checkpoint committed on
-every rank) is known only later, on the thread that reads the writer's replies; the adapter asks for what is
-complete at its next chance on the training thread (``ready``: the next save, the end of the run), so that the
-framework's logger is only ever called from the training process's own thread and nothing waits for a commit.
-A failed save reports nothing here: its error is raised at the next sync point.
-
-Each record: ``step``, ``stall_s`` (how long the framework's save call blocked training), ``waited_s`` (of it,
-waiting for an earlier checkpoint's write: ``max_in_flight``), ``durable_s``, ``bytes``, ``bytes_written`` and
-``bytes_shared`` (of this rank's, those its writer wrote, and those it shared with the checkpoint before instead:
-``storage.sharing``; where the writer said), ``staged_wait_s`` (how
-long the optimizer steps after it waited for what ``overlap_optimizer`` left to the staging thread: the rest of
-its cost to training). The adapters name them in their framework's idiom (``checkpoint/stall_s`` for
-Lightning's and Accelerate's loggers, ``checkpoint_stall_s`` for the Trainer's report_to integrations), and every
-adapter hands the records to its user as ``metrics``, a list (``Records``).
+More: docs/DESIGN.md, "Module notes", core/integration/metrics.py.
 """
 from __future__ import annotations
 
@@ -48,8 +34,8 @@ class SaveMetrics:
         self.enabled = checkpointer.options.log_metrics
         self.history = Records()  # every record, as they are filled in
         self._open: deque[tuple[Any, dict]] = deque()
-        self._latest: Optional[dict] = None  # its staged_wait_s is known at the next save, or at the end
-        self._staged_wait_mark = 0.0
+        self._latest: Optional[dict] = None  # its snapshot_wait_s is known at the next save, or at the end
+        self._snapshot_wait_mark = 0.0
         self._lock = threading.Lock()
 
     def saved(self, handle: Optional[Any], stall_s: float) -> None:
@@ -63,7 +49,7 @@ class SaveMetrics:
             return
         returned = time.perf_counter()
         record = {"step": handle.step, "stall_s": stall_s, "waited_s": handle.timings.get("waited_s", 0.0),
-                  "durable_s": None, "bytes": None, "staged_wait_s": 0.0}
+                  "durable_s": None, "bytes": None, "snapshot_wait_s": 0.0}
         self._close_latest()
         with self._lock:
             self.history.append(record)
@@ -94,5 +80,5 @@ class SaveMetrics:
         waited = self.checkpointer.snapshot_thread.waited_s
         with self._lock:
             if self._latest is not None:
-                self._latest["staged_wait_s"] = waited - self._staged_wait_mark
-            self._staged_wait_mark, self._latest = waited, None
+                self._latest["snapshot_wait_s"] = waited - self._snapshot_wait_mark
+            self._snapshot_wait_mark, self._latest = waited, None

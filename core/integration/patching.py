@@ -1,21 +1,6 @@
 """The one way adapters replace a framework's functions: recorded, reversible, scoped where it can be.
 
-Frameworks do not offer every seam an adapter needs (Lightning routes sharded saves around its
-``CheckpointIO``; Accelerate and the Trainer write their files through module-level functions),
-so the adapters replace a few functions. Every replacement goes through here:
-
-* ``install(owner, name, make)``: from now until ``restore()``, ``owner.name`` is
-  ``make(original)``. Installing the same name twice returns the first patch (idempotent). On a
-  class, descriptors (``staticmethod``) are kept; on an instance, restoring removes the
-  instance attribute again.
-* ``patched(owner, name, value)``: the same for the duration of a ``with`` block (e.g. while a
-  framework's save call runs), restored on the way out whatever happens.
-* ``standing_in(base, name, instance, replacement)``: a subclass's override of a framework method runs
-  as it is, and its ``super()`` call (the first call of ``base.name`` on ``instance``) is ours.
-
-``installed()`` lists what is in place; ``tests/test_framework_contracts.py`` pins each
-framework function the adapters replace or copy, so an upgrade that changes one fails a named
-test instead of a user's run.
+More: docs/DESIGN.md, "Module notes", core/integration/patching.py.
 """
 from __future__ import annotations
 

@@ -1,49 +1,10 @@
 """Resuming a framework from a checkpoint, for every adapter: one sequence (``resume``), and the pieces it is
 made of.
 
-``resume(checkpointer, load, ...)`` is what each adapter calls on its framework's resume path, whatever the
-framework (Lightning's ``load_checkpoint``, Accelerate's ``load_state``, the Trainer's
-``train(resume_from_checkpoint=...)``), with the framework's own load as ``load``. In this order:
+Every framework resumes through the same steps (saves in flight committed, the checkpoint checked, the files read
+once per job), so each adapter passes its framework's own load and nothing else.
 
-1. ``prepare``: every save of this job still in flight is committed first (``Checkpointer.wait`` on every rank:
-   a resume right after a save reads it whole, and under DDP the rank that saved is not the only one that
-   loads), so are those of other Checkpointers of this process and those a writer of a previous run is still
-   finishing there after its training process died (``wait_for_saves``); and, with ``mirror_to``, when no
-   local checkpoint is there, the newest mirrored one is restored first. A framework that picks the checkpoint
-   itself between these steps (Lightning resolves ``ckpt_path="last"`` before it loads) calls ``prepare``
-   before it picks.
-2. The candidates: the checkpoint the user named (never replaced by another), or the framework's pick and,
-   with ``resume_from_intact``, older ones (``candidates``: the framework's own naming and sort key).
-3. ``first_intact``: the first candidate that checks out; one warning for each one skipped (and its error),
-   one naming the one used.
-4. The check itself, which is also the read (``reads``). Where every rank of a job loads the same files (DDP), they
-   are first read from storage once per job into one copy per node in memory (``readable``:
-   ``loading.cooperative``), and what follows reads that copy:
-
-   * ``"file"``, a single file the adapter loads itself (Lightning's ``.ckpt``): ``load_file`` runs the
-     framework's own load of the path, unchanged, while a thread of its own hashes the file
-     (``hashed_reads.BackgroundCheck``); the object is returned only if the bytes match.
-   * ``"directory"``, a directory the framework loads in place as one (Lightning's sharded FSDP load, DCP's
-     ``load``): ``Checkpointer.load_while_checking`` runs it while a thread checks the directory beside it,
-     over the pages it reads; damage raises once the load is over (what it loaded in place is not trained on:
-     the resume ends).
-   * ``"files"``, a directory the framework loads file by file (Accelerate's ``load_state``, the Trainer's
-     resume): ``verify`` checks every file before the framework loads any (a damaged optimizer file must not
-     leave the model loaded from the newer checkpoint, nor an older one half-applied), and while a thread
-     hashes a ``torch.save`` file it unpickles it too (``weights_only``, onto the CPU): the framework's own
-     ``torch.load`` of that file inside ``Verified.serving()`` receives that object instead of reading the file
-     again. Other files (safetensors, JSON) are hashed through a mapping (``hashed_reads.mapped_problem``), so
-     the framework's load, which maps them too, finds their pages in the cache without a copy having been made;
-     from a node-memory copy, the safetensors files are kept too (mapped, as ``torch.save`` files are then), and
-     served to the framework's ``safetensors.torch.load_file``.
-
-Why not check first and then let the framework read: the two passes cannot overlap. The framework's
-``torch.load`` of a cold file overlaps the disk with its own work (the kernel reads ahead while it
-builds tensors); a check that reads first leaves the disk idle during the load and the CPU idle
-during the check, so a cold resume cost the framework's own load plus a disk read; hashing beside the
-load, on the other core, over the pages the load brings in (or brings them in for it), costs neither
-(docs/benchmarks/resume.md). Files without a checksum (written without
-asyncckpt) are loaded by the framework exactly as it would: there is nothing to check.
+More: docs/DESIGN.md, "Module notes", core/integration/resume.py.
 """
 from __future__ import annotations
 

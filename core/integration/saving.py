@@ -1,16 +1,6 @@
 """What a framework's directory save does around the framework's own save code, for every adapter.
 
-Accelerate's ``save_state`` and the Trainer's ``_save_checkpoint`` write a directory of files through the
-framework's own functions, which the adapters capture into a ``DirectoryTransaction`` (``capture``). Around
-that, both do the same, here once:
-
-* ``overlaps_optimizer``: whether the optimizer's files may be snapshot after the save returns
-  (``overlap_optimizer``): only if every optimizer's ``step()`` passes the step pre-hook that waits for the
-  staging thread, that is, a ``torch.optim.Optimizer`` (a framework's wrapper, such as Accelerate's
-  ``AcceleratedOptimizer``, calls the wrapped one's);
-* ``finish``: the snapshots left for after the call (on the staging thread, while the next forward and
-  backward run), then the commit, then, only if it committed, the deletions the framework's rotation asked
-  for (``total_limit``, ``save_total_limit``), behind it in the writer's queue.
+More: docs/DESIGN.md, "Module notes", core/integration/saving.py.
 """
 from __future__ import annotations
 
@@ -72,13 +62,13 @@ def atomic_rmtree(checkpointer: "Checkpointer", rmtree: Callable[..., Any], is_c
 def finish(checkpointer: "Checkpointer", tx: "DirectoryTransaction", *, stage_later: Optional[Callable[[], None]] = None,
            removals: Optional[list[str]] = None, hidden_parent: Optional[str] = None) -> None:
     """Commit ``tx`` and queue ``removals`` behind it (run only if it committed). With ``stage_later`` (the
-    snapshots left for after the call), all of it runs on the staging thread, after them, while the caller goes
+    snapshots left for after the call), all of it runs on the snapshot thread, after them, while the caller goes
     on; a snapshot failing there aborts the checkpoint on every rank and is raised at the next sync point."""
     def complete() -> None:
         if stage_later is not None:
             try:
                 stage_later()
-            except BaseException as error:  # noqa: BLE001 - on the staging thread: raised at the next sync point
+            except BaseException as error:  # noqa: BLE001 - on the snapshot thread: raised at the next sync point
                 tx.abort(error, raised=False)
                 return
         handle = tx.commit()

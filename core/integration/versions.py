@@ -1,21 +1,6 @@
 """Which framework releases an adapter supports, and what it checks of a release newer than it was tested with.
 
-An adapter relies on a few functions of its framework (``Support``): it reproduces the behaviour of
-some (``Copied``: pinned by their code) and calls or replaces others (``Called``: pinned by their
-parameters, and by the replaced names they must still call). Each pin belongs to a feature: the
-adapter's essential path, or one it can do without (FSDP, say). The rule, applied once per process:
-
-* below ``oldest``: refused (``UnsupportedVersionError``);
-* ``oldest`` to ``newest`` (what the compatibility matrix ran): works;
-* above ``newest``: every pin is compared with what was tested. Code is compared without docstrings,
-  comments and blank lines, so a release that only edits those works, with one warning. A changed
-  essential function refuses the adapter, naming it; a changed function of another feature refuses
-  that feature alone (the adapter says, once, what it does instead).
-* ``ASYNCCKPT_ALLOW_CHANGED=<package>[,...]`` (or ``all``) accepts a changed release at the user's own
-  risk, with one warning naming what changed.
-
-``tests/test_framework_contracts.py`` runs the same comparison on the installed release, and
-``.ci/newest-releases`` on each release newer than the matrix, so a pin and the runtime check agree.
+More: docs/DESIGN.md, "Module notes", core/integration/versions.py.
 """
 from __future__ import annotations
 

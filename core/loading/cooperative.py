@@ -1,35 +1,6 @@
 """Reading the bytes every rank of a job loads once per job, not once per rank (a cooperative load).
 
-Under DDP every rank resumes from the same files: Lightning's ``.ckpt``, Accelerate's and the Trainer's model,
-optimizer and scheduler files. Read by each rank, a checkpoint in a bucket is downloaded once per rank, and on
-a shared filesystem read once per node; the restart waits for the slowest of those reads. ``shared_copy`` reads
-each byte from storage once per job instead (for files of a single node there is nothing to gain: its page cache
-already has every rank read them once, and a copy would cost a pass over memory; those are left to each rank) and hands every rank a copy in its node's memory, which the
-framework's own deserialisation then reads (``integration.resume``), so every rank ends with exactly what its
-own load would have produced:
-
-1. The ranks agree (one ``all_gather_object``): the same files, of the same sizes, room for them in every node's
-   memory (a tmpfs, the memory tier's root). Otherwise each rank reads by itself, as without asyncckpt, and one
-   log line says why.
-2. The files, as one run of bytes, are cut into one byte-balanced part per reader: every rank of the job (the
-   default, ``"job"``), or one rank per node (``"node"``, for clusters whose network is slower than their
-   storage). Each reader reads its part from storage (ranged GETs from a bucket, ``preadv`` from a file) straight
-   into its node's copy, which the ranks of a node share (one file per checkpoint file under
-   ``<memory root>-loads/``, mapped by each): ranks of one node exchange nothing.
-3. A part another node read arrives from that node's lowest rank (whose mapping of its node's copy holds what
-   the node's ranks read) by broadcast among the nodes' lowest ranks alone (``collectives``: a group of one rank
-   per node), in pieces of ``PIECE_BYTES``, straight into the node's copy. On one node there is nothing to
-   exchange.
-4. Each rank checks the whole copy against the file's checksum as the framework loads it (the copy is in memory:
-   the check reads no storage), so a damaged byte read by any rank fails every rank's load, naming the file.
-
-Failures never hang: a rank that cannot read its part fails every rank's load naming the rank and the file;
-every collective waits at most the ``timeout`` given (a rank killed mid-load, a stopped one). The node's copy
-is removed when the load is over (the tensors a framework mapped from it keep their pages until they are freed);
-one left by a killed job is removed by the next load on that node.
-
-Memory: one copy of the files per node (a tmpfs file where the page cache held one before), mapped, not copied,
-by the ranks' loads where the loader maps (``torch.load(mmap=True)``, safetensors).
+More: docs/DESIGN.md, "Module notes", core/loading/cooperative.py.
 """
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
 """Loading an asyncckpt checkpoint without DCP's load planning, when nothing needs resharding.
 
-The normal resume: every tensor in the state dict is a plain, contiguous CPU tensor whose key the
-checkpoint holds as one whole-tensor chunk (what a replicated save writes). Then the rank sidecars
-alone say where each tensor's bytes are and what they hash to, so a load is: flatten the state
-dict, walk the sidecars' columns in file order picking the keys asked for, and hand the reads to
-``reader.read_spans``. This skips unpickling ``.metadata`` (two Python objects per chunk), DCP's
-load plan (a ReadItem per chunk) and its per-item lookups, which together cost many times the reading
-itself for thousands of tensors (docs/DESIGN.md, Measured). A rank whose own sidecar holds every key
-it loads (state each rank saved under keys of its own) walks that one alone: the other ranks'
-sidecars are not even parsed.
-
-Anything else (a DTensor, a key saved in several chunks, a shape or dtype mismatch or a missing
-key to report, a checkpoint without sidecars or whose ``.metadata`` is not the one committed)
-makes ``plan_direct_load`` return None, and the caller loads through ``dcp.load``, which also
-produces the errors. Planning writes nothing: a refused plan leaves the state dict untouched.
-Non-tensor values are loaded as ``dcp.load`` loads them: ``torch.load`` of the saved blob, put in
-place along the key's path (``structure.set_at``), ``Stateful`` values resolved first and
-given back through ``load_state_dict``.
+More: docs/DESIGN.md, "Module notes", core/loading/direct_load.py.
 """
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
 """Checking a file while a framework's loader reads it: verifying costs no second read and no time of its own.
 
-A resume used to check a checkpoint file (one pass over its bytes) and then let the framework load it
-(a second pass). With a cold page cache the check read the file from the disk and the load read it
-again from the cache, one after the other, so a cold resume cost the framework's own load plus a disk
-read (docs/benchmarks/resume.md). Then the load read through a file object that hashed what it handed
-out: one read, but the hash ran on the loader's thread, inside its reads, and the loader no longer read
-the path its own way.
-
-``BackgroundCheck`` hashes the file on a thread of its own while the framework loads the path exactly as
-it would without asyncckpt: both read the same pages, so the disk is read once (whichever touches a page
-first brings it into the page cache for the other), and the hash, which releases the GIL for pieces of
-``PIECE_BYTES`` (xxhash does for large inputs), runs on the other core while the loader builds tensors.
-The hash reads through a read-only mapping (``mapped_problem``): its pages enter the page cache without
-being copied anywhere. A file its loader maps (safetensors) finds its pages there too.
-
-Kept free of torch.
+More: docs/DESIGN.md, "Module notes", core/loading/hashed_reads.py.
 """
 from __future__ import annotations
 

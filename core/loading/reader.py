@@ -1,32 +1,6 @@
 """Reading item bytes from data files straight into their destinations, verified while in cache.
 
-A read is a ``Span``: ``nbytes`` bytes at ``offset`` of a data file, to land in ``target`` (a
-contiguous CPU tensor or a writable buffer of exactly that size), with the xxh3 they must have.
-``read_spans`` reads a load's spans with few system calls and no extra copy:
-
-- items of at most ``PIECE_BYTES`` that lie close together in the file are read by one
-  ``preadv`` whose iovec list scatters their bytes into their targets, and drops the container
-  framing between them into a scratch buffer;
-- larger items are read ``PIECE_BYTES`` at a time, and every piece is hashed right after it is
-  read, while it is still in the core's cache, so verification does not cost a second pass over
-  memory (unverified, they are read in ``PART_BYTES`` parts that both threads share).
-
-Two threads share the work: ``preadv`` releases the GIL, so one thread's copy from the page cache
-overlaps the other's Python bookkeeping and hashing (xxhash releases it only for pieces of about
-``PIECE_BYTES`` and more: docs/DESIGN.md, Measured).
-
-A checkpoint in an object store (a ``remote`` backend) is read with ranged requests instead,
-``concurrency`` of them in flight (``ObjectStoreOptions``), planned from the same ``FileSpans``:
-
-- neighbouring small items (gaps of container framing up to ``GAP_BYTES``) share one range, up to
-  the options' ``part_bytes``; each item's bytes are copied from the response into its target
-  and hashed at once;
-- a large item is fetched in ranges of ``part_bytes``, each copied into its place in the target
-  as it arrives (in any order), and hashed once the last of its ranges has landed (xxh3 needs its
-  bytes in order; the ranges arrive out of order).
-
-Each response arrives as a ``bytes`` object (aiohttp reads into its own buffers), so every byte is
-copied once on its way into the target; nothing else is staged.
+More: docs/DESIGN.md, "Module notes", core/loading/reader.py.
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
-"""The staging buffers of one Checkpointer: allocated once per structure, reused by every save.
+"""The snapshot buffers of one Checkpointer: allocated once per structure, reused by every save.
 
 A save in flight holds one buffer until its writer is done with it; a new save takes a free
 buffer of its structure (or of enough size, for single files), so memory is ``max_in_flight``
 copies of the state. Buffers are kept across saves, and across a framework's runs: memory this
-machine has handed back costs ~10x more to touch again than memory we hold (docs/DESIGN.md).
+machine has handed back costs more to touch again than memory we hold (docs/DESIGN.md, "Measured").
 
-A memory-tier save's buffer is a file of its run directory that the save's checkpoint keeps
-(``StagingBuffer.in_checkpoint``): it is free once the save is done and the tier's retention dropped
-that checkpoint, so a run needs ``keep + 1`` of them per structure (``FileBuffers``), the tier's own
-memory. The pool makes the ones after the first on a thread of its own, once a save took one: new
-pages cost as much as the copy into them (docs/DESIGN.md), which the next save's stall then does not
-pay. A file buffer whose run directory the end of a run removed is freed when a save next looks for
-one (``StagingBuffer.unnamed``): the next run's are made in its own run directory, where the writer
-can link them.
+More: docs/DESIGN.md, "Module notes", core/snapshot/buffer_pool.py.
 """
 from __future__ import annotations
 
@@ -30,7 +23,7 @@ FILE_BUFFERS = "file"  # the key of buffers that hold single-file images, whatev
 
 
 class Slot:
-    """A staging buffer and who uses it now (a handle, a speculative copy, or None: free)."""
+    """A snapshot buffer and who uses it now (a handle, a speculative copy, or None: free)."""
 
     _ids = itertools.count()
 
@@ -43,7 +36,7 @@ class Slot:
 
 @dataclass(frozen=True)
 class FileBuffers:
-    """A memory-tier save's staging buffers: files in ``folder`` (``StagingBuffer``), ``count`` of them per
+    """A memory-tier save's snapshot buffers: files in ``folder`` (``StagingBuffer``), ``count`` of them per
     structure (the tier's ``keep`` + 1: its kept checkpoints hold theirs, the next save takes the last)."""
 
     folder: str

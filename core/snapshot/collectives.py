@@ -1,27 +1,6 @@
 """Every torch.distributed collective asyncckpt runs, and the transport that carries it.
 
-The training's process group is the framework's, and may carry no CPU tensors: NCCL's does not, at any world
-size (nor does a default group made with ``init_process_group("cuda:gloo")``, which stands in for it on a machine
-without a GPU, and which fails object collectives and barriers there too). What asyncckpt exchanges is all
-CPU-side: agreements (a structure's digest, a flag, a node's list of memory checkpoints), barriers, and the bulk
-bytes of a cooperative load, which lie in host memory (a node's copy in tmpfs, the CPU tensors a load fills). So
-each group's transport is decided once (``over``): the group itself where it carries CPU tensors, else a gloo
-group of asyncckpt's own over the same ranks, made when a collective first needs it. Staging those bytes through
-a GPU instead would hold GPU memory during training and copy them twice over PCIe; it is not done.
-
-A new group is a collective of every rank of the world, and torch names it by how many groups the process made
-before it: every rank must make it at the same point of the same program, so it is made on the caller's thread
-by a collective every rank of the group calls. Where the group is not the world (not every rank calls), it is
-made by its ranks alone, under a name torch derives from its ranks; such a group cannot be made twice in a
-process, so it is kept for the life of the process. The others go at ``release`` (a Checkpointer's teardown:
-nothing of ours keeps running after a run), and are made again by the next collective that needs them.
-
-A thread other than the caller's (the staging thread, where an overlapped save agrees on its structure) must not
-share a group with it: the ranks would interleave the two threads' collectives in different orders. Such a
-thread gets a group of its own (``own``), which its owner closes.
-
-Across nodes, what only the nodes exchange runs on one rank per node (``among``): a cooperative load's node
-copies travel between the nodes' lowest ranks, whose node's other ranks map the same copy.
+More: docs/DESIGN.md, "Module notes", core/snapshot/collectives.py.
 """
 from __future__ import annotations
 

@@ -5,11 +5,7 @@
 non-tensor object) and each storage's bytes are copied into their record. Shared storages (tied
 weights, views) are saved once, as torch.save does.
 
-``safetensors``: the 8-byte header length, the JSON header, then the tensors back to back, as
-the safetensors specification lays them out.
-
-The writer then writes the image to a temporary name, fsyncs and renames it into place
-(``file_requests.FileRequest``).
+More: docs/DESIGN.md, "Module notes", core/snapshot/file_images.py.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Snapshots of single native files (``torch.save`` / safetensors) into reused staging buffers.
+"""Snapshots of single native files (``torch.save`` / safetensors) into reused snapshot buffers.
 
 The caller's part of a single-file save: render the file's image (the structure pickled now,
 the tensors' places in the file) and copy it into a free file buffer. The writer then writes
@@ -63,7 +63,7 @@ class FileSnapshots:
         raise ValueError(f"unknown file format {format!r} (expected 'torch' or 'safetensors')")
 
     def render(self, obj: Any, format: str, metadata: Optional[dict[str, str]]) -> bytes:
-        """The file's bytes, now: for a small file, cheaper than a staging buffer's round trip (and a
+        """The file's bytes, now: for a small file, cheaper than a snapshot buffer's round trip (and a
         small ``torch.save`` file is simply what ``torch.save`` writes)."""
         if format == "torch":
             return plain_image(obj).pieces[0][1]

@@ -6,9 +6,7 @@ has finished), otherwise once the copy is complete. A snapshot that fails before
 the request fails its handle, and its save on every rank (the barrier), so that no rank waits
 for a share that will never come.
 
-The snapshot thread (``SnapshotThread``) runs work the caller need not wait for (``run``): an overlapped save's whole
-snapshot, or an adapter's optimizer files, while the next forward/backward runs. ``wait()`` joins
-it; every optimizer step can be made to (``guard``, ``guard_every_optimizer``).
+More: docs/DESIGN.md, "Module notes", core/snapshot/handoff.py.
 """
 from __future__ import annotations
 
@@ -53,7 +51,7 @@ class Handoff:
                 hand_over()
                 handed_over = True
             copy.wait()
-            handle.set_staged()
+            handle.set_snapshot_taken()
             if not stream:
                 hand_over()
             handle.timings["copy_s"] = time.perf_counter() - started
@@ -117,14 +115,14 @@ class SnapshotThread:
         failures (through handles); one that escapes is logged."""
         self.wait()
 
-        def staged() -> None:
+        def snapshot() -> None:
             time.sleep(0)  # hand the GIL back at once: the caller returns now, not after a switch interval
             try:
                 function()
             except BaseException:  # noqa: BLE001 - documented: delivered through handles
                 logger.exception("asyncckpt: a snapshot on the snapshot thread failed")
 
-        self._thread = threading.Thread(target=staged, name="asyncckpt-snapshot", daemon=True)
+        self._thread = threading.Thread(target=snapshot, name="asyncckpt-snapshot", daemon=True)
         self._thread.start()
 
     @property

@@ -1,12 +1,6 @@
 """The caller's part of a sharded (SPMD) save, before the copy: flatten, agree, plan, pick a buffer.
 
-On every rank: DCP's planner flattens the state dict; the ranks agree on its structure (one
-all-gather of 24 bytes per rank, which also carries rank 0's save id and whether any rank holds
-an unreported failure); the plan comes from the cache when the structure is one seen before;
-the non-tensor values are pickled now (they are part of the snapshot); a free staging buffer of
-the structure is taken. A save whose structure is that of the last save starts copying with the
-last plan right after flattening, while the caller describes the structure and agrees on it; if
-the structure changed after all, that copy is discarded (it only writes into a free buffer).
+More: docs/DESIGN.md, "Module notes", core/snapshot/sharded_save.py.
 """
 from __future__ import annotations
 
@@ -72,7 +66,7 @@ class SaveTarget:
     staging_dir: Optional[str] = None
     directory_barrier: Optional[BarrierSpec] = None
     tier: Optional[TierSave] = None  # a memory-tier save: the job's topology, and how this rank's part reaches the others
-    file_buffers: Optional[FileBuffers] = None  # a memory-tier save's: its staging buffers are files of the tier
+    file_buffers: Optional[FileBuffers] = None  # a memory-tier save's: its snapshot buffers are files of the tier
 
     def barrier_kind(self) -> str:
         """How its ranks meet: the Store whenever there is one to meet in; else markers where the
@@ -98,7 +92,7 @@ class ShardedSaves:
 
     def agreement(self, group: Optional[dist.ProcessGroup]) -> Collectives:
         """Where a save's structure agreement (and cold planning) runs (``own``): on the whole world, a
-        group of our own, made at the first such save, so that it can run on the staging thread without
+        group of our own, made at the first such save, so that it can run on the snapshot thread without
         interleaving with the caller's collectives; on a part of it, the caller's."""
         key = group if group is not None else dist.group.WORLD
         if key not in self._agreements:
@@ -124,7 +118,7 @@ class ShardedSaves:
                 timings: dict[str, float]) -> PreparedSave:
         """Everything before the copy (see the module docstring). ``failed_here()`` says whether this
         rank holds a failure nobody has seen; ``raise_failures()`` raises it. ``timings`` gets
-        ``plan_s`` (a cold plan) and ``buffer_s`` (taking, or allocating, a staging buffer)."""
+        ``plan_s`` (a cold plan) and ``buffer_s`` (taking, or allocating, a snapshot buffer)."""
         planner = AsyncCkptSavePlanner()
         planner.set_up_planner(_resolve_stateful(state_dict), is_coordinator=target.rank == 0)
         flat = planner.state_dict

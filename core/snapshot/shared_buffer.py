@@ -6,11 +6,7 @@ writes the snapshot to disk without another copy, and the memory is freed by the
 as both processes drop it, however they exit. Buffers are kept across saves because memory this
 machine has handed back costs much more to touch again than memory we hold (measured: docs/DESIGN.md).
 
-A memory-tier save's buffer is instead a file of the tier (``file_in``: a folder of its run directory, the file
-named after this process's owner token), exactly the size of the rank's data file: the writer publishes it as that
-file with a hard link, where another buffer would be copied into the tier (``writer.process``). The checkpoint
-then holds the buffer's pages, so the buffer is free again only once no checkpoint links to it (``in_checkpoint``:
-the retention dropped it). The copy's progress is a small memfd of its own, which is not part of the file.
+More: docs/DESIGN.md, "Module notes", core/snapshot/shared_buffer.py.
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """Copy many CPU tensors into place at memory speed, with as little per-tensor overhead as possible.
 
-A snapshot copies tens to thousands of tensors. Per-tensor Python calls cost microseconds each and
-torch only splits a copy over its intra-op threads when the tensor is large, so:
-
-* large tensors (>= ``LARGE_COPY_BYTES``) go in one ``torch._foreach_copy_`` call: one call, the GIL
-  released once, each copy split by torch over its threads;
-* small tensors, when there is enough of them to matter, are split by bytes into two halves copied
-  by two threads at once (the caller and one of the copy threads; torch ops release the GIL), since
-  torch copies each of them on a single thread.
+More: docs/DESIGN.md, "Module notes", core/snapshot/tensor_copy.py.
 """
 from __future__ import annotations
 

@@ -6,16 +6,7 @@ metrics) and so changes length, which shifts every storage record and the whole 
 Rendering that framing per save (``torch.save`` under ``skip_data``, then finding the records) was
 most of a single-file snapshot's cost beyond the copy itself.
 
-So a file keeps torch's records, names, order and alignment, but ``data.pkl``'s record gets a
-fixed *capacity*: the pickle, its zip data descriptor, then unused bytes up to the capacity, which
-no record references (zip readers, torch's included, locate records through the central
-directory). Everything else, including where every storage's bytes go, depends only on the
-structure (the records torch writes and the storages' sizes), and is rendered once by torch's own
-zip writer (``torch._C.PyTorchFileWriter``) and cached. A save then only pickles the object (with
-torch's own pickler, which is also the snapshot of every non-tensor value) and fills in the pickle,
-its descriptor and its central-directory entry (CRC-32 and sizes). Storage records carry CRC-32 0,
-as with ``torch.save`` under ``compute_crc32=False`` (``torch.load`` does not check them); every
-other record's CRC-32 is right.
+More: docs/DESIGN.md, "Module notes", core/snapshot/torch_file_images.py.
 """
 from __future__ import annotations
 

@@ -1,65 +1,7 @@
 """The storage seam: the primitives every place a checkpoint can live provides, and
 ``backend_for``, the one place that tells an object-store URL from a local path.
 
-A ``Backend`` offers only what differs between a file system and an object store; everything
-built of it is written once, above it, whatever the store (as torch.distributed.checkpoint's
-writer and reader are written once over its ``FileSystemBase``):
-
-=========================  ==================================================================================
-written once               over the primitives
-=========================  ==================================================================================
-``commit``                 commit records under a root, ``latest_checkpoint``, ``is_complete``, un-committing
-``staging``                a sharded save's files until it is published: owner markers, writes, the publish
-``removal``                removing checkpoints and files, never seen half-removed
-``leftovers``              what crashed writers left, judged by owner token, and deleting it
-``contents``               what a checkpoint holds: its files, the bytes it uses, a local copy
-``writer.barrier``         the ranks' markers
-=========================  ==================================================================================
-
-The primitives, and why each is one (``local.LocalBackend``: the file system;
-``object_backend.ObjectBackend``: an object store through the fsspec client ``object_store``):
-
-========================  ====================================  ============================================
-primitive                 file system                           object store
-========================  ====================================  ============================================
-``stat``                  a stat (symlinks followed)            a HEAD (a prefix: a listing of one key)
-``names``                 a readdir, no stat: cheap to poll     one delimited LIST (as ``listing``)
-``listing``               a readdir and a stat per entry        one delimited LIST says it all
-``read_ranges``           one read after another                ``concurrency`` GETs in flight
-``read_pieces``           into one reused buffer                one GET
-``download``              a copy                                the client's (parallel) download
-``read_checksum_record``  an extended attribute                 the object's user metadata
-``write``                 in place: O_DIRECT, parallel; bytes   one PUT, or a multipart upload (whole or
-                          atomically by a renamed temporary     nothing)
-``write_marker``          one write, not fsynced; O_EXCL,       one PUT; create-only (If-None-Match);
-                          O_APPEND                              an object is written whole
-``write_file``            a hidden temporary, its checksum as   one upload with its checksum as metadata,
-                          an attribute, renamed into place      a marker beside naming its writer
-``share_file``            a hard link                           a copy made by the server
-``publish``               the commit record in the staging      the commit object, created last and
-                          directory, renamed into place         create-only (no rename exists)
-                          (exchanged with an older one)
-``delete``                unlink, the directory fsynced         one batched DELETE
-``remove_tree``           renamed to a hidden name at once,     a removing marker, the commit object, then
-                          deleted after the reply               the rest at once (the name may be reused)
-``uploads``,              none: a write in flight is a file     incomplete multipart uploads, which no
-``abort_uploads``         under a hidden name, listed           listing shows
-========================  ====================================  ============================================
-
-``remote`` is the kind itself, for what follows from it above the seam: an object store is
-written in place under the checkpoint's own name (there is no rename: ``staging``, ``leftovers``,
-``writer.barrier``), has no shared directory for the ranks to meet in, and bills every request
-(nothing lists a bucket after each save).
-
-Names are the same for both (a URL's keys are POSIX paths: ``join``, ``basename``); the form the
-core keeps a path in is ``normalize``'s. The commit record is encoded and parsed in one place
-(``formats.commit_record``) whatever the store; a backend only moves its bytes.
-
-A backend is cheap to build and to pickle (the object store's holds its options; the store
-client itself is cached per process), so requests carry a path and options, and each side calls
-``backend_for``.
-
-Kept free of torch: the background writer imports it.
+More: docs/DESIGN.md, "Module notes", core/storage/backend.py.
 """
 from __future__ import annotations
 
@@ -119,7 +61,7 @@ class Backend(Protocol):
     # ---------------------------------------------------------------- writing
     def write(self, path: str, data: Union[bytes, memoryview], size: Optional[int] = None, *, atomic: bool = False,
               wait_ready: WaitReady = None, direct_io: bool = True, io_threads: int = 2) -> None:
-        """Durably write ``data`` (bytes) or ``data[:size]`` (a staging buffer's image, page-aligned;
+        """Durably write ``data`` (bytes) or ``data[:size]`` (a snapshot buffer's image, page-aligned;
         with ``wait_ready`` still being copied: see ``diskio.write_image``) as ``path``, whose
         directory exists. Written in place: what makes a save's files visible whole is its publish;
         ``atomic`` (bytes): readers of ``path`` see all of it or nothing even before that."""

@@ -1,13 +1,7 @@
 """Which checkpoints are committed: the commit record of a checkpoint, every one under a root,
 ``latest_checkpoint``, and taking a commit back; written once over the storage primitives.
 
-A checkpoint is visible only once its commit record (``.asyncckpt-commit.json``) exists under its
-final name: a local directory gets it just before the rename that publishes it, an object-store
-prefix as the object created last (``Backend.publish``, ``staging``). Whatever the store, the
-record's bytes come from its backend and are parsed by the one parser in
-``formats.commit_record`` (which rejects a record of a newer version than this code knows).
-
-Kept free of torch: the background writer imports it.
+More: docs/DESIGN.md, "Module notes", core/storage/commit.py.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 O_DIRECT matters on hosts that reclaim freed memory: a buffered write has to allocate page
 cache, which after idle time runs at a fraction of the disk's speed. Direct I/O streams from our
-(held, page-aligned) staging buffer instead. Filesystems without O_DIRECT (tmpfs, some FUSE
+(held, page-aligned) snapshot buffer instead. Filesystems without O_DIRECT (tmpfs, some FUSE
 and network mounts) fall back to buffered writes transparently. In a memory tier's run directory
 an image that could not be linked (``snapshot.shared_buffer``) is copied into a spare file's pages
 (``spares``): existing tmpfs pages, mapped, cost less than new ones written.
@@ -60,7 +60,7 @@ def write_image(path: str, image: memoryview, size: int, *, direct: bool = True,
     """Durably write ``image[:size]`` to ``path`` (fsync'd). Returns whether O_DIRECT was used.
 
     ``image`` must be page-aligned (a ``StagingBuffer``, a memory-mapped file). Direct writes cover
-    whole blocks: where the image extends past ``size`` to a whole block (a staging buffer), the
+    whole blocks: where the image extends past ``size`` to a whole block (a snapshot buffer), the
     file is written to that block and truncated to ``size``; where it ends at ``size`` (a mapped
     file), its last partial block is written through the page cache. With ``wait_ready`` (see
     ``CopyProgress.waiter``) the image is still being copied: each part is written as soon as it

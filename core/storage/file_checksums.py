@@ -1,20 +1,6 @@
 """Checksums of the native files the core writes, and checking a file against its checksum.
 
-Every file the background writer writes (a Lightning ``.ckpt``, every file of an Accelerate or
-Trainer checkpoint directory, a sharded checkpoint's extra files) gets an xxh3-64 of its bytes,
-hashed by the writer from the staging buffer it writes from (no extra pass over the training
-process's memory). Where it is recorded (docs/FORMAT.md §4):
-
-* a file of a checkpoint directory: in the directory's commit record, ``"checksums"``;
-* a single file: attached to the file itself by its backend (``Backend.write_file``): an
-  extended attribute of a local file (``local``), the user metadata of an object
-  (``object_backend``); the record itself is ``formats.checksum.record_body``.
-
-Checking reads the file in pieces (``Backend.read_pieces``: locally into a reused buffer) and
-hashes each piece while it is still in the core's cache, so verifying costs about one read of
-the file.
-
-Kept free of torch: the background writer imports it.
+More: docs/DESIGN.md, "Module notes", core/storage/file_checksums.py.
 """
 from __future__ import annotations
 

@@ -1,27 +1,7 @@
 """What crashed saves leave behind, whether its writer still lives, and removing it: written once
 over the storage primitives, for every store.
 
-Every entry asyncckpt makes beside a checkpoint has a hidden name (``names``), and whether one is
-a leftover is decided by its owner, not its age (``owners``): its owner token, or for a place the
-ranks of a save share (a staging directory; an object-store prefix written in place) the owner
-markers in it. On the host that made it, a process that is gone, or a boot that is over, means a
-leftover; an entry made on another host cannot be judged here, and ``asyncckpt clean`` removes
-those only past an age the user gives. Checkpoints being deleted (``replaced``, ``removing``, a
-prefix with a removing marker) are garbage whoever holds them.
-
-Directly under a root:
-
-* a hidden entry of ours: a staging directory, a checkpoint an overwrite swapped out (``replaced``)
-  or a removal moved aside (``removing``), a single file or link being written (``tmp``, ``link``;
-  in an object store, the marker beside a single-file upload);
-* where saves are written in place (an object store), a checkpoint prefix without a commit record;
-* writes nobody finished that no listing shows (an object store's incomplete multipart uploads).
-
-A directory is deleted through ``Backend.remove_tree``, so that two cleaners (two ranks' writers,
-the CLI) never delete into each other, and a crash half-way through leaves a leftover that is
-recognisably dead.
-
-Kept free of torch: the background writer and the CLI use it.
+More: docs/DESIGN.md, "Module notes", core/storage/leftovers.py.
 """
 from __future__ import annotations
 

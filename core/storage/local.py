@@ -1,28 +1,7 @@
 """The local file system's storage primitives (``backend.Backend``): checkpoints as directories,
 published by rename.
 
-A sharded save is written under a hidden staging name next to its final path (``names``). When
-every rank's share is durable, the coordinator writes DCP's ``.metadata`` and then the commit
-record (``.asyncckpt-commit.json``), fsyncs the directory, and renames it to its final name
-(``publish``: atomically exchanging it with an older checkpoint at that path, deleted only
-afterwards). So a directory under its final name with a commit record is complete; anything else
-is not.
-
-A single file is written under a hidden temporary name, fsynced and renamed into place
-(``write_file``); its checksum record travels as an extended attribute of the file itself
-(``user.asyncckpt.checksum``), set on the temporary file before the rename: it is published with
-the file by the same rename, disappears with it, and adds no entry to any directory listing (a
-framework's tests compare listings; a record file beside each ``.ckpt`` would break them). A copy
-that drops extended attributes (``cp`` without ``-a``) leaves the file unverified, not damaged. On
-a file system without user extended attributes single files are saved without a checksum, with a
-warning once per process.
-
-A directory is removed by renaming it to a hidden ``removing`` name at once (``remove_tree``), so
-no framework, ``latest_checkpoint`` or ``asyncckpt ls`` ever sees it half-deleted, and deleting it
-once the request's reply is sent: deleting a large tree (freeing extents, discards) is not part of
-what anybody waits for. A crash in between leaves only a hidden leftover whose owner is gone.
-
-Kept free of torch: the background writer imports it.
+More: docs/DESIGN.md, "Module notes", core/storage/local.py.
 """
 from __future__ import annotations
 
@@ -176,7 +155,7 @@ class LocalBackend:
     # ---------------------------------------------------------------- writing
     def write(self, path: str, data: Union[bytes, memoryview], size: Optional[int] = None, *, atomic: bool = False,
               wait_ready: Optional[Callable[[float], float]] = None, direct_io: bool = True, io_threads: int = 2) -> None:
-        if isinstance(data, memoryview):  # a staging buffer's image: O_DIRECT, parallel writes
+        if isinstance(data, memoryview):  # a snapshot buffer's image: O_DIRECT, parallel writes
             diskio.write_image(path, data, len(data) if size is None else size, direct=direct_io, threads=io_threads,
                                wait_ready=wait_ready)
         elif atomic:

@@ -1,36 +1,7 @@
 """An object store's storage primitives (``backend.Backend``): checkpoints written under their own
 prefix, visible once a commit object exists.
 
-There is no rename in an object store, so a checkpoint ``s3://bucket/ckpts/step_100`` is written
-in place, under the prefix ``s3://bucket/ckpts/step_100/`` with the same objects a local
-checkpoint directory holds (DCP's ``.metadata`` and ``__{rank}_{n}.distcp``, our sidecars), and
-it becomes visible when rank 0's writer creates its commit object ``.asyncckpt-commit.json``
-*create-only* (S3 ``If-None-Match: *``, ``publish``): two committers can never both succeed, and a
-commit never overwrites another. Everything that finds or lists checkpoints (``latest_checkpoint``,
-retention, ``asyncckpt ls``) reads commit objects, from a delimited listing of the root (one
-level: the checkpoints' names, never their data objects); a prefix without one is never
-returned. Ranks meet through the torch.distributed Store (``barrier.StoreBarrier``) while their
-training processes live; each also leaves a marker object under a hidden prefix of the save's own
-(``writer.barrier``), where writers whose training processes died meet instead.
-
-While a save runs, each rank's writer keeps an owner marker ``.asyncckpt-owner-{rank}`` (its
-owner token, ``owners``) under the prefix; the commit deletes them. A single file
-(``last.ckpt``) is one object, which an S3 upload makes visible whole or not at all; its checksum
-travels as the object's user metadata ``asyncckpt-checksum`` (the local files' extended
-attribute), and a hidden marker object ``.{name}.asyncckpt-tmp-{token}`` beside it names its
-writer while it uploads (``write_file``). Removal writes ``.asyncckpt-removing`` under the prefix,
-deletes the commit object (the checkpoint is gone from every listing), then the rest
-(``remove_tree``). What crashed writers left (uncommitted prefixes, markers, incomplete multipart
-uploads) is judged by those owner tokens, as local leftovers are (``leftovers``). Loads read
-ranges (``read_ranges``), ``concurrency`` of them in flight.
-
-Overwriting a committed checkpoint at the same URL is not atomic: rank 0's writer deletes the old
-commit object when the new save starts (``staging.Staging.claim``), so the old checkpoint
-disappears then, and with several ranks another rank may already be replacing its objects (a
-reader of it then fails on checksums, never loads wrong data). Save under new names (steps) where
-that matters.
-
-Kept free of torch: the background writer imports it.
+More: docs/DESIGN.md, "Module notes", core/storage/object_backend.py.
 """
 from __future__ import annotations
 
@@ -91,7 +62,7 @@ class ObjectBackend:
     # ---------------------------------------------------------------- writing
     def write(self, path: str, data: Union[bytes, memoryview], size: Optional[int] = None, *, atomic: bool = False,
               wait_ready: Optional[Callable[[float], float]] = None, direct_io: bool = True, io_threads: int = 2) -> None:
-        """An object appears whole or not at all, ``atomic`` or not; a staging buffer's image goes
+        """An object appears whole or not at all, ``atomic`` or not; a snapshot buffer's image goes
         as a multipart upload (``object_store``)."""
         if isinstance(data, memoryview):
             self.store(path).upload(path, data, len(data) if size is None else size, wait_ready=wait_ready)
@@ -99,7 +70,7 @@ class ObjectBackend:
             self.store(path).put(path, data)
 
     def compose(self, path: str, image: memoryview, size: int, copied: list[tuple[int, int]], source: str) -> int:
-        """``write`` of a staging buffer's image whose ranges ``copied`` the store copies from the same ranges of the
+        """``write`` of a snapshot buffer's image whose ranges ``copied`` the store copies from the same ranges of the
         object ``source`` rather than receive them (``ObjectStore.compose``; a store without server-side copies:
         all of it uploaded). Returns the bytes uploaded."""
         store = self.store(path)

@@ -5,30 +5,7 @@ come from fsspec's usual ``storage_options`` and the environment (``AWS_ACCESS_K
 ``AWS_ENDPOINT_URL``, fsspec's ``FSSPEC_S3_*``), or from ``ObjectStoreOptions`` given to a
 ``Checkpointer`` (which hands them to its background writer with every request).
 
-What the checkpoints need from a store, and how it is done:
-
-* **upload** a staging buffer as one object: S3 multipart, ``concurrency`` parts of ``part_bytes``
-  in flight (a sliding window, not waves), each part sent as soon as the snapshot copy has reached
-  its end (``wait_ready``, the same progress word the local writes poll). botocore accepts a part
-  body as ``bytes`` only (not a view of shared memory), so each part is copied once, in the
-  writer, on its way out; memory in flight is ``part_bytes * concurrency``. An upload that fails is
-  aborted; one whose writer is killed stays an incomplete upload until ``asyncckpt clean``.
-* **put** small objects, optionally **create-only** (S3 ``If-None-Match: *``, s3fs's
-  ``mode="create"``): the commit object of a checkpoint can be created once, never overwritten.
-* **get**, **ranged reads** (many at once, ``concurrency`` in flight), delimited **listing** of one
-  level, **delete**, and listing / aborting incomplete multipart uploads.
-
-Non-S3 filesystems (gcsfs, adlfs) take the generic fsspec path: a whole-object ``pipe_file`` per
-upload, ``cat_file`` ranges; this is written against fsspec's async API but untested here.
-
-Errors name the URL, the bucket and the endpoint (``ObjectStoreError``); a missing object is a
-``FileNotFoundError``, an existing one under a create-only put a ``FileExistsError``.
-
-fsspec's async filesystems run their coroutines on one event-loop thread per process; the
-coroutines here (``_call_s3``, ``_cat_file``, ``_pipe_file``) are fsspec's async API, which its
-async filesystems expose with a leading underscore by convention.
-
-Kept free of torch: the background writer imports it (fsspec only when a URL is used).
+More: docs/DESIGN.md, "Module notes", core/storage/object_store.py.
 """
 from __future__ import annotations
 
@@ -95,13 +72,12 @@ class ObjectStoreError(CheckpointError):
 
 @dataclass
 class ObjectStoreOptions:
-    """How to reach an object store and how to use it.
+    """How to reach an object store and how to use it. Each field, its default and meaning: docs/options.md.
 
-    storage_options: passed to ``fsspec.core.url_to_fs`` (for s3fs e.g. ``key``, ``secret``,
-        ``client_kwargs={"endpoint_url": ...}``, ``config_kwargs``); None: fsspec's defaults and the
-        environment.
-    part_bytes: multipart part size for uploads (>= 5 MiB), and the size of ranged reads of large items.
-    concurrency: parts (uploads) or ranges (loads) in flight at once, per process.
+    Args:
+        storage_options: passed to ``fsspec.core.url_to_fs`` (None: fsspec's defaults and the environment).
+        part_bytes: multipart part size for uploads (>= 5 MiB), and the size of ranged reads of large items.
+        concurrency: parts (uploads) or ranges (loads) in flight at once, per process.
     """
 
     storage_options: Optional[dict] = None

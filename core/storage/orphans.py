@@ -1,21 +1,6 @@
 """Writers that outlived their training process: the log they keep, and waiting for them.
 
-When a training process dies after a save call returned, its background writer finishes what was
-handed over (``writer.process``) instead of dying with it. Such a writer is an *orphan*: nobody
-waits for it, so it says what it does in one log file beside the checkpoints it finishes
-(``.asyncckpt-writer.log`` in the checkpoint's parent directory), one line per event, each naming
-the writer by its owner token (host, boot, pid: ``owners.owner_alive`` judges it):
-
-    2026-11-26T08:00:00Z writer 1a2b3c4d5e6f-4242-9f0e1d: finishing checkpoint-5 (training process 4200 died)
-    2026-11-26T08:00:01Z writer 1a2b3c4d5e6f-4242-9f0e1d: committed checkpoint-5
-    2026-11-26T08:00:01Z writer 1a2b3c4d5e6f-4242-9f0e1d: exiting
-
-The same lines let a restarted job find an orphan still at work on its directory, and wait for it
-before it picks the newest checkpoint (``wait_for_orphans``): it then resumes from the checkpoint
-the orphan commits, and never saves over one being committed. The log is a file, not a directory,
-and its name holds no digits: frameworks that list a checkpoint root for numbered folders skip it.
-
-Kept free of torch: the writer imports it.
+More: docs/DESIGN.md, "Module notes", core/storage/orphans.py.
 """
 from __future__ import annotations
 

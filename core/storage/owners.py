@@ -1,13 +1,6 @@
 """Who owns what asyncckpt writes: owner tokens, and the owner markers of a staging directory.
 
-Every entry asyncckpt makes beside a checkpoint has a hidden name (``names``). Whether one is a
-leftover is decided by its owner, not its age (``leftovers``): entries of a single writer carry
-that writer's *owner token* in their name, and a staging directory (shared by every rank of a
-save) holds an owner marker per rank. A token names the host, the boot and the process id, so on
-the host that made it, a process that is gone, or a boot that is over, means a leftover. An entry
-made on another host cannot be judged here.
-
-Kept free of torch: the background writer and the CLI use it.
+More: docs/DESIGN.md, "Module notes", core/storage/owners.py.
 """
 from __future__ import annotations
 

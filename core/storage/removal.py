@@ -1,14 +1,7 @@
 """Removing checkpoints and files so that none is ever seen half-removed: written once over the
 storage primitives, for every store.
 
-A checkpoint (a directory or prefix) leaves every listing at once, whole, before anything of it is
-deleted (``Backend.remove_tree``: renamed to a hidden name on a file system, its commit object
-deleted first in an object store); what is slow to delete goes once the writer has replied. No
-framework, ``latest_checkpoint`` or ``asyncckpt ls`` sees it half-deleted, and a crash in between
-leaves only a leftover whose owner is gone (``leftovers``), which the next save into that
-directory or ``asyncckpt clean`` removes. A single file is deleted (durably).
-
-Kept free of torch: the background writer imports it.
+More: docs/DESIGN.md, "Module notes", core/storage/removal.py.
 """
 from __future__ import annotations
 

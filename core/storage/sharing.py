@@ -1,31 +1,7 @@
 """Never writing the same bytes twice: a save shares the items unchanged since the checkpoint before, and each
 checkpoint stays complete on its own.
 
-A rank's writer hashes every item it writes (``checksum.checksum``, xxh3-64, for integrity). An item whose key,
-chunk, dtype, place in the data file and xxh3-64 equal those of the same item in the *base* (the newest committed
-checkpoint under the same root, ``find_base``) is a candidate; it is unchanged if its xxh3-128 (``content_id``) equals
-the one the base recorded too (``Base.unchanged``). The second hash makes the decision exact for every practical
-purpose (2^-128 per comparison, where 2^-64 over every item of every save of every job is not remote enough for
-silently wrong data) and costs a pass only over the bytes that are then not written: an item that changed is told
-by its xxh3-64 alone. (A save without a base records the content ids of all its items; one with a base, those of
-its unchanged items: an item that changed and then stays the same is shared from the second save that finds it so.)
-An unchanged item is not written again: the file that
-holds it in the base is hard-linked into the new checkpoint (``Base.link``, under ``names.shared_file_name``) and the
-item's sidecar and ``.metadata`` entries point into that file. A hard link is a second name of the same bytes, not
-a reference to the base: deleting the base (retention, a framework's rotation, ``asyncckpt clean``, ``rm -rf``)
-leaves the new checkpoint whole, and stock ``torch.distributed.checkpoint.load`` reads it as any other (each
-``.metadata`` entry names its file). The items that changed go to the rank's own data file at their places in the
-layout, the rest of it left as holes (``diskio.write_ranges``): a checkpoint never holds more than it would without
-sharing.
-
-What no live checkpoint needs any more is given back (``punch_unreferenced``): a file that only one checkpoint still
-links holds, besides that checkpoint's items, the items of the saves before that changed since; those ranges are
-punched out (``fallocate(PUNCH_HOLE)``) when the next save links a file no other checkpoint links, and by ``compact``
-after every removal (retention, a framework's rotation through the writer, ``asyncckpt clean``), for every file whose
-every name is a checkpoint's of the root.
-Where a file system cannot punch holes, those bytes stay until the file is no longer linked.
-
-Kept free of torch: the background writer imports it.
+More: docs/DESIGN.md, "Module notes", core/storage/sharing.py.
 """
 from __future__ import annotations
 

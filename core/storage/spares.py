@@ -1,24 +1,6 @@
 """The memory tier's spare files: what its retention drops, written over by the next save instead of freed.
 
-Writing into tmpfs costs most where its pages are new. A ``write()`` of 1 GiB into a new tmpfs file took 0.45-0.60 s
-of a core here, over the pages of an existing file 0.31-0.45 s, and received into a mapping of existing pages
-(populated at once) 0.07-0.10 s more than the receive itself (docs/memory_tier.md, measured 2026-11-28). With the
-memory tier every save writes its share into tmpfs and receives its peers' replicas there, while the tier's retention
-frees as many bytes of the checkpoint it drops: fresh pages each save, on both sides, paid for by the training loop's
-cores. So the retention keeps the large files of what it drops as the run directory's spares (``recycle``), and the
-replicas the next save receives (``tier.transport``), and its own file where it is written rather than linked
-to its staging buffer (``diskio.write_image``; ``snapshot.shared_buffer``), are written over a spare of at least
-their size (``take``). A file a staging buffer links to is the training process's, never a spare.
-
-* A spare is a file in ``SPARES_DIR`` of a memory run directory, taken by renaming it to the path a writer is about
-  to write: each goes to one taker, whichever process (two ranks' writers, a receiver) asks at once.
-* The spares no save took by the time the retention drops the next checkpoint are freed then: the run holds at most
-  one dropped checkpoint's files besides its ``keep`` newest (``tier.needed_bytes`` counts one being saved, which
-  the spares become), and they go with the run directory (the end of a run, an orphan's removal).
-* A checkpoint is out of every listing (renamed aside, as ``removal`` removes one) before its files become spares;
-  a file's attached checksum (a single-file checkpoint's) does not follow it.
-
-Kept free of torch: the background writer uses it.
+More: docs/DESIGN.md, "Module notes", core/storage/spares.py.
 """
 from __future__ import annotations
 

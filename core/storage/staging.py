@@ -1,14 +1,7 @@
 """Where a checkpoint's files go until it is published, and publishing it: written once over the
 storage primitives, for every store.
 
-A save never writes a checkpoint under its final name where it can help it: on a file system its
-files go to a hidden staging directory beside the final path (``names.staging_dir_for``), renamed
-into place at the commit; an object store has no rename, so there the staging *is* the final
-prefix (``staging_dir_for``), which counts as a checkpoint only once its commit object exists.
-Either way the commit record lists every file the checkpoint holds and its size (``contents``),
-and the publish (``Backend.publish``) makes all of it visible at once.
-
-Kept free of torch: the background writer imports it.
+More: docs/DESIGN.md, "Module notes", core/storage/staging.py.
 """
 from __future__ import annotations
 

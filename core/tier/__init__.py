@@ -1,36 +1,7 @@
 """The memory tier (docs/memory_tier.md), in one package; this module is its place on a node: where a checkpoint lives
 in node-local memory, and whose it is.
 
-The package's halves: what the background writer runs, without torch (this module; ``transport``, moving files
-between the nodes' memory; ``nodes``, a save on several nodes and a restart's fetches; ``requests``, the writer's
-jobs behind a memory save: its durable copy, the tier's retention, a single file's replicas), and the training
-process's (``job``: ``Tier``, the one thing the Checkpointer and the adapter kit call about the tier, ``NoTier``
-where it is off). The writer's save requests carry a memory save's ``nodes.TierSave``. Its spare files are
-``storage.spares`` (the storage's writes take them).
-
-With the ``memory_tier`` option, a checkpoint is first committed to memory on its node (tmpfs, by default under
-``/dev/shm``, so that it outlives the training process and its writer, not the machine), and only every
-``persist_every``-th to the durable place. The memory copy of the checkpoint whose durable path is
-``<root>/<name>`` is ``<memory root>/<run>/<name>``, where ``<run>`` is named after the durable root
-(``run_dir``): a restart that resumes from ``<root>`` finds it there, whatever process wrote it. Its layout is
-a checkpoint's (staging directory, commit record, a single file with its checksum record), so everything that
-reads a checkpoint reads a memory one.
-
-Which node this is, and where its memory root lies, come from the launcher, and two environment variables
-override both, for tests and unusual launchers that run several "nodes" on one machine:
-
-* ``ASYNCCKPT_NODE``, else torchrun's ``GROUP_RANK``, else SLURM's ``SLURM_NODEID``, else the host name;
-* ``ASYNCCKPT_MEMORY_ROOT``, else the ``MemoryTier(root=...)`` given, else ``/dev/shm/asyncckpt``.
-
-What the tier holds on a node is bounded twice. Each run keeps its ``keep`` newest memory checkpoints (``stale``
-names the rest, whose large files the next save writes over: ``spares``), and the tier as a whole uses at most
-``MemoryTier.max_bytes``, else half of the memory root's file system (``capacity``: a tmpfs takes its pages from the
-node's RAM, which training needs too). A run directory is owned by the processes using it (an owner marker each,
-``claim_run``), and one nobody alive owns is removed once nothing in it changed for ``ORPHAN_AFTER_S``
-(``remove_orphans``: by any process that opens a run, and by ``asyncckpt clean``): a job that died does not hold the
-node's memory for ever.
-
-Kept free of torch: the background writer and the CLI use it.
+More: docs/DESIGN.md, "Module notes", core/tier/__init__.py.
 """
 from __future__ import annotations
 
@@ -55,7 +26,7 @@ NODE_ENV, MEMORY_ROOT_ENV = "ASYNCCKPT_NODE", "ASYNCCKPT_MEMORY_ROOT"
 DEFAULT_MEMORY_ROOT = "/dev/shm/asyncckpt"
 RUN_RECORD = ".asyncckpt-tier.json"  # in a run directory: the durable root it holds memory copies of
 OWNER_MARKER_PREFIX = ".owner-"  # in a run directory: ``.owner-<owner token>``, one per process using it now
-#: In a run directory: the staging buffers of its saves, files named ``<owner token>.<n>`` after the training process
+#: In a run directory: the snapshot buffers of its saves, files named ``<owner token>.<n>`` after the training process
 #: that made them (``snapshot.shared_buffer``); a rank's data file of a checkpoint is a hard link to one.
 BUFFERS_DIR = ".asyncckpt-buffers"
 
@@ -109,7 +80,7 @@ def dead_captures(captures: str) -> list[str]:
 
 
 def remove_dead_buffers(run_directory: str) -> None:
-    """Remove the names of the staging buffers (``BUFFERS_DIR``) of training processes that are gone from the run
+    """Remove the names of the snapshot buffers (``BUFFERS_DIR``) of training processes that are gone from the run
     directory: a killed run's, found by its restart. The checkpoints linked to them keep their pages, and their
     files are the retention's to recycle again (``spares`` takes only files no other name links to)."""
     for path in _entries_where(os.path.join(run_directory, BUFFERS_DIR),
@@ -120,7 +91,7 @@ def remove_dead_buffers(run_directory: str) -> None:
 
 def stored_bytes(path: str) -> int:
     """The bytes of the files under the local directory ``path``, each file once whatever its names (a checkpoint's
-    data file and the staging buffer it links to are the same pages); 0 if there is nothing."""
+    data file and the snapshot buffer it links to are the same pages); 0 if there is nothing."""
     seen, total = set(), 0
     for directory, _subdirectories, files in os.walk(path):
         for name in files:

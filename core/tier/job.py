@@ -1,31 +1,7 @@
 """The memory tier of one ``Checkpointer`` (``Tier``; ``NoTier`` where it is off): the one thing the Checkpointer
 and the adapter kit call about the tier. Where each checkpoint goes, what its requests carry, what follows its commit.
 
-With ``memory_tier`` on, a checkpoint asked for at its durable path (``run/checkpoint-20``) is saved at its memory
-path on this node (``tier.memory_path``) by the usual save machinery, so it is committed there exactly as a
-checkpoint is anywhere (staging, commit record, checksums), at the speed of a copy into shared memory. Its requests
-carry a ``nodes.TierSave`` (the job's shape, which its commit record binds it to; on several nodes how this rank's
-part reaches the others). Behind its commit, in the writer's queue, come:
-
-* every ``persist_every``-th checkpoint of a durable root (and, at the end of a run, the last one): its durable copy,
-  of which every rank's writer writes its own files from its node's memory (``requests.PersistRequest``; a single
-  file, by the rank that saved it: ``CopyRequest``), committed there as any checkpoint: no second snapshot;
-* the memory tier's own retention: the memory checkpoints of the root beyond the newest ``keep`` are removed
-  (the durable ones are the framework's to rotate, as without the tier).
-
-A root whose checkpoints do not fit in the memory the tier may use is saved durably only, with one warning saying
-what would fit. A run that ends normally persists its last checkpoint and leaves nothing in memory (``clear``).
-
-On several nodes (``connect``: every rank leaves its node's id in the torch.distributed Store, ``NODE_KEY``), each
-node's memory is its own: the saves' requests carry ``nodes.Replicas`` (which peers hold this node's replicas, rank
-0's node, whether this rank publishes its node's copy), and the lowest rank of each node has its writer serve the
-node's memory to the others (``transport.Receiver``, on a socket made and published here: the address is in the
-Store before any peer needs it, and the same for every writer this Checkpointer starts; a restart's writer starts
-after its load from memory where no peer needs it sooner, ``assemble``). A single file saved by one rank
-(Lightning's ``.ckpt``) goes to its node's peers behind its commit (``FileReplicas``); the ranks of the other nodes
-``expect`` its root, so that their nodes' copies are theirs (kept while they run, removed at the end). A restart
-agrees on the memory checkpoint to load, of this job's shape, and completes each node's copy from its peers
-(``assemble``).
+More: docs/DESIGN.md, "Module notes", core/tier/job.py.
 """
 from __future__ import annotations
 
@@ -154,8 +130,7 @@ class Tier:
     def serve(self) -> None:
         """This node's writer serves its memory to the other nodes from now on (started if it is not), where
         ``connect`` left that for later: after a restart's load (the writer's start-up would share the node's
-        cores with it: a 1 GiB load from memory took 0.26-0.29 s with the writers already up, 0.37-0.54 s while
-        they started, 2026-11-28), or before a peer fetches from here."""
+        cores with it: docs/DESIGN.md, "Measured"), or before a peer fetches from here."""
         if self._serve_later:
             self._serve_later = False
             self._queue.start()
@@ -378,7 +353,7 @@ class Tier:
         return self._placed.get(memory)
 
     def file_buffers(self, memory: str) -> Optional[FileBuffers]:
-        """The save at ``memory``'s staging buffers as files of its run directory (``tier.BUFFERS_DIR``: the writer
+        """The save at ``memory``'s snapshot buffers as files of its run directory (``tier.BUFFERS_DIR``: the writer
         links its data files to them), ``keep`` + 1 of them; None where it is not a memory save of this process."""
         placed = self._placed.get(memory)
         if placed is None:
@@ -400,7 +375,7 @@ class Tier:
 
     def _open(self, root: str) -> _Run:
         """A root's run directory, this process its owner (first: a restart must not take its own tier for an
-        orphan), the staging buffers its dead processes left there and the orphaned runs of dead jobs on this node
+        orphan), the snapshot buffers its dead processes left there and the orphaned runs of dead jobs on this node
         gone."""
         directory = tier.open_run(root, self.options.root)
         run = _Run(directory, tier.claim_run(directory))

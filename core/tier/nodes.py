@@ -1,37 +1,7 @@
 """A memory-tier save on several nodes: how every node ends with a committed copy of the checkpoint, of the files
 written on it and the replicas it took.
 
-Each node's memory (``tier``) is its own, so the ranks of a save on several nodes cannot meet in one
-staging directory, as those of one node do. Every node stages the save at the same relative path under its memory
-root (the run directory is named after the durable root, the staging directory after the save id: the same on
-every node), and the writers of the ranks, given ``Replicas`` in their requests, do the rest:
-
-1. ``spread`` (every rank, once its files are written on its node, before it arrives at the save's barrier): its
-   files go to its node's replica peers (``transport.peers_for``); each peer that took a file holds it. Its
-   data file goes first, as the snapshot is copied into it and hashed (``stream_file``: ``transport.Streaming``). Its
-   files record (``storage.sidecar_io``: each file's size, xxh3 and holders) and what else rank 0 needs to commit
-   (a sharded save's sidecar) go to rank 0's node. A peer that does not answer within the wait allowed is left
-   out (``Peers``: one warning per peer and writer process, tried again ``RETRY_AFTER_S`` later): the save commits
-   with the replicas it has. Rank 0's node not taking what it needs fails the save: it could not commit.
-2. ``commit_entries`` (rank 0, once every rank arrived): the commit record's file list from every rank's record and
-   its ``tier.TIER_ENTRY`` (each file's holders, the whole-file checksums the record lacks); rank 0's node
-   publishes its copy as one node would.
-3. ``publish_copy`` (the lowest rank of the save on each other node, once the save is committed): the commit
-   record, and what rank 0 wrote that every node holds (DCP's ``.metadata``), are fetched from rank 0's node, and
-   this node's staging directory is published with that record. Every node then holds a committed copy, whole
-   or not; the record says which node holds which file.
-4. ``fetch_missing`` (a copy that lacks files: before it is written durably, and a restart on a replaced node):
-   each missing file from a node that holds it, checked against the record; a damaged or missing replica is
-   named in a warning and the next holder is tried.
-
-A single file (Lightning's ``.ckpt``, saved by one rank, with no commit record: committed by its rename) goes
-whole to its node's replica peers once it is committed in memory (``FileReplicas``, a writer request behind it),
-with its checksum and modification time; the peers' copies of the files its node's retention drops go with them.
-A restart agrees on the newest such file some node holds and fetches it where it is missing (``fetch_file``).
-A DCP part of a directory checkpoint (``DirectoryTransaction.save_sharded``) is spread with the directory's files,
-its sidecars sent to rank 0's node first (``to_coordinator``), where ``.metadata`` is made.
-
-Kept free of torch: the background writer runs it (and the training process, for a restart's fetches).
+More: docs/DESIGN.md, "Module notes", core/tier/nodes.py.
 """
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
 """A memory-tier checkpoint written durably: every rank's writer writes its own files, from its own node's memory.
 
-Every ``persist_every``-th checkpoint of the memory tier (and the last of a run) is also committed at its durable
-path. Each rank of the save has a ``PersistRequest`` queued behind its save's own request. Once its node's copy of
-the checkpoint is committed, its writer writes the files it wrote into that copy (``tier.writer_of``: its shares;
-rank 0's also what the commit added, DCP's ``.metadata`` and a save's extra files) into the durable staging place,
-and the ranks meet as the ranks of any save do (``barrier``: in the Store while the training processes live, else by
-markers on the durable storage, which every node reaches). Rank 0 then publishes the copy with the memory
-checkpoint's commit record, less what only the tier needs: the same save (``commit.same_save``). No file crosses
-from one node to another, and every node writes at once: the durable copy takes as long as one rank's share takes
-to write, as a durable save does. A sharded save (the core's) whose durable place is a local one is saved there
-beside its save in memory, from the same snapshot (``save_beside``), rather than behind its memory commit (an object
-store is written in place: nothing of it before the memory commit).
-
-Kept free of torch: the background writer runs it.
+More: docs/DESIGN.md, "Module notes", core/tier/requests.py.
 """
 from __future__ import annotations
 

@@ -6,54 +6,7 @@ replaced a lost one fetches back what it lacks. Both directions move whole files
 under the same relative path (``run-abc/.checkpoint-20.asyncckpt-staging-<id>/model.safetensors``): which
 files, and when, is the caller's business; this module only moves bytes and vouches for them.
 
-* ``Receiver``: serves one node's memory root on a TCP port, one thread per connection (several peers at
-  once, at most ``max_connections``). A file sent to it is written under a hidden temporary name
-  (``names`` kind ``tmp``, with an owner token, so that a receiver killed mid-file leaves a leftover that
-  ``leftovers`` judges by its owner), hashed (xxh3-64, ``formats.checksum``) as its bytes arrive, and renamed
-  to its name only if the hash matches the one the sender announced: a damaged transfer is never published
-  under its name. Where the memory run directory has a spare file of the size (``spares``: what its retention
-  dropped), the bytes are received straight into its pages. A path that would leave the root (absolute, ``..``,
-  through a symlink) is refused, named.
-* ``send(address, root, paths)``: the files go out with ``os.sendfile`` from the tier's pages (tmpfs: no
-  copy through user space on this side), each announced with the xxh3 its writer recorded when given
-  (``checksums``; else hashed here first). ``PeerConnection.put`` of a file still being written
-  (``Streaming``: a snapshot copied into a memory-tier file) sends each part as soon as it is there, and its
-  xxh3 after its bytes, once the writer has hashed it: the transfer overlaps the copy and the hash, where a
-  sequence of them would add up. The receiver publishes it only if that xxh3 matches what arrived.
-  ``fetch(address, root, paths)``: the reverse, each file verified on arrival against the checksum the caller
-  knows (the checkpoint's commit record: a replica damaged at rest is then caught too), else against the one
-  the peer computes before sending it.
-* A single-file checkpoint (Lightning's ``.ckpt``: no commit record) moves ``as_file``: its copy carries its
-  checksum attached as the writer attaches it (``storage.local``) and its modification time (by which a
-  framework picks its newest file), so that the copy is the file, whichever node holds it. ``remove`` deletes
-  a peer's copy of one whose original retention removed.
-
-Bounded everywhere. Every wait on a peer (connecting, each piece sent or received, each answer) lasts at
-most ``timeout`` seconds, and ``time_limit`` bounds a whole call, so a peer that is dead (connection
-refused), stopped (SIGSTOP, a hung host) or cut off (its link down) ends ``send`` / ``fetch`` with a
-``ReplicationError`` naming the peer and the file, never a hang; the receiver likewise drops a sender that
-goes silent for ``idle_timeout``, and discards the file it was receiving. Bytes are streamed through one
-fixed buffer per connection; no queue grows with the data.
-
-Only the job's own nodes get in. Every connection begins with a mutual challenge-response: each side sends a fresh
-nonce and proves, by an HMAC-SHA256 over both nonces keyed with the job's secret (``job_secret``), that it holds
-the secret, which never crosses the connection; the peer proves itself first, so a receiver shows nothing to a
-process that cannot. A connection that cannot prove it (a stranger, a node of another job with another secret) is
-refused before any request is read, in one log line naming its address; a receiver that cannot prove it is left
-by the peer before a byte of a file goes out. From then on every message (each file's announcement and xxh3, each
-answer) carries an HMAC under keys of that connection, numbered: no one without the secret can splice a message in,
-so the checksum a replica is verified against comes from a node of the job. The file bytes themselves are checked
-by that xxh3, and nothing is encrypted: the transport keeps strangers out, it does not hide the bytes from a
-network path the job does not trust (the training's own collectives travel in the clear there too).
-
-The receiver listens on the address the job uses (``job_host``: ``ASYNCCKPT_REPLICATION_ADDRESS``, else this
-host's address on the route to the job's rendezvous host), not on every interface, and that address reaches
-the other nodes through a key-value store with ``set`` / ``get`` (the torch.distributed Store):
-``publish_address`` / ``peer_address``, under ``asyncckpt/tier/peer/<node>``.
-
-Nothing is fsynced: a memory root is tmpfs, which outlives processes, not the machine.
-
-Kept free of torch: the background writer runs the receiver and the sends.
+More: docs/DESIGN.md, "Module notes", core/tier/transport.py.
 """
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
 """Which kind of checkpoint a path is, and what a native file holds, without loading its tensors.
 
-The CLI meets every kind the core and the adapters write, and what the frameworks write without
-them:
-
-=============  ==========================================================  =====================
-kind           what                                                        complete when
-=============  ==========================================================  =====================
-``sharded``    a DCP directory (``core.save``, Lightning FSDP/ModelParallel  commit record (ours);
-               sharded), ``.metadata`` + ``__{rank}_{n}.distcp``            ``.metadata`` (DCP's)
-``directory``  a directory of a framework's native files (Accelerate's       commit record (ours);
-               ``checkpoint_N``, the Trainer's ``checkpoint-N``)            unknown (native)
-``file``       a single native file (Lightning's ``.ckpt``, any              always: written under
-               ``torch.save``/safetensors file)                             a hidden name, renamed
-``hidden``     one of ours in flight or left behind (``names``)              never
-=============  ==========================================================  =====================
-
-Native files are described from their structure: a safetensors header (JSON), or a ``torch.save``
-zip whose tensors are listed through ``torch.load(mmap=True, weights_only=True)`` (memory-mapped,
-so nothing is read but the pickle; a pickle that is not weights-only is not unpickled at all).
+More: docs/DESIGN.md, "Module notes", core/verify/checkpoint_kinds.py.
 """
 from __future__ import annotations
 

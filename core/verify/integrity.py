@@ -1,25 +1,7 @@
 """Checking a checkpoint against what was written: every kind, for ``asyncckpt verify`` and for the
 adapters, which verify a checkpoint on the framework's own resume path before any state changes.
 
-=============  =================================================================================
-kind           what is checked
-=============  =================================================================================
-sharded        every item's bytes against its xxh3 in the rank sidecars, the torch.save container
-               framing around each tensor, that ``.metadata`` points only at checksummed bytes, the
-               commit record's file list and sizes, extra files by their checksums
-directory      every file the commit record lists: its size, its xxh3 (``"checksums"``); a DCP
-               subdirectory in it (a framework's FSDP shards) as a sharded checkpoint. Files removed
-               or added since the commit are *differences*, not damage (see below)
-file           its size and xxh3 in the record beside it (``file_checksums``)
-=============  =================================================================================
-
-What a framework wrote without asyncckpt (no commit record, no checksum record) is *unverified*:
-reported as such, never as damaged. In a directory checkpoint, a file the commit record lists that is
-gone, or a file it does not list, is a user's deliberate change (Transformers' own tests convert a
-checkpoint's ``model.safetensors`` into sharded files before resuming from it): reported as a
-difference, and a resume goes ahead with one warning naming it, leaving it to the framework's
-loader whether what is there loads. A listed file whose bytes differ is damage, always. Every problem names the file, and for sharded checkpoints the
-key and the rank that wrote it.
+More: docs/DESIGN.md, "Module notes", core/verify/integrity.py.
 """
 from __future__ import annotations
 

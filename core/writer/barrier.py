@@ -1,36 +1,9 @@
 """Where the ranks of one save meet: every share durable, then the commit, or a failure for all.
 
-A multi-rank save needs two cross-rank waits: the coordinator (rank 0) waits until every rank's
-share is durable before it commits, and every other rank waits until the coordinator committed.
-A failure on any rank must end both waits on every rank, and a rank that never arrives must end
-them after the save's timeout, naming it. ``Barrier`` is that contract; there are two:
+A failure on any rank ends the wait on every rank, and a rank that never arrives ends it after the save's timeout,
+named: no rank waits forever and none commits a checkpoint missing a share.
 
-* ``MarkerBarrier``: marker files in the save's staging directory (on an object store, marker
-  objects under a hidden prefix of the save's own), polled. Needs nothing but the storage the
-  checkpoint is written to: used without torch.distributed (``use_collectives=False``), and by
-  writers whose training processes are gone. On NFS, attribute and listing caches can delay what
-  other nodes see by seconds.
-* ``StoreBarrier``: keys in the torch.distributed Store that every process group has (the
-  rendezvous store, a TCP server on rank 0): used whenever a process group exists. Nothing is
-  listed or polled on the checkpoint's storage. The Store lives in the training process; the
-  background writer, which does not load torch, reaches it through its writer queue
-  (``RemoteBarrier``, see ``protocol``).
-
-A writer whose training process died finishes its saves and meets the others by markers, so it
-must not wait the whole timeout for a rank whose writer is gone too. Every writer at work on a
-multi-rank save shows it: a liveness marker holding its owner token, rewritten every
-``HEARTBEAT_S`` (``Heartbeats``) until its share arrived (the coordinator: until every share
-arrived). A writer that waits by markers without a training process or a Store gives up on a rank
-whose writer is known dead (its token names a process of this host that exited) at once, and on a
-rank whose marker stays absent or unchanged for ``silence_limit(timeout)``; the save then fails on
-every rank, naming it (``MarkerBarrier``).
-
-On a local filesystem and in the Store they poll every few milliseconds: a writer waits only once its
-own share is durable, when the others are usually a few tens of milliseconds behind, and longer
-sleeps left each wait late. An object store is polled less often (``Backend.marker_poll_s``): each
-look is a request.
-
-Kept free of torch: the writer imports it.
+More: docs/DESIGN.md, "Module notes", core/writer/barrier.py.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How far a snapshot copy into a staging buffer has got: the word the training process writes and
+"""How far a snapshot copy into a snapshot buffer has got: the word the training process writes and
 the background writer reads, so the writer streams each finished part to disk during the copy.
 
 The writer imports this module (not ``snapshot.shared_buffer``, whose buffers are torch tensors), so
@@ -13,7 +13,7 @@ from typing import Callable
 from asyncckpt.core.errors import CheckpointTimeoutError, CheckpointWriteError, SnapshotCopyFailed
 from asyncckpt.core.formats.layout import IO_ALIGNMENT
 
-PROGRESS_BYTES = IO_ALIGNMENT  # a staging buffer's progress: a page of shared memory of its own (``CopyProgress``)
+PROGRESS_BYTES = IO_ALIGNMENT  # a snapshot buffer's progress: a page of shared memory of its own (``CopyProgress``)
 
 
 class CopyProgress:
@@ -54,7 +54,7 @@ class CopyProgress:
         word = self._word.value
         found, pages = word >> self._PAGES_BITS, word & ((1 << self._PAGES_BITS) - 1)
         if found != generation:
-            raise CheckpointWriteError(f"the snapshot in the staging buffer was replaced (copy {found}, not {generation})")
+            raise CheckpointWriteError(f"the snapshot in the snapshot buffer was replaced (copy {found}, not {generation})")
         if pages == self._FAILED:
             raise SnapshotCopyFailed("the snapshot copy failed in the training process")
         return float("inf") if pages == self._COMPLETE else pages * IO_ALIGNMENT

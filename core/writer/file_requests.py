@@ -5,17 +5,7 @@ from tensors, with torch) so that the writer does not import torch. Where the pa
 file system, an object store) is its backend's business (``storage.backend``): a request carries
 the path and, for an object store, its options, and the same request serves both.
 
-A file that belongs to a directory transaction carries that save's barrier: if it fails, the
-whole directory fails on every rank (and the directory's commit on this rank knows why).
-
-Every file written gets a checksum (``file_checksums``), hashed from the staging buffer while the
-file is written. A file of a directory checkpoint whose bytes equal the same file's in the checkpoint before is not
-written: it is shared (``Backend.share_file``: a hard link, a copy made by the server), as a sharded save shares its
-unchanged items (``storage.sharing``).
-
-Removal is atomic (``removal``): no framework, ``latest_checkpoint`` or ``asyncckpt ls``
-ever sees a checkpoint half-deleted; a crash in between leaves only a leftover whose owner is
-gone, which the next save into that directory or ``asyncckpt clean`` removes.
+More: docs/DESIGN.md, "Module notes", core/writer/file_requests.py.
 """
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
 """Copying a committed checkpoint to another place, and bringing a mirrored one back.
 
-A copy reads a committed local checkpoint and commits it again at the target, any store: to an object store
-(``mirror_to``: ``Checkpointer.mirror(path, url, after=handle)``), or, from the memory tier, to its durable
-place (``persist_every``; ``tier.job``). ``CopyRequest`` runs it in the background writer, queued behind the
-save of the source and run only if it committed. It writes the files the source's commit record lists
-(memory-mapped; to an object store as multipart uploads) into the target's staging place and then publishes
-them with the same record (files, sizes, checksums, step), so the copy is a checkpoint of its own:
-``latest_checkpoint`` finds it, ``asyncckpt verify`` checks it. A single file is written as one file (one
-object) with its checksum.
-
-``restore(url, path)`` (training process, at resume, when the local copy is missing) downloads a
-committed mirror into a hidden staging directory beside ``path``, writes the commit record last
-and renames it into place: locally it is then what the save had written, checksums included.
-
-Kept free of torch: the background writer imports it.
+More: docs/DESIGN.md, "Module notes", core/writer/mirror.py.
 """
 from __future__ import annotations
 

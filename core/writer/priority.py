@@ -1,27 +1,6 @@
 """The writer's share of the node's CPU: the training's where the node has none to spare, only the idle CPU where it has.
 
-The background writer competes with the training process for the node's cores. Where training leaves cores idle (a
-GPU trainer's CPU), whatever the writer takes from the training's own cores is lost for nothing: at the lowest priority
-its work runs on the idle cores instead. Where training keeps every core busy, the lowest priority starves the writer
-for no less slowdown in all: the work is the same, only later, and the next save waits for it. Measured with the
-memory tier's saves (docs/DESIGN.md, Measured): with a core idle, a one-thread training loop ran 10-13% slower beyond
-the saves' stalls at the training's priority, 0-3% at the lowest; with every core busy, the lowest priority left the
-slowdown as it was and made the commits take 11-16 s instead of ~2 s, stalling saves that found their buffer still in
-use.
-
-So the writer (``CpuShare``) takes the lowest priority before a batch of requests only where the node left at least
-``IDLE_CORES`` idle since its previous batch (``/proc/stat``, the writer's own CPU not counted), and goes back to the
-training's as soon as it is starved there (a thread looks every ``PERIOD_S``: the writer's threads ran for less than
-``STARVED`` of the time they waited for a core, ``/proc/self/task/*/schedstat``), as when the training's CPU use rises
-during a save: a save is then never held up for longer than that. Writers sharing idle cores among themselves (the
-ranks of a node) are not starved by that measure.
-
-The priority is the writer's scheduling group's (``/proc/self/autogroup``): the writer has a session of its own, and
-with it, where the kernel groups by session (``sched_autogroup_enabled``), a group that competes with the training's as
-an equal whatever its threads' nice values. A process may raise its group's nice value and lower it back to 0 without
-privileges. Where there is no such group, nothing changes.
-
-Kept free of torch: the background writer uses it.
+More: docs/DESIGN.md, "Module notes", core/writer/priority.py.
 """
 from __future__ import annotations
 

@@ -1,33 +1,9 @@
 """The persistent background writer: one process per rank, started once, fed plain data.
 
-It is launched as ``python -m asyncckpt.core.writer.process`` (not multiprocessing's spawn, which would
-re-import the user's ``__main__`` and re-run an unguarded training script), talks over a Unix
-socket (``protocol``), receives staging buffers as memfd file descriptors, and runs each request
-outside the training process's GIL. It runs in a session of its own and no signal a scheduler or a shell sends stops
-it (``protocol.WRITER_SIGNALS``, from its first instruction on; SIGKILL aside): a Ctrl-C or a preemption signal
-reaches the training process, which drains what it handed over or dies, and the writer keeps writing through the
-grace period instead of dropping the save in flight. SIGINT, SIGHUP and SIGPIPE are ignored. A SIGTERM, SIGUSR1 or
-SIGUSR2 that reaches the writer itself (SLURM signals every process of the job step: at its end, ahead of it with
-``--signal``, at a requeue) means its job is ending and its node may go away: once the work at hand is done, it
-writes durably its own files of the newest checkpoint of the memory tier that it took part in and that is in memory
-only (``persist_memory``; the other ranks' writers theirs, meeting by markers on the durable storage), so that the
-node's memory takes nothing with it that the job needs.
+A process of its own, torch-free and outside the training's GIL and signals, so that writes overlap training and a
+save that returned is finished even if the training process dies.
 
-A save handed over survives the training process. If the training process dies (kill -9, the OOM
-killer, a crash) the writer finishes every request it was given before (they are in its socket,
-and their snapshots in its shared memory), commits them, runs the work queued behind them, and
-exits; a request whose snapshot copy was not complete fails, and its save is never committed.
-Orphaned, it bounds its work by the saves' timeout, meets the other ranks' writers by markers (files,
-or objects on an object store) when the Store died with the training processes
-(``barrier.SurvivingBarrier``), and says what it
-does in a log beside the checkpoint (``storage.orphans``).
-
-With the memory tier on several nodes, the writer of each node's lowest rank also serves that node's memory to
-the others (``transport.Receiver``, on a listening socket its training process made and published: RECEIVER).
-
-It never imports torch, nor anything of asyncckpt outside ``writer``, ``storage``, ``formats``,
-``errors`` and the torch-free half of ``export`` (tests/test_layout.py runs every kind of request
-through a writer and lists what it loaded; docs/DESIGN.md says what torch would cost it).
+More: docs/DESIGN.md, "Module notes", core/writer/process.py.
 """
 from __future__ import annotations
 
@@ -319,7 +295,7 @@ class Writer:
 
 @dataclass
 class MappedBuffer:
-    """The writer's side of a staging buffer (``snapshot.shared_buffer``): its image and its copy's progress mapped,
+    """The writer's side of a snapshot buffer (``snapshot.shared_buffer``): its image and its copy's progress mapped,
     and the image's descriptor where it is a file (the hard link that publishes it: ``link_image``)."""
 
     layout: Any
@@ -478,7 +454,7 @@ def _checkpoint_of(request: Any) -> Optional[tuple[str, str]]:
 def main() -> None:
     fd, parent_pid, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     # No check of whether the training process still lives: the save that started this process
-    # returned once its request and staging buffer were in the socket, and a training process that
+    # returned once its request and snapshot buffer were in the socket, and a training process that
     # died in the meantime (as this one started) left them there for us to finish, as an orphan.
     trainer = TrainingProcess(parent_pid, timeout)
     channel = Channel(Connection(fd), trainer)

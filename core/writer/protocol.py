@@ -1,43 +1,6 @@
 """The background writer's protocol: what a request is, and the messages the two sides exchange.
 
-A *request* is plain data (a dataclass the writer unpickles without torch) with one method,
-``run(context)``, that the writer calls in submission order. Everything a request needs from the
-writer comes through its ``RequestContext``: the staging buffer it writes from, the barrier it
-meets the other ranks at, and a place to leave work for after the reply. The request classes:
-``shard_requests.ShareRequest``, ``file_requests.*``, ``directory_requests.CommitDirRequest``,
-``retention.RetentionRequest``, ``mirror.CopyRequest``, ``Idle`` below, and ``export.request.ExportRequest``
-(the one request class outside this package: an export's torch-free half, see docs/DESIGN.md).
-
-Messages, each a tuple whose first element is its kind:
-
-=================  ================================================  ===========================
-training → writer  fields                                            meaning
-=================  ================================================  ===========================
-``BUFFER``         buffer id, layout  (then the image's file, its    map this staging buffer
-                   progress memfd: SCM_RIGHTS)
-``DROP``           buffer id                                         forget it
-``RUN``            [Job, ...]                                        run these, in order
-``BARRIER_RESULT`` error or None                                     the answer to BARRIER_CALL
-``RECEIVER``       memory root, the job's secret  (then a listening  serve the memory root to the
-                   socket, SCM_RIGHTS)                               other nodes on it (the memory
-                                                                     tier: ``transport.Receiver``)
-``STOP``                                                             exit after the queue
-=================  ================================================  ===========================
-
-=================  ================================================  ===========================
-writer → training  fields                                            meaning
-=================  ================================================  ===========================
-``DONE``           job id, counts or None                            the request ran (counts: what
-                                                                     it ``report``ed)
-``FAILED``         job id, error type, message, traceback            it raised
-``CANCELLED``      job id                                            not run: its ``after`` job
-                                                                     did not succeed
-``BARRIER_CALL``   barrier spec, method, args                        run this barrier operation
-                                                                     (the Store lives here)
-``STOPPED``                                                          exiting
-=================  ================================================  ===========================
-
-Kept free of torch: the writer imports it.
+More: docs/DESIGN.md, "Module notes", core/writer/protocol.py.
 """
 from __future__ import annotations
 
@@ -65,12 +28,12 @@ WRITER_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal
 class RequestContext(Protocol):
     """What the writer gives a running request."""
 
-    layout: Optional["RankLayout"]  # of the staging buffer the request writes from (None: no buffer)
+    layout: Optional["RankLayout"]  # of the snapshot buffer the request writes from (None: no buffer)
     image: Optional[memoryview]  # that buffer's bytes
     progress: Optional["CopyProgress"]  # how far the snapshot copy into it has got
 
     def link_image(self, path: str) -> bool:
-        """Make the staging buffer the file ``path`` by a hard link (a memory-tier save's buffer is a file of the
+        """Make the snapshot buffer the file ``path`` by a hard link (a memory-tier save's buffer is a file of the
         tier: ``snapshot.shared_buffer``), in place of writing its image there: whether it could (not where the buffer
         is a memfd, on another file system, or its name is gone)."""
 
@@ -118,7 +81,7 @@ class Request(Protocol):
 
 @dataclass
 class Job:
-    """A request as queued: its id, the staging buffer it reads (if any), and the job it depends
+    """A request as queued: its id, the snapshot buffer it reads (if any), and the job it depends
     on: with ``after`` set, it runs only if that earlier job succeeded, and is cancelled otherwise
     (nothing is deleted or linked on the strength of a save that did not commit)."""
 

@@ -4,9 +4,7 @@
 behind ``AsyncCkptStorageWriter``, which implements torch.distributed.checkpoint's StorageWriter
 so that ``dcp.save`` can use it directly.
 
-Where the files go is a ``staging.Staging``: a local staging directory renamed into place at the
-commit, or an object-store prefix made visible by a create-only commit object (for URLs). The
-steps of a save are the same.
+More: docs/DESIGN.md, "Module notes", core/writer/shard_requests.py.
 """
 from __future__ import annotations
 
@@ -362,7 +360,7 @@ def slot_digests(image: memoryview, layout: RankLayout, whole_file: bool, *, wit
     """The xxh3 of every slot's bytes in ``image`` (tied tensors share theirs), ``with_ids`` their content ids too,
     and with ``whole_file`` the xxh3 of the tensor file (``image[:layout.size]``) from the same pass: each piece is
     hashed for its slot and for the file while in the core's cache, so the file's checksum costs no second pass over
-    memory (a GiB is ~0.3 s of a core here). Slots out of file order leave the file's checksum to the caller
+    memory (docs/DESIGN.md, "Measured"). Slots out of file order leave the file's checksum to the caller
     (None)."""
     by_start: dict[int, tuple[str, Optional[str]]] = {}
     whole, cursor = (checksum_stream() if whole_file else None), 0
