@@ -1,6 +1,6 @@
 """``enable_async_checkpointing(accelerator)``: the whole ``Accelerator.save_state()`` becomes asynchronous.
 
-More: docs/DESIGN.md, "Module notes", adapters/accelerate/async_checkpointing.py.
+More: docs/MODULES.md, adapters/accelerate/async_checkpointing.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Accelerate's own writes during one ``save_state()``, into a checkpoint transaction.
 
-More: docs/DESIGN.md, "Module notes", adapters/accelerate/capture.py.
+More: docs/MODULES.md, adapters/accelerate/capture.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``AsyncCheckpointCallback``: the one line a Transformers user adds.
 
-More: docs/DESIGN.md, "Module notes", adapters/hf_trainer/callback.py.
+More: docs/MODULES.md, adapters/hf_trainer/callback.py.
 """
 from __future__ import annotations
 

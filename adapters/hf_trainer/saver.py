@@ -1,6 +1,6 @@
 """The asynchronous ``Trainer._save_checkpoint``: same files, same bookkeeping, written in the background.
 
-More: docs/DESIGN.md, "Module notes", adapters/hf_trainer/saver.py.
+More: docs/MODULES.md, adapters/hf_trainer/saver.py.
 """
 from __future__ import annotations
 

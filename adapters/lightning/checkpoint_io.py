@@ -1,6 +1,6 @@
 """``AsyncCkptIO``: a Lightning ``CheckpointIO`` whose saves return after a snapshot.
 
-More: docs/DESIGN.md, "Module notes", adapters/lightning/checkpoint_io.py.
+More: docs/MODULES.md, adapters/lightning/checkpoint_io.py.
 """
 from __future__ import annotations
 

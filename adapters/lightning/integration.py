@@ -1,6 +1,6 @@
 """The places Lightning does not route through ``CheckpointIO``, wired to ``AsyncCkptIO``.
 
-More: docs/DESIGN.md, "Module notes", adapters/lightning/integration.py.
+More: docs/MODULES.md, adapters/lightning/integration.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``Checkpointer``: the one object every save goes through, from users and from every adapter.
 
-More: docs/DESIGN.md, "Module notes", core/api/checkpointer.py.
+More: docs/MODULES.md, core/api/checkpointer.py.
 """
 from __future__ import annotations
 

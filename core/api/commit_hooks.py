@@ -1,6 +1,6 @@
 """What runs once a checkpoint committed: the user's ``on_commit`` code, and the queueing of its export.
 
-More: docs/DESIGN.md, "Module notes", core/api/commit_hooks.py.
+More: docs/MODULES.md, core/api/commit_hooks.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A checkpoint directory of native files (a framework's own layout), committed atomically.
 
-More: docs/DESIGN.md, "Module notes", core/api/directory.py.
+More: docs/MODULES.md, core/api/directory.py.
 """
 from __future__ import annotations
 

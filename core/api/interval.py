@@ -1,6 +1,6 @@
 """How often to checkpoint: the interval that loses the least work (Young 1974, Daly 2006), from measured costs.
 
-More: docs/DESIGN.md, "Module notes", core/api/interval.py.
+More: docs/MODULES.md, core/api/interval.py.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Also: waiting, from anywhere in the process, for a path still being saved (``wait_for``), and starting a
 Checkpointer's writer at the first optimizer step (``start_at_first_step``).
 
-More: docs/DESIGN.md, "Module notes", core/api/lifecycle.py.
+More: docs/MODULES.md, core/api/lifecycle.py.
 """
 from __future__ import annotations
 

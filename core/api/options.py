@@ -1,6 +1,6 @@
 """``CheckpointOptions``: every option that means the same thing in the core and in every adapter, once.
 
-More: docs/DESIGN.md, "Module notes", core/api/options.py.
+More: docs/MODULES.md, core/api/options.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``asyncckpt``: look at and check checkpoints on disk without loading them.
 
-More: docs/DESIGN.md, "Module notes", core/cli/main.py.
+More: docs/MODULES.md, core/cli/main.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The ledger: everything of one ``Checkpointer`` that is not settled yet, in one place.
 
-More: docs/DESIGN.md, "Module notes", core/client/ledger.py.
+More: docs/MODULES.md, core/client/ledger.py.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ of ``(handle, request, buffer)`` in order, sent as one message (each message wak
 which then competes with the caller for the CPU). A handle whose ``after`` is set becomes a job
 that the writer runs only if that earlier job succeeded.
 
-More: docs/DESIGN.md, "Module notes", core/client/writer_queue.py.
+More: docs/MODULES.md, core/client/writer_queue.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Writing one tensor from its pieces, in a buffer of fixed size, checking every piece's checksum.
 
-More: docs/DESIGN.md, "Module notes", core/export/assembly.py.
+More: docs/MODULES.md, core/export/assembly.py.
 """
 from __future__ import annotations
 

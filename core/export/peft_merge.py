@@ -1,6 +1,6 @@
 """The merged weights of a PEFT LoRA checkpoint, as export pieces: base weight + its adapter's delta.
 
-More: docs/DESIGN.md, "Module notes", core/export/peft_merge.py.
+More: docs/MODULES.md, core/export/peft_merge.py.
 """
 from __future__ import annotations
 

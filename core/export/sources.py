@@ -6,7 +6,7 @@ its raw bytes' file and offset, and their checksum), or whole tensors in safeten
 header gives dtype, shape and byte range). Nothing here reads tensor data or imports torch, so
 the background writer can plan an export of any size without loading the model.
 
-More: docs/DESIGN.md, "Module notes", core/export/sources.py.
+More: docs/MODULES.md, core/export/sources.py.
 """
 from __future__ import annotations
 

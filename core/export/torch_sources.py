@@ -3,7 +3,7 @@
 ``read`` is the reader of an export in a process that has torch (``asyncckpt export``, and the child
 process the background writer runs such an export in: ``__main__``). The writer never imports this.
 
-More: docs/DESIGN.md, "Module notes", core/export/torch_sources.py.
+More: docs/MODULES.md, core/export/torch_sources.py.
 """
 from __future__ import annotations
 

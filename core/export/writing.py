@@ -3,7 +3,7 @@
 ``export_checkpoint`` does the work in any process: in rank 0's background writer, behind the save of
 a checkpoint (``request.ExportRequest``), and offline (``asyncckpt export``).
 
-More: docs/DESIGN.md, "Module notes", core/export/writing.py.
+More: docs/MODULES.md, core/export/writing.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """DCP's ``.metadata`` pickle, written by the background writer without importing torch.
 
-More: docs/DESIGN.md, "Module notes", core/formats/dcp_pickle.py.
+More: docs/MODULES.md, core/formats/dcp_pickle.py.
 """
 from __future__ import annotations
 

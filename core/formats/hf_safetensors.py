@@ -1,6 +1,6 @@
 """The Hugging Face safetensors layout an export writes: shard files of a bounded size, and their index.
 
-More: docs/DESIGN.md, "Module notes", core/formats/hf_safetensors.py.
+More: docs/MODULES.md, core/formats/hf_safetensors.py.
 """
 from __future__ import annotations
 

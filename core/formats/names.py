@@ -1,6 +1,6 @@
 """Every name asyncckpt gives a file or directory on disk, and how to tell one of ours apart.
 
-More: docs/DESIGN.md, "Module notes", core/formats/names.py.
+More: docs/MODULES.md, core/formats/names.py.
 """
 from __future__ import annotations
 

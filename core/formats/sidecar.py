@@ -1,6 +1,6 @@
 """One rank's sidecar ``__{rank}.asyncckpt.json``: where every item it wrote lies, and its checksum.
 
-More: docs/DESIGN.md, "Module notes", core/formats/sidecar.py.
+More: docs/MODULES.md, core/formats/sidecar.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The adapter kit: what adapters use of the core beyond the public API (``asyncckpt.core.__all__``).
 
-More: docs/DESIGN.md, "Module notes", core/integration/__init__.py.
+More: docs/MODULES.md, core/integration/__init__.py.
 """
 from asyncckpt.core.api import lifecycle
 from asyncckpt.core.api.options import resolve as resolve_options, taking_options

@@ -1,6 +1,6 @@
 """A framework's own save code, run unchanged, with the files it writes handed to a checkpoint transaction.
 
-More: docs/DESIGN.md, "Module notes", core/integration/capture.py.
+More: docs/MODULES.md, core/integration/capture.py.
 """
 from __future__ import annotations
 

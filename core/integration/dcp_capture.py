@@ -1,6 +1,6 @@
 """A framework's own ``torch.distributed.checkpoint.save`` calls, made asynchronous inside a directory checkpoint.
 
-More: docs/DESIGN.md, "Module notes", core/integration/dcp_capture.py.
+More: docs/MODULES.md, core/integration/dcp_capture.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Each checkpoint's cost, for the framework's own logging: users watch their runs in TensorBoard, W&B or
 MLflow, through the framework's loggers, not in log files.
 
-More: docs/DESIGN.md, "Module notes", core/integration/metrics.py.
+More: docs/MODULES.md, core/integration/metrics.py.
 """
 from __future__ import annotations
 

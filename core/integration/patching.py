@@ -1,6 +1,6 @@
 """The one way adapters replace a framework's functions: recorded, reversible, scoped where it can be.
 
-More: docs/DESIGN.md, "Module notes", core/integration/patching.py.
+More: docs/MODULES.md, core/integration/patching.py.
 """
 from __future__ import annotations
 

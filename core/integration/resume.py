@@ -4,7 +4,7 @@ made of.
 Every framework resumes through the same steps (saves in flight committed, the checkpoint checked, the files read
 once per job), so each adapter passes its framework's own load and nothing else.
 
-More: docs/DESIGN.md, "Module notes", core/integration/resume.py.
+More: docs/MODULES.md, core/integration/resume.py.
 """
 from __future__ import annotations
 

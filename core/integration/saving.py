@@ -1,6 +1,6 @@
 """What a framework's directory save does around the framework's own save code, for every adapter.
 
-More: docs/DESIGN.md, "Module notes", core/integration/saving.py.
+More: docs/MODULES.md, core/integration/saving.py.
 """
 from __future__ import annotations
 

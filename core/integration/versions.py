@@ -1,6 +1,6 @@
 """Which framework releases an adapter supports, and what it checks of a release newer than it was tested with.
 
-More: docs/DESIGN.md, "Module notes", core/integration/versions.py.
+More: docs/MODULES.md, core/integration/versions.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Reading the bytes every rank of a job loads once per job, not once per rank (a cooperative load).
 
-More: docs/DESIGN.md, "Module notes", core/loading/cooperative.py.
+More: docs/MODULES.md, core/loading/cooperative.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Loading an asyncckpt checkpoint without DCP's load planning, when nothing needs resharding.
 
-More: docs/DESIGN.md, "Module notes", core/loading/direct_load.py.
+More: docs/MODULES.md, core/loading/direct_load.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Checking a file while a framework's loader reads it: verifying costs no second read and no time of its own.
 
-More: docs/DESIGN.md, "Module notes", core/loading/hashed_reads.py.
+More: docs/MODULES.md, core/loading/hashed_reads.py.
 """
 from __future__ import annotations
 

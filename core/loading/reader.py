@@ -1,6 +1,6 @@
 """Reading item bytes from data files straight into their destinations, verified while in cache.
 
-More: docs/DESIGN.md, "Module notes", core/loading/reader.py.
+More: docs/MODULES.md, core/loading/reader.py.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ buffer of its structure (or of enough size, for single files), so memory is ``ma
 copies of the state. Buffers are kept across saves, and across a framework's runs: memory this
 machine has handed back costs more to touch again than memory we hold (docs/DESIGN.md, "Measured").
 
-More: docs/DESIGN.md, "Module notes", core/snapshot/buffer_pool.py.
+More: docs/MODULES.md, core/snapshot/buffer_pool.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Every torch.distributed collective asyncckpt runs, and the transport that carries it.
 
-More: docs/DESIGN.md, "Module notes", core/snapshot/collectives.py.
+More: docs/MODULES.md, core/snapshot/collectives.py.
 """
 from __future__ import annotations
 

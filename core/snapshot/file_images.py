@@ -5,7 +5,7 @@
 non-tensor object) and each storage's bytes are copied into their record. Shared storages (tied
 weights, views) are saved once, as torch.save does.
 
-More: docs/DESIGN.md, "Module notes", core/snapshot/file_images.py.
+More: docs/MODULES.md, core/snapshot/file_images.py.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ has finished), otherwise once the copy is complete. A snapshot that fails before
 the request fails its handle, and its save on every rank (the barrier), so that no rank waits
 for a share that will never come.
 
-More: docs/DESIGN.md, "Module notes", core/snapshot/handoff.py.
+More: docs/MODULES.md, core/snapshot/handoff.py.
 """
 from __future__ import annotations
 

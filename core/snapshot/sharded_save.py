@@ -1,6 +1,6 @@
 """The caller's part of a sharded (SPMD) save, before the copy: flatten, agree, plan, pick a buffer.
 
-More: docs/DESIGN.md, "Module notes", core/snapshot/sharded_save.py.
+More: docs/MODULES.md, core/snapshot/sharded_save.py.
 """
 from __future__ import annotations
 

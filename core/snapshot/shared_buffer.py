@@ -6,7 +6,7 @@ writes the snapshot to disk without another copy, and the memory is freed by the
 as both processes drop it, however they exit. Buffers are kept across saves because memory this
 machine has handed back costs much more to touch again than memory we hold (measured: docs/DESIGN.md).
 
-More: docs/DESIGN.md, "Module notes", core/snapshot/shared_buffer.py.
+More: docs/MODULES.md, core/snapshot/shared_buffer.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Copy many CPU tensors into place at memory speed, with as little per-tensor overhead as possible.
 
-More: docs/DESIGN.md, "Module notes", core/snapshot/tensor_copy.py.
+More: docs/MODULES.md, core/snapshot/tensor_copy.py.
 """
 from __future__ import annotations
 

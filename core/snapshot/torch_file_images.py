@@ -6,7 +6,7 @@ metrics) and so changes length, which shifts every storage record and the whole 
 Rendering that framing per save (``torch.save`` under ``skip_data``, then finding the records) was
 most of a single-file snapshot's cost beyond the copy itself.
 
-More: docs/DESIGN.md, "Module notes", core/snapshot/torch_file_images.py.
+More: docs/MODULES.md, core/snapshot/torch_file_images.py.
 """
 from __future__ import annotations
 

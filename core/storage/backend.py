@@ -1,7 +1,7 @@
 """The storage seam: the primitives every place a checkpoint can live provides, and
 ``backend_for``, the one place that tells an object-store URL from a local path.
 
-More: docs/DESIGN.md, "Module notes", core/storage/backend.py.
+More: docs/MODULES.md, core/storage/backend.py.
 """
 from __future__ import annotations
 

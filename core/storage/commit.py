@@ -1,7 +1,7 @@
 """Which checkpoints are committed: the commit record of a checkpoint, every one under a root,
 ``latest_checkpoint``, and taking a commit back; written once over the storage primitives.
 
-More: docs/DESIGN.md, "Module notes", core/storage/commit.py.
+More: docs/MODULES.md, core/storage/commit.py.
 """
 from __future__ import annotations
 

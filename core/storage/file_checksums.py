@@ -1,6 +1,6 @@
 """Checksums of the native files the core writes, and checking a file against its checksum.
 
-More: docs/DESIGN.md, "Module notes", core/storage/file_checksums.py.
+More: docs/MODULES.md, core/storage/file_checksums.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What crashed saves leave behind, whether its writer still lives, and removing it: written once
 over the storage primitives, for every store.
 
-More: docs/DESIGN.md, "Module notes", core/storage/leftovers.py.
+More: docs/MODULES.md, core/storage/leftovers.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The local file system's storage primitives (``backend.Backend``): checkpoints as directories,
 published by rename.
 
-More: docs/DESIGN.md, "Module notes", core/storage/local.py.
+More: docs/MODULES.md, core/storage/local.py.
 """
 from __future__ import annotations
 

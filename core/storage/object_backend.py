@@ -1,7 +1,7 @@
 """An object store's storage primitives (``backend.Backend``): checkpoints written under their own
 prefix, visible once a commit object exists.
 
-More: docs/DESIGN.md, "Module notes", core/storage/object_backend.py.
+More: docs/MODULES.md, core/storage/object_backend.py.
 """
 from __future__ import annotations
 

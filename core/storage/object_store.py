@@ -5,7 +5,7 @@ come from fsspec's usual ``storage_options`` and the environment (``AWS_ACCESS_K
 ``AWS_ENDPOINT_URL``, fsspec's ``FSSPEC_S3_*``), or from ``ObjectStoreOptions`` given to a
 ``Checkpointer`` (which hands them to its background writer with every request).
 
-More: docs/DESIGN.md, "Module notes", core/storage/object_store.py.
+More: docs/MODULES.md, core/storage/object_store.py.
 """
 from __future__ import annotations
 

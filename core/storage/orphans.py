@@ -1,6 +1,6 @@
 """Writers that outlived their training process: the log they keep, and waiting for them.
 
-More: docs/DESIGN.md, "Module notes", core/storage/orphans.py.
+More: docs/MODULES.md, core/storage/orphans.py.
 """
 from __future__ import annotations
 

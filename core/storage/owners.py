@@ -1,6 +1,6 @@
 """Who owns what asyncckpt writes: owner tokens, and the owner markers of a staging directory.
 
-More: docs/DESIGN.md, "Module notes", core/storage/owners.py.
+More: docs/MODULES.md, core/storage/owners.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Removing checkpoints and files so that none is ever seen half-removed: written once over the
 storage primitives, for every store.
 
-More: docs/DESIGN.md, "Module notes", core/storage/removal.py.
+More: docs/MODULES.md, core/storage/removal.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Never writing the same bytes twice: a save shares the items unchanged since the checkpoint before, and each
 checkpoint stays complete on its own.
 
-More: docs/DESIGN.md, "Module notes", core/storage/sharing.py.
+More: docs/MODULES.md, core/storage/sharing.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The memory tier's spare files: what its retention drops, written over by the next save instead of freed.
 
-More: docs/DESIGN.md, "Module notes", core/storage/spares.py.
+More: docs/MODULES.md, core/storage/spares.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Where a checkpoint's files go until it is published, and publishing it: written once over the
 storage primitives, for every store.
 
-More: docs/DESIGN.md, "Module notes", core/storage/staging.py.
+More: docs/MODULES.md, core/storage/staging.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The memory tier (docs/memory_tier.md), in one package; this module is its place on a node: where a checkpoint lives
 in node-local memory, and whose it is.
 
-More: docs/DESIGN.md, "Module notes", core/tier/__init__.py.
+More: docs/MODULES.md, core/tier/__init__.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The memory tier of one ``Checkpointer`` (``Tier``; ``NoTier`` where it is off): the one thing the Checkpointer
 and the adapter kit call about the tier. Where each checkpoint goes, what its requests carry, what follows its commit.
 
-More: docs/DESIGN.md, "Module notes", core/tier/job.py.
+More: docs/MODULES.md, core/tier/job.py.
 """
 from __future__ import annotations
 

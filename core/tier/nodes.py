@@ -1,7 +1,7 @@
 """A memory-tier save on several nodes: how every node ends with a committed copy of the checkpoint, of the files
 written on it and the replicas it took.
 
-More: docs/DESIGN.md, "Module notes", core/tier/nodes.py.
+More: docs/MODULES.md, core/tier/nodes.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A memory-tier checkpoint written durably: every rank's writer writes its own files, from its own node's memory.
 
-More: docs/DESIGN.md, "Module notes", core/tier/requests.py.
+More: docs/MODULES.md, core/tier/requests.py.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ replaced a lost one fetches back what it lacks. Both directions move whole files
 under the same relative path (``run-abc/.checkpoint-20.asyncckpt-staging-<id>/model.safetensors``): which
 files, and when, is the caller's business; this module only moves bytes and vouches for them.
 
-More: docs/DESIGN.md, "Module notes", core/tier/transport.py.
+More: docs/MODULES.md, core/tier/transport.py.
 """
 from __future__ import annotations
 

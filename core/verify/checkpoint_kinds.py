@@ -1,6 +1,6 @@
 """Which kind of checkpoint a path is, and what a native file holds, without loading its tensors.
 
-More: docs/DESIGN.md, "Module notes", core/verify/checkpoint_kinds.py.
+More: docs/MODULES.md, core/verify/checkpoint_kinds.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Checking a checkpoint against what was written: every kind, for ``asyncckpt verify`` and for the
 adapters, which verify a checkpoint on the framework's own resume path before any state changes.
 
-More: docs/DESIGN.md, "Module notes", core/verify/integrity.py.
+More: docs/MODULES.md, core/verify/integrity.py.
 """
 from __future__ import annotations
 

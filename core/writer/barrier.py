@@ -3,7 +3,7 @@
 A failure on any rank ends the wait on every rank, and a rank that never arrives ends it after the save's timeout,
 named: no rank waits forever and none commits a checkpoint missing a share.
 
-More: docs/DESIGN.md, "Module notes", core/writer/barrier.py.
+More: docs/MODULES.md, core/writer/barrier.py.
 """
 from __future__ import annotations
 

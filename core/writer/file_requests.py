@@ -5,7 +5,7 @@ from tensors, with torch) so that the writer does not import torch. Where the pa
 file system, an object store) is its backend's business (``storage.backend``): a request carries
 the path and, for an object store, its options, and the same request serves both.
 
-More: docs/DESIGN.md, "Module notes", core/writer/file_requests.py.
+More: docs/MODULES.md, core/writer/file_requests.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Copying a committed checkpoint to another place, and bringing a mirrored one back.
 
-More: docs/DESIGN.md, "Module notes", core/writer/mirror.py.
+More: docs/MODULES.md, core/writer/mirror.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The writer's share of the node's CPU: the training's where the node has none to spare, only the idle CPU where it has.
 
-More: docs/DESIGN.md, "Module notes", core/writer/priority.py.
+More: docs/MODULES.md, core/writer/priority.py.
 """
 from __future__ import annotations
 

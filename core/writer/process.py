@@ -3,7 +3,7 @@
 A process of its own, torch-free and outside the training's GIL and signals, so that writes overlap training and a
 save that returned is finished even if the training process dies.
 
-More: docs/DESIGN.md, "Module notes", core/writer/process.py.
+More: docs/MODULES.md, core/writer/process.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The background writer's protocol: what a request is, and the messages the two sides exchange.
 
-More: docs/DESIGN.md, "Module notes", core/writer/protocol.py.
+More: docs/MODULES.md, core/writer/protocol.py.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 behind ``AsyncCkptStorageWriter``, which implements torch.distributed.checkpoint's StorageWriter
 so that ``dcp.save`` can use it directly.
 
-More: docs/DESIGN.md, "Module notes", core/writer/shard_requests.py.
+More: docs/MODULES.md, core/writer/shard_requests.py.
 """
 from __future__ import annotations
 
