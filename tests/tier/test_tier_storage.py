@@ -24,7 +24,7 @@ from asyncckpt.core.formats import names
 from asyncckpt.core.storage import owners, removal, spares
 from asyncckpt.core import tier
 from asyncckpt.core.storage.backend import at_once
-from programs import Program
+from processes import Program
 
 MiB = 1 << 20
 HOUR = 3600.0

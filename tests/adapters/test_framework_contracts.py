@@ -28,7 +28,7 @@ import pytest
 from asyncckpt.core import UnsupportedVersionError
 from asyncckpt.core.integration import versions
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 ADAPTERS = {  # extra -> (support module, docs page)
     "lightning": ("asyncckpt.adapters.lightning.support", "docs/lightning.md"),

@@ -25,11 +25,11 @@ from asyncckpt.core.storage import leftovers
 from asyncckpt.core.storage.backend import backend_for, read_bytes
 from asyncckpt.core.storage.object_store import ObjectStoreError, ObjectStoreOptions, store_for
 from dist_helper import run_on_ranks
-from programs import Program
+from processes import Program
 from s3_server import S3Server
 from writers import writers_of
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 
 
 def reference(name: str, shape=(64, 48)) -> torch.Tensor:

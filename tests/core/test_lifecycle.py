@@ -215,7 +215,7 @@ def test_a_save_that_fails_at_exit_makes_the_exit_status_non_zero(tmp_path, prog
     script = tmp_path / "last_line_saves.py"
     script.write_text(textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        sys.path.insert(0, {os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")!r})
         from writers import limit_file_size
 
         def limited(checkpointer):

@@ -15,7 +15,7 @@ import torch
 from asyncckpt import core
 from asyncckpt.core.formats import names
 from asyncckpt.core import tier
-from programs import Program
+from processes import Program
 from writers import wait_until_gone, writers_of
 
 TIER = core.MemoryTier(persist_every=3, keep=2, replicas=0)

@@ -30,7 +30,7 @@ from asyncckpt.core.cli.main import main as cli
 from asyncckpt.core.storage import leftovers
 from asyncckpt.core.verify import integrity
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def exported(directory) -> dict[str, torch.Tensor]:

@@ -41,9 +41,9 @@ from asyncckpt.core.tier.transport import (
     publish_address,
     send,
 )
-from programs import Program
+from processes import Program
 
-NODE_PROGRAM = os.path.join(os.path.dirname(__file__), "replication_node.py")
+NODE_PROGRAM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "replication_node.py")
 CHECKPOINT = "run-abc/.checkpoint-20.asyncckpt-staging-s1"  # where a save's files lie in a memory root
 MARGIN_S = 10.0  # beyond a peer's timeout, what a failing call may take on a loaded machine: bounded, not exact
 JOB_SECRET = f"test-job-{os.getpid()}-{os.urandom(16).hex()}"  # the launcher's (``ASYNCCKPT_REPLICATION_SECRET``)

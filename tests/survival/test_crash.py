@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from asyncckpt import core
-from programs import Program
+from processes import Program
 from writers import wait_until_gone
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 
 
 def _run_and_kill(root: str, mode: str, kill_after_submitted: int) -> int:

@@ -28,11 +28,11 @@ from asyncckpt.core.formats import names
 from asyncckpt.core.storage import leftovers, orphans, owners
 from asyncckpt.core.storage.backend import backend_for, is_url
 from dist_helper import free_port
-from programs import Program
+from processes import Program
 from writers import writers_of
 from survival_child import ELEMENTS, TENSORS, values
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 CHILD = os.path.join(HERE, "survival_child.py")
 
 

@@ -305,7 +305,7 @@ def test_trainer_fsdp2_sharded_checkpoint_is_saved_asynchronously(tmp_path):
 KILL_TRIALS = 4
 KILL_PROGRAM = """
 import os, sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {helpers!r}]
 from accelerate.utils import ProjectConfiguration
 from test_fsdp import fsdp_accelerator, train
 from asyncckpt.adapters.accelerate import enable_async_checkpointing
@@ -348,7 +348,7 @@ def test_kill9_during_fsdp_saves_leaves_only_complete_checkpoints(tmp_path):
     from asyncckpt.core.formats import names
 
     script, root = tmp_path / "train.py", tmp_path / "run"
-    script.write_text(KILL_PROGRAM.format(tests=str(Path(__file__).parent)))
+    script.write_text(KILL_PROGRAM.format(tests=str(Path(__file__).parent), helpers=str(Path(__file__).parents[1] / "helpers")))
     delays = random.Random("fsdp-kill").sample(range(0, 1500, 50), KILL_TRIALS)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     # a job counts as ended once torchrun, its ranks and their writers have all ended (the zygote reaps them)

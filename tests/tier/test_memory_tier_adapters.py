@@ -16,7 +16,7 @@ import torch
 import tier_programs
 from writers import wait_until_gone, writers_of
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KILL_AT = 15  # every rank kills itself in the step after this save: saves at 5 (memory), 10 (durable too), 15 (memory)
 
 

@@ -25,7 +25,7 @@ import pytest
 from asyncckpt.core import is_complete
 from asyncckpt.core.formats import names
 from test_kill_rotation import IMPORTS  # what each adapter's program imports
-from programs import Program
+from processes import Program
 from writers import wait_until_gone
 from zygote import Zygote
 

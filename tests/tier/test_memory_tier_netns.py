@@ -26,7 +26,7 @@ import pytest
 
 from dist_helper import free_port
 from netns import Network
-from programs import Program
+from processes import Program
 from writers import wait_until_gone, writers_of
 
 NODES = 4

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-CORE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core")
+CORE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "core")
 LEVEL = {"errors": 0, "formats": 1, "storage": 2, "writer": 3, "tier": 3, "client": 4, "snapshot": 5, "loading": 6,
          "export": 7, "verify": 8, "api": 9, "cli": 10, "integration": 10}
 #: The memory tier's training-process half: the tier of one ``Checkpointer``, at the api's level (it needs torch.distributed,

@@ -30,7 +30,7 @@ from asyncckpt.core import CheckpointWriteError, is_complete  # noqa: E402
 from asyncckpt.core.integration import saving  # noqa: E402
 from writers import limit_file_size  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "accelerate_min.py"
 ADDED = "# <- the only added"  # how the example marks its two lines: the plain program is the example without them
 

@@ -25,7 +25,7 @@ from dist_helper import free_port
 from netns import Network
 import tier_programs
 from program_end import DESTROY_PROCESS_GROUP
-from programs import Program
+from processes import Program
 from writers import wait_until_gone, writers_of
 
 PEER_WARNING = "does not take memory-tier replicas"

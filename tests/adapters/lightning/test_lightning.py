@@ -23,7 +23,7 @@ from asyncckpt.adapters.lightning import AsyncCkptIO, AsyncCkptSaveError  # noqa
 from program_end import DESTROY_PROCESS_GROUP  # noqa: E402
 from zygote import Zygote  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 PYTHON = sys.executable
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
 

@@ -25,7 +25,7 @@ import torch
 
 from asyncckpt import core
 from dist_helper import free_port
-from programs import Program
+from processes import Program
 from survival_child import TENSORS, values
 from test_survival import start, wait_until
 from writers import wait_until_gone, writers_of

@@ -39,7 +39,7 @@ from zygote import Zygote  # noqa: E402
 from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback  # noqa: E402
 from asyncckpt.core import Checkpointer, CheckpointWriteError, is_complete  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "hf_trainer_min.py"
 COMMIT_RECORD = ".asyncckpt-commit.json"
 TIMING_KEYS = re.compile(r"(runtime|_per_second)$")

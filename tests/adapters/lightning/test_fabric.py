@@ -204,7 +204,7 @@ def test_the_first_fabric_save_survives_a_kill_9_at_once(tmp_path):
     import signal
     import sys
 
-    from programs import Program
+    from processes import Program
     from writers import wait_until_gone
 
     script, path = tmp_path / "fabric_save.py", tmp_path / "ckpts" / "step7.ckpt"

@@ -38,9 +38,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-RUNNER = Path(__file__).resolve().parent / "doc_runner.py"
+RUNNER = Path(__file__).resolve().parents[1] / "helpers" / "doc_runner.py"
 
 FENCE = re.compile(r"^(?P<indent> {0,3})(?P<ticks>`{3,})\s*(?P<language>[^`\s]*)[^`]*$")
 MARKER = re.compile(r"^\s*<!--\s*doc-test:\s*(?P<body>.*?)\s*(?P<end>-->)?\s*$")
