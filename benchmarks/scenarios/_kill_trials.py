@@ -9,7 +9,7 @@
   after idle stop  the same, where the writer of the base save stopped when idle and ``async_save`` starts another
   snapshot         killed in the middle of its snapshot copy (1 and 2 ranks): nothing may commit
   lightning, accelerate, hf_trainer
-                   the programs of ``tests/survival/test_interrupt.py``: SIGKILL from inside once the save returned
+                   the programs of ``tests/helpers/programs/`` (as ``tests/survival/test_interrupt.py`` runs them): SIGKILL from inside once the save returned
                    (the Trainer: once the next step ended, when its overlapped optimizer snapshot is complete)
   sigterm          SIGTERM to the trainer's process group while a 1 GiB save is in flight, SIGKILL after a
                    30 s grace period if it still runs
@@ -38,7 +38,7 @@ sys.path[:0] = [str(REPO / "tests" / "helpers"), str(REPO / "tests" / "survival"
 
 from harness.util import dying, log  # noqa: E402
 from survival_child import TENSORS, values  # noqa: E402
-from test_interrupt import PROGRAMS  # noqa: E402
+import programs  # noqa: E402
 from processes import Program  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 from test_survival import CHILD, kill, start, writers_of  # noqa: E402
@@ -210,9 +210,8 @@ def adapter_holds(adapter: str, path: Path, reference: dict) -> int:
 
 def adapter_trial(root: str, seed: int, adapter: str, width: int) -> dict:
     os.makedirs(root)
-    script, run, reference = Path(root) / "train.py", Path(root) / "run", Path(root) / "reference.pt"
-    script.write_text(PROGRAMS[adapter])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WIDTH": str(width), "SEED": str(seed),
+    script, run, reference = programs.path(adapter), Path(root) / "run", Path(root) / "reference.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WIDTHS": f"{width},512", "SEED": str(seed),
            "KILL_AT": "next step" if adapter == "hf_trainer" else "saved", "REFERENCE": str(reference)}
     proc = Program([sys.executable, str(script), "run", str(run)], f"{root}.logs", env=env, start_new_session=True)
     kept = run / KEPT[adapter]

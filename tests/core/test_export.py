@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from dist_helper import run_on_ranks
+from toy import ON_PATH, body
 from writers import limit_file_size
 from asyncckpt.core import Checkpointer, CheckpointWriteError, ExportOptions, is_complete
 from asyncckpt.core.cli.main import main as cli
@@ -439,18 +440,19 @@ def test_accelerate_fsdp2_sharded_checkpoint_exports_the_trained_model(tmp_path)
     _model().load_state_dict(tensors, strict=True)
 
 
-LIGHTNING_MODEL_PARALLEL = '''
+LIGHTNING_MODEL_PARALLEL = ON_PATH + '''
 import sys, torch, lightning as L
 from torch.utils.data import DataLoader, TensorDataset
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.callbacks import ModelCheckpoint
 from asyncckpt.adapters.lightning import AsyncCkptIO
 from asyncckpt.core import ExportOptions
+from toy import body
 
 class M(L.LightningModule):
     def __init__(self):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.net = body(16, relu=True)
     def configure_model(self):
         from torch.distributed.fsdp import fully_shard
         for m in self.net:
@@ -493,7 +495,7 @@ def test_lightning_model_parallel_sharded_checkpoint_exports_the_module_with_the
     export = tmp_path / "ckpts" / "exports" / "epoch=0-step=4"
     tensors = exported(export)
     assert same(tensors, {f"module.{k}": v for k, v in result["full"].items()})
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    net = body(16, relu=True)
     net.load_state_dict({k.removeprefix("module.net."): v for k, v in tensors.items()}, strict=True)
 
 

@@ -129,27 +129,10 @@ def test_accelerate_end_training_leaves_nothing_running_and_the_accelerator_pick
 # ---------------------------------------------------------------------- Transformers
 def test_trainer_train_leaves_nothing_running_and_the_callbacks_pickle(tmp_path, ours_running):
     pytest.importorskip("transformers")
-    from torch.utils.data import Dataset
     from transformers import Trainer, TrainingArguments
 
     from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
-
-    class Toy(Dataset):
-        def __len__(self):
-            return 64
-
-        def __getitem__(self, i):
-            x = torch.randn(8, generator=torch.Generator().manual_seed(i))
-            return {"x": x, "labels": x.sum(0, keepdim=True)}
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.body = torch.nn.Linear(8, 1)
-
-        def forward(self, x, labels=None):
-            out = self.body(x)
-            return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+    from toy import Net, Toy
 
     def train(out, callbacks):
         args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=8, max_steps=8, save_steps=4,

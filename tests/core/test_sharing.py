@@ -307,7 +307,8 @@ class _FrozenNet(torch.nn.Module):
 
 
 def test_trainer_checkpoints_each_load_alone_as_the_trainers_own(tmp_path):
-    from test_hf_trainer import Toy, _args, _assert_same_training_state, _checkpoints
+    from test_hf_trainer import _args, _assert_same_training_state, _checkpoints
+    from toy import Toy
     from transformers import Trainer
 
     from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback

@@ -101,7 +101,7 @@ def test_a_checkpoint_without_checksums_leaves_torch_load_alone(tmp_path):
 def test_lightning_skips_every_damaged_newer_checkpoint(tmp_path, caplog):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from test_lightning import QUIET, TinyModule, data
+    from toy import QUIET, TinyModule, data
 
     from asyncckpt.adapters.lightning import AsyncCkptIO
 
@@ -160,7 +160,7 @@ def test_trainer_skips_every_damaged_newer_checkpoint(tmp_path, caplog):
 def test_lightning_resume_reads_the_file_once(tmp_path):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from test_lightning import QUIET, TinyModule, data
+    from toy import QUIET, TinyModule, data
 
     from asyncckpt.adapters.lightning import AsyncCkptIO
 

@@ -38,7 +38,7 @@ def _lightning_run(root: Path) -> None:
     (Made afresh for each case: a single file's checksum record names its inode, so a copy of the
     file would count as unverified, not as damaged.)"""
     L = pytest.importorskip("lightning")
-    from test_lightning import TinyModule, data
+    from toy import TinyModule, data
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from asyncckpt.adapters.lightning import AsyncCkptIO
@@ -51,7 +51,7 @@ def _lightning_run(root: Path) -> None:
 
 def _lightning_resume(root: Path, **plugin_options):
     import lightning as L
-    from test_lightning import TinyModule, data
+    from toy import TinyModule, data
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
     from asyncckpt.adapters.lightning import AsyncCkptIO
@@ -85,7 +85,7 @@ def test_lightning_resume_checks_the_file(tmp_path, how, caplog):
 
 def test_lightning_loads_a_natively_written_checkpoint_unchecked(tmp_path):
     import lightning as L
-    from test_lightning import QUIET, TinyModule, data
+    from toy import QUIET, TinyModule, data
 
     from asyncckpt.adapters.lightning import AsyncCkptIO
 
@@ -184,7 +184,8 @@ def test_accelerate_loads_a_natively_written_checkpoint_unchecked(tmp_path):
 # ---------------------------------------------------------------------- Transformers
 def _train(out: Path, resume=None, max_steps: int = 10, width: int = 0, **options):
     """Train (or resume) to ``max_steps``, saving every 5 steps; a ``width`` makes the model wider."""
-    from test_hf_trainer import Toy, Net, _args
+    from test_hf_trainer import _args
+    from toy import Net, Toy
     from transformers import Trainer, TrainerCallback
 
     from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback

@@ -70,7 +70,7 @@ def test_lightning_mirror_restores_last_ckpt_where_it_is_missing(tmp_path, s3_ro
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
     from asyncckpt.adapters.lightning import AsyncCkptIO
-    from test_lightning import QUIET, TinyModule, data
+    from toy import QUIET, TinyModule, data
 
     mirror = f"{s3_root}/lightning"
 

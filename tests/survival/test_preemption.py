@@ -28,6 +28,7 @@ from dist_helper import free_port
 from processes import Program
 from survival_child import TENSORS, values
 from test_survival import start, wait_until
+from toy import ON_PATH
 from writers import wait_until_gone, writers_of
 
 SIGNALS = [signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGCONT, signal.SIGTERM, signal.SIGINT,
@@ -199,18 +200,19 @@ JOB_ID = "4242"
 SCONTROL = """#!/bin/sh
 echo "$@" >> "$SCONTROL_CALLS"
 """
-LIGHTNING_SLURM = """
+LIGHTNING_SLURM = ON_PATH + """
 import os, sys, torch
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from torch.utils.data import DataLoader, TensorDataset
 from asyncckpt.adapters.lightning import AsyncCkptIO
+from toy import body
 root, width, plugin, references, signalled_after = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 torch.manual_seed(0)
 class Lit(L.LightningModule):
     def __init__(self):
-        super().__init__(); self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 1))
+        super().__init__(); self.net = body(width)
     def training_step(self, batch, batch_idx):
         x, y = batch; return torch.nn.functional.mse_loss(self.net(x), y)
     def configure_optimizers(self): return torch.optim.Adam(self.parameters())
@@ -355,22 +357,13 @@ def test_lightning_slurm_auto_requeue_saves_requeues_and_resumes_bit_for_bit(tmp
 
 
 # ------------------------------------------------------------------------------------------ the Trainer's JIT checkpoint
-TRAINER_JIT = """
+TRAINER_JIT = ON_PATH + """
 import os, sys, torch
-from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
+from toy import Endless, Net, body
 root, width, plugin, references, mode, kind = sys.argv[1:7]
 torch.manual_seed(0)
-class Toy(Dataset):
-    def __len__(self): return 100000
-    def __getitem__(self, i):
-        x = torch.randn(8, generator=torch.Generator().manual_seed(i)); return {"x": x, "labels": x.sum(0, keepdim=True)}
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__(); self.body = torch.nn.Sequential(torch.nn.Linear(8, int(width)), torch.nn.Linear(int(width), 1))
-    def forward(self, x, labels=None):
-        out = self.body(x); return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
 def keep(name, state, model, optimizer):
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "global_step": state.global_step},
                os.path.join(references, name))
@@ -395,7 +388,8 @@ class OwnSave(Trainer):  # as TRL's trainers: a _save_checkpoint of its own, cal
 args = TrainingArguments(output_dir=root, per_device_train_batch_size=2, max_steps=100000, save_strategy="no",
                          enable_jit_checkpoint=True, report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no")
 callbacks = ([AsyncCheckpointCallback()] if plugin == "async" else []) + [Report()]
-trainer = (OwnSave if kind == "subclass" else Trainer)(model=Net(), args=args, train_dataset=Toy(), callbacks=callbacks)
+trainer = (OwnSave if kind == "subclass" else Trainer)(model=Net(body(int(width))), args=args,
+                                                    train_dataset=Endless(), callbacks=callbacks)
 trainer.train(resume_from_checkpoint=mode == "resume")
 """
 
@@ -454,17 +448,18 @@ def test_trainer_jit_checkpoint_on_sigterm_commits_within_the_grace_period_and_r
 
 
 # ------------------------------------------------------------------------------------------ Accelerate on Kubernetes
-ACCELERATE_PREEMPTED = """
+ACCELERATE_PREEMPTED = ON_PATH + """
 import os, signal, sys, torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 from asyncckpt.adapters.accelerate import enable_async_checkpointing
+from toy import body
 root, width, plugin, references, mode = sys.argv[1:6]
 accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=root, automatic_checkpoint_naming=True))
 if plugin == "async":
     enable_async_checkpointing(accelerator, memory_tier=True)
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, int(width)), torch.nn.Linear(int(width), 1))
+model = body(int(width))
 optimizer = torch.optim.Adam(model.parameters())
 model, optimizer = accelerator.prepare(model, optimizer)
 def keep(name):

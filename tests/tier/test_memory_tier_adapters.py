@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-import tier_programs
+from programs import tier as tier_programs
 from writers import wait_until_gone, writers_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ def test_accelerate_resumes_from_memory_after_every_process_was_killed(tmp_path)
     program.write_text(tier_programs.ACCELERATE)
     memory = tmp_path / "memory"
 
-    def run(**run):  # one training per process (tier_programs.py)
+    def run(**run):  # one training per process (programs/tier.py)
         return tier_programs.config([run], replicas=0)
 
     first = _torchrun(program, tmp_path, run(root=str(tmp_path / "async"), kill_at=2), memory_root=memory,

@@ -4,7 +4,7 @@ are refused) with its own ``ASYNCCKPT_NODE`` and ``ASYNCCKPT_MEMORY_ROOT``, repl
 memory deleted as when a node is replaced, a byte flipped in a replica, a peer's writer stopped (SIGSTOP) while the
 others replicate to it.
 
-Each program prints to files (``programs.Program``), never to pipes.
+Each program prints to files (``processes.Program``), never to pipes.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 
 from dist_helper import free_port
 from netns import Network
-import tier_programs
+from programs import tier as tier_programs
 from program_end import DESTROY_PROCESS_GROUP
 from processes import Program
 from writers import wait_until_gone, writers_of
@@ -328,7 +328,7 @@ def test_accelerate_resumes_on_a_replaced_node_from_its_peers_memory(tmp_path, j
     program.write_text(tier_programs.ACCELERATE)
     memory = tmp_path / "memory"
 
-    def run(**run):  # one training per process (tier_programs.py)
+    def run(**run):  # one training per process (programs/tier.py)
         return [tier_programs.config([run], replicas=1)]
 
     jobs(program, run(root=str(tmp_path / "native"), asyncckpt=False), nodes=2, memory=memory,

@@ -34,6 +34,7 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 from dist_helper import free_port  # noqa: E402
 from program_end import DESTROY_PROCESS_GROUP  # noqa: E402
 from writers import limit_file_size, writers_of  # noqa: E402
+from toy import ON_PATH, Net, Toy  # noqa: E402
 from zygote import Zygote  # noqa: E402
 
 from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback  # noqa: E402
@@ -45,30 +46,7 @@ COMMIT_RECORD = ".asyncckpt-commit.json"
 TIMING_KEYS = re.compile(r"(runtime|_per_second)$")
 
 
-# ---------------------------------------------------------------------- the models of the shared example
-class Toy(Dataset):
-    def __init__(self, n=256):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 8, generator=g)
-        self.y = self.x.sum(1, keepdim=True)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "labels": self.y[i]}
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-
-    def forward(self, x, labels=None):
-        out = self.body(x)
-        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
-
-
+# ---------------------------------------------------------------------- the shared example (its data and model: toy.py)
 class StopAt(TrainerCallback):
     """Ends training after ``step`` (an interruption with the same schedule as the full run)."""
 
@@ -438,26 +416,14 @@ def test_failed_background_save_raises_at_next_save_naming_the_folder(tmp_path):
 
 
 # ---------------------------------------------------------------------- 7. two processes (torchrun, DDP on CPU)
-DDP_PROGRAM = textwrap.dedent('''
+DDP_PROGRAM = ON_PATH + textwrap.dedent('''
     # One torchrun launch, four trainings: native and async, each stopped at step 15 and resumed to 32.
     import os, sys, torch
-    from torch.utils.data import Dataset
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.trainer_utils import get_last_checkpoint
     from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
     from asyncckpt.core import is_complete
-
-    class Toy(Dataset):
-        def __init__(self, n=256):
-            g = torch.Generator().manual_seed(0); self.x = torch.randn(n, 8, generator=g); self.y = self.x.sum(1, keepdim=True)
-        def __len__(self): return len(self.x)
-        def __getitem__(self, i): return {"x": self.x[i], "labels": self.y[i]}
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__(); self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-        def forward(self, x, labels=None):
-            out = self.body(x); return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+    from toy import Net, Toy
 
     class StopAt(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -507,24 +473,11 @@ def test_two_processes_ddp(tmp_path):
 
 
 # ---------------------------------------------------------------------- 8. kill -9 during a save
-KILL_PROGRAM = textwrap.dedent('''
+KILL_PROGRAM = ON_PATH + textwrap.dedent('''
     import os, sys, torch
-    from torch.utils.data import Dataset
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
-
-    class Toy(Dataset):
-        def __len__(self): return 4096
-        def __getitem__(self, i):
-            x = torch.randn(8, generator=torch.Generator().manual_seed(i)); return {"x": x, "labels": x.sum(0, keepdim=True)}
-
-    class Big(torch.nn.Module):  # ~4.2M parameters: ~50 MB per checkpoint with Adam's state
-        def __init__(self):
-            super().__init__()
-            self.body = torch.nn.Sequential(torch.nn.Linear(8, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
-                                            torch.nn.ReLU(), torch.nn.Linear(2048, 1))
-        def forward(self, x, labels=None):
-            out = self.body(x); return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+    from toy import Endless, Net, body
 
     class Report(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs): print(f"BEGIN {state.global_step}", flush=True)
@@ -535,7 +488,8 @@ KILL_PROGRAM = textwrap.dedent('''
         args = TrainingArguments(output_dir=sys.argv[1], per_device_train_batch_size=4, max_steps=int(sys.argv[2]),
                                  learning_rate=1e-4, save_strategy="steps", save_steps=2, save_total_limit=2,
                                  report_to=[], use_cpu=True, disable_tqdm=True)
-        trainer = Trainer(model=Big(), args=args, train_dataset=Toy(), callbacks=[AsyncCheckpointCallback(), Report()])
+        big = Net(body(2048, 2048, relu=True))  # ~4.2M parameters: ~50 MB per checkpoint with Adam's state
+        trainer = Trainer(model=big, args=args, train_dataset=Endless(), callbacks=[AsyncCheckpointCallback(), Report()])
         trainer.train(resume_from_checkpoint=len(sys.argv) > 3)
         print("DONE", trainer.state.global_step, flush=True)
 ''') + DESTROY_PROCESS_GROUP

@@ -17,52 +17,14 @@ import torch
 
 L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint, OnExceptionCheckpoint  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from asyncckpt.adapters.lightning import AsyncCkptIO, AsyncCkptSaveError  # noqa: E402
 from program_end import DESTROY_PROCESS_GROUP  # noqa: E402
+from toy import ON_PATH, QUIET, TinyModule, data  # noqa: E402
 from zygote import Zygote  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 PYTHON = sys.executable
-QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
-
-
-class TinyModule(L.LightningModule):
-    """Linear regression plus a 1 MiB buffer, so that writes take long enough to still be pending
-    at the next checkpoint (the ordering cases below check that they were)."""
-
-    def __init__(self, lr: float = 0.05, ballast: int = 1 << 18):
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = torch.nn.Linear(8, 1)
-        self.register_buffer("ballast", torch.randn(ballast))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
-        self.log("loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
-
-    def test_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("test_loss", torch.nn.functional.mse_loss(self.net(x), y))
-
-    def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=5)}
-
-
-def data(n: int = 64, batch_size: int = 8) -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, 8, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=batch_size, shuffle=False)
-
-
 _SHARED: list = []
 
 
@@ -370,17 +332,18 @@ def test_ddp_spawn_two_processes(tmp_path):
     assert same(model.state_dict(), last["state_dict"])
 
 
-MODEL_PARALLEL_SCRIPT = textwrap.dedent('''
+MODEL_PARALLEL_SCRIPT = ON_PATH + textwrap.dedent('''
     import os, sys, torch, lightning as L
     from torch.utils.data import DataLoader, TensorDataset
     from lightning.pytorch.strategies import ModelParallelStrategy
     from lightning.pytorch.callbacks import ModelCheckpoint
     from asyncckpt.adapters.lightning import AsyncCkptIO
+    from toy import body
 
     class M(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+            self.net = body(16, relu=True)
         def configure_model(self):
             from torch.distributed.fsdp import fully_shard
             mesh = self.device_mesh["data_parallel"]

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from asyncckpt.adapters.lightning import AsyncCkptIO  # noqa: E402
 from asyncckpt.core.storage import file_checksums  # noqa: E402
 from asyncckpt.core.storage.object_store import store_for  # noqa: E402
-from test_lightning import QUIET, TinyModule, data  # noqa: E402
+from toy import QUIET, TinyModule, data  # noqa: E402
 
 
 class _Recorder(L.Callback):

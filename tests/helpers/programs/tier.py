@@ -27,6 +27,7 @@ import json
 import textwrap
 
 from program_end import DESTROY_PROCESS_GROUP
+from toy import ON_PATH
 
 
 def config(runs: list[dict], *, replicas: int, **options) -> str:
@@ -35,17 +36,17 @@ def config(runs: list[dict], *, replicas: int, **options) -> str:
     return json.dumps({"runs": [{**defaults, **run} for run in runs], "replicas": replicas, **options})
 
 
-LIGHTNING = textwrap.dedent("""
+LIGHTNING = ON_PATH + textwrap.dedent("""
     import json, os, signal, sys, time, torch
     import lightning as L
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-    from torch.utils.data import DataLoader, TensorDataset
     from asyncckpt.adapters.lightning import AsyncCkptIO
     from asyncckpt.core import MemoryTier
+    import toy
 
     class Net(L.LightningModule):
         def __init__(self):
-            super().__init__(); self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+            super().__init__(); self.body = toy.body(16, relu=True)
         def training_step(self, batch, batch_idx):
             x, y = batch; return torch.nn.functional.mse_loss(self.body(x), y)
         def configure_optimizers(self):
@@ -69,8 +70,7 @@ LIGHTNING = textwrap.dedent("""
     def fit(run, options):
         root = run["root"]
         torch.manual_seed(0)
-        x = torch.randn(128, 8, generator=torch.Generator().manual_seed(0))
-        data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+        data = toy.data(128, batch_size=4, seed=0)
         plugins = [AsyncCkptIO(memory_tier=MemoryTier(persist_every=2, replicas=options["replicas"]))] \\
             if run["asyncckpt"] else []
         trainer = L.Trainer(max_steps=options["max_steps"], accelerator="cpu", num_nodes=options["num_nodes"],
@@ -90,16 +90,16 @@ LIGHTNING = textwrap.dedent("""
 """) + DESTROY_PROCESS_GROUP
 
 
-ACCELERATE = textwrap.dedent("""
+ACCELERATE = ON_PATH + textwrap.dedent("""
     import json, os, signal, sys, time, torch
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration, set_seed
-    from torch.utils.data import DataLoader, TensorDataset
     from asyncckpt.adapters.accelerate import enable_async_checkpointing
     from asyncckpt.core import MemoryTier
+    import toy
 
     options = json.loads(sys.argv[1])
-    (run,) = options["runs"]  # one training per process (see tier_programs.py)
+    (run,) = options["runs"]  # one training per process (see this module's docstring)
     project = run["root"]
     print(f"PID {os.getpid()}", flush=True)
     set_seed(0)
@@ -107,11 +107,9 @@ ACCELERATE = textwrap.dedent("""
                                                                     automatic_checkpoint_naming=True))
     handle = enable_async_checkpointing(acc, memory_tier=MemoryTier(persist_every=2, replicas=options["replicas"])) \\
         if run["asyncckpt"] else None
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    model = toy.body(16, relu=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 8, generator=g)
-    dl = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    dl = toy.data(64, batch_size=8, seed=0)
     model, opt, dl = acc.prepare(model, opt, dl)
     start = 0
     if run["resume"]:
@@ -137,24 +135,12 @@ ACCELERATE = textwrap.dedent("""
 """)
 
 
-TRAINER = textwrap.dedent('''
+TRAINER = ON_PATH + textwrap.dedent('''
     import os, signal, sys, torch
-    from torch.utils.data import Dataset
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from asyncckpt.adapters.hf_trainer import AsyncCheckpointCallback
     from asyncckpt.core import MemoryTier
-
-    class Toy(Dataset):
-        def __init__(self, n=256):
-            g = torch.Generator().manual_seed(0); self.x = torch.randn(n, 8, generator=g); self.y = self.x.sum(1, keepdim=True)
-        def __len__(self): return len(self.x)
-        def __getitem__(self, i): return {"x": self.x[i], "labels": self.y[i]}
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__(); self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-        def forward(self, x, labels=None):
-            out = self.body(x); return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+    from toy import Net, Toy
 
     root, phase, kill_at, replicas = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 
