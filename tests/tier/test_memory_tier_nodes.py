@@ -235,7 +235,7 @@ def _resumed(lines: list[str]) -> list[tuple[str, int, bool]]:
 
 def _writers(lines: list[str], when: str) -> list[str]:
     """Each node's writer ``BEFORE`` or ``AFTER`` its load: ``running`` or ``stopped``."""
-    return [line.rpartition("writer=")[2].rstrip(")") for line in lines if line.startswith(f"{when} THE LOAD ")]
+    return [line.rpartition("writer=")[2].split()[0].rstrip(")") for line in lines if line.startswith(f"{when} THE LOAD ")]
 
 
 def test_a_process_restart_loads_each_nodes_own_memory_before_its_writer_starts(three_nodes, jobs):
