@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What only a GPU machine can run, as one command of under 8 minutes: tests/test_cuda.py (pinned staging, the
+# What only a GPU machine can run, as one command of under 8 minutes: tests/gpu/test_cuda.py (pinned staging, the
 # frameworks' FSDP launches, each adapter under NCCL with a world of one, the memory tier from GPU state), then the
 # `cuda` benchmark (saves from GPU memory against the device-to-host copy and DCP). From the repository root:
 #
@@ -33,10 +33,10 @@ PY
 export PYTHONPATH="$links${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
 "$python" -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 started=$SECONDS
-timeout 330 "$python" -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_cuda.py \
+timeout 330 "$python" -m pytest -q -p no:cacheprovider -o addopts=-ra tests/gpu/test_cuda.py \
     --junitxml="$out/test_cuda.xml" 2>&1 | tee "$out/test_cuda.log" | tail -25
 tests=${PIPESTATUS[0]}
-echo "tests/test_cuda.py: exit $tests in $((SECONDS - started)) s"
+echo "tests/gpu/test_cuda.py: exit $tests in $((SECONDS - started)) s"
 started=$SECONDS
 timeout 150 "$python" benchmarks/run.py cuda --reps 2 --out "$out/cuda" > "$out/cuda.log" 2>&1
 bench=$?

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 # Imported on first use: the background writer runs as ``python -m asyncckpt.core.writer.process``, which
 # executes this file, and must load neither torch nor anything outside its own packages for it
-# (tests/test_layout.py lists what it loads).
+# (tests/project/test_layout.py lists what it loads).
 _LAZY = {
     "Checkpointer": "api.checkpointer", "CheckpointOptions": "api.options", "MemoryTier": "api.options", "SaveHandle": "client.handles",
     "CheckpointManager": "api.manager", "ExportOptions": "export.options", "ObjectStoreOptions": "storage.object_store",

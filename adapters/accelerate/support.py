@@ -1,5 +1,6 @@
-"""The Accelerate releases this adapter supports and the Accelerate functions it relies on (see
-``asyncckpt.core.integration.versions`` for the rule; ``tests/test_framework_contracts.py`` checks every pin)."""
+"""The Accelerate releases this adapter supports and the Accelerate functions it relies on
+(see ``asyncckpt.core.integration.versions`` for the rule; ``tests/adapters/test_framework_contracts.py`` checks every
+pin)."""
 from asyncckpt.core.integration.versions import Called, Copied, Support
 
 FSDP = "FSDP"

@@ -1,5 +1,6 @@
-"""The Transformers releases this adapter supports and the Trainer functions it relies on (see
-``asyncckpt.core.integration.versions`` for the rule; ``tests/test_framework_contracts.py`` checks every pin)."""
+"""The Transformers releases this adapter supports and the Trainer functions it relies on
+(see ``asyncckpt.core.integration.versions`` for the rule; ``tests/adapters/test_framework_contracts.py`` checks every
+pin)."""
 from asyncckpt.core.integration.versions import Called, Copied, Support
 
 FROM_PRETRAINED = "from_pretrained"

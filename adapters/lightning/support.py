@@ -1,5 +1,6 @@
-"""The Lightning releases this adapter supports and the Lightning functions it relies on (see
-``asyncckpt.core.integration.versions`` for the rule; ``tests/test_framework_contracts.py`` checks every pin)."""
+"""The Lightning releases this adapter supports and the Lightning functions it relies on
+(see ``asyncckpt.core.integration.versions`` for the rule; ``tests/adapters/test_framework_contracts.py`` checks every
+pin)."""
 from asyncckpt.core.integration.versions import Called, Copied, Support
 
 FSDP, MODEL_PARALLEL = "FSDP", "ModelParallel"

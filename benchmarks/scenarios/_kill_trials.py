@@ -1,7 +1,7 @@
 """Kill trials: a save that returned survives the trainer's death, many times over (the survival scenario's
-``stress`` part; ``tests/test_survival.py`` and ``tests/test_interrupt.py`` run a few of each kind).
+``stress`` part; ``tests/survival/test_survival.py`` and ``tests/survival/test_interrupt.py`` run a few of each kind).
 
-  core, 1 rank     ``tests/survival_child.py`` saves a base, then ``async_save``; SIGKILL as soon as it
+  core, 1 rank     ``tests/helpers/survival_child.py`` saves a base, then ``async_save``; SIGKILL as soon as it
                    printed that the call returned
   core, 2 ranks    the same in a gloo group of 2; every rank killed at once once both returned
   first save       the same, where that ``async_save`` is the process's first save, which starts its writer
@@ -9,7 +9,7 @@
   after idle stop  the same, where the writer of the base save stopped when idle and ``async_save`` starts another
   snapshot         killed in the middle of its snapshot copy (1 and 2 ranks): nothing may commit
   lightning, accelerate, hf_trainer
-                   the programs of ``tests/test_interrupt.py``: SIGKILL from inside once the save returned
+                   the programs of ``tests/helpers/programs/`` (as ``tests/survival/test_interrupt.py`` runs them): SIGKILL from inside once the save returned
                    (the Trainer: once the next step ended, when its overlapped optimizer snapshot is complete)
   sigterm          SIGTERM to the trainer's process group while a 1 GiB save is in flight, SIGKILL after a
                    30 s grace period if it still runs
@@ -34,12 +34,12 @@ from typing import Any, Callable
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO / "tests" / "helpers"), str(REPO / "tests" / "survival")]
 
 from harness.util import dying, log  # noqa: E402
 from survival_child import TENSORS, values  # noqa: E402
-from test_interrupt import PROGRAMS  # noqa: E402
-from programs import Program  # noqa: E402
+import programs  # noqa: E402
+from processes import Program  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 from test_survival import CHILD, kill, start, writers_of  # noqa: E402
 
@@ -47,7 +47,7 @@ from asyncckpt import core  # noqa: E402
 from asyncckpt.core.storage import leftovers, orphans  # noqa: E402
 from asyncckpt.core.verify import integrity  # noqa: E402
 
-CORE_ELEMENTS = 8 << 20  # per tensor, 8 tensors per rank: 256 MiB, as in tests/test_survival.py
+CORE_ELEMENTS = 8 << 20  # per tensor, 8 tensors per rank: 256 MiB, as in tests/survival/test_survival.py
 CORE_ELEMENTS_MAX = 64 << 20  # 2 GiB per rank
 S3_ELEMENTS, S3_ELEMENTS_MAX = 2 << 20, 16 << 20  # 64 MiB, 512 MiB per rank (moto's server takes ~10 s for 512 MiB)
 ADAPTER_WIDTH, ADAPTER_WIDTH_MAX = 65536, 262144  # model + Adam: ~0.4 GiB, ~1.6 GiB
@@ -210,9 +210,8 @@ def adapter_holds(adapter: str, path: Path, reference: dict) -> int:
 
 def adapter_trial(root: str, seed: int, adapter: str, width: int) -> dict:
     os.makedirs(root)
-    script, run, reference = Path(root) / "train.py", Path(root) / "run", Path(root) / "reference.pt"
-    script.write_text(PROGRAMS[adapter])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WIDTH": str(width), "SEED": str(seed),
+    script, run, reference = programs.path(adapter), Path(root) / "run", Path(root) / "reference.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WIDTHS": f"{width},512", "SEED": str(seed),
            "KILL_AT": "next step" if adapter == "hf_trainer" else "saved", "REFERENCE": str(reference)}
     proc = Program([sys.executable, str(script), "run", str(run)], f"{root}.logs", env=env, start_new_session=True)
     kept = run / KEPT[adapter]

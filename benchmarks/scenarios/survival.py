@@ -15,7 +15,7 @@ trainer has ``durable - stall``; one whose writer finishes and commits what it w
               and the process killed at the first save's return
   stress      the kill trials of ``scenarios/_kill_trials.py``, many kinds, many times
   preemption  each framework's own preemption path, as its scheduler runs it, with asyncckpt and with the
-              framework's own synchronous save of the same state (``tests/test_preemption.py`` drives each):
+              framework's own synchronous save of the same state (``tests/survival/test_preemption.py`` drives each):
               Lightning's SLURM auto-requeue (SIGUSR1, then the requeue's SIGTERM), the Trainer's JIT checkpoint
               (SIGTERM), Accelerate's documented handler under torchrun in a pod (SIGTERM to torchrun alone)
 """
@@ -166,7 +166,7 @@ def first_save(gib: float, root: str) -> dict:
 def preemption(path: str, plugin: str, gib: float, root: str) -> dict:
     """One preemption through ``path``'s own handler (``PREEMPTIONS``), its state (a model and Adam) of ``gib`` GiB,
     saved by asyncckpt (``plugin="async"``, with the memory tier for Accelerate) or by the framework itself."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    sys.path[:0] = [str(Path(__file__).resolve().parents[2] / "tests" / folder) for folder in ("helpers", "survival")]
     import test_preemption as trial
 
     width, tmp = max(1024, int(gib * GiB / 120)), Path(root)  # Linear(8, w) + Linear(w, 1), Adam: 3 x 4 B x 10 w
@@ -350,7 +350,7 @@ def render(result: dict) -> str:
     if preempted:
         lines += ["## Preemption through each framework's own path", "",
                   f"{o['gib']:g} GiB of state (a model and Adam), a {GRACE_S:.0f} s grace period; the framework's "
-                  "own synchronous save of the same state against asyncckpt's; `tests/test_preemption.py` drives each "
+                  "own synchronous save of the same state against asyncckpt's; `tests/survival/test_preemption.py` drives each "
                   "trial. Seconds from the signal: medians (each trial). Every trial had its checkpoint complete and "
                   "the job gone within the grace period, unless said.", "",
                   *(f"- {path}: {how}" for path, how in PREEMPTIONS.items() if path in preempted), "",

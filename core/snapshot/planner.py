@@ -33,7 +33,7 @@ logger = logging.getLogger("asyncckpt")
 
 try:  # torch's byte-balanced dedup of replicated items: private, so a torch that moves it gets a fallback
     from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-except ImportError:  # no torch the matrix ran; tests/test_sharded.py forces this path
+except ImportError:  # no torch the matrix ran; tests/core/test_sharded.py forces this path
     dedup_save_plans = None
 
 
