@@ -37,9 +37,11 @@ from asyncckpt import core
 from asyncckpt.core.snapshot import shared_buffer
 from writers import writers_of
 
-# A training process started from a shell: SIGHUP's default action, also where the tests run under nohup (which
-# leaves it ignored in every process they start).
+# A training process started from a shell in the foreground: SIGHUP's default action and SIGINT's KeyboardInterrupt,
+# also where the tests run under nohup (SIGHUP ignored) or in the background of a script (SIGINT ignored), which
+# leave them so in every process they start.
 signal.signal(signal.SIGHUP, signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 TENSORS = 8
 # 256 MiB: the write outlasts the moment the call returns (the benchmark's kill trials grow it where it does not)
