@@ -351,12 +351,21 @@ def stall(size_mib: int, reps: int, settle_s: float, mm_seconds: float, peers: b
         guarded(out["slowdown"], name, body)
 
     checkpointer = Checkpointer()
+    # a revision before the snapshot's names (``--before``) spells them overlap_staging and wait_staged
+    import inspect
+
+    overlap = {("overlap_snapshot" if "overlap_snapshot" in inspect.signature(checkpointer.async_save).parameters
+                else "overlap_staging"): True}
+
+    def taken(handle) -> None:
+        (handle.wait_snapshot if hasattr(handle, "wait_snapshot") else handle.wait_staged)()
+
     async_peer("ours_async_save", lambda p: checkpointer.async_save(state, p), lambda h: h.result(),
-               staged=lambda h: h.wait_snapshot(), paired=True, n=max(reps, STALL_REPS))
-    async_peer("ours_async_save_overlap", lambda p: checkpointer.async_save(state, p, overlap_snapshot=True),
-               lambda h: h.result(), staged=lambda h: h.wait_snapshot())
+               staged=taken, paired=True, n=max(reps, STALL_REPS))
+    async_peer("ours_async_save_overlap", lambda p: checkpointer.async_save(state, p, **overlap),
+               lambda h: h.result(), staged=taken)
     slowdown("ours_async_save", lambda p: checkpointer.async_save(state, p), lambda h: h.done(), lambda h: h.result(), reps)
-    slowdown("ours_async_save_overlap", lambda p: checkpointer.async_save(state, p, overlap_snapshot=True),
+    slowdown("ours_async_save_overlap", lambda p: checkpointer.async_save(state, p, **overlap),
              lambda h: h.done(), lambda h: h.result(), reps)
     checkpointer.close()
     if peers:

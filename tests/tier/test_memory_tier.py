@@ -306,6 +306,7 @@ def _saved_by_two_ranks(rank: int, world: int, durable: str, kept: str) -> None:
         for step in (1, 2, 3):
             checkpointer.save({f"rank{rank}": torch.full((1024,), float(step)), "step": step}, f"{durable}/step_{step}",
                               step=step)
+        checkpointer.wait()  # the tier's retention behind the last save done: nothing is removed while copied
         dist.barrier()
         if rank == 0:
             shutil.copytree(os.environ["ASYNCCKPT_MEMORY_ROOT"], kept, symlinks=True)
