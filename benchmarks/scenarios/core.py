@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import inspect
 import os
 import shutil
 import time
@@ -352,8 +353,6 @@ def stall(size_mib: int, reps: int, settle_s: float, mm_seconds: float, peers: b
 
     checkpointer = Checkpointer()
     # a revision before the snapshot's names (``--before``) spells them overlap_staging and wait_staged
-    import inspect
-
     overlap = {("overlap_snapshot" if "overlap_snapshot" in inspect.signature(checkpointer.async_save).parameters
                 else "overlap_staging"): True}
 
