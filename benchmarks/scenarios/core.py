@@ -25,8 +25,8 @@ within a sitting.
 from __future__ import annotations
 
 import contextlib
-import math
 import inspect
+import math
 import os
 import shutil
 import time
